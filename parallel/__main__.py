@@ -1,0 +1,3 @@
+from parallel.cli import main
+
+raise SystemExit(main())

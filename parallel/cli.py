@@ -1,0 +1,172 @@
+"""The command line.
+
+    python -m parallel devices
+    python -m parallel compare [--strategies a,b,...] [run options]   every strategy vs `single`
+    python -m parallel run STRATEGY [run options]                      one strategy, no baseline
+
+Exit codes: 0 every strategy ran (and every synchronous one matched `single`); 1 a strategy failed or
+mismatched (the table says which and why); 2 bad input (one line on stderr, nothing written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+
+from parallel import strategies
+from parallel.config import ConfigError, RunConfig
+from parallel.harness.report import make_console
+from parallel.harness.results import Equivalence, Row, write_results
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line and exit 2, not a usage dump
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def add_run_options(p: argparse.ArgumentParser) -> None:
+    d = RunConfig()
+    p.add_argument("--workload", default=d.workload, help=f"model and data: mlp or cnn (default {d.workload})")
+    p.add_argument("--devices", default=d.devices, help="auto | cpu:N (N virtual devices) | cuda:0,1,...")
+    p.add_argument("--world-size", type=int, default=d.world_size, help="devices to use (default: all listed)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help=f"GLOBAL batch per step ({d.batch_size})")
+    p.add_argument("--steps", type=int, default=d.steps, help=f"timed optimiser steps ({d.steps})")
+    p.add_argument("--warmup", type=int, default=d.warmup, help=f"untimed optimiser steps first ({d.warmup})")
+    p.add_argument("--lr", type=float, default=d.lr, help=f"SGD learning rate ({d.lr})")
+    p.add_argument("--seed", type=int, default=d.seed, help=f"seed of weights and data ({d.seed})")
+    p.add_argument("--profile", action="store_true", help="write torch.profiler traces to OUT/tb/")
+    p.add_argument("--out", default=d.out, help="results folder (default results/run-<time>)")
+    p.add_argument("--timeout", type=float, default=d.timeout, help=f"seconds per strategy ({d.timeout:g})")
+    p.add_argument("--pg-timeout", type=float, default=d.pg_timeout,
+                   help=f"seconds a collective may wait ({d.pg_timeout:g})")
+
+
+def config_from_args(args: argparse.Namespace, default_out: bool = True) -> RunConfig:
+    fields = {f.name for f in dataclasses.fields(RunConfig)}
+    config = RunConfig(**{k: v for k, v in vars(args).items() if k in fields}).validate()
+    if not config.out and default_out:
+        config.out = str(Path("results") / time.strftime("run-%Y%m%d-%H%M%S"))
+    if config.out:
+        prepare_out(Path(config.out))
+    return config
+
+
+def prepare_out(out: Path) -> None:
+    """Create the results folder and prove it is writable before any work starts."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"--out {str(out)!r} is not writable: {e.strerror or e}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m parallel", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub.add_parser("devices", help="what hardware is here, and what each strategy would use")
+    cmp = sub.add_parser("compare", help="every strategy on the same model, data and seed, vs `single`")
+    cmp.add_argument("--strategies", default="all", help=f"comma list or all ({', '.join(strategies.NAMES)})")
+    add_run_options(cmp)
+    run = sub.add_parser("run", help="one strategy through the harness, without the baseline")
+    run.add_argument("strategy", help=", ".join(strategies.NAMES))
+    add_run_options(run)
+    return p
+
+
+def _finish(config: RunConfig, rows: list[Row], console) -> int:
+    from parallel.devices import environment
+    from parallel.harness import report
+
+    env = environment(config.spec)
+    if config.out:
+        write_results(Path(config.out), dataclasses.asdict(config), env, rows)
+    report.show(rows, env, console)
+    if config.out:
+        console.print(f"results: {config.out}/results.json, results.csv; logs: {config.out}/logs/")
+    return 0 if rows and all(r.ok for r in rows) else 1
+
+
+def cmd_compare(args, names: list[str], baseline: bool) -> int:
+    from parallel.devices import environment
+    from parallel.harness.runner import run_strategies
+
+    config = config_from_args(args)
+    console = make_console()
+    env = environment(config.spec)
+    save = lambda rows: write_results(Path(config.out), dataclasses.asdict(config), env, rows)  # noqa: E731
+    try:
+        rows = run_strategies(config, names, baseline=baseline, on_row=save)
+    except KeyboardInterrupt:
+        console.print(f"[bold red]interrupted[/]: finished rows are in {config.out}/results.json")
+        return 130
+    return _finish(config, rows, console)
+
+
+def cmd_devices() -> int:
+    from rich.table import Table
+
+    from parallel import devices
+
+    console = make_console()
+    cpu = devices.cpu_info()
+    t = Table(title="devices", title_justify="left")
+    for c in ("device", "name", "memory total / free", "capability", "threads"):
+        t.add_column(c)
+    t.add_row("cpu", cpu["model"], "-", "-", f"{cpu['cores']} cores")
+    for g in devices.cuda_info():
+        memory = f"{g['total_bytes'] / 2**30:.1f} / {g['free_bytes'] / 2**30:.1f} GiB"
+        t.add_row(f"cuda:{g['index']}", g["name"], memory, g["capability"], "-")
+    console.print(t)
+    console.print(f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}")
+    console.print("backends: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in devices.backends().items()))
+    spec = devices.parse_devices("auto")
+    config = RunConfig().validate()
+    console.print(f"--devices auto = {spec} ({'real' if spec.real else 'virtual'}), "
+                  f"{spec.threads_per_device()} thread(s) per device")
+    s = Table(title="what each strategy would use with --devices auto", title_justify="left")
+    for c in ("strategy", "launcher", "devices", "kind", "about"):
+        s.add_column(c)
+    for name in strategies.NAMES:
+        st = strategies.get(name)
+        s.add_row(name, st.launch, str(st.world_size(config)), st.device_kind(spec), st.description)
+    console.print(s)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "devices":
+            return cmd_devices()
+        if args.command == "compare":
+            return cmd_compare(args, strategies.parse_list(args.strategies), baseline=True)
+        return cmd_compare(args, [strategies.get(args.strategy).name], baseline=False)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def script_main(name: str, argv: list[str] | None = None) -> int:
+    """`scripts/<name>.py`: one strategy in this process (or in each torchrun worker), no harness."""
+    from parallel.worker import run_here
+
+    p = _Parser(prog=f"scripts/{name}.py")
+    add_run_options(p)
+    args = p.parse_args(argv)
+    try:
+        config = config_from_args(args, default_out=False)
+        result = run_here(strategies.get(name), config)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if result is None:  # not rank 0: rank 0 reports
+        return 0
+    row, _ = result
+    row.equivalence = Equivalence("unchecked", reason="run alone; `python -m parallel compare` checks it")
+    return _finish(config, [row], make_console())

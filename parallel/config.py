@@ -1,0 +1,78 @@
+"""RunConfig: every knob a comparison has, validated in one place with messages that name the numbers."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+
+from parallel.errors import ConfigError
+
+__all__ = ["ConfigError", "RunConfig"]
+
+
+@dataclass
+class RunConfig:
+    workload: str = "cnn"
+    batch_size: int = 256  # the GLOBAL batch: every strategy takes one optimiser step on this many samples
+    steps: int = 20  # timed optimiser steps
+    warmup: int = 3  # optimiser steps before the timed ones (they train too, they are just not timed)
+    lr: float = 0.02
+    momentum: float = 0.9
+    seed: int = 0
+    devices: str = "auto"
+    world_size: int = 0  # 0: one per device in `devices`
+    profile: bool = False
+    out: str = ""  # "" -> results/run-<time>
+    timeout: float = 300.0  # seconds one strategy may take, start-up included
+    pg_timeout: float = 60.0  # seconds a collective may wait before the process group gives up
+
+    def validate(self) -> RunConfig:
+        """Check every field and resolve `devices` and `world_size`; returns the resolved copy."""
+        from parallel.devices import parse_devices
+        from parallel.workloads import WORKLOADS
+
+        if self.workload not in WORKLOADS:
+            raise ConfigError(f"unknown workload {self.workload!r}; choose from {', '.join(WORKLOADS)}")
+        for name in ("batch_size", "steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ConfigError(f"--warmup must be 0 or more, got {self.warmup}")
+        if self.seed < 0:
+            raise ConfigError(f"--seed must be 0 or more, got {self.seed}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigError(f"--lr must be a positive finite number, got {self.lr}")
+        if not (0 <= self.momentum < 1):
+            raise ConfigError(f"momentum must be in [0, 1), got {self.momentum}")
+        for name in ("timeout", "pg_timeout"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {value}")
+        spec = parse_devices(self.devices)
+        world = self.world_size or spec.count
+        if world < 1:
+            raise ConfigError(f"--world-size must be at least 1, got {self.world_size}")
+        if world > spec.count:
+            raise ConfigError(f"--world-size {world} is more than the {spec.count} device(s) of {spec}")
+        return dataclasses.replace(self, devices=str(spec), world_size=world)
+
+    @property
+    def spec(self):
+        from parallel.devices import parse_devices
+
+        return parse_devices(self.devices)
+
+    def check_divisible(self, parts: int, what: str) -> None:
+        if self.batch_size % parts:
+            raise ConfigError(f"global batch {self.batch_size} is not divisible by {what} {parts}")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> RunConfig:
+        data = json.loads(text)
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})

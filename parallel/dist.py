@@ -1,0 +1,70 @@
+"""Distributed state: one small dataclass built once (from torchrun's environment, or given), passed
+explicitly. Nothing else in the package reads os.environ for it. The backend follows the device here and
+nowhere else: cuda -> nccl, cpu -> gloo."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as td
+
+from parallel.devices import DeviceSpec
+from parallel.errors import ConfigError
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def backend(self) -> str:
+        return backend_for(self.device)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls, spec: DeviceSpec, env: Mapping[str, str] | None = None) -> Dist:
+        """Read torchrun's variables once. Without them this is a world of one (`python script.py`)."""
+        env = os.environ if env is None else env
+        rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
+        local_rank, local_world = int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", 1))
+        if local_world > spec.count:
+            raise ConfigError(f"{local_world} processes on this node but only {spec.count} device(s) in {spec}")
+        return cls(rank, local_rank, world, local_world, spec.device(local_rank))
+
+    def init(self, timeout_s: float) -> None:
+        """Join the process group (torchrun's env:// rendezvous), with a timeout on every collective."""
+        if td.is_initialized():
+            return
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        td.init_process_group(self.backend, timeout=timedelta(seconds=timeout_s),
+                              rank=self.rank, world_size=self.world_size)
+
+    @staticmethod
+    def cleanup() -> None:
+        # Explicit tear-down: process groups left to the interpreter's exit have aborted it (FIELD-NOTES).
+        if td.is_initialized():
+            td.destroy_process_group()
+
+    def all_reduce_mean(self, t: torch.Tensor) -> torch.Tensor:
+        """Mean over ranks (a no-op in a world of one): for printing losses, never for training."""
+        if self.world_size == 1 or not td.is_initialized():
+            return t
+        t = t.to(self.device).clone()
+        td.all_reduce(t)
+        return (t / self.world_size).cpu()

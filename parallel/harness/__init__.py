@@ -1,0 +1,1 @@
+"""The measurement harness: clocks, profiler, child-process launch, equivalence check, report."""

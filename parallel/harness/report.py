@@ -1,0 +1,82 @@
+"""The report: a rich table on the terminal, beside results.json / results.csv."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from parallel.harness.results import Row
+
+VERDICT_STYLE = {"match": "green", "baseline": "cyan", "mismatch": "bold red", "not-expected": "yellow",
+                 "unchecked": "dim"}
+
+
+def _num(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _bytes(n) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def table(rows: list[Row], environment: dict) -> Table:
+    batch = rows[0].global_batch if rows else "?"
+    t = Table(title=f"{batch} samples/step on {environment['devices']} ({environment['device_kind']})",
+              title_justify="left")
+    for col in ["strategy", "launch", "devices", "ms p50 (p95)", "samples/s", "speedup", "eff.", "peak mem",
+                "comm/step (pred.)", "loss", "equivalence", "status"]:
+        t.add_column(col, justify="left" if col in ("strategy", "launch", "devices", "equivalence") else "right",
+                     no_wrap=col in ("strategy", "ms p50 (p95)", "equivalence"))
+    for r in rows:
+        eq = r.equivalence
+        verdict = f"[{VERDICT_STYLE.get(eq.verdict, '')}]{eq.verdict}[/]"
+        if eq.max_abs_diff is not None and eq.verdict != "baseline":
+            verdict += f" {eq.max_abs_diff:.0e}"
+        p50 = "-" if r.step_ms_p50 is None else f"{r.step_ms_p50:.1f} ({r.step_ms_p95:.1f})"
+        t.add_row(r.strategy, r.launcher, f"{r.world_size} {r.device_kind}", p50,
+                  _num(r.samples_per_s, ",.0f"), _num(r.speedup, ".2f"), _num(r.efficiency, ".0%"),
+                  _bytes(r.peak_mem_bytes), f"{_bytes(r.comm_bytes_per_step)} ({_bytes(r.comm_bytes_predicted)})",
+                  _num(r.final_loss, ".4f"), verdict,
+                  r.status if r.status == "ok" else f"[bold red]{r.status}[/]")
+    return t
+
+
+def notes(rows: list[Row], environment: dict) -> list[str]:
+    """What a reader must know to read the numbers right on this hardware."""
+    out = [f"[red]{r.strategy} {r.status}: {r.error}[/]" for r in rows if r.error]
+    out += [f"[red]{r.strategy} mismatch: {r.equivalence.reason}[/]" for r in rows
+            if r.equivalence.verdict == "mismatch"]
+    if environment["device_kind"] == "virtual":
+        cpu = environment["cpu"]
+        out.append(f"Simulated: {environment['devices']} = virtual devices sharing {cpu['cores']} CPU core(s) "
+                   f"({environment['threads_per_device']} thread(s) each); speedups show what splitting "
+                   "the work costs and saves on this CPU, not what GPUs would do.")
+        if environment.get("oversubscribed"):
+            out.append("Oversubscribed: more virtual devices than cores; times include contention.")
+    if any(r.device_kind == "pass-through" for r in rows):
+        out.append("pass-through: the strategy cannot split work on this hardware and just runs the module.")
+    kinds = {r.peak_mem_kind for r in rows if r.peak_mem_kind}
+    if "process_peak_rss" in kinds:
+        out.append("peak mem on CPU is the peak resident memory of rank 0's process (torch itself included).")
+    out.append("speedup: samples/s over `single` on one device of the same list, measured in this run; "
+               "eff. = speedup / devices.")
+    return out
+
+
+def show(rows: list[Row], environment: dict, console: Console | None = None) -> None:
+    console = console or make_console()
+    console.print(table(rows, environment))
+    for line in notes(rows, environment):
+        console.print(f"- {line}", style="dim", highlight=False)
+
+
+def make_console() -> Console:
+    """A terminal's own width; 160 columns when written to a file or a pipe (rich would use 80)."""
+    console = Console()
+    return console if console.is_terminal else Console(width=160)

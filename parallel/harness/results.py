@@ -1,0 +1,91 @@
+"""The result schema (one Row per strategy) and atomic writing of results.json / results.csv."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Equivalence:
+    verdict: str  # "baseline" | "match" | "mismatch" | "not-expected" | "unchecked"
+    max_abs_diff: float | None = None
+    tolerance: float | None = None
+    reason: str = ""
+
+
+@dataclass
+class Row:
+    strategy: str
+    launcher: str
+    devices: str
+    device_kind: str  # "real" | "virtual" | "pass-through"
+    world_size: int
+    global_batch: int
+    status: str = "ok"  # "ok" | "failed" | "timed-out"
+    error: str | None = None
+    step_ms_p50: float | None = None
+    step_ms_p95: float | None = None
+    samples_per_s: float | None = None
+    speedup: float | None = None  # samples/s over `single` on ONE device of the same list, same run
+    efficiency: float | None = None  # speedup / world_size
+    peak_mem_bytes: int | None = None
+    peak_mem_kind: str | None = None  # "cuda_max_allocated" | "process_peak_rss"
+    comm_bytes_per_step: float | None = None
+    comm_bytes_predicted: float | None = None
+    final_loss: float | None = None
+    threads_per_device: int | None = None
+    equivalence: Equivalence = field(default_factory=lambda: Equivalence("unchecked"))
+    losses: list[float] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Row:
+        data = dict(data)
+        data["equivalence"] = Equivalence(**data.get("equivalence", {"verdict": "unchecked"}))
+        return cls(**data)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok" and self.equivalence.verdict != "mismatch"
+
+
+# Lists stay in results.json; the CSV has one scalar per column.
+CSV_SKIP = {"losses", "step_ms", "equivalence"}
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write to a temporary file beside `path`, then rename: a reader never sees half a file."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", newline="") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_results(out: Path, config: dict, environment: dict, rows: list[Row]) -> None:
+    out = Path(out)
+    doc = {"config": config, "environment": environment, "rows": [dataclasses.asdict(r) for r in rows]}
+    atomic_write(out / "results.json", json.dumps(doc, indent=2))
+    buf = io.StringIO()
+    names = [f.name for f in dataclasses.fields(Row) if f.name not in CSV_SKIP]
+    eq_names = [f"equivalence_{f.name}" for f in dataclasses.fields(Equivalence)]
+    writer = csv.DictWriter(buf, fieldnames=names + eq_names)
+    writer.writeheader()
+    for r in rows:
+        d = {k: getattr(r, k) for k in names}
+        d.update({f"equivalence_{k}": v for k, v in dataclasses.asdict(r.equivalence).items()})
+        writer.writerow(d)
+    atomic_write(out / "results.csv", buf.getvalue())

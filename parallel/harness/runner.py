@@ -1,0 +1,89 @@
+"""Run a list of strategies, each in its own child, and turn their results into report rows.
+
+`single` runs first when a baseline is wanted: its parameters are the reference for equivalence and its
+samples/s the denominator of every speedup, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from parallel import strategies
+from parallel.config import RunConfig
+from parallel.harness import equivalence, launch
+from parallel.harness.results import Equivalence, Row
+from parallel.workloads import WORKLOADS
+
+BASELINE = "single"
+
+
+def _failed_row(strategy, config: RunConfig, outcome: launch.Outcome) -> Row:
+    return Row(strategy.name, strategy.launch, config.devices, strategy.device_kind(config.spec),
+               strategy.world_size(config), config.batch_size,
+               status="timed-out" if outcome.timed_out else "failed", error=outcome.error)
+
+
+def run_one(strategy, config: RunConfig, work: Path, logs: Path) -> tuple[Row, dict | None]:
+    paths = {"config": work / "config.json", "result": work / f"{strategy.name}.json",
+             "state": work / f"{strategy.name}.pt"}
+    paths["config"].write_text(config.to_json())
+    outcome = launch.run_child(launch.command(strategy, config, paths), config.timeout,
+                               logs / f"{strategy.name}.log")
+    if outcome.returncode != 0 or not paths["result"].exists():
+        outcome.error = outcome.error or "the child wrote no result"
+        return _failed_row(strategy, config, outcome), None
+    row = Row.from_dict(json.loads(paths["result"].read_text()))
+    return row, torch.load(paths["state"], weights_only=True)
+
+
+def add_relative(rows: list[Row], baseline: Row | None) -> None:
+    """speedup = samples/s over the baseline's (same run); efficiency = speedup / devices used."""
+    if baseline is None or not baseline.samples_per_s:
+        return
+    for r in rows:
+        if r.samples_per_s:
+            r.speedup = r.samples_per_s / baseline.samples_per_s
+            r.efficiency = r.speedup / r.world_size
+
+
+def run_strategies(config: RunConfig, names: list[str], baseline: bool = True,
+                   on_row: Callable[[list[Row]], None] = lambda rows: None) -> list[Row]:
+    """Run each strategy in turn; `on_row(rows so far)` after each, so an interrupted run keeps its rows."""
+    if baseline:
+        names = [BASELINE] + [n for n in names if n != BASELINE]
+    chosen = [strategies.get(n) for n in names]
+    for s in chosen:
+        s.check(config)  # every bad combination is refused before the first child starts
+    out = Path(config.out)
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="parallel-"))
+    rows: list[Row] = []
+    ref_state, tol = None, None
+    initial = WORKLOADS[config.workload].build_model(config.seed).state_dict()
+    try:
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                      TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn()) as progress:
+            task = progress.add_task("strategies", total=len(chosen))
+            for s in chosen:
+                progress.update(task, description=f"{s.name} ({s.launch}, {s.world_size(config)} dev)")
+                row, state = run_one(s, config, work, logs)
+                if baseline and s.name == BASELINE and state is not None:
+                    ref_state, tol = state, equivalence.tolerance(state, initial)
+                    row.equivalence = Equivalence("baseline", 0.0, tol)
+                elif row.status == "ok":
+                    row.equivalence = equivalence.judge(s, ref_state, state, tol)
+                rows.append(row)
+                add_relative(rows, rows[0] if baseline and rows[0].status == "ok" else None)
+                on_row(rows)
+                progress.advance(task)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return rows

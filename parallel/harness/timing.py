@@ -1,0 +1,45 @@
+"""Step timing that is right on CPU and GPU alike.
+
+CUDA runs kernels asynchronously: a clock read without a synchronize measures only how long it took to
+*queue* the work. So the device is synchronized before *every* clock read (both ends of a step), the
+warm-up steps are excluded by the loop, and the summary is the median and p95, not a mean that one
+stall can move.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+
+class StepTimer:
+    """`with timer: step()` -> `timer.elapsed` seconds, the device synchronized before each clock read."""
+
+    def __init__(self, synchronize: Callable[[], None], clock: Callable[[], float] = time.perf_counter):
+        self.synchronize, self.clock = synchronize, clock
+        self.elapsed = float("nan")
+
+    def __enter__(self) -> StepTimer:
+        self.synchronize()  # work queued before the step must not be billed to it
+        self._t0 = self.clock()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.synchronize()  # the step's own kernels must have finished
+        self.elapsed = self.clock() - self._t0
+
+
+def summarize(seconds: Sequence[float]) -> dict[str, float | None]:
+    """Median, p95 and range in milliseconds; None for an empty list."""
+    if not seconds:
+        return {"p50_ms": None, "p95_ms": None, "min_ms": None, "max_ms": None, "n": 0}
+    ms = np.asarray(seconds, dtype=float) * 1e3
+    return {
+        "p50_ms": float(np.median(ms)),
+        "p95_ms": float(np.percentile(ms, 95)),
+        "min_ms": float(ms.min()),
+        "max_ms": float(ms.max()),
+        "n": int(ms.size),
+    }

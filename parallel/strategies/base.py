@@ -1,0 +1,45 @@
+"""What every strategy shares: the Trainable it builds, and the defaults of the optional hooks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Trainable:
+    """What `setup` returns and `train_step` takes: the (wrapped, split, sharded...) model and its optimiser."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    device: torch.device
+    comm_bytes: int | None = None  # bytes this rank sent through collectives so far; None: not counted
+    extra: dict = field(default_factory=dict)  # strategy-specific state
+
+
+def world_size(config) -> int:
+    """Devices this strategy uses: by default every device of the run."""
+    return config.world_size
+
+
+def check(config) -> None:
+    """Raise ConfigError when the strategy cannot run this config (e.g. an indivisible batch)."""
+
+
+def device_kind(spec) -> str:
+    """What the row's numbers mean: "real" GPUs, "virtual" CPU devices, or a "pass-through"."""
+    return "real" if spec.real else "virtual"
+
+
+def state_dict(trainable: Trainable) -> dict[str, torch.Tensor]:
+    """The final parameters and buffers on CPU, under the unwrapped model's names."""
+    return {k: v.detach().cpu().clone() for k, v in trainable.model.state_dict().items()}
+
+
+def comm_bytes_predicted(model: nn.Module, config) -> int | None:
+    """Textbook bytes a rank sends per step; None where no prediction is offered."""
+    return None

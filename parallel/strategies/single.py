@@ -1,0 +1,35 @@
+"""single: plain training on one device, the reference every other strategy is checked against.
+
+On `cpu:N` it runs on ONE virtual device (its share of the cores), so speedups in the report are
+against one device of the same list. Every other strategy reads as a small diff from this file.
+"""
+
+from __future__ import annotations
+
+from parallel.strategies.base import Trainable
+
+NAME = "single"
+LAUNCH = "inprocess"
+SYNCHRONOUS = True
+
+
+def world_size(config) -> int:
+    return 1
+
+
+def comm_bytes_predicted(model, config) -> int:
+    return 0  # one device: nothing to communicate
+
+
+def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
+    model = model.to(dist.device)
+    return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device, comm_bytes=0)
+
+
+def train_step(t: Trainable, batch, dist):
+    x, y = (b.to(t.device, non_blocking=True) for b in batch)  # (B, ...) and (B,)
+    t.optimizer.zero_grad(set_to_none=True)
+    loss = t.loss_fn(t.model(x), y)
+    loss.backward()
+    t.optimizer.step()
+    return loss.detach()

@@ -1,0 +1,111 @@
+"""What one strategy's process runs: the harness's children, torchrun's workers and scripts/ alike.
+
+    python -m parallel.worker --strategy single --config cfg.json --result row.json --state params.pt
+    torchrun --standalone --nproc_per_node=2 -m parallel.worker --strategy ddp ...
+
+Rank 0 writes the measured part of the result row and the final parameters; the harness adds what
+needs other strategies' results (speedup, equivalence).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from parallel import strategies
+from parallel.config import RunConfig
+from parallel.devices import peak_memory, reset_peak_memory
+from parallel.dist import Dist
+from parallel.harness.profiling import make_profiler
+from parallel.harness.results import Row, atomic_write
+from parallel.harness.timing import summarize
+from parallel.train import train
+from parallel.workloads import WORKLOADS, SyntheticData
+
+
+def make_optimizer(config: RunConfig):
+    return lambda params: torch.optim.SGD(params, lr=config.lr, momentum=config.momentum)
+
+
+def execute(strategy, config: RunConfig, dist: Dist) -> tuple[Row, dict]:
+    """Train once with `strategy` in this process (one rank of it); returns the row and final parameters."""
+    spec = config.spec
+    # The cores are split between devices; this process drives `devices_here` of them. Set explicitly:
+    # torchrun sets OMP_NUM_THREADS=1 in every worker, which would otherwise decide for us.
+    devices_here = max(1, strategy.world_size(config) // dist.world_size)
+    threads = spec.threads_per_device() * devices_here
+    torch.set_num_threads(threads)
+
+    workload = WORKLOADS[config.workload]
+    model = workload.build_model(config.seed)
+    data = SyntheticData(workload, config.seed, config.batch_size)
+    predicted = strategy.comm_bytes_predicted(model, config)
+    reset_peak_memory(dist.device)
+    trainable = strategy.setup(model, make_optimizer(config), workload.loss, dist, config)
+    with make_profiler(config.profile, config.out, strategy.name, dist.rank, dist.device) as prof:
+        result = train(strategy, trainable, data, config, dist, prof)
+    state = strategy.state_dict(trainable)
+    peak, peak_kind = peak_memory(dist.device)
+
+    stats = summarize(result.step_s)
+    total_steps = config.warmup + config.steps
+    row = Row(
+        strategy=strategy.name,
+        launcher=strategy.launch,
+        devices=str(spec),
+        device_kind=strategy.device_kind(spec),
+        world_size=strategy.world_size(config),
+        global_batch=config.batch_size,
+        step_ms_p50=stats["p50_ms"],
+        step_ms_p95=stats["p95_ms"],
+        samples_per_s=config.batch_size / (stats["p50_ms"] / 1e3),
+        peak_mem_bytes=peak,
+        peak_mem_kind=peak_kind,
+        comm_bytes_per_step=None if trainable.comm_bytes is None else trainable.comm_bytes / total_steps,
+        comm_bytes_predicted=predicted,
+        final_loss=result.losses[-1],
+        threads_per_device=threads // devices_here,
+        losses=result.losses,
+        step_ms=[s * 1e3 for s in result.step_s],
+    )
+    return row, state
+
+
+def run_here(strategy, config: RunConfig, dist: Dist | None = None) -> tuple[Row, dict] | None:
+    """Join the process group if the strategy needs one, execute, tear down. Rank 0 gets the result."""
+    dist = dist or Dist.from_env(config.spec)
+    strategy.check(config)
+    needs_group = strategy.launch == "torchrun"
+    if needs_group:
+        dist.init(config.pg_timeout)
+    try:
+        row, state = execute(strategy, config, dist)
+    finally:
+        if needs_group:
+            dist.cleanup()
+    return (row, state) if dist.is_main else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m parallel.worker", description=__doc__)
+    p.add_argument("--strategy", required=True)
+    p.add_argument("--config", required=True, type=Path, help="RunConfig as JSON, already validated")
+    p.add_argument("--result", required=True, type=Path, help="where rank 0 writes its row (JSON)")
+    p.add_argument("--state", required=True, type=Path, help="where rank 0 writes the final parameters")
+    args = p.parse_args(argv)
+    config = RunConfig.from_json(args.config.read_text()).validate()
+    strategy = strategies.get(args.strategy)
+    out = run_here(strategy, config)
+    if out is not None:
+        row, state = out
+        torch.save(state, args.state)
+        atomic_write(args.result, json.dumps(dataclasses.asdict(row)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

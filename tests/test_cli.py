@@ -1,0 +1,129 @@
+"""The CLI contract and the harness, end to end: exit codes, one-line errors, results files, timeouts."""
+
+import csv
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from parallel import cli
+from parallel.harness import launch
+from parallel.harness.results import Row
+from tests.conftest import ROOT
+
+ROW_FIELDS = {f.name for f in dataclasses.fields(Row)}
+
+
+def run(*args, timeout=120):
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def test_unknown_strategy_is_one_line_exit_2_and_writes_nothing(tmp_path):
+    out = tmp_path / "out"
+    p = run("-m", "parallel", "compare", "--strategies", "nosuch", "--out", str(out))
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == ["error: unknown strategy 'nosuch'; valid strategies: single"]
+    assert "Traceback" not in p.stdout + p.stderr and not out.exists()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["compare", "--steps", "0"], "--steps must be at least 1, got 0"),
+        (["compare", "--batch-size", "-4"], "--batch-size must be at least 1, got -4"),
+        (["compare", "--lr", "nan"], "--lr must be a positive finite number, got nan"),
+        (["compare", "--devices", "cpu:x"], "cpu takes a count of virtual devices"),
+        (["compare", "--world-size", "5", "--devices", "cpu:2"], "--world-size 5 is more than the 2 device(s)"),
+        (["compare", "--workload", "vgg"], "unknown workload 'vgg'"),
+        (["compare", "--strategies", ","], "--strategies is empty"),
+        (["run", "nosuch"], "unknown strategy 'nosuch'"),
+        (["compare", "--steps", "many"], "argument --steps: invalid int value: 'many'"),
+        (["launch"], "invalid choice: 'launch'"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys):
+    out = tmp_path / "out"
+    try:
+        code = cli.main([*argv, "--out", str(out)] if argv[0] != "launch" else argv)
+    except SystemExit as e:  # argparse's own refusals
+        code = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and message in err[0], err
+    assert not out.exists()
+
+
+def test_unwritable_out_is_refused(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert cli.main(["compare", "--out", str(blocker / "sub")]) == 2
+    assert "is not writable" in capsys.readouterr().err
+
+
+def test_devices_lists_cpu_and_backends(capsys):
+    assert cli.main(["devices"]) == 0
+    out = capsys.readouterr().out
+    assert "cores" in out and "gloo yes" in out and "--devices auto =" in out
+
+
+def test_compare_writes_the_report_results_and_traces(tmp_path):
+    out = tmp_path / "run"
+    p = run("-m", "parallel", "compare", "--strategies", "single", "--steps", "4", "--warmup", "1",
+            "--batch-size", "64", "--profile", "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    assert "single" in p.stdout and "baseline" in p.stdout and "Simulated" in p.stdout
+    doc = json.loads((out / "results.json").read_text())
+    assert set(doc) == {"config", "environment", "rows"}
+    assert {"torch", "devices", "threads_per_device", "hostname", "time"} <= set(doc["environment"])
+    (row,) = doc["rows"]
+    assert set(row) == ROW_FIELDS
+    assert row["strategy"] == "single" and row["status"] == "ok" and row["device_kind"] == "virtual"
+    assert row["speedup"] == 1.0 and row["equivalence"]["verdict"] == "baseline"
+    assert row["step_ms_p50"] > 0 and len(row["step_ms"]) == 4 and len(row["losses"]) == 5
+    with open(out / "results.csv") as f:
+        assert next(csv.DictReader(f))["strategy"] == "single"
+    traces = list((out / "tb" / "single").glob("single_rank0*.pt.trace.json"))
+    assert len(traces) == 1 and "traceEvents" in json.loads(traces[0].read_text())
+    assert not list(out.glob(".results.*"))  # no temporary files left behind
+
+
+def test_script_writes_the_same_results(tmp_path):
+    out = tmp_path / "script"
+    p = run("scripts/single.py", "--steps", "2", "--warmup", "0", "--batch-size", "32", "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    (row,) = json.loads((out / "results.json").read_text())["rows"]
+    assert set(row) == ROW_FIELDS and row["strategy"] == "single"
+    assert row["equivalence"]["verdict"] == "unchecked"
+
+
+def test_a_strategy_over_its_timeout_is_reported_not_waited_on(tmp_path):
+    out = tmp_path / "slow"
+    start = time.monotonic()
+    p = run("-m", "parallel", "compare", "--strategies", "single", "--timeout", "0.5", "--out", str(out))
+    assert p.returncode == 1 and time.monotonic() - start < 30
+    (row,) = json.loads((out / "results.json").read_text())["rows"]
+    assert row["status"] == "timed-out" and "timed out after 0.5 s" in row["error"]
+
+
+def test_timeout_kills_the_whole_process_tree(tmp_path):
+    pidfile = tmp_path / "grandchild.pid"
+    cmd = ["bash", "-c", f"sleep 60 & echo $! > {pidfile}; wait"]
+    outcome = launch.run_child(cmd, timeout=0.5, log_path=tmp_path / "log")
+    assert outcome.timed_out
+    assert not running(int(pidfile.read_text()))
+
+
+def running(pid: int) -> bool:
+    """True if the process exists and is not a zombie (killed but not yet reaped by init)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(line.startswith("State:") and "Z" in line for line in f)
+    except FileNotFoundError:
+        return False
+
+
+def test_a_crash_surfaces_its_error_line(tmp_path):
+    outcome = launch.run_child([sys.executable, "-c", "raise ValueError('boom at step 3')"], 30, tmp_path / "log")
+    assert outcome.returncode == 1 and outcome.error == "ValueError: boom at step 3"
