@@ -45,13 +45,40 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                    help=f"seconds a collective may wait ({d.pg_timeout:g})")
 
 
+_TYPES = {"int": int, "float": float, "str": str}
+
+
+def _list_of(kind: type):
+    def parse(text: str) -> list:
+        return [kind(x) for x in text.split(",") if x.strip()]
+
+    parse.__name__ = f"comma-separated {kind.__name__}"  # argparse names it in its error message
+    return parse
+
+
+def add_strategy_options(p: argparse.ArgumentParser, owners: list, sweep: bool) -> None:
+    """A flag for every field of the strategies' own Options; with `sweep`, each takes a comma list."""
+    fields: dict[str, tuple] = {}
+    for s in owners:
+        for f in s.option_fields():
+            fields.setdefault(f.name, (f, []))[1].append(s.name)
+    if not fields:
+        return
+    g = p.add_argument_group("strategy options" + (" (a comma list runs one variant per value)" if sweep else ""))
+    for name, (f, users) in fields.items():
+        kind = _TYPES[f.type if isinstance(f.type, str) else f.type.__name__]
+        g.add_argument("--" + name.replace("_", "-"), dest=f"option_{name}", default=None,
+                       type=_list_of(kind) if sweep else kind,
+                       help=f"[{', '.join(users)}] {f.metadata.get('help', '')} (default {f.default})")
+
+
 def config_from_args(args: argparse.Namespace, default_out: bool = True) -> RunConfig:
+    """The validated RunConfig; the results folder is named but not created (see prepare_out)."""
     fields = {f.name for f in dataclasses.fields(RunConfig)}
-    config = RunConfig(**{k: v for k, v in vars(args).items() if k in fields}).validate()
+    options = {k.removeprefix("option_"): v for k, v in vars(args).items() if k.startswith("option_") and v is not None}
+    config = RunConfig(**{k: v for k, v in vars(args).items() if k in fields}, options=options).validate()
     if not config.out and default_out:
         config.out = str(Path("results") / time.strftime("run-%Y%m%d-%H%M%S"))
-    if config.out:
-        prepare_out(Path(config.out))
     return config
 
 
@@ -73,9 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     cmp = sub.add_parser("compare", help="every strategy on the same model, data and seed, vs `single`")
     cmp.add_argument("--strategies", default="all", help=f"comma list or all ({', '.join(strategies.NAMES)})")
     add_run_options(cmp)
+    add_strategy_options(cmp, strategies.all_strategies(), sweep=True)
     run = sub.add_parser("run", help="one strategy through the harness, without the baseline")
     run.add_argument("strategy", help=", ".join(strategies.NAMES))
     add_run_options(run)
+    add_strategy_options(run, strategies.all_strategies(), sweep=True)
     return p
 
 
@@ -94,14 +123,16 @@ def _finish(config: RunConfig, rows: list[Row], console) -> int:
 
 def cmd_compare(args, names: list[str], baseline: bool) -> int:
     from parallel.devices import environment
-    from parallel.harness.runner import run_strategies
+    from parallel.harness.runner import plan, run_strategies
 
     config = config_from_args(args)
+    chosen = plan(config, names, baseline)  # every check before the first file is written
+    prepare_out(Path(config.out))
     console = make_console()
     env = environment(config.spec)
     save = lambda rows: write_results(Path(config.out), dataclasses.asdict(config), env, rows)  # noqa: E731
     try:
-        rows = run_strategies(config, names, baseline=baseline, on_row=save)
+        rows = run_strategies(config, chosen, baseline=baseline, on_row=save)
     except KeyboardInterrupt:
         console.print(f"[bold red]interrupted[/]: finished rows are in {config.out}/results.json")
         return 130
@@ -154,14 +185,24 @@ def main(argv: list[str] | None = None) -> int:
 
 def script_main(name: str, argv: list[str] | None = None) -> int:
     """`scripts/<name>.py`: one strategy in this process (or in each torchrun worker), no harness."""
+    from parallel.dist import Dist, torchrun_auto_devices
     from parallel.worker import run_here
 
-    p = _Parser(prog=f"scripts/{name}.py")
+    strategy = strategies.get(name)
+    p = _Parser(prog=f"scripts/{name}.py", description=strategy.module.__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_options(p)
+    add_strategy_options(p, [strategy], sweep=False)
     args = p.parse_args(argv)
     try:
+        args.devices = torchrun_auto_devices(args.devices)
         config = config_from_args(args, default_out=False)
-        result = run_here(strategies.get(name), config)
+        dist = Dist.from_env(config.spec)
+        # Under torchrun the world is what torchrun says (several nodes included), not the device list.
+        config = dataclasses.replace(config, world_size=max(dist.world_size, strategy.world_size(config)))
+        if config.out and dist.is_main:
+            prepare_out(Path(config.out))
+        result = run_here(strategy, config, dist)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

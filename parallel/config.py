@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from parallel.errors import ConfigError
 
@@ -15,7 +15,7 @@ __all__ = ["ConfigError", "RunConfig"]
 @dataclass
 class RunConfig:
     workload: str = "cnn"
-    batch_size: int = 256  # the GLOBAL batch: every strategy takes one optimiser step on this many samples
+    batch_size: int = 512  # the GLOBAL batch: every strategy takes one optimiser step on this many samples
     steps: int = 20  # timed optimiser steps
     warmup: int = 3  # optimiser steps before the timed ones (they train too, they are just not timed)
     lr: float = 0.02
@@ -27,6 +27,9 @@ class RunConfig:
     out: str = ""  # "" -> results/run-<time>
     timeout: float = 300.0  # seconds one strategy may take, start-up included
     pg_timeout: float = 60.0  # seconds a collective may wait before the process group gives up
+    # Strategies' own knobs by flag name (e.g. {"accum": 2}); each strategy's Options types and checks
+    # its own. A list is a sweep: one variant (one report row) per value.
+    options: dict = field(default_factory=dict)
 
     def validate(self) -> RunConfig:
         """Check every field and resolve `devices` and `world_size`; returns the resolved copy."""

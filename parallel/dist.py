@@ -20,6 +20,16 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def torchrun_auto_devices(text: str, env: Mapping[str, str] | None = None) -> str:
+    """`auto` under `torchrun --nproc_per_node=N` on a machine without CUDA means cpu:N, so the
+    standard launch line needs no --devices; anything else is left as given."""
+    env = os.environ if env is None else env
+    local_world = int(env.get("LOCAL_WORLD_SIZE", 1))
+    if text == "auto" and local_world > 1 and not torch.cuda.is_available():
+        return f"cpu:{local_world}"
+    return text
+
+
 @dataclass(frozen=True)
 class Dist:
     rank: int = 0
@@ -27,6 +37,7 @@ class Dist:
     world_size: int = 1
     local_world_size: int = 1
     device: torch.device = torch.device("cpu")
+    launched: bool = False  # started by torchrun (its rendezvous variables are set)
 
     @property
     def backend(self) -> str:
@@ -44,7 +55,7 @@ class Dist:
         local_rank, local_world = int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", 1))
         if local_world > spec.count:
             raise ConfigError(f"{local_world} processes on this node but only {spec.count} device(s) in {spec}")
-        return cls(rank, local_rank, world, local_world, spec.device(local_rank))
+        return cls(rank, local_rank, world, local_world, spec.device(local_rank), "MASTER_ADDR" in env)
 
     def init(self, timeout_s: float) -> None:
         """Join the process group (torchrun's env:// rendezvous), with a timeout on every collective."""
@@ -52,7 +63,9 @@ class Dist:
             return
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        td.init_process_group(self.backend, timeout=timedelta(seconds=timeout_s),
+        # `python scripts/ddp.py` without torchrun: a world of one needs no rendezvous, only a store.
+        store = None if self.launched else td.HashStore()
+        td.init_process_group(self.backend, timeout=timedelta(seconds=timeout_s), store=store,
                               rank=self.rank, world_size=self.world_size)
 
     @staticmethod

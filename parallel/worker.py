@@ -48,13 +48,16 @@ def execute(strategy, config: RunConfig, dist: Dist) -> tuple[Row, dict]:
     trainable = strategy.setup(model, make_optimizer(config), workload.loss, dist, config)
     with make_profiler(config.profile, config.out, strategy.name, dist.rank, dist.device) as prof:
         result = train(strategy, trainable, data, config, dist, prof)
+    comm_bytes = trainable.comm_bytes
     state = strategy.state_dict(trainable)
     peak, peak_kind = peak_memory(dist.device)
+    details = strategy.extra_measurements(trainable, data, config, dist, result)  # after the state is saved
 
     stats = summarize(result.step_s)
     total_steps = config.warmup + config.steps
     row = Row(
         strategy=strategy.name,
+        variant="",
         launcher=strategy.launch,
         devices=str(spec),
         device_kind=strategy.device_kind(spec),
@@ -65,12 +68,13 @@ def execute(strategy, config: RunConfig, dist: Dist) -> tuple[Row, dict]:
         samples_per_s=config.batch_size / (stats["p50_ms"] / 1e3),
         peak_mem_bytes=peak,
         peak_mem_kind=peak_kind,
-        comm_bytes_per_step=None if trainable.comm_bytes is None else trainable.comm_bytes / total_steps,
+        comm_bytes_per_step=None if comm_bytes is None else comm_bytes / total_steps,
         comm_bytes_predicted=predicted,
         final_loss=result.losses[-1],
         threads_per_device=threads // devices_here,
         losses=result.losses,
         step_ms=[s * 1e3 for s in result.step_s],
+        details=details,
     )
     return row, state
 
@@ -78,6 +82,7 @@ def execute(strategy, config: RunConfig, dist: Dist) -> tuple[Row, dict]:
 def run_here(strategy, config: RunConfig, dist: Dist | None = None) -> tuple[Row, dict] | None:
     """Join the process group if the strategy needs one, execute, tear down. Rank 0 gets the result."""
     dist = dist or Dist.from_env(config.spec)
+    strategy.options(config)  # a bad option value fails here, before any process group
     strategy.check(config)
     needs_group = strategy.launch == "torchrun"
     if needs_group:

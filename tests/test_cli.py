@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from parallel import cli
+from parallel import cli, strategies
 from parallel.harness import launch
 from parallel.harness.results import Row
 from tests.conftest import ROOT
@@ -25,7 +25,8 @@ def test_unknown_strategy_is_one_line_exit_2_and_writes_nothing(tmp_path):
     out = tmp_path / "out"
     p = run("-m", "parallel", "compare", "--strategies", "nosuch", "--out", str(out))
     assert p.returncode == 2
-    assert p.stderr.strip().splitlines() == ["error: unknown strategy 'nosuch'; valid strategies: single"]
+    valid = ", ".join(strategies.NAMES)
+    assert p.stderr.strip().splitlines() == [f"error: unknown strategy 'nosuch'; valid strategies: {valid}"]
     assert "Traceback" not in p.stdout + p.stderr and not out.exists()
 
 

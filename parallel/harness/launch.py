@@ -10,6 +10,7 @@ Each child is the leader of its own process group, so a timeout kills it *and* i
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -35,13 +36,21 @@ def command(strategy, config, paths: dict[str, Path]) -> list[str]:
     return [sys.executable, *worker]
 
 
+_RANK_ERROR = re.compile(r"^\[rank(\d+)\]: ([\w.]+(?:Error|Exception)\b.*)")
+_ERROR = re.compile(r"^([\w.]+(?:Error|Exception|Interrupt)\b.*)")
+
+
 def last_error_line(log: str) -> str | None:
-    """The line that says what went wrong: the last exception line, else the last non-empty line."""
+    """The line that says what went wrong. Under torchrun, the first rank's own exception ("rank 1:
+    ValueError: ..."), not torchrun's ChildFailedError that wraps it; else the last exception line;
+    else the last non-empty line."""
     lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    for ln in lines:
+        if m := _RANK_ERROR.match(ln):
+            return f"rank {m.group(1)}: {m.group(2)}"
     for ln in reversed(lines):
-        head = ln.split(":", 1)[0]
-        if head.endswith(("Error", "Exception", "Interrupt")) or head.startswith("torch.distributed"):
-            return ln
+        if (m := _ERROR.match(ln)) and "ChildFailedError" not in ln:
+            return m.group(1)
     return lines[-1] if lines else None
 
 

@@ -15,6 +15,10 @@ def _num(x, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _fmt(v) -> str:
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
 def _bytes(n) -> str:
     if n is None:
         return "-"
@@ -39,7 +43,7 @@ def table(rows: list[Row], environment: dict) -> Table:
         if eq.max_abs_diff is not None and eq.verdict != "baseline":
             verdict += f" {eq.max_abs_diff:.0e}"
         p50 = "-" if r.step_ms_p50 is None else f"{r.step_ms_p50:.1f} ({r.step_ms_p95:.1f})"
-        t.add_row(r.strategy, r.launcher, f"{r.world_size} {r.device_kind}", p50,
+        t.add_row(r.label, r.launcher, f"{r.world_size} {r.device_kind}", p50,
                   _num(r.samples_per_s, ",.0f"), _num(r.speedup, ".2f"), _num(r.efficiency, ".0%"),
                   _bytes(r.peak_mem_bytes), f"{_bytes(r.comm_bytes_per_step)} ({_bytes(r.comm_bytes_predicted)})",
                   _num(r.final_loss, ".4f"), verdict,
@@ -49,9 +53,10 @@ def table(rows: list[Row], environment: dict) -> Table:
 
 def notes(rows: list[Row], environment: dict) -> list[str]:
     """What a reader must know to read the numbers right on this hardware."""
-    out = [f"[red]{r.strategy} {r.status}: {r.error}[/]" for r in rows if r.error]
-    out += [f"[red]{r.strategy} mismatch: {r.equivalence.reason}[/]" for r in rows
+    out = [f"[red]{r.label} {r.status}: {r.error}[/]" for r in rows if r.error]
+    out += [f"[red]{r.label} mismatch: {r.equivalence.reason}[/]" for r in rows
             if r.equivalence.verdict == "mismatch"]
+    out += [f"{r.label}: " + ", ".join(f"{k} {_fmt(v)}" for k, v in r.details.items()) for r in rows if r.details]
     if environment["device_kind"] == "virtual":
         cpu = environment["cpu"]
         out.append(f"Simulated: {environment['devices']} = virtual devices sharing {cpu['cores']} CPU core(s) "
@@ -59,6 +64,9 @@ def notes(rows: list[Row], environment: dict) -> list[str]:
                    "the work costs and saves on this CPU, not what GPUs would do.")
         if environment.get("oversubscribed"):
             out.append("Oversubscribed: more virtual devices than cores; times include contention.")
+    if any((r.efficiency or 0) > 1.0 for r in rows):
+        out.append("eff. above 100%: a device's share of the batch runs faster per sample than the whole batch "
+                   "on one device (it fits the cache better); a real effect of strong scaling on this CPU.")
     if any(r.device_kind == "pass-through" for r in rows):
         out.append("pass-through: the strategy cannot split work on this hardware and just runs the module.")
     kinds = {r.peak_mem_kind for r in rows if r.peak_mem_kind}

@@ -23,6 +23,7 @@ class Equivalence:
 @dataclass
 class Row:
     strategy: str
+    variant: str  # "" or the swept options, e.g. "bucket_mb=4"
     launcher: str
     devices: str
     device_kind: str  # "real" | "virtual" | "pass-through"
@@ -37,13 +38,18 @@ class Row:
     efficiency: float | None = None  # speedup / world_size
     peak_mem_bytes: int | None = None
     peak_mem_kind: str | None = None  # "cuda_max_allocated" | "process_peak_rss"
-    comm_bytes_per_step: float | None = None
-    comm_bytes_predicted: float | None = None
+    comm_bytes_per_step: float | None = None  # bytes one rank sends per optimiser step (measured)
+    comm_bytes_predicted: float | None = None  # the textbook figure for the same
     final_loss: float | None = None
     threads_per_device: int | None = None
     equivalence: Equivalence = field(default_factory=lambda: Equivalence("unchecked"))
     losses: list[float] = field(default_factory=list)
     step_ms: list[float] = field(default_factory=list)
+    details: dict = field(default_factory=dict)  # strategy-specific measurements (JSON only)
+
+    @property
+    def label(self) -> str:
+        return f"{self.strategy} {self.variant}" if self.variant else self.strategy
 
     @classmethod
     def from_dict(cls, data: dict) -> Row:
@@ -57,7 +63,7 @@ class Row:
 
 
 # Lists stay in results.json; the CSV has one scalar per column.
-CSV_SKIP = {"losses", "step_ms", "equivalence"}
+CSV_SKIP = {"losses", "step_ms", "equivalence", "details"}
 
 
 def atomic_write(path: Path, text: str) -> None:

@@ -24,22 +24,22 @@ from parallel.workloads import WORKLOADS
 BASELINE = "single"
 
 
-def _failed_row(strategy, config: RunConfig, outcome: launch.Outcome) -> Row:
-    return Row(strategy.name, strategy.launch, config.devices, strategy.device_kind(config.spec),
+def _failed_row(strategy, variant: str, config: RunConfig, outcome: launch.Outcome) -> Row:
+    return Row(strategy.name, variant, strategy.launch, config.devices, strategy.device_kind(config.spec),
                strategy.world_size(config), config.batch_size,
                status="timed-out" if outcome.timed_out else "failed", error=outcome.error)
 
 
-def run_one(strategy, config: RunConfig, work: Path, logs: Path) -> tuple[Row, dict | None]:
-    paths = {"config": work / "config.json", "result": work / f"{strategy.name}.json",
-             "state": work / f"{strategy.name}.pt"}
+def run_one(strategy, variant: str, config: RunConfig, work: Path, logs: Path) -> tuple[Row, dict | None]:
+    stem = f"{strategy.name}-{variant}" if variant else strategy.name
+    paths = {"config": work / f"{stem}.config.json", "result": work / f"{stem}.json", "state": work / f"{stem}.pt"}
     paths["config"].write_text(config.to_json())
-    outcome = launch.run_child(launch.command(strategy, config, paths), config.timeout,
-                               logs / f"{strategy.name}.log")
+    outcome = launch.run_child(launch.command(strategy, config, paths), config.timeout, logs / f"{stem}.log")
     if outcome.returncode != 0 or not paths["result"].exists():
         outcome.error = outcome.error or "the child wrote no result"
-        return _failed_row(strategy, config, outcome), None
+        return _failed_row(strategy, variant, config, outcome), None
     row = Row.from_dict(json.loads(paths["result"].read_text()))
+    row.variant = variant
     return row, torch.load(paths["state"], weights_only=True)
 
 
@@ -53,14 +53,21 @@ def add_relative(rows: list[Row], baseline: Row | None) -> None:
             r.efficiency = r.speedup / r.world_size
 
 
-def run_strategies(config: RunConfig, names: list[str], baseline: bool = True,
-                   on_row: Callable[[list[Row]], None] = lambda rows: None) -> list[Row]:
-    """Run each strategy in turn; `on_row(rows so far)` after each, so an interrupted run keeps its rows."""
+def plan(config: RunConfig, names: list[str], baseline: bool = True) -> list[tuple]:
+    """Every (strategy, variant label, config) to run, `single` first when it is the baseline. Every bad
+    combination raises ConfigError here, before anything is started or written."""
     if baseline:
         names = [BASELINE] + [n for n in names if n != BASELINE]
-    chosen = [strategies.get(n) for n in names]
-    for s in chosen:
-        s.check(config)  # every bad combination is refused before the first child starts
+    chosen = [(s, label, cfg) for s in map(strategies.get, names) for label, cfg in s.variants(config)]
+    for s, _, cfg in chosen:
+        s.options(cfg)
+        s.check(cfg)
+    return chosen
+
+
+def run_strategies(config: RunConfig, chosen: list[tuple], baseline: bool = True,
+                   on_row: Callable[[list[Row]], None] = lambda rows: None) -> list[Row]:
+    """Run the plan in turn; `on_row(rows so far)` after each, so an interrupted run keeps its rows."""
     out = Path(config.out)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -72,9 +79,9 @@ def run_strategies(config: RunConfig, names: list[str], baseline: bool = True,
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                       TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn()) as progress:
             task = progress.add_task("strategies", total=len(chosen))
-            for s in chosen:
-                progress.update(task, description=f"{s.name} ({s.launch}, {s.world_size(config)} dev)")
-                row, state = run_one(s, config, work, logs)
+            for s, variant, cfg in chosen:
+                progress.update(task, description=f"{s.name} {variant} ({s.launch}, {s.world_size(cfg)} dev)")
+                row, state = run_one(s, variant, cfg, work, logs)
                 if baseline and s.name == BASELINE and state is not None:
                     ref_state, tol = state, equivalence.tolerance(state, initial)
                     row.equivalence = Equivalence("baseline", 0.0, tol)

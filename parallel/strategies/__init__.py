@@ -6,19 +6,23 @@
     def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable
     def train_step(trainable, batch, dist) -> loss tensor   # one optimiser step on this rank's share
 
-and may override the defaults below (world_size, check, device_kind, state_dict, ...). The harness
-only ever talks to `Strategy`; it never branches on a strategy's name.
+and may override the defaults in base.py (world_size, check, device_kind, state_dict, ...). A strategy's
+own knobs are an `Options` dataclass in its module: the CLI offers each field as a flag, and a comma list
+(`--bucket-mb 1,4,25`) runs one variant per value, each a row of the report. The harness only ever talks
+to `Strategy`; it never branches on a strategy's name.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import itertools
 from types import ModuleType
 
 from parallel.errors import ConfigError
 
 # The report lists strategies in this order; `single` is the baseline and always first.
-NAMES = ["single"]
+NAMES = ["single", "ddp"]
 
 
 def _defaults() -> dict:
@@ -30,6 +34,8 @@ def _defaults() -> dict:
         "device_kind": base.device_kind,
         "state_dict": base.state_dict,
         "comm_bytes_predicted": base.comm_bytes_predicted,
+        "extra_measurements": base.extra_measurements,
+        "Options": None,
         "NOT_EXPECTED_REASON": None,
     }
 
@@ -49,6 +55,34 @@ class Strategy:
         self.setup = module.setup
         self.train_step = module.train_step
 
+    def option_fields(self) -> list[dataclasses.Field]:
+        return list(dataclasses.fields(self.Options)) if self.Options else []
+
+    def options(self, config):
+        """This strategy's own knobs, typed, from config.options (one value each); None if it has none."""
+        from parallel.strategies.base import options_of
+
+        if self.Options is None:
+            return None
+        for f in self.option_fields():
+            if isinstance(config.options.get(f.name), list):
+                raise ConfigError(f"{self.name}: --{f.name.replace('_', '-')} takes one value here, "
+                                  f"got {config.options[f.name]}")
+        return options_of(self.Options, config)  # its __post_init__ raises ConfigError for bad values
+
+    def variants(self, config) -> list[tuple[str, object]]:
+        """(label, config) for every combination of this strategy's list-valued options, e.g.
+        ("bucket_mb=4", config with options {"bucket_mb": 4.0})."""
+        own = {f.name: config.options[f.name] for f in self.option_fields() if f.name in config.options}
+        lists = {k: (v if isinstance(v, list) else [v]) for k, v in own.items()}
+        swept = [k for k, v in lists.items() if len(v) > 1]
+        out = []
+        for combo in itertools.product(*lists.values()):
+            chosen = dict(zip(lists, combo, strict=True))
+            label = ",".join(f"{k}={chosen[k]:g}" for k in swept)
+            out.append((label, dataclasses.replace(config, options=chosen)))
+        return out
+
     def __repr__(self) -> str:
         return f"Strategy({self.name})"
 
@@ -57,6 +91,10 @@ def get(name: str) -> Strategy:
     if name not in NAMES:
         raise ConfigError(f"unknown strategy {name!r}; valid strategies: {', '.join(NAMES)}")
     return Strategy(importlib.import_module(f"parallel.strategies.{name}"))
+
+
+def all_strategies() -> list[Strategy]:
+    return [get(n) for n in NAMES]
 
 
 def parse_list(text: str) -> list[str]:

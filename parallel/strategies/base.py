@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -43,3 +44,25 @@ def state_dict(trainable: Trainable) -> dict[str, torch.Tensor]:
 def comm_bytes_predicted(model: nn.Module, config) -> int | None:
     """Textbook bytes a rank sends per step; None where no prediction is offered."""
     return None
+
+
+def extra_measurements(trainable: Trainable, data, config, dist, result) -> dict:
+    """Measurements beyond the loop's, taken after the final parameters are saved (they may train
+    further), e.g. DDP's step time without communication. Stored in the row's `details`."""
+    return {}
+
+
+def ring_allreduce_bytes(payload_bytes: float, world: int) -> float:
+    """Bytes each rank sends to all-reduce `payload_bytes` with a ring: reduce-scatter then all-gather,
+    each moving (N-1)/N of the payload (the nccl-tests busbw convention)."""
+    return 2 * (world - 1) / world * payload_bytes
+
+
+def options_of(options_cls, config):
+    """A strategy's typed Options from config.options, ignoring other strategies' flags."""
+    names = {f.name for f in dataclasses.fields(options_cls)}
+    return options_cls(**{k: v for k, v in config.options.items() if k in names})
+
+
+def grad_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)

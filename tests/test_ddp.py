@@ -1,0 +1,88 @@
+"""DDP under torchrun: 2 gloo processes on loopback (torchrun --standalone picks a free port), each
+launch with a timeout. Launches cost 5-8 s each here, so each one checks several things."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from parallel import cli
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def compare(tmp_path, *args):
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, "-m", "parallel", "compare", "--strategies", "ddp", "--devices", "cpu:2",
+                        "--steps", "5", "--warmup", "1", "--timeout", "120", "--out", str(out), *args],
+                       cwd=ROOT, capture_output=True, text=True, timeout=200)
+    rows = json.loads((out / "results.json").read_text())["rows"] if (out / "results.json").exists() else []
+    return p, rows
+
+
+def test_ddp_matches_single_on_the_mlp_and_counts_its_bytes(tmp_path):
+    # 6 optimiser steps on the same global batch of 64: each rank takes 32. The verdict uses the harness's
+    # tolerance (1% of how far `single` moved the parameters; see harness/equivalence.py), and the
+    # difference itself must be at float-noise level, far below it.
+    p, rows = compare(tmp_path, "--workload", "mlp", "--batch-size", "64")
+    assert p.returncode == 0, p.stdout + p.stderr
+    single, ddp = rows
+    assert ddp["equivalence"]["verdict"] == "match", ddp["equivalence"]
+    assert ddp["equivalence"]["max_abs_diff"] < 0.1 * ddp["equivalence"]["tolerance"]
+    assert ddp["final_loss"] == pytest.approx(single["final_loss"], abs=1e-5)  # all-reduced, not rank 0's
+    # Bytes counted in the communication hook vs the textbook 2(N-1)/N x gradient bytes: within 1%.
+    assert ddp["comm_bytes_per_step"] == pytest.approx(ddp["comm_bytes_predicted"], rel=0.01)
+    assert ddp["comm_bytes_predicted"] == pytest.approx(3_684_362 * 4)  # N=2: exactly the gradient bytes
+    details = ddp["details"]
+    assert details["no_sync_step_ms"] > 0 and details["allreduce_all_grads_ms"] > 0
+    assert details["exposed_comm_ms"] == pytest.approx(details["step_ms"] - details["no_sync_step_ms"])
+
+
+def test_ddp_with_and_without_accumulation_matches_single_on_the_cnn(tmp_path):
+    # --accum 2: each rank's 32 samples as 2 micro-batches of 16, all-reduce on the second only.
+    p, rows = compare(tmp_path, "--workload", "cnn", "--batch-size", "64", "--accum", "1,2")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert [r["variant"] for r in rows] == ["", "accum=1", "accum=2"]
+    for r in rows[1:]:
+        assert r["status"] == "ok" and r["equivalence"]["verdict"] == "match", r["equivalence"]
+        assert r["world_size"] == 2 and r["launcher"] == "torchrun"
+
+
+def test_torchrun_script_runs_and_writes_the_same_results(tmp_path):
+    out = tmp_path / "script"
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        "scripts/ddp.py", "--steps", "3", "--batch-size", "32", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=200)
+    assert p.returncode == 0, p.stdout + p.stderr
+    (row,) = json.loads((out / "results.json").read_text())["rows"]
+    assert row["strategy"] == "ddp" and row["world_size"] == 2 and row["devices"] == "cpu:2"
+    assert p.stdout.count("samples/step") == 1  # only rank 0 prints the table
+
+
+def test_script_without_torchrun_is_a_world_of_one(tmp_path):
+    p = subprocess.run([sys.executable, "scripts/ddp.py", "--steps", "2", "--batch-size", "16", "--devices", "cpu:1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "1 virtual" in p.stdout
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--accum", "0"], "--accum must be at least 1, got 0"),
+        (["--accum", "3"], "global batch 512 is not divisible by world size 2 x accum 3 = 6"),
+        (["--bucket-mb", "-1"], "--bucket-mb must be 0 (torch's default) or more, got -1.0"),
+        (["--prescale", "2"], "--prescale must be 0 or 1, got 2"),
+        (["--accum", "two"], "invalid comma-separated int value: 'two'"),
+    ],
+)
+def test_bad_ddp_options_are_one_line_exit_2(argv, message, tmp_path, capsys):
+    try:
+        code = cli.main(["compare", "--strategies", "ddp", "--devices", "cpu:2", "--out", str(tmp_path / "o"), *argv])
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "o").exists()
