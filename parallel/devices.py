@@ -92,6 +92,12 @@ def synchronizer(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
+def synchronizer_all(devices) -> Callable[[], None]:
+    """One wait for every CUDA device of a list (a no-op for CPU devices)."""
+    syncs = [synchronizer(d) for d in dict.fromkeys(devices) if d.type == "cuda"]
+    return lambda: [s() for s in syncs] and None
+
+
 def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

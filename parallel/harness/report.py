@@ -64,7 +64,7 @@ def notes(rows: list[Row], environment: dict) -> list[str]:
                    "the work costs and saves on this CPU, not what GPUs would do.")
         if environment.get("oversubscribed"):
             out.append("Oversubscribed: more virtual devices than cores; times include contention.")
-    if any((r.efficiency or 0) > 1.0 for r in rows):
+    if any((r.efficiency or 0) > 1.0 and r.world_size > 1 for r in rows):
         out.append("eff. above 100%: a device's share of the batch runs faster per sample than the whole batch "
                    "on one device (it fits the cache better); a real effect of strong scaling on this CPU.")
     if any(r.device_kind == "pass-through" for r in rows):

@@ -8,7 +8,9 @@ stall can move.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -29,6 +31,26 @@ class StepTimer:
     def __exit__(self, *exc) -> None:
         self.synchronize()  # the step's own kernels must have finished
         self.elapsed = self.clock() - self._t0
+
+
+class PhaseTimer:
+    """`with phases("scatter"): ...` times each phase of a step like StepTimer (synchronized clocks) and
+    labels it for the profiler. `medians(skip)` -> {"scatter_ms": ...} over all but the first `skip`."""
+
+    def __init__(self, synchronize: Callable[[], None]):
+        self.synchronize = synchronize
+        self.times: dict[str, list[float]] = defaultdict(list)
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        from torch.autograd.profiler import record_function
+
+        with record_function(name), StepTimer(self.synchronize) as timer:
+            yield
+        self.times[name].append(timer.elapsed)
+
+    def medians(self, skip: int = 0) -> dict[str, float]:
+        return {f"{k}_ms": summarize(v[skip:])["p50_ms"] for k, v in self.times.items() if v[skip:]}
 
 
 def summarize(seconds: Sequence[float]) -> dict[str, float | None]:

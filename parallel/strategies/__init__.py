@@ -22,7 +22,7 @@ from types import ModuleType
 from parallel.errors import ConfigError
 
 # The report lists strategies in this order; `single` is the baseline and always first.
-NAMES = ["single", "ddp"]
+NAMES = ["single", "manual_dp", "data_parallel", "ddp"]
 
 
 def _defaults() -> dict:
