@@ -43,6 +43,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=d.timeout, help=f"seconds per strategy ({d.timeout:g})")
     p.add_argument("--pg-timeout", type=float, default=d.pg_timeout,
                    help=f"seconds a collective may wait ({d.pg_timeout:g})")
+    p.add_argument("--fail-at-step", type=int, default=d.fail_at_step, help="demo/test: raise at this step (-1: never)")
+    p.add_argument("--fail-rank", type=int, default=d.fail_rank, help="demo/test: ... on this rank or worker (0)")
 
 
 _TYPES = {"int": int, "float": float, "str": str}
@@ -108,14 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _finish(config: RunConfig, rows: list[Row], console) -> int:
+def _finish(config: RunConfig, rows: list[Row], console, skipped: dict | None = None) -> int:
     from parallel.devices import environment
     from parallel.harness import report
 
     env = environment(config.spec)
     if config.out:
-        write_results(Path(config.out), dataclasses.asdict(config), env, rows)
-    report.show(rows, env, console)
+        write_results(Path(config.out), dataclasses.asdict(config), env, rows, skipped)
+    report.show(rows, env, console, skipped)
     if config.out:
         console.print(f"results: {config.out}/results.json, results.csv; logs: {config.out}/logs/")
     return 0 if rows and all(r.ok for r in rows) else 1
@@ -126,17 +128,18 @@ def cmd_compare(args, names: list[str], baseline: bool) -> int:
     from parallel.harness.runner import plan, run_strategies
 
     config = config_from_args(args)
+    names, skipped = strategies.resolve(names, config.spec)
     chosen = plan(config, names, baseline)  # every check before the first file is written
     prepare_out(Path(config.out))
     console = make_console()
     env = environment(config.spec)
-    save = lambda rows: write_results(Path(config.out), dataclasses.asdict(config), env, rows)  # noqa: E731
+    save = lambda rows: write_results(Path(config.out), dataclasses.asdict(config), env, rows, skipped)  # noqa: E731
     try:
         rows = run_strategies(config, chosen, baseline=baseline, on_row=save)
     except KeyboardInterrupt:
         console.print(f"[bold red]interrupted[/]: finished rows are in {config.out}/results.json")
         return 130
-    return _finish(config, rows, console)
+    return _finish(config, rows, console, skipped)
 
 
 def cmd_devices() -> int:

@@ -27,6 +27,8 @@ class RunConfig:
     out: str = ""  # "" -> results/run-<time>
     timeout: float = 300.0  # seconds one strategy may take, start-up included
     pg_timeout: float = 60.0  # seconds a collective may wait before the process group gives up
+    fail_at_step: int = -1  # for demos and tests: raise in the training loop at this step ...
+    fail_rank: int = 0  # ... on this rank (or Hogwild worker)
     # Strategies' own knobs by flag name (e.g. {"accum": 2}); each strategy's Options types and checks
     # its own. A list is a sweep: one variant (one report row) per value.
     options: dict = field(default_factory=dict)

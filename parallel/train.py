@@ -23,22 +23,32 @@ from parallel.harness.timing import StepTimer
 class TrainResult:
     losses: list[float]  # the global loss of every step, warm-up included
     step_s: list[float]  # seconds of each timed step (warm-up excluded)
+    timed: tuple[float, float] = (0.0, 0.0)  # perf_counter at the start of the first timed step and the end
+    #                                          of the last (CLOCK_MONOTONIC: comparable across processes)
+    samples_per_s: float | None = None  # set where it is not global batch / median step (Hogwild)
 
 
 class NonFiniteLoss(RuntimeError):
     pass
 
 
+class InjectedFault(RuntimeError):
+    """Raised on purpose (--fail-at-step), to show and test what a crashed rank looks like."""
+
+
 def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult:
     timer = StepTimer(synchronizer(dist.device))
-    losses, step_s = [], []
+    losses, step_s, first = [], [], None
     for step in range(config.warmup + config.steps):
         batch = data.batch(step, dist.rank, dist.world_size)
+        if step == config.fail_at_step and dist.rank == config.fail_rank:
+            raise InjectedFault(f"injected fault at step {step} on rank {dist.rank} (--fail-at-step)")
         with timer, record_function(f"step {step}"):
             loss = strategy.train_step(trainable, batch, dist)
         losses.append(loss.detach().float().reshape(()))
         if step >= config.warmup:
             step_s.append(timer.elapsed)
+            first = timer.started if first is None else first
         if profiler is not None:
             profiler.step()
     # One all-reduce for the whole run, off the clock: each rank's loss is the mean over its equal share.
@@ -46,4 +56,4 @@ def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult
     for step, value in enumerate(global_losses):
         if not math.isfinite(value):
             raise NonFiniteLoss(f"loss is {value} at step {step} of {strategy.name}")
-    return TrainResult(global_losses, step_s)
+    return TrainResult(global_losses, step_s, (first or timer.started, timer.started + timer.elapsed))

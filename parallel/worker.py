@@ -23,7 +23,6 @@ from parallel.dist import Dist
 from parallel.harness.profiling import make_profiler
 from parallel.harness.results import Row, atomic_write
 from parallel.harness.timing import summarize
-from parallel.train import train
 from parallel.workloads import WORKLOADS, SyntheticData
 
 
@@ -47,7 +46,7 @@ def execute(strategy, config: RunConfig, dist: Dist) -> tuple[Row, dict]:
     reset_peak_memory(dist.device)
     trainable = strategy.setup(model, make_optimizer(config), workload.loss, dist, config)
     with make_profiler(config.profile, config.out, strategy.name, dist.rank, dist.device) as prof:
-        result = train(strategy, trainable, data, config, dist, prof)
+        result = strategy.train(strategy, trainable, data, config, dist, prof)
     comm_bytes = trainable.comm_bytes
     state = strategy.state_dict(trainable)
     peak, peak_kind = peak_memory(dist.device)
@@ -65,7 +64,7 @@ def execute(strategy, config: RunConfig, dist: Dist) -> tuple[Row, dict]:
         global_batch=config.batch_size,
         step_ms_p50=stats["p50_ms"],
         step_ms_p95=stats["p95_ms"],
-        samples_per_s=config.batch_size / (stats["p50_ms"] / 1e3),
+        samples_per_s=result.samples_per_s or config.batch_size / (stats["p50_ms"] / 1e3),
         peak_mem_bytes=peak,
         peak_mem_kind=peak_kind,
         comm_bytes_per_step=None if comm_bytes is None else comm_bytes / total_steps,

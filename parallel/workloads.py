@@ -107,13 +107,19 @@ class SyntheticData:
 
     def __init__(self, workload: Workload, seed: int, batch_size: int):
         g = torch.Generator().manual_seed(10_000 + seed)  # independent of the model's init stream
-        size, d = max(workload.dataset_size, batch_size), math.prod(workload.input_shape)
-        teacher = _prototypes(workload.input_shape, workload.classes, g)  # (classes, d)
-        source = torch.randint(0, workload.classes, (size,), generator=g)
-        x = SIGNAL * teacher[source] + torch.randn((size, d), generator=g)  # (N, d)
-        self.y = (x @ teacher.T).argmax(dim=1)  # the teacher's label, (N,)
-        self.x = x.reshape(size, *workload.input_shape)
-        self.batch_size = batch_size
+        self.workload, self.seed, self.batch_size = workload, seed, batch_size
+        self.teacher = _prototypes(workload.input_shape, workload.classes, g)  # (classes, d)
+        self.x, self.y = self._samples(max(workload.dataset_size, batch_size), g)
+
+    def _samples(self, n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        source = torch.randint(0, self.workload.classes, (n,), generator=g)
+        x = SIGNAL * self.teacher[source] + torch.randn((n, self.teacher.shape[1]), generator=g)  # (n, d)
+        y = (x @ self.teacher.T).argmax(dim=1)  # the teacher's label, (n,)
+        return x.reshape(n, *self.workload.input_shape), y
+
+    def heldout(self, n: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+        """n samples never trained on, from the same teacher: for comparing where strategies ended up."""
+        return self._samples(n, torch.Generator().manual_seed(20_000 + self.seed))
 
     def batch(self, step: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """Rank `rank`'s contiguous share of global batch `step` (the whole batch when world_size == 1).
@@ -122,3 +128,12 @@ class SyntheticData:
         start = step * self.batch_size + rank * share
         idx = torch.arange(start, start + share) % self.x.shape[0]
         return self.x[idx], self.y[idx]
+
+
+@torch.no_grad()
+def eval_loss(workload: Workload, state: dict[str, torch.Tensor], seed: int, batch_size: int) -> float:
+    """The loss of parameters `state` on the held-out samples: where a strategy's training ended up."""
+    model = workload.build_model(seed)
+    model.load_state_dict(state)
+    x, y = SyntheticData(workload, seed, batch_size).heldout()
+    return workload.loss(model.eval()(x), y).item()

@@ -34,7 +34,7 @@ def table(rows: list[Row], environment: dict) -> Table:
     t = Table(title=f"{batch} samples/step on {environment['devices']} ({environment['device_kind']})",
               title_justify="left")
     for col in ["strategy", "launch", "devices", "ms p50 (p95)", "samples/s", "speedup", "eff.", "peak mem",
-                "comm/step (pred.)", "loss", "equivalence", "status"]:
+                "comm/step (pred.)", "loss", "eval loss", "equivalence", "status"]:
         t.add_column(col, justify="left" if col in ("strategy", "launch", "devices", "equivalence") else "right",
                      no_wrap=col in ("strategy", "ms p50 (p95)", "equivalence"))
     for r in rows:
@@ -46,14 +46,16 @@ def table(rows: list[Row], environment: dict) -> Table:
         t.add_row(r.label, r.launcher, f"{r.world_size} {r.device_kind}", p50,
                   _num(r.samples_per_s, ",.0f"), _num(r.speedup, ".2f"), _num(r.efficiency, ".0%"),
                   _bytes(r.peak_mem_bytes), f"{_bytes(r.comm_bytes_per_step)} ({_bytes(r.comm_bytes_predicted)})",
-                  _num(r.final_loss, ".4f"), verdict,
+                  _num(r.final_loss, ".4f"), _num(r.eval_loss, ".4f"), verdict,
                   r.status if r.status == "ok" else f"[bold red]{r.status}[/]")
     return t
 
 
-def notes(rows: list[Row], environment: dict) -> list[str]:
+def notes(rows: list[Row], environment: dict, skipped: dict | None = None) -> list[str]:
     """What a reader must know to read the numbers right on this hardware."""
     out = [f"[red]{r.label} {r.status}: {r.error}[/]" for r in rows if r.error]
+    out += [f"{name} skipped: {why}" for name, why in (skipped or {}).items()]
+    out += [f"{r.label}: {r.equivalence.reason}" for r in rows if r.equivalence.verdict == "not-expected"]
     out += [f"[red]{r.label} mismatch: {r.equivalence.reason}[/]" for r in rows
             if r.equivalence.verdict == "mismatch"]
     out += [f"{r.label}: " + ", ".join(f"{k} {_fmt(v)}" for k, v in r.details.items()) for r in rows if r.details]
@@ -77,10 +79,10 @@ def notes(rows: list[Row], environment: dict) -> list[str]:
     return out
 
 
-def show(rows: list[Row], environment: dict, console: Console | None = None) -> None:
+def show(rows: list[Row], environment: dict, console: Console | None = None, skipped: dict | None = None) -> None:
     console = console or make_console()
     console.print(table(rows, environment))
-    for line in notes(rows, environment):
+    for line in notes(rows, environment, skipped):
         console.print(f"- {line}", style="dim", highlight=False)
 
 

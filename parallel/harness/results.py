@@ -40,7 +40,8 @@ class Row:
     peak_mem_kind: str | None = None  # "cuda_max_allocated" | "process_peak_rss"
     comm_bytes_per_step: float | None = None  # bytes one rank sends per optimiser step (measured)
     comm_bytes_predicted: float | None = None  # the textbook figure for the same
-    final_loss: float | None = None
+    final_loss: float | None = None  # training loss of the last step
+    eval_loss: float | None = None  # loss of the final parameters on held-out samples (same for all)
     threads_per_device: int | None = None
     equivalence: Equivalence = field(default_factory=lambda: Equivalence("unchecked"))
     losses: list[float] = field(default_factory=list)
@@ -81,9 +82,10 @@ def atomic_write(path: Path, text: str) -> None:
         raise
 
 
-def write_results(out: Path, config: dict, environment: dict, rows: list[Row]) -> None:
+def write_results(out: Path, config: dict, environment: dict, rows: list[Row], skipped: dict | None = None) -> None:
     out = Path(out)
-    doc = {"config": config, "environment": environment, "rows": [dataclasses.asdict(r) for r in rows]}
+    doc = {"config": config, "environment": environment, "rows": [dataclasses.asdict(r) for r in rows],
+           "skipped": skipped or {}}
     atomic_write(out / "results.json", json.dumps(doc, indent=2))
     buf = io.StringIO()
     names = [f.name for f in dataclasses.fields(Row) if f.name not in CSV_SKIP]

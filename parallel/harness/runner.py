@@ -19,7 +19,7 @@ from parallel import strategies
 from parallel.config import RunConfig
 from parallel.harness import equivalence, launch
 from parallel.harness.results import Equivalence, Row
-from parallel.workloads import WORKLOADS
+from parallel.workloads import WORKLOADS, eval_loss
 
 BASELINE = "single"
 
@@ -74,7 +74,8 @@ def run_strategies(config: RunConfig, chosen: list[tuple], baseline: bool = True
     work = Path(tempfile.mkdtemp(prefix="parallel-"))
     rows: list[Row] = []
     ref_state, tol = None, None
-    initial = WORKLOADS[config.workload].build_model(config.seed).state_dict()
+    workload = WORKLOADS[config.workload]
+    initial = workload.build_model(config.seed).state_dict()
     try:
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                       TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn()) as progress:
@@ -82,11 +83,17 @@ def run_strategies(config: RunConfig, chosen: list[tuple], baseline: bool = True
             for s, variant, cfg in chosen:
                 progress.update(task, description=f"{s.name} {variant} ({s.launch}, {s.world_size(cfg)} dev)")
                 row, state = run_one(s, variant, cfg, work, logs)
+                if state is not None:
+                    row.eval_loss = eval_loss(workload, state, config.seed, config.batch_size)
                 if baseline and s.name == BASELINE and state is not None:
                     ref_state, tol = state, equivalence.tolerance(state, initial)
                     row.equivalence = Equivalence("baseline", 0.0, tol)
                 elif row.status == "ok":
                     row.equivalence = equivalence.judge(s, ref_state, state, tol)
+                    if row.equivalence.verdict == "not-expected" and rows and rows[0].eval_loss:
+                        ratio = row.eval_loss / rows[0].eval_loss
+                        row.equivalence.reason += (f"; converged instead: eval loss {row.eval_loss:.4f} vs "
+                                                   f"single {rows[0].eval_loss:.4f} ({ratio:.2f}x), same samples")
                 rows.append(row)
                 add_relative(rows, rows[0] if baseline and rows[0].status == "ok" else None)
                 on_row(rows)

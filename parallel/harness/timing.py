@@ -21,16 +21,16 @@ class StepTimer:
 
     def __init__(self, synchronize: Callable[[], None], clock: Callable[[], float] = time.perf_counter):
         self.synchronize, self.clock = synchronize, clock
-        self.elapsed = float("nan")
+        self.started = self.elapsed = float("nan")
 
     def __enter__(self) -> StepTimer:
         self.synchronize()  # work queued before the step must not be billed to it
-        self._t0 = self.clock()
+        self.started = self.clock()
         return self
 
     def __exit__(self, *exc) -> None:
         self.synchronize()  # the step's own kernels must have finished
-        self.elapsed = self.clock() - self._t0
+        self.elapsed = self.clock() - self.started
 
 
 class PhaseTimer:

@@ -22,13 +22,16 @@ from types import ModuleType
 from parallel.errors import ConfigError
 
 # The report lists strategies in this order; `single` is the baseline and always first.
-NAMES = ["single", "manual_dp", "data_parallel", "ddp"]
+NAMES = ["single", "manual_dp", "data_parallel", "ddp", "hogwild"]
 
 
 def _defaults() -> dict:
+    from parallel import train
     from parallel.strategies import base
 
     return {
+        "train": train.train,
+        "available": base.available,
         "world_size": base.world_size,
         "check": base.check,
         "device_kind": base.device_kind,
@@ -99,9 +102,21 @@ def all_strategies() -> list[Strategy]:
 
 def parse_list(text: str) -> list[str]:
     """`a,b` -> ["a", "b"], validated, duplicates dropped; `all` -> every strategy."""
-    names = NAMES if text.strip() == "all" else [n.strip() for n in text.split(",") if n.strip()]
+    names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise ConfigError(f"--strategies is empty; valid strategies: {', '.join(NAMES)}")
     for n in names:
-        get(n)
+        n == "all" or get(n)
     return list(dict.fromkeys(names))
+
+
+def resolve(names: list[str], spec) -> tuple[list[str], dict[str, str]]:
+    """(strategies to run, {skipped: why}). `all` means every strategy that can run on `spec`; one named
+    explicitly that cannot is an error."""
+    run, skipped = [], {}
+    for n in NAMES if "all" in names else names:
+        why = get(n).available(spec)
+        if why and "all" not in names:
+            raise ConfigError(f"{n} cannot run on {spec}: {why}")
+        (skipped.__setitem__(n, why) if why else run.append(n))
+    return run, skipped

@@ -27,6 +27,11 @@ def world_size(config) -> int:
     return config.world_size
 
 
+def available(spec) -> str | None:
+    """None if the strategy can run on these devices, else the one-line reason it cannot."""
+    return None
+
+
 def check(config) -> None:
     """Raise ConfigError when the strategy cannot run this config (e.g. an indivisible batch)."""
 
