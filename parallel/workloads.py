@@ -37,6 +37,10 @@ class MLP(nn.Module):
     def forward(self, x):  # (B, 512) -> (B, 10)
         return self.layers(x)
 
+    def pipeline_layers(self) -> list[nn.Module]:
+        """The layers forward() runs one after another: what model/pipeline parallelism split."""
+        return list(self.layers)
+
 
 class LeNet(nn.Module):
     """The LeNet-size CNN (28x28x1, conv 6/12, fc 120/60/10): 30k parameters and a lot of
@@ -57,6 +61,10 @@ class LeNet(nn.Module):
 
     def forward(self, x):  # (B, 1, 28, 28) -> (B, 10)
         return self.classifier(self.features(x))
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        """The layers forward() runs one after another: what model/pipeline parallelism split."""
+        return [*self.features, *self.classifier]
 
 
 @dataclass(frozen=True)

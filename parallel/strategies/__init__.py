@@ -22,7 +22,7 @@ from types import ModuleType
 from parallel.errors import ConfigError
 
 # The report lists strategies in this order; `single` is the baseline and always first.
-NAMES = ["single", "manual_dp", "data_parallel", "ddp", "hogwild"]
+NAMES = ["single", "manual_dp", "data_parallel", "ddp", "hogwild", "model_parallel", "pipeline"]
 
 
 def _defaults() -> dict:
@@ -82,7 +82,8 @@ class Strategy:
         out = []
         for combo in itertools.product(*lists.values()):
             chosen = dict(zip(lists, combo, strict=True))
-            label = ",".join(f"{k}={chosen[k]:g}" for k in swept)
+            label = ",".join(f"{k}={chosen[k]:g}" if isinstance(chosen[k], float) else f"{k}={chosen[k]}"
+                             for k in swept)
             out.append((label, dataclasses.replace(config, options=chosen)))
         return out
 

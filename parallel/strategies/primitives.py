@@ -78,10 +78,15 @@ class DeviceThreads:
         self.devices = list(devices)
         self._inbox = [queue.SimpleQueue() for _ in self.devices]
         self._done: queue.SimpleQueue = queue.SimpleQueue()
-        for i, inbox in enumerate(self._inbox):
-            threading.Thread(target=_serve, args=(inbox, self._done, threads_per_device), daemon=True,
-                             name=f"device-{device_label(self.devices[i], i)}").start()
-        weakref.finalize(self, _stop, self._inbox)  # the threads end when the pool is dropped
+        self._threads = [threading.Thread(target=_serve, args=(inbox, self._done, threads_per_device), daemon=True,
+                                          name=f"device-{device_label(self.devices[i], i)}")
+                         for i, inbox in enumerate(self._inbox)]
+        for t in self._threads:
+            t.start()
+        # The threads end, and are joined, when the pool is dropped or at exit: a thread that ran torch
+        # ops and is still alive when the interpreter ends aborts it ("terminate called without an
+        # active exception").
+        weakref.finalize(self, _stop, self._inbox, self._threads)
 
     def run(self, fns: Sequence[Callable], inputs: Sequence) -> list:
         # Grad mode and autocast are thread-local: carry the caller's into each device thread.
@@ -115,9 +120,12 @@ def _serve(inbox: queue.SimpleQueue, done: queue.SimpleQueue, threads_per_device
             done.put((i, False, e))
 
 
-def _stop(inboxes) -> None:
+def _stop(inboxes, threads) -> None:
     for inbox in inboxes:
         inbox.put(None)
+    for t in threads:
+        if t is not threading.current_thread():
+            t.join(timeout=10)
 
 
 def parallel_apply(fns: Sequence[Callable], inputs: Sequence, devices: Sequence[torch.device],

@@ -1,0 +1,90 @@
+"""model_parallel: the model's layers cut into K stages on K devices; one stage busy at a time.
+
+    python scripts/model_parallel.py --devices cpu:2 [--balance time|params]
+
+    time ->  stage 0: F . . B      (device 0 idle while device 1 works, and back)
+             stage 1: . F B .
+
+This is what to do when a model does not fit one device, done naively: the activations travel from
+stage to stage, and every device waits while the others work, so the idle fraction is (p-1)/p. Its cost
+over `single` is only the copies between devices; `pipeline` fills the idle time with micro-batches.
+The stages are balanced by measured time (default) or by parameter count (--balance params): on the
+CNN the convolutions hold few parameters but most of the work, so counting parameters unbalances it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from parallel.devices import synchronizer
+from parallel.errors import ConfigError
+from parallel.strategies.base import Trainable, options_of
+from parallel.strategies.stages import ActivationMeter, Busy, split, stage_backward, stage_forward
+
+NAME = "model_parallel"
+LAUNCH = "inprocess"
+SYNCHRONOUS = True
+
+
+@dataclass
+class Options:
+    balance: str = field(default="time", metadata={"help": "split stages by measured 'time' or by 'params'"})
+
+    def __post_init__(self):
+        if self.balance not in ("time", "params"):
+            raise ConfigError(f"--balance must be time or params, got {self.balance!r}")
+
+
+def setup_stages(model, make_optimizer, loss_fn, config, sample_size: int, balance: str) -> Trainable:
+    """Shared with `pipeline`: split the model over the devices, one device's share of the cores for the
+    main thread (it runs or coordinates the stages), activation meters and busy clocks per stage."""
+    from parallel.workloads import WORKLOADS
+
+    spec = config.spec
+    devices = [spec.device(i) for i in range(config.world_size)]
+    torch.set_num_threads(spec.threads_per_device())
+    g = torch.Generator().manual_seed(0)  # timing input only; leaves the global RNG alone
+    sample = torch.randn((sample_size, *WORKLOADS[config.workload].input_shape), generator=g).to(devices[0])
+    sp = split(model, devices, balance, sample)
+    return Trainable(model, make_optimizer(model.parameters()), loss_fn, devices[0], comm_bytes=0,
+                     extra={"split": sp, "meters": [ActivationMeter(s) for s in sp.stages],
+                            "busy": Busy(len(devices), [synchronizer(d) for d in devices])})
+
+
+def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
+    return setup_stages(model, make_optimizer, loss_fn, config, config.batch_size, options_of(Options, config).balance)
+
+
+def train_step(t: Trainable, batch, dist):
+    sp, busy, meters = t.extra["split"], t.extra["busy"], t.extra["meters"]
+    x, y = batch
+    last = len(sp.stages) - 1
+    t.optimizer.zero_grad(set_to_none=True)
+    saved, h = [], x
+    for s, (stage, device) in enumerate(zip(sp.stages, sp.devices, strict=True)):  # forward, stage by stage
+        with busy(s):
+            inp, h = stage_forward(stage, h, device, s == 0, meters[s])
+            if s == last:
+                h = t.loss_fn(h, y.to(device))
+        saved.append((inp, h))
+        t.comm_bytes += 2 * inp.numel() * inp.element_size() if s else 0  # activation in, its gradient back
+    grad = None
+    for s in reversed(range(len(sp.stages))):  # backward, last stage first
+        with busy(s):
+            grad = stage_backward(*saved[s], grad)
+    t.optimizer.step()
+    busy.end_step()
+    return saved[last][1].detach()
+
+
+def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
+    return stage_details(t, config, microbatches=1)
+
+
+def stage_details(t: Trainable, config, microbatches: int) -> dict:
+    sp, steps = t.extra["split"], config.warmup + config.steps
+    return {"balance": sp.balance, "stages": sp.describe(), "stage_param_bytes": sp.param_bytes(),
+            "stage_activation_bytes": [m.bytes // steps for m in t.extra["meters"]],  # held at the end of forward
+            **t.extra["busy"].summary(config.warmup, len(sp.stages), microbatches)}

@@ -1,0 +1,171 @@
+"""pipeline: model_parallel's stages over m micro-batches, GPipe (Huang et al. 2019) or 1F1B (PipeDream).
+
+    python scripts/pipeline.py --devices cpu:2 --microbatches 8 [--schedule gpipe|1f1b]
+
+    gpipe  stage 0:  F1 F2 F3 F4 .  .  .  .  B4 B3 B2 B1     p = 2 stages, m = 4 micro-batches
+           stage 1:  .  F1 F2 F3 F4 B4 B3 B2 B1 .  .  .      idle ("bubble") = (p-1)/(m+p-1) = 1/5
+    1f1b   stage 0:  F1 F2 .  B1 F3 B2 F4 B3 .  B4           same bubble in theory; at most p micro-
+           stage 1:  .  F1 B1 F2 B2 F3 B3 F4 B4 .            batches of activations held, not m
+
+The global batch is cut into m micro-batches. Each stage has its own long-lived thread (on GPUs, its
+own device and stream) that runs its list of F and B operations in order, waiting for its neighbour's
+activations or gradients: while stage 1 works on micro-batch 1, stage 0 already runs micro-batch 2.
+Micro-batch j's loss is weighted by its share of the batch, so the gradients the micro-batches
+accumulate add up to the gradient of the whole batch and the one optimiser step equals `single`'s.
+
+The theory assumes every stage has the same forward:backward ratio. The CNN's first stage (conv1) is
+forward-heavy and its second (conv2's backward) backward-heavy: GPipe then runs its forward phase at
+stage 0's pace and its backward phase at stage 1's, and idles more than (p-1)/(m+p-1); 1F1B's steady
+state pays F+B per micro-batch on every stage, which balances them.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from parallel.errors import ConfigError
+from parallel.strategies.base import Trainable, options_of
+from parallel.strategies.model_parallel import Options as SplitOptions
+from parallel.strategies.model_parallel import setup_stages, stage_details
+from parallel.strategies.primitives import DeviceThreads
+from parallel.strategies.stages import stage_backward, stage_forward
+
+NAME = "pipeline"
+LAUNCH = "inprocess"
+SYNCHRONOUS = True
+
+
+@dataclass
+class Options(SplitOptions):
+    microbatches: int = field(default=8, metadata={"help": "micro-batches per step (GPipe's m)"})
+    schedule: str = field(default="gpipe", metadata={"help": "gpipe (all F, then all B) or 1f1b"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.microbatches < 1:
+            raise ConfigError(f"--microbatches must be at least 1, got {self.microbatches}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+
+
+def gpipe(s: int, p: int, m: int) -> list[tuple[str, int]]:
+    """Every forward, then every backward, last micro-batch first."""
+    return [("F", j) for j in range(m)] + [("B", j) for j in reversed(range(m))]
+
+
+def one_f_one_b(s: int, p: int, m: int) -> list[tuple[str, int]]:
+    """Warm-up: p-1-s forwards; steady state: one forward, one backward; cool-down: the backwards left."""
+    warm = min(p - 1 - s, m)
+    ops = [("F", j) for j in range(warm)]
+    for j in range(warm, m):
+        ops += [("F", j), ("B", j - warm)]
+    return ops + [("B", j) for j in range(m - warm, m)]
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+def check(config) -> None:
+    m = options_of(Options, config).microbatches
+    if m > config.batch_size:
+        raise ConfigError(f"--microbatches {m} is more than the global batch {config.batch_size}")
+
+
+def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
+    opts = options_of(Options, config)
+    micro = -(-config.batch_size // opts.microbatches)  # balance the stages at the size they will run
+    t = setup_stages(model, make_optimizer, loss_fn, config, micro, opts.balance)
+    sp = t.extra["split"]
+    p, m = len(sp.stages), opts.microbatches
+    t.extra.update(m=m, timeout=config.pg_timeout, ops=[SCHEDULES[opts.schedule](s, p, m) for s in range(p)],
+                   pool=DeviceThreads(sp.devices, config.spec.threads_per_device()))
+    return t
+
+
+@dataclass
+class _Step:
+    """What the stage threads share during one step."""
+
+    xs: list
+    ys: list
+    weights: list[float]
+    fwd: list  # fwd[s]: activations arriving at stage s
+    bwd: list  # bwd[s]: gradients arriving at stage s
+    losses: list
+    timeout: float
+    moved: list = field(default_factory=lambda: [0] * 64)  # bytes stage s received and sent back
+    peak: list = field(default_factory=lambda: [0] * 64)  # most activation bytes stage s held at once
+    abort: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+    def recv(self, q: queue.SimpleQueue):
+        """Wait for a neighbour's tensor; give up if another stage failed or after the timeout."""
+        deadline = time.monotonic() + self.timeout
+        while not self.abort.is_set():
+            try:
+                return q.get(timeout=0.05)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no tensor from the neighbouring stage in {self.timeout:g} s") from None
+        raise RuntimeError("stopped: another stage failed")
+
+
+def _run_stage(t: Trainable, st: _Step, s: int) -> None:
+    """Stage s's operations for one step, in stage s's thread, in its schedule's order."""
+    sp, busy, meter = t.extra["split"], t.extra["busy"], t.extra["meters"][s]
+    stage, device, last = sp.stages[s], sp.devices[s], s == len(sp.stages) - 1
+    saved, held = {}, {}  # micro-batch -> (input, output); -> activation bytes it holds
+    try:
+        for op, j in t.extra["ops"][s]:
+            if op == "F":
+                x = st.xs[j] if s == 0 else st.recv(st.fwd[s])
+                before = meter.bytes
+                with busy(s):
+                    inp, out = stage_forward(stage, x, device, s == 0, meter)
+                    if last:
+                        out = t.loss_fn(out, st.ys[j].to(device)) * st.weights[j]  # sum over j = the batch mean
+                        st.losses[j] = out.detach()
+                saved[j], held[j] = (inp, out), meter.bytes - before
+                st.peak[s] = max(st.peak[s], sum(held.values()))
+                st.moved[s] += 2 * inp.numel() * inp.element_size() if s else 0  # activation in, gradient back
+                if not last:
+                    st.fwd[s + 1].put(out.detach())
+            else:
+                grad = None if last else st.recv(st.bwd[s])
+                with busy(s):
+                    grad = stage_backward(*saved.pop(j), grad)
+                held.pop(j)
+                if s > 0:
+                    st.bwd[s - 1].put(grad)
+    except BaseException as e:
+        st.error = st.error or e  # the first failure is the cause; the others only stopped
+        st.abort.set()
+        raise
+
+
+def train_step(t: Trainable, batch, dist):
+    sp, m = t.extra["split"], t.extra["m"]
+    x, y = batch  # the global batch; stage 0 takes it micro-batch by micro-batch
+    xs, ys = list(x.chunk(m)), list(y.chunk(m))
+    p = len(sp.stages)
+    st = _Step(xs, ys, [len(c) / len(y) for c in ys], [queue.SimpleQueue() for _ in range(p)],
+               [queue.SimpleQueue() for _ in range(p)], [None] * len(xs), t.extra["timeout"])
+    t.optimizer.zero_grad(set_to_none=True)
+    try:
+        t.extra["pool"].run([lambda s: _run_stage(t, st, s)] * p, list(range(p)))
+    except RuntimeError as e:
+        raise RuntimeError(f"pipeline stage failed: {type(st.error).__name__}: {st.error}") from e
+    t.optimizer.step()
+    t.extra["busy"].end_step()
+    t.comm_bytes += sum(st.moved)
+    t.extra["peak"] = [max(a, b) for a, b in zip(t.extra.get("peak", [0] * p), st.peak, strict=False)]
+    return torch.stack(st.losses).sum()
+
+
+def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
+    return {**stage_details(t, config, microbatches=t.extra["m"]), "stage_peak_activation_bytes": t.extra["peak"]}

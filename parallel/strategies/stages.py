@@ -1,0 +1,179 @@
+"""What model parallelism and its pipelined form share: cutting a model into K contiguous stages, one
+per device, balanced by measured time (or by parameter count), and counting what each stage holds.
+
+    layers:   [conv1 relu pool conv2 relu pool flatten | fc1 relu fc2 relu fc3]
+    stages:    stage 0 on device 0                     | stage 1 on device 1
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from parallel.errors import ConfigError
+from parallel.harness.timing import StepTimer
+
+
+def layers_of(model: nn.Module) -> list[nn.Module]:
+    if not hasattr(model, "pipeline_layers"):
+        raise ConfigError(f"{type(model).__name__} does not say how to split it (no pipeline_layers())")
+    return model.pipeline_layers()
+
+
+def _median_time(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps + 1):  # the first is warm-up
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def measure_layers(layers: list[nn.Module], x: torch.Tensor, reps: int = 5) -> tuple[list[float], list[float]]:
+    """(seconds of forward + backward of each layer alone on its real input, seconds to move its output to
+    the next device and the gradient back: two copies), medians of `reps`. The first layer's input needs
+    no gradient, as in training (for conv1 that gradient would be most of the cost)."""
+    costs, moves = [], []
+    for i, layer in enumerate(layers):
+        a = x.detach().requires_grad_(i > 0)
+        costs.append(_median_time(functools.partial(_fwd_bwd, layer, a), reps))
+        layer.zero_grad(set_to_none=True)
+        x = layer(a).detach()
+        moves.append(_median_time(functools.partial(_copy_twice, x), reps))
+    return costs, moves
+
+
+def _fwd_bwd(layer: nn.Module, a: torch.Tensor) -> None:
+    y = layer(a)
+    y.backward(torch.ones_like(y))
+
+
+def _copy_twice(x: torch.Tensor) -> None:
+    x.clone(), x.clone()  # the activation there and its gradient back
+
+
+def partition(costs: list[float], k: int, moves: list[float] | None = None) -> list[int]:
+    """Bounds [0, ..., n] of the contiguous split into k parts with the smallest largest part (exact, by
+    dynamic programming over prefix sums): part i is costs[bounds[i]:bounds[i+1]], plus, for a part that
+    starts at layer a > 0, moves[a-1]: what bringing its input over (and the gradient back) costs."""
+    n = len(costs)
+    if not 1 <= k <= n:
+        raise ConfigError(f"cannot split {n} layers into {k} stages")
+    moves = moves or [0.0] * n
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def part(a: int, b: int) -> float:
+        return prefix[b] - prefix[a] + (moves[a - 1] if a else 0.0)
+
+    best = {(0, 0): (0.0, [])}  # (parts, layers used) -> (largest part, cut points)
+    for parts in range(1, k + 1):
+        for used in range(parts, n - (k - parts) + 1):
+            best[(parts, used)] = min(
+                ((max(best[(parts - 1, cut)][0], part(cut, used)), best[(parts - 1, cut)][1] + [cut])
+                 for cut in range(parts - 1, used) if (parts - 1, cut) in best), key=lambda v: v[0])
+    return best[(k, n)][1] + [n]
+
+
+@dataclass
+class Split:
+    stages: list[nn.Sequential]  # stage i lives on devices[i]; its layers are the model's own objects
+    devices: list[torch.device]
+    bounds: list[int]  # stage i = layers[bounds[i]:bounds[i+1]]
+    balance: str
+
+    def describe(self) -> str:
+        return " | ".join(f"{a}-{b - 1}" for a, b in zip(self.bounds[:-1], self.bounds[1:], strict=True))
+
+    def param_bytes(self) -> list[int]:
+        return [sum(p.numel() * p.element_size() for p in s.parameters()) for s in self.stages]
+
+
+def split(model: nn.Module, devices: list[torch.device], balance: str, sample: torch.Tensor) -> Split:
+    """Cut `model` into len(devices) stages and move each to its device (parameters stay the model's own,
+    so model.state_dict() still names and holds them)."""
+    layers = layers_of(model)
+    if balance == "time":
+        costs, moves = measure_layers(layers, sample)
+        bounds = partition(costs, len(devices), moves)
+    else:
+        bounds = partition([float(sum(p.numel() for p in layer.parameters())) for layer in layers], len(devices))
+    stages = [nn.Sequential(*layers[a:b]).to(d) for a, b, d in zip(bounds[:-1], bounds[1:], devices, strict=True)]
+    return Split(stages, devices, bounds, balance)
+
+
+class ActivationMeter:
+    """Bytes autograd saves for backward while a stage runs forward (its activation memory), leaving
+    out the parameters it also saves. Use: `with meter: y = stage(x)`."""
+
+    def __init__(self, stage: nn.Module):
+        self.params = {p.data_ptr() for p in stage.parameters()}
+        self.bytes = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if t.data_ptr() not in self.params:
+            self.bytes += t.numel() * t.element_size()
+        return t
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+
+def stage_forward(stage: nn.Module, x: torch.Tensor, device: torch.device, first: bool, meter: ActivationMeter):
+    """Run one stage on its device. The input is copied there (the transfer between devices; a real
+    copy on virtual devices too) and cut from the previous stage's graph, so that each stage's backward
+    runs on its own (thread). Returns (input, output)."""
+    inp = x.to(device, copy=True).detach().requires_grad_(not first)
+    with meter:
+        return inp, stage(inp)
+
+
+def stage_backward(inp: torch.Tensor, out: torch.Tensor, grad_out: torch.Tensor | None) -> torch.Tensor | None:
+    """Backward through one stage (grad_out None: `out` is the weighted loss); returns the gradient for
+    the previous stage's output. The incoming gradient is copied to this stage's device: the transfer
+    back, mirroring stage_forward's."""
+    out.backward(None if grad_out is None else grad_out.to(out.device, copy=True))
+    return inp.grad
+
+
+class Busy:
+    """Busy intervals of each stage within a step, on a shared clock: `with busy(s): ...`. The bubble is
+    the mean fraction of the step's span during which a stage had nothing to do."""
+
+    def __init__(self, stages: int, synchronizers):
+        self.syncs = synchronizers
+        self.intervals: list[list[tuple[float, float]]] = [[] for _ in range(stages)]
+        self.bubbles: list[float] = []
+        self.busy_ms: list[list[float]] = []
+
+    @contextlib.contextmanager
+    def __call__(self, s: int):
+        with StepTimer(self.syncs[s]) as timer:
+            yield
+        self.intervals[s].append((timer.started, timer.started + timer.elapsed))  # only stage s's thread appends
+
+    def end_step(self) -> None:
+        spans = [iv for stage in self.intervals for iv in stage]
+        span = max(e for _, e in spans) - min(b for b, _ in spans)
+        busy = [sum(e - b for b, e in stage) for stage in self.intervals]
+        self.bubbles.append(sum(1 - b / span for b in busy) / len(busy))
+        self.busy_ms.append([b * 1e3 for b in busy])
+        self.intervals = [[] for _ in self.intervals]
+
+    def summary(self, skip: int, p: int, m: int) -> dict:
+        kept = self.bubbles[skip:] or self.bubbles
+        per_stage = list(zip(*(self.busy_ms[skip:] or self.busy_ms), strict=True))
+        return {"bubble_measured": statistics.median(kept), "bubble_theory": (p - 1) / (m + p - 1),
+                "stage_busy_ms": [round(statistics.median(s), 2) for s in per_stage]}

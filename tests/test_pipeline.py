@@ -1,0 +1,123 @@
+"""Model parallel and pipeline: the split, the schedules, parity with `single`, failures that do not hang."""
+
+import itertools
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from parallel import cli, strategies
+from parallel.config import RunConfig
+from parallel.dist import Dist
+from parallel.harness import equivalence
+from parallel.strategies import pipeline, stages
+from parallel.worker import execute
+from parallel.workloads import WORKLOADS
+from tests.conftest import ROOT
+
+
+def check_matches_single(name, workload, **options):
+    # 6 optimiser steps on a global batch of 32 split over 2 stages. Tolerance: the harness's, 1% of how
+    # far `single` moved the parameters (harness/equivalence.py). model_parallel does the same arithmetic
+    # as `single`; the pipeline sums m micro-batch gradients instead of one batch's, so float noise only.
+    config = RunConfig(workload=workload, devices="cpu:2", batch_size=32, steps=5, warmup=1, options=options).validate()
+    row, state = execute(strategies.get(name), config, Dist())
+    _, ref = execute(strategies.get("single"), config, Dist())
+    tol = equivalence.tolerance(ref, WORKLOADS[workload].build_model(0).state_dict())
+    verdict = equivalence.judge(strategies.get(name), ref, state, tol)
+    assert verdict.verdict == "match" and verdict.max_abs_diff < 0.1 * tol, verdict
+    return row
+
+
+@pytest.mark.parametrize("workload", ["mlp", "cnn"])
+def test_model_parallel_matches_single(workload):
+    row = check_matches_single("model_parallel", workload)
+    d = row.details
+    assert d["bubble_theory"] == 0.5 and 0 < d["bubble_measured"] < 1  # one stage busy at a time
+    assert len(d["stage_param_bytes"]) == 2 and all(b > 0 for b in d["stage_activation_bytes"])
+
+
+@pytest.mark.parametrize("workload", ["mlp", "cnn"])
+@pytest.mark.parametrize("microbatches, schedule", [(1, "gpipe"), (4, "gpipe"), (8, "gpipe"), (4, "1f1b"), (8, "1f1b")])
+def test_pipeline_matches_single(workload, microbatches, schedule):
+    row = check_matches_single("pipeline", workload, microbatches=microbatches, schedule=schedule)
+    assert row.details["bubble_theory"] == pytest.approx(1 / (microbatches + 1))
+
+
+def test_1f1b_holds_fewer_activations_than_gpipe():
+    peaks = {}
+    for schedule in ("gpipe", "1f1b"):
+        config = RunConfig(workload="cnn", devices="cpu:2", batch_size=64, steps=2, warmup=0,
+                           options={"microbatches": 8, "schedule": schedule}).validate()
+        peaks[schedule] = execute(strategies.get("pipeline"), config, Dist())[0].details["stage_peak_activation_bytes"]
+    # Stage 0 holds all 8 micro-batches under GPipe, at most p = 2 under 1F1B; stage 1 (last) holds 1.
+    assert peaks["1f1b"][0] * 4 == peaks["gpipe"][0] and peaks["1f1b"][1] * 8 == peaks["gpipe"][1]
+
+
+def test_partition_is_the_best_contiguous_split():
+    rng = random.Random(0)
+    for _ in range(50):
+        costs = [rng.random() for _ in range(rng.randint(2, 9))]
+        k = rng.randint(1, len(costs))
+        bounds = stages.partition(costs, k)
+        worst = max(sum(costs[a:b]) for a, b in itertools.pairwise(bounds))
+        brute = min(max(sum(costs[a:b]) for a, b in itertools.pairwise((0, *cuts, len(costs))))
+                    for cuts in itertools.combinations(range(1, len(costs)), k - 1))
+        assert bounds[0] == 0 and bounds[-1] == len(costs) and worst == pytest.approx(brute)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_schedules_run_every_micro_batch_forward_then_backward(schedule):
+    for p, m in [(2, 1), (2, 8), (4, 3), (4, 8)]:
+        for s in range(p):
+            ops = pipeline.SCHEDULES[schedule](s, p, m)
+            assert sorted(ops) == sorted([("F", j) for j in range(m)] + [("B", j) for j in range(m)])
+            assert all(ops.index(("F", j)) < ops.index(("B", j)) for j in range(m))
+            live = max(sum(1 for op, j in ops[:i] if op == "F") - sum(1 for op, j in ops[:i] if op == "B")
+                       for i in range(len(ops) + 1))
+            assert live == (m if schedule == "gpipe" else min(p - s, m))
+
+
+def test_a_failing_stage_fails_the_step_without_hanging(monkeypatch):
+    config = RunConfig(workload="cnn", devices="cpu:2", batch_size=32, steps=2, warmup=0, pg_timeout=5,
+                       options={"microbatches": 4}).validate()
+    real = stages.stage_forward
+
+    def fragile(stage, x, device, first, meter):
+        if not first:
+            raise ValueError("stage 1 broke")
+        return real(stage, x, device, first, meter)
+
+    monkeypatch.setattr(pipeline, "stage_forward", fragile)
+    with pytest.raises(RuntimeError, match="pipeline stage failed: ValueError: stage 1 broke"):
+        execute(strategies.get("pipeline"), config, Dist())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--microbatches", "0"], "--microbatches must be at least 1, got 0"),
+    (["--schedule", "zigzag"], "--schedule must be one of gpipe, 1f1b, got 'zigzag'"),
+    (["--balance", "luck"], "--balance must be time or params, got 'luck'"),
+    (["--microbatches", "1024"], "--microbatches 1024 is more than the global batch 512"),
+])
+def test_bad_pipeline_options_are_one_line_exit_2(argv, message, tmp_path, capsys):
+    code = cli.main(["compare", "--strategies", "pipeline", "--devices", "cpu:2", "--out", str(tmp_path / "o"), *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and message in err[0], err
+
+
+def test_scripts_run(tmp_path):
+    for name in ("model_parallel", "pipeline"):
+        p = subprocess.run([sys.executable, f"scripts/{name}.py", "--steps", "2", "--batch-size", "32",
+                            "--devices", "cpu:2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        assert "bubble_measured" in p.stdout
+
+
+def test_balance_by_params_puts_the_convolutions_together():
+    # The CNN's convolutions hold 2k of its 30k parameters: counting parameters puts them all (and the
+    # first linear layer's share) in one stage, whatever their cost.
+    model = WORKLOADS["cnn"].build_model(0)
+    sp = stages.split(model, [torch.device("cpu")] * 2, "params", torch.zeros(4, 1, 28, 28))
+    assert sp.describe() == "0-7 | 8-11" and sp.balance == "params"
