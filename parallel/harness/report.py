@@ -87,6 +87,6 @@ def show(rows: list[Row], environment: dict, console: Console | None = None, ski
 
 
 def make_console() -> Console:
-    """A terminal's own width; 160 columns when written to a file or a pipe (rich would use 80)."""
+    """A terminal's own width; 200 columns when written to a file or a pipe (rich would use 80)."""
     console = Console()
-    return console if console.is_terminal else Console(width=160)
+    return console if console.is_terminal else Console(width=200)
