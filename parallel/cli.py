@@ -13,12 +13,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
 import time
 from pathlib import Path
 
 from parallel import strategies
 from parallel.config import ConfigError, RunConfig
+from parallel.harness import launch
 from parallel.harness.report import make_console
 from parallel.harness.results import Equivalence, Row, write_results
 
@@ -43,8 +45,15 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=d.timeout, help=f"seconds per strategy ({d.timeout:g})")
     p.add_argument("--pg-timeout", type=float, default=d.pg_timeout,
                    help=f"seconds a collective may wait ({d.pg_timeout:g})")
+    p.add_argument("--port", type=int, default=d.port, help="rendezvous port on 127.0.0.1 (0: any free port)")
+    p.add_argument("--max-restarts", type=int, default=d.max_restarts, help="torchrun restarts after a failure (0)")
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
+                   help="save model + optimiser to OUT/checkpoints/ every K steps and at the end (0: never)")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/<strategy>.pt if it exists")
+    p.add_argument("--resume-from", default=d.resume_from, help="continue from this checkpoint (must exist)")
     p.add_argument("--fail-at-step", type=int, default=d.fail_at_step, help="demo/test: raise at this step (-1: never)")
     p.add_argument("--fail-rank", type=int, default=d.fail_rank, help="demo/test: ... on this rank or worker (0)")
+    p.add_argument("--hang-rank", type=int, default=d.hang_rank, help="demo/test: this rank stops responding at step 1")
 
 
 _TYPES = {"int": int, "float": float, "str": str}
@@ -130,16 +139,23 @@ def cmd_compare(args, names: list[str], baseline: bool) -> int:
     config = config_from_args(args)
     names, skipped = strategies.resolve(names, config.spec)
     chosen = plan(config, names, baseline)  # every check before the first file is written
+    if config.port:
+        launch.loopback_socket(config.port).close()  # a taken port is bad input, found now
     prepare_out(Path(config.out))
     console = make_console()
     env = environment(config.spec)
     save = lambda rows: write_results(Path(config.out), dataclasses.asdict(config), env, rows, skipped)  # noqa: E731
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM (a scheduler, `kill`) stops the run like Ctrl-C
     try:
         rows = run_strategies(config, chosen, baseline=baseline, on_row=save)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the running child's process group is killed on the way out (launch.run_child)
         console.print(f"[bold red]interrupted[/]: finished rows are in {config.out}/results.json")
         return 130
     return _finish(config, rows, console, skipped)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def cmd_devices() -> int:

@@ -27,8 +27,14 @@ class RunConfig:
     out: str = ""  # "" -> results/run-<time>
     timeout: float = 300.0  # seconds one strategy may take, start-up included
     pg_timeout: float = 60.0  # seconds a collective may wait before the process group gives up
+    port: int = 0  # rendezvous port on 127.0.0.1 for torchrun strategies; 0: any free port
+    max_restarts: int = 0  # torchrun --max-restarts for the harness's launches
+    checkpoint_every: int = 0  # save model + optimiser every K steps and at the end (0: never)
+    resume: bool = False  # continue from OUT/checkpoints/<strategy>.pt if it exists (what a restart uses)
+    resume_from: str = ""  # continue from this checkpoint; it must exist
     fail_at_step: int = -1  # for demos and tests: raise in the training loop at this step ...
-    fail_rank: int = 0  # ... on this rank (or Hogwild worker)
+    fail_rank: int = 0  # ... on this rank (or Hogwild worker); only in torchrun's first attempt
+    hang_rank: int = -1  # for demos and tests: this rank stops responding at step 1
     # Strategies' own knobs by flag name (e.g. {"accum": 2}); each strategy's Options types and checks
     # its own. A list is a sweep: one variant (one report row) per value.
     options: dict = field(default_factory=dict)
@@ -55,6 +61,12 @@ class RunConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {value}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be 0 (any free port) or 1..65535, got {self.port}")
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"--checkpoint-every must be 0 (never) or more, got {self.checkpoint_every}")
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
         spec = parse_devices(self.devices)
         world = self.world_size or spec.count
         if world < 1:

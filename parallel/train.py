@@ -10,12 +10,16 @@
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
+import torch.distributed as td
 from torch.autograd.profiler import record_function
 
 from parallel.devices import synchronizer
+from parallel.harness import checkpoint
 from parallel.harness.timing import StepTimer
 
 
@@ -39,10 +43,12 @@ class InjectedFault(RuntimeError):
 def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult:
     timer = StepTimer(synchronizer(dist.device))
     losses, step_s, first = [], [], None
-    for step in range(config.warmup + config.steps):
+    total = config.warmup + config.steps
+    start = checkpoint.resume_point(config, strategy, trainable)
+    for step in range(start, total):
         batch = data.batch(step, dist.rank, dist.world_size)
-        if step == config.fail_at_step and dist.rank == config.fail_rank:
-            raise InjectedFault(f"injected fault at step {step} on rank {dist.rank} (--fail-at-step)")
+        _faults(step, config, dist)
+        _watchdog(config, dist)
         with timer, record_function(f"step {step}"):
             loss = strategy.train_step(trainable, batch, dist)
         losses.append(loss.detach().float().reshape(()))
@@ -51,9 +57,31 @@ def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult
             first = timer.started if first is None else first
         if profiler is not None:
             profiler.step()
+        if config.checkpoint_every and ((step + 1) % config.checkpoint_every == 0 or step == total - 1):
+            checkpoint.save(config, strategy, trainable, step, dist)
     # One all-reduce for the whole run, off the clock: each rank's loss is the mean over its equal share.
     global_losses = dist.all_reduce_mean(torch.stack(losses).cpu()).tolist()
     for step, value in enumerate(global_losses):
         if not math.isfinite(value):
             raise NonFiniteLoss(f"loss is {value} at step {step} of {strategy.name}")
     return TrainResult(global_losses, step_s, (first or timer.started, timer.started + timer.elapsed))
+
+
+def _faults(step: int, config, dist) -> None:
+    """--fail-at-step / --hang-rank, for demos and tests; only in torchrun's first attempt, so that a
+    restarted group can show that it recovers."""
+    if dist.restart:
+        return
+    if step == config.fail_at_step and dist.rank == config.fail_rank:
+        raise InjectedFault(f"injected fault at step {step} on rank {dist.rank} (--fail-at-step)")
+    if step == 1 and dist.rank == config.hang_rank:
+        time.sleep(24 * 3600)  # stop responding; the others' watchdog names this rank
+
+
+def _watchdog(config, dist) -> None:
+    """Before each step of a multi-process run on gloo, all ranks meet at a monitored barrier: a rank
+    that does not arrive within --pg-timeout is named in the error ("Rank 1 failed to pass
+    monitoredBarrier in 5000 ms") instead of a collective failing anonymously (or, without a timeout,
+    hanging for gloo's default 30 minutes). Off the clock; nccl has no monitored_barrier."""
+    if dist.world_size > 1 and td.is_initialized() and td.get_backend() == "gloo":
+        td.monitored_barrier(timeout=timedelta(seconds=config.pg_timeout), wait_all_ranks=True)

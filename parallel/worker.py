@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from parallel import strategies
 from parallel.config import RunConfig
@@ -81,8 +82,7 @@ def execute(strategy, config: RunConfig, dist: Dist) -> tuple[Row, dict]:
 def run_here(strategy, config: RunConfig, dist: Dist | None = None) -> tuple[Row, dict] | None:
     """Join the process group if the strategy needs one, execute, tear down. Rank 0 gets the result."""
     dist = dist or Dist.from_env(config.spec)
-    strategy.options(config)  # a bad option value fails here, before any process group
-    strategy.check(config)
+    strategy.validate(config)  # a bad option fails here, before any process group
     needs_group = strategy.launch == "torchrun"
     if needs_group:
         dist.init(config.pg_timeout)
@@ -94,6 +94,7 @@ def run_here(strategy, config: RunConfig, dist: Dist | None = None) -> tuple[Row
     return (row, state) if dist.is_main else None
 
 
+@record  # under torchrun: the rank's traceback goes to torchrun's error file, and its summary names the rank
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m parallel.worker", description=__doc__)
     p.add_argument("--strategy", required=True)

@@ -1,10 +1,19 @@
 """Start one strategy as a child process, the way a user would, and never wait on it forever.
 
     inprocess, hogwild:  python -m parallel.worker ...
-    torchrun:            python -m torch.distributed.run --standalone --nproc_per_node=N -m parallel.worker ...
+    torchrun:            python -m torch.distributed.run --nnodes=1 --nproc_per_node=N
+                             --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:PORT --rdzv-conf=is_host=false
+                             -m parallel.worker ...
 
 A child per strategy keeps thread settings, process groups and crashes from leaking into the next one.
 Each child is the leader of its own process group, so a timeout kills it *and* its workers.
+
+Loopback only: torch's TCPStore server listens on every interface, whatever host it is given, and
+`torchrun --standalone` hosts two of them (pytorch#173909; seen here with `ss -ltnp`: *:PORT).
+torch.distributed has no authentication, so the harness hosts the rendezvous store itself on a socket
+bound to 127.0.0.1 (TCPStore's master_listen_fd), torchrun joins it as a client (is_host=false), and
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 leaves the workers' store to rank 0, which binds it to loopback
+the same way (Dist.init). Every listening socket of a run is then on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -12,10 +21,12 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 
@@ -27,12 +38,44 @@ class Outcome:
     error: str | None  # the child's last meaningful stderr line, when it failed
 
 
-def command(strategy, config, paths: dict[str, Path]) -> list[str]:
+def loopback_socket(port: int = 0) -> socket.socket:
+    """A listening TCP socket on 127.0.0.1 (port 0: any free one); ConfigError if the port is taken."""
+    from parallel.errors import ConfigError
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"--port {port} on 127.0.0.1 is not free: {e.strerror}") from None
+    sock.listen()
+    return sock
+
+
+class LoopbackStore:
+    """The rendezvous store of one torchrun launch, hosted here and reachable on 127.0.0.1 only."""
+
+    def __init__(self, port: int, timeout_s: float):
+        import torch.distributed as td
+
+        sock = loopback_socket(port)
+        self.port = sock.getsockname()[1]
+        # The store takes the fd over and closes it when it is destroyed: Python must let go of it.
+        self.store = td.TCPStore("127.0.0.1", self.port, is_master=True, wait_for_workers=False, multi_tenant=True,
+                                 timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.detach())
+
+    def close(self) -> None:
+        del self.store
+
+
+def command(strategy, config, paths: dict[str, Path], rdzv_port: int = 0) -> list[str]:
     worker = ["-m", "parallel.worker", "--strategy", strategy.name,
               "--config", str(paths["config"]), "--result", str(paths["result"]), "--state", str(paths["state"])]
     if strategy.launch == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc_per_node={strategy.world_size(config)}", *worker]
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+                f"--nproc_per_node={strategy.world_size(config)}", f"--max-restarts={config.max_restarts}",
+                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{rdzv_port}", "--rdzv-conf=is_host=false",
+                "--local-addr=127.0.0.1", *worker]
     return [sys.executable, *worker]
 
 
@@ -40,10 +83,20 @@ _RANK_ERROR = re.compile(r"^\[rank(\d+)\]: ([\w.]+(?:Error|Exception)\b.*)")
 _ERROR = re.compile(r"^([\w.]+(?:Error|Exception|Interrupt)\b.*)")
 
 
+_ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):\n(.*?)\n={20,}", re.S)
+
+
 def last_error_line(log: str) -> str | None:
-    """The line that says what went wrong. Under torchrun, the first rank's own exception ("rank 1:
-    ValueError: ..."), not torchrun's ChildFailedError that wraps it; else the last exception line;
-    else the last non-empty line."""
+    """The line that says what went wrong. Under torchrun: the root cause of its failure summary (the
+    worker's @record wrote its traceback to torchrun's error file), "rank 1: InjectedFault: ...", not the
+    ChildFailedError that wraps it; else a rank's own exception line; else the last exception line; else
+    the last non-empty line."""
+    if m := _ROOT_CAUSE.search(log):
+        block = [ln.strip() for ln in m.group(1).splitlines() if ln.strip()]
+        rank = next((ln.split(":", 1)[1].split()[0] for ln in block if ln.startswith("rank ")), "?")
+        exc = block[-1].removeprefix("traceback :").strip()
+        name, _, message = exc.partition(":")
+        return f"rank {rank}: {name.rsplit('.', 1)[-1]}:{message}"
     lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
     for ln in lines:
         if m := _RANK_ERROR.match(ln):

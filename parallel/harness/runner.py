@@ -17,7 +17,8 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 
 from parallel import strategies
 from parallel.config import RunConfig
-from parallel.harness import equivalence, launch
+from parallel.errors import ConfigError
+from parallel.harness import checkpoint, equivalence, launch
 from parallel.harness.results import Equivalence, Row
 from parallel.workloads import WORKLOADS, eval_loss
 
@@ -34,7 +35,14 @@ def run_one(strategy, variant: str, config: RunConfig, work: Path, logs: Path) -
     stem = f"{strategy.name}-{variant}" if variant else strategy.name
     paths = {"config": work / f"{stem}.config.json", "result": work / f"{stem}.json", "state": work / f"{stem}.pt"}
     paths["config"].write_text(config.to_json())
-    outcome = launch.run_child(launch.command(strategy, config, paths), config.timeout, logs / f"{stem}.log")
+    store = launch.LoopbackStore(config.port, config.timeout) if strategy.launch == "torchrun" else None
+    try:
+        cmd = launch.command(strategy, config, paths, store.port if store else 0)
+        outcome = launch.run_child(cmd, config.timeout, logs / f"{stem}.log",
+                                   env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if store else None)
+    finally:
+        if store:
+            store.close()
     if outcome.returncode != 0 or not paths["result"].exists():
         outcome.error = outcome.error or "the child wrote no result"
         return _failed_row(strategy, variant, config, outcome), None
@@ -60,8 +68,14 @@ def plan(config: RunConfig, names: list[str], baseline: bool = True) -> list[tup
         names = [BASELINE] + [n for n in names if n != BASELINE]
     chosen = [(s, label, cfg) for s in map(strategies.get, names) for label, cfg in s.variants(config)]
     for s, _, cfg in chosen:
-        s.options(cfg)
-        s.check(cfg)
+        s.validate(cfg)
+    if config.resume_from:  # missing, corrupt or for another model: refused now, not in a child
+        ckpt = checkpoint.load(Path(config.resume_from))
+        try:
+            WORKLOADS[config.workload].build_model(config.seed).load_state_dict(ckpt["model"])
+        except RuntimeError as e:
+            raise ConfigError(f"checkpoint {config.resume_from!r} does not fit the {config.workload} model: "
+                              f"{str(e).splitlines()[0]}") from None
     return chosen
 
 

@@ -40,6 +40,7 @@ def _defaults() -> dict:
         "extra_measurements": base.extra_measurements,
         "Options": None,
         "NOT_EXPECTED_REASON": None,
+        "CHECKPOINTS": True,
     }
 
 
@@ -72,6 +73,14 @@ class Strategy:
                 raise ConfigError(f"{self.name}: --{f.name.replace('_', '-')} takes one value here, "
                                   f"got {config.options[f.name]}")
         return options_of(self.Options, config)  # its __post_init__ raises ConfigError for bad values
+
+    def validate(self, config) -> None:
+        """Every check of this strategy against a config (one variant's): its options, checkpointing,
+        its own check(). ConfigError names what is wrong."""
+        self.options(config)
+        if (config.checkpoint_every or config.resume or config.resume_from) and not self.CHECKPOINTS:
+            raise ConfigError(f"{self.name} cannot checkpoint or resume (--checkpoint-every, --resume)")
+        self.check(config)
 
     def variants(self, config) -> list[tuple[str, object]]:
         """(label, config) for every combination of this strategy's list-valued options, e.g.

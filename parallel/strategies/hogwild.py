@@ -32,6 +32,7 @@ NAME = "hogwild"
 LAUNCH = "hogwild"
 SYNCHRONOUS = False
 NOT_EXPECTED_REASON = "asynchronous: workers update shared parameters without locks, in no fixed order"
+CHECKPOINTS = False  # each worker's optimiser state lives and dies in that worker
 
 
 @dataclass
