@@ -29,3 +29,22 @@ def _restore_threads():
 
 def python() -> str:
     return sys.executable
+
+
+@pytest.fixture
+def refused(tmp_path, capsys):
+    """refused(argv, message): `python -m parallel argv --out X` is bad input: exit 2, exactly one line
+    on stderr containing `message`, and nothing written (X not even created)."""
+    from parallel import cli
+
+    def check(argv: list[str], message: str) -> None:
+        out = tmp_path / "refused-out"
+        try:
+            code = cli.main([*argv, "--out", str(out)])
+        except SystemExit as e:  # argparse's own refusals
+            code = e.code
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and message in err[0], err
+        assert not out.exists()
+
+    return check
