@@ -60,7 +60,7 @@ def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult
         if config.checkpoint_every and ((step + 1) % config.checkpoint_every == 0 or step == total - 1):
             checkpoint.save(config, strategy, trainable, step, dist)
     # One all-reduce for the whole run, off the clock: each rank's loss is the mean over its equal share.
-    global_losses = dist.all_reduce_mean(torch.stack(losses).cpu()).tolist()
+    global_losses = dist.all_reduce_mean(torch.stack(losses).cpu()).tolist() if losses else []
     for step, value in enumerate(global_losses):
         if not math.isfinite(value):
             raise NonFiniteLoss(f"loss is {value} at step {step} of {strategy.name}")

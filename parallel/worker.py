@@ -54,7 +54,7 @@ def execute(strategy, config: RunConfig, dist: Dist) -> tuple[Row, dict]:
     details = strategy.extra_measurements(trainable, data, config, dist, result)  # after the state is saved
 
     stats = summarize(result.step_s)
-    total_steps = config.warmup + config.steps
+    ran = len(result.losses)  # fewer than warmup + steps after a resume
     row = Row(
         strategy=strategy.name,
         variant="",
@@ -65,12 +65,12 @@ def execute(strategy, config: RunConfig, dist: Dist) -> tuple[Row, dict]:
         global_batch=config.batch_size,
         step_ms_p50=stats["p50_ms"],
         step_ms_p95=stats["p95_ms"],
-        samples_per_s=result.samples_per_s or config.batch_size / (stats["p50_ms"] / 1e3),
+        samples_per_s=result.samples_per_s or (stats["p50_ms"] and config.batch_size / (stats["p50_ms"] / 1e3)),
         peak_mem_bytes=peak,
         peak_mem_kind=peak_kind,
-        comm_bytes_per_step=None if comm_bytes is None else comm_bytes / total_steps,
+        comm_bytes_per_step=None if comm_bytes is None or not ran else comm_bytes / ran,
         comm_bytes_predicted=predicted,
-        final_loss=result.losses[-1],
+        final_loss=result.losses[-1] if ran else None,
         threads_per_device=threads // devices_here,
         losses=result.losses,
         step_ms=[s * 1e3 for s in result.step_s],

@@ -205,3 +205,12 @@ def test_interruption_keeps_finished_rows_and_leaves_no_child(sig, tmp_path):
     alive = [pid for pid in before if Path(f"/proc/{pid}").exists() and "Z" not in
              Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]]
     assert alive == []
+
+
+def test_resuming_a_finished_run_does_nothing_and_keeps_its_parameters(tmp_path):
+    base = {"devices": "cpu:2", "batch_size": 32, "steps": 3, "warmup": 0, "out": str(tmp_path)}
+    _, final = execute(strategies.get("single"), RunConfig(**base, checkpoint_every=1).validate(), Dist())
+    again = RunConfig(**base, resume=True).validate()
+    row, state = execute(strategies.get("single"), again, Dist())
+    assert row.losses == [] and row.final_loss is None and row.samples_per_s is None
+    assert all(torch.equal(state[k], final[k]) for k in final)

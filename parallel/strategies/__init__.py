@@ -116,7 +116,8 @@ def parse_list(text: str) -> list[str]:
     if not names:
         raise ConfigError(f"--strategies is empty; valid strategies: {', '.join(NAMES)}")
     for n in names:
-        n == "all" or get(n)
+        if n != "all":
+            get(n)  # raises for an unknown name, listing the valid ones
     return list(dict.fromkeys(names))
 
 

@@ -122,7 +122,7 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
     """Exposed communication = the step time minus the same step with no all-reduce at all (no_sync),
     beside one standalone all-reduce of every gradient at once. The three are timed interleaved, step by
     step, with the loop's clock, so drift of the machine's speed hits all three alike."""
-    buckets = t.extra["buckets"] / (config.warmup + config.steps)
+    buckets = t.extra["buckets"] / max(1, len(result.losses))  # per optimiser step this run took
     flat = torch.zeros(sum(p.numel() for p in t.model.parameters()), device=t.device)  # (all grads,)
     timer = StepTimer(synchronizer(t.device))
     times: dict[str, list[float]] = {"step": [], "no_sync": [], "allreduce": []}

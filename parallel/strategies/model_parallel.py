@@ -80,11 +80,11 @@ def train_step(t: Trainable, batch, dist):
 
 
 def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
-    return stage_details(t, config, microbatches=1)
+    return stage_details(t, config, result, microbatches=1)
 
 
-def stage_details(t: Trainable, config, microbatches: int) -> dict:
-    sp, steps = t.extra["split"], config.warmup + config.steps
+def stage_details(t: Trainable, config, result, microbatches: int) -> dict:
+    sp, steps = t.extra["split"], max(1, len(result.losses))
     return {"balance": sp.balance, "stages": sp.describe(), "stage_param_bytes": sp.param_bytes(),
             "stage_activation_bytes": [m.bytes // steps for m in t.extra["meters"]],  # held at the end of forward
             **t.extra["busy"].summary(config.warmup, len(sp.stages), microbatches)}

@@ -168,4 +168,5 @@ def train_step(t: Trainable, batch, dist):
 
 
 def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
-    return {**stage_details(t, config, microbatches=t.extra["m"]), "stage_peak_activation_bytes": t.extra["peak"]}
+    return {**stage_details(t, config, result, microbatches=t.extra["m"]),
+            "stage_peak_activation_bytes": t.extra.get("peak", [])}

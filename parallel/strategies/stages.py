@@ -173,6 +173,8 @@ class Busy:
         self.intervals = [[] for _ in self.intervals]
 
     def summary(self, skip: int, p: int, m: int) -> dict:
+        if not self.bubbles:
+            return {"bubble_theory": (p - 1) / (m + p - 1)}
         kept = self.bubbles[skip:] or self.bubbles
         per_stage = list(zip(*(self.busy_ms[skip:] or self.busy_ms), strict=True))
         return {"bubble_measured": statistics.median(kept), "bubble_theory": (p - 1) / (m + p - 1),
