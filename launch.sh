@@ -5,6 +5,7 @@
 #   ./launch.sh test [pytest args]  the test suite (gloo on CPU): ruff, then pytest
 #   ./launch.sh run STRATEGY [args] one strategy through the harness       (python -m parallel run)
 #   ./launch.sh devices             what hardware is here
+#   ./launch.sh tensorboard OUT     TensorBoard (with the profiler plugin) on 127.0.0.1 for a results folder
 #   ./launch.sh python ...          anything else inside the environment
 #
 # TORCH_SPEC picks the torch build installed first (default torch==2.13.0: the CPU wheel on this
@@ -49,14 +50,19 @@ case "$cmd" in
         setup
         "$VENV/bin/python" -m ruff check parallel scripts tests
         exec "$VENV/bin/python" -m pytest "$@" ;;
+    tensorboard)
+        setup
+        out=${1:?usage: ./launch.sh tensorboard RESULTS_DIR [tensorboard options]}
+        shift
+        exec "$VENV/bin/tensorboard" --logdir "$out/tb" --host 127.0.0.1 "$@" ;;
     python)
         setup
         exec "$VENV/bin/python" "$@" ;;
     setup)
         setup ;;
     help|-h|--help)
-        sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' ;;
+        sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//' ;;
     *)
-        echo "launch.sh: unknown command '$cmd' (compare, test, run, devices, python, setup)" >&2
+        echo "launch.sh: unknown command '$cmd' (compare, test, run, devices, tensorboard, python, setup)" >&2
         exit 2 ;;
 esac
