@@ -61,7 +61,7 @@ case "$cmd" in
     setup)
         setup ;;
     help|-h|--help)
-        sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//' ;;
+        awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" ;;
     *)
         echo "launch.sh: unknown command '$cmd' (compare, test, run, devices, tensorboard, python, setup)" >&2
         exit 2 ;;
