@@ -119,11 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _finish(config: RunConfig, rows: list[Row], console, skipped: dict | None = None) -> int:
+def _finish(config: RunConfig, rows: list[Row], console, skipped: dict | None = None, env: dict | None = None) -> int:
     from parallel.devices import environment
     from parallel.harness import report
 
-    env = environment(config.spec)
+    env = env or environment(config.spec)
     if config.out:
         write_results(Path(config.out), dataclasses.asdict(config), env, rows, skipped)
     report.show(rows, env, console, skipped)
@@ -151,7 +151,7 @@ def cmd_compare(args, names: list[str], baseline: bool) -> int:
     except KeyboardInterrupt:  # the running child's process group is killed on the way out (launch.run_child)
         console.print(f"[bold red]interrupted[/]: finished rows are in {config.out}/results.json")
         return 130
-    return _finish(config, rows, console, skipped)
+    return _finish(config, rows, console, skipped, env)
 
 
 def _interrupt(signum, frame):

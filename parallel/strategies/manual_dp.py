@@ -20,12 +20,15 @@ loss.backward() would run the replicas' backward passes one after another (FIELD
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from parallel.devices import synchronizer_all
 from parallel.harness.timing import PhaseTimer
 from parallel.strategies.base import Trainable, grad_bytes
 from parallel.strategies.primitives import DeviceThreads, gather, parallel_apply, replicate, scatter
+from parallel.workloads import WORKLOADS
 
 NAME = "manual_dp"
 LAUNCH = "inprocess"
@@ -34,19 +37,11 @@ SYNCHRONOUS = True
 
 def comm_bytes_predicted(model, config) -> float:
     """Bytes between the first device and the others per step: parameters out and gradients back
-    (2 x params x (N-1)); inputs out, outputs back and their gradients out ((N-1)/N of each)."""
-    n = config.world_size
-    x_bytes = config.batch_size * 4 * _sample_numel(config)
-    out_bytes = config.batch_size * 4 * 10
+    (2 x params x (N-1)); inputs out, outputs back and their gradients out ((N-1)/N of each), fp32."""
+    workload, n = WORKLOADS[config.workload], config.world_size
+    x_bytes = config.batch_size * 4 * math.prod(workload.input_shape)
+    out_bytes = config.batch_size * 4 * workload.classes
     return 2 * (n - 1) * grad_bytes(model) + (n - 1) / n * (x_bytes + 2 * out_bytes)
-
-
-def _sample_numel(config) -> int:
-    from math import prod
-
-    from parallel.workloads import WORKLOADS
-
-    return prod(WORKLOADS[config.workload].input_shape)
 
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:

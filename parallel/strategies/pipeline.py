@@ -98,8 +98,8 @@ class _Step:
     bwd: list  # bwd[s]: gradients arriving at stage s
     losses: list
     timeout: float
-    moved: list = field(default_factory=lambda: [0] * 64)  # bytes stage s received and sent back
-    peak: list = field(default_factory=lambda: [0] * 64)  # most activation bytes stage s held at once
+    moved: list  # moved[s]: bytes stage s received and sent back
+    peak: list  # peak[s]: the most activation bytes stage s held at once
     abort: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 
@@ -154,7 +154,7 @@ def train_step(t: Trainable, batch, dist):
     xs, ys = list(x.chunk(m)), list(y.chunk(m))
     p = len(sp.stages)
     st = _Step(xs, ys, [len(c) / len(y) for c in ys], [queue.SimpleQueue() for _ in range(p)],
-               [queue.SimpleQueue() for _ in range(p)], [None] * len(xs), t.extra["timeout"])
+               [queue.SimpleQueue() for _ in range(p)], [None] * len(xs), t.extra["timeout"], [0] * p, [0] * p)
     t.optimizer.zero_grad(set_to_none=True)
     try:
         t.extra["pool"].run([lambda s: _run_stage(t, st, s)] * p, list(range(p)))
@@ -163,7 +163,7 @@ def train_step(t: Trainable, batch, dist):
     t.optimizer.step()
     t.extra["busy"].end_step()
     t.comm_bytes += sum(st.moved)
-    t.extra["peak"] = [max(a, b) for a, b in zip(t.extra.get("peak", [0] * p), st.peak, strict=False)]
+    t.extra["peak"] = [max(a, b) for a, b in zip(t.extra.get("peak", [0] * p), st.peak, strict=True)]
     return torch.stack(st.losses).sum()
 
 
