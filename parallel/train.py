@@ -18,7 +18,7 @@ import torch
 import torch.distributed as td
 from torch.autograd.profiler import record_function
 
-from parallel.devices import synchronizer
+from parallel.devices import synchronizer_all
 from parallel.harness import checkpoint
 from parallel.harness.timing import StepTimer
 
@@ -41,7 +41,7 @@ class InjectedFault(RuntimeError):
 
 
 def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult:
-    timer = StepTimer(synchronizer(dist.device))
+    timer = StepTimer(synchronizer_all(trainable.all_devices() if trainable is not None else [dist.device]))
     losses, step_s, first = [], [], None
     total = config.warmup + config.steps
     start = checkpoint.resume_point(config, strategy, trainable)

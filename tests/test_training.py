@@ -107,3 +107,17 @@ def test_equivalence_check_can_fail():
     assert equivalence.judge(single, ref, renamed, tol).verdict == "mismatch"
     asynchronous = SimpleNamespace(synchronous=False, NOT_EXPECTED_REASON="Hogwild is asynchronous")
     assert equivalence.judge(asynchronous, ref, far, tol).verdict == "not-expected"
+
+
+def test_the_loop_synchronizes_every_device_a_process_drives(small, monkeypatch):
+    """A multi-device strategy's last work may run on device 1 (a pipeline's last stage): both clocks of
+    every step must wait for every device the Trainable names, not only the rank's own."""
+    from parallel.strategies.base import Trainable
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    t = Trainable(None, None, None, devices[0], devices=devices)
+    fake = SimpleNamespace(name="fake", train_step=lambda tr, b, d: torch.tensor(1.0))
+    train(fake, t, SyntheticData(WORKLOADS["cnn"], 0, 32), small(warmup=0, steps=2), Dist())
+    assert calls == devices * 4  # before and after each of the 2 steps

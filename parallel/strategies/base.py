@@ -20,6 +20,12 @@ class Trainable:
     device: torch.device
     comm_bytes: int | None = None  # bytes this rank sent through collectives so far; None: not counted
     extra: dict = field(default_factory=dict)  # strategy-specific state
+    devices: list[torch.device] = field(default_factory=list)  # every device this process drives, when
+    #   more than `device`: the loop synchronizes them all before reading its clock (a pipeline's last
+    #   stage, say, may still be running on device 1 when device 0 is done)
+
+    def all_devices(self) -> list[torch.device]:
+        return self.devices or [self.device]
 
 
 def world_size(config) -> int:

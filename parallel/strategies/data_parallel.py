@@ -32,7 +32,8 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     spec = config.spec
     model = model.to(spec.device(0))
     dp = nn.DataParallel(model, device_ids=list(spec.ids[: config.world_size]) if spec.real else None)
-    return Trainable(dp, make_optimizer(dp.parameters()), loss_fn, spec.device(0))
+    devices = [spec.device(i) for i in range(world_size(config))]
+    return Trainable(dp, make_optimizer(dp.parameters()), loss_fn, devices[0], devices=devices)
 
 
 def train_step(t: Trainable, batch, dist):

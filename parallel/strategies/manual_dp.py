@@ -54,7 +54,7 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     model = model.to(devices[0])  # the original parameters live on the output device
     return Trainable(model, make_optimizer(model.parameters()), loss_fn, devices[0], comm_bytes=0,
                      extra={"devices": devices, "pool": DeviceThreads(devices, spec.threads_per_device()),
-                            "phase": PhaseTimer(synchronizer_all(devices))})
+                            "phase": PhaseTimer(synchronizer_all(devices))}, devices=devices)
 
 
 def _backward(output: torch.Tensor, grad: torch.Tensor) -> None:

@@ -50,7 +50,7 @@ def setup_stages(model, make_optimizer, loss_fn, config, sample_size: int, balan
     sp = split(model, devices, balance, sample)
     return Trainable(model, make_optimizer(model.parameters()), loss_fn, devices[0], comm_bytes=0,
                      extra={"split": sp, "meters": [ActivationMeter(s) for s in sp.stages],
-                            "busy": Busy(len(devices), [synchronizer(d) for d in devices])})
+                            "busy": Busy(len(devices), [synchronizer(d) for d in devices])}, devices=devices)
 
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
