@@ -121,3 +121,23 @@ def running(pid: int) -> bool:
 def test_a_crash_surfaces_its_error_line(tmp_path):
     outcome = launch.run_child([sys.executable, "-c", "raise ValueError('boom at step 3')"], 30, tmp_path / "log")
     assert outcome.returncode == 1 and outcome.error == "ValueError: boom at step 3"
+
+
+def test_which_strategy_advice_follows_the_measured_numbers():
+    from parallel.harness.report import advice
+    from parallel.harness.results import Equivalence
+
+    def row(name, speedup, verdict, world=2, **details):
+        return Row(name, "", "x", "cpu:2", "virtual", world, 64, samples_per_s=speedup * 100, speedup=speedup,
+                   efficiency=speedup / world, step_ms_p50=10.0, eval_loss=1.0,
+                   equivalence=Equivalence(verdict), details=details)
+
+    rows = [row("single", 1.0, "baseline", world=1), row("ddp", 1.8, "match", exposed_comm_ms=2.0,
+                                                          exposed_over_allreduce=1.2),
+            row("manual_dp", 1.5, "match"), row("hogwild", 1.9, "not-expected"), row("model_parallel", 0.9, "match")]
+    text = "\n".join(advice(rows))
+    assert "Fastest that trains exactly like one device: ddp, 1.80x" in text
+    assert "Faster still: hogwild, 1.90x" in text and "Slower than one device here: model_parallel 0.90x" in text
+    assert "ddp: 20% of each step is communication" in text
+    rows[1].speedup, rows[2].speedup = 1.4, 1.7  # other measurements, another answer
+    assert "Fastest that trains exactly like one device: manual_dp, 1.70x" in "\n".join(advice(rows))

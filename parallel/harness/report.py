@@ -79,11 +79,44 @@ def notes(rows: list[Row], environment: dict, skipped: dict | None = None) -> li
     return out
 
 
+def advice(rows: list[Row]) -> list[str]:
+    """Which strategy when, on this hardware, from this run's numbers (no sentence is fixed in advance)."""
+    ok = [r for r in rows if r.status == "ok" and r.speedup is not None]
+    exact = [r for r in ok if r.equivalence.verdict in ("match", "baseline")]
+    out = []
+    if exact:
+        best = max(exact, key=lambda r: r.speedup)
+        out.append(f"Fastest that trains exactly like one device: {best.label}, {best.speedup:.2f}x on "
+                   f"{best.world_size} device(s) ({best.efficiency:.0%} efficiency).")
+        for r in ok:
+            if r.equivalence.verdict == "not-expected" and r.speedup > best.speedup:
+                ratio = f", eval loss {r.eval_loss / exact[0].eval_loss:.2f}x single's" if r.eval_loss and \
+                    exact[0].eval_loss else ""
+                out.append(f"Faster still: {r.label}, {r.speedup:.2f}x, but not the same training{ratio}.")
+    slower = [r for r in ok if r.world_size > 1 and r.speedup < 1]
+    if slower:
+        out.append("Slower than one device here: " + ", ".join(f"{r.label} {r.speedup:.2f}x" for r in slower) + ".")
+    for r in ok:
+        d = r.details
+        if d.get("exposed_comm_ms") is not None and r.step_ms_p50:
+            out.append(f"{r.label}: {d['exposed_comm_ms'] / r.step_ms_p50:.0%} of each step is communication not "
+                       f"hidden behind compute ({d['exposed_over_allreduce']:.2f}x one all-reduce of every gradient).")
+        if d.get("bubble_measured") is not None and r.world_size > 1:
+            out.append(f"{r.label}: stages idle {d['bubble_measured']:.0%} of each step "
+                       f"(theory {d['bubble_theory']:.0%} for its micro-batches).")
+    return out
+
+
 def show(rows: list[Row], environment: dict, console: Console | None = None, skipped: dict | None = None) -> None:
     console = console or make_console()
     console.print(table(rows, environment))
     for line in notes(rows, environment, skipped):
         console.print(f"- {line}", style="dim", highlight=False)
+    lines = advice(rows)
+    if lines:
+        console.print("[bold]Which strategy, on this hardware (from this run):[/]")
+        for line in lines:
+            console.print(f"  {line}", highlight=False)
 
 
 def make_console() -> Console:

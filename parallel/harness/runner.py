@@ -51,6 +51,21 @@ def run_one(strategy, variant: str, config: RunConfig, work: Path, logs: Path) -
     return row, torch.load(paths["state"], weights_only=True)
 
 
+def write_scalars(tb: Path, row: Row) -> None:
+    """Loss of every step and time of every timed step, as TensorBoard scalars in tb/<strategy>/ (beside
+    its profiler traces, so one run in TensorBoard holds both)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    if not row.losses:
+        return
+    with SummaryWriter(str(tb / row.label.replace(" ", "_").replace("=", "-"))) as w:
+        for step, loss in enumerate(row.losses):
+            w.add_scalar("loss/train", loss, step)
+        warm = len(row.losses) - len(row.step_ms) if len(row.step_ms) <= len(row.losses) else 0
+        for i, ms in enumerate(row.step_ms):
+            w.add_scalar("step_time_ms", ms, warm + i)
+
+
 def add_relative(rows: list[Row], baseline: Row | None) -> None:
     """speedup = samples/s over the baseline's (same run); efficiency = speedup / devices used."""
     if baseline is None or not baseline.samples_per_s:
@@ -109,6 +124,7 @@ def run_strategies(config: RunConfig, chosen: list[tuple], baseline: bool = True
                         row.equivalence.reason += (f"; converged instead: eval loss {row.eval_loss:.4f} vs "
                                                    f"single {rows[0].eval_loss:.4f} ({ratio:.2f}x), same samples")
                 rows.append(row)
+                write_scalars(out / "tb", row)
                 add_relative(rows, rows[0] if baseline and rows[0].status == "ok" else None)
                 on_row(rows)
                 progress.advance(task)

@@ -64,7 +64,7 @@ def train_step(t: Trainable, batch, dist):
     t.optimizer.zero_grad(set_to_none=True)
     saved, h = [], x
     for s, (stage, device) in enumerate(zip(sp.stages, sp.devices, strict=True)):  # forward, stage by stage
-        with busy(s):
+        with busy(s, "forward"):
             inp, h = stage_forward(stage, h, device, s == 0, meters[s])
             if s == last:
                 h = t.loss_fn(h, y.to(device))
@@ -72,7 +72,7 @@ def train_step(t: Trainable, batch, dist):
         t.comm_bytes += 2 * inp.numel() * inp.element_size() if s else 0  # activation in, its gradient back
     grad = None
     for s in reversed(range(len(sp.stages))):  # backward, last stage first
-        with busy(s):
+        with busy(s, "backward"):
             grad = stage_backward(*saved[s], grad)
     t.optimizer.step()
     busy.end_step()

@@ -125,7 +125,7 @@ def _run_stage(t: Trainable, st: _Step, s: int) -> None:
             if op == "F":
                 x = st.xs[j] if s == 0 else st.recv(st.fwd[s])
                 before = meter.bytes
-                with busy(s):
+                with busy(s, f"F{j}"):
                     inp, out = stage_forward(stage, x, device, s == 0, meter)
                     if last:
                         out = t.loss_fn(out, st.ys[j].to(device)) * st.weights[j]  # sum over j = the batch mean
@@ -137,7 +137,7 @@ def _run_stage(t: Trainable, st: _Step, s: int) -> None:
                     st.fwd[s + 1].put(out.detach())
             else:
                 grad = None if last else st.recv(st.bwd[s])
-                with busy(s):
+                with busy(s, f"B{j}"):
                     grad = stage_backward(*saved.pop(j), grad)
                 held.pop(j)
                 if s > 0:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.autograd.profiler import record_function
 
 from parallel.errors import ConfigError
 from parallel.harness.timing import StepTimer
@@ -159,8 +160,8 @@ class Busy:
         self.busy_ms: list[list[float]] = []
 
     @contextlib.contextmanager
-    def __call__(self, s: int):
-        with StepTimer(self.syncs[s]) as timer:
+    def __call__(self, s: int, label: str):
+        with record_function(f"stage {s} {label}"), StepTimer(self.syncs[s]) as timer:  # named in profiles
             yield
         self.intervals[s].append((timer.started, timer.started + timer.elapsed))  # only stage s's thread appends
 

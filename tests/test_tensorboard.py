@@ -1,0 +1,53 @@
+"""The profiler traces and scalars open in a real TensorBoard with torch-tb-profiler, one run per strategy."""
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str):
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return json.loads(r.read())
+
+
+def test_tensorboard_lists_every_profiled_strategy_and_rank_traces_do_not_collide(tmp_path):
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "parallel", "compare", "--strategies", "ddp,pipeline", "--profile",
+                        "--devices", "cpu:2", "--steps", "5", "--batch-size", "64", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stdout + p.stderr
+    traces = sorted(f.name.split(".")[0] for f in (out / "tb" / "ddp").glob("*.pt.trace.json"))
+    assert traces == ["ddp_rank0", "ddp_rank1"]  # one file per rank, named by rank: nothing overwritten
+
+    port = _free_port()
+    tb = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(out / "tb"), "--host", "127.0.0.1",
+                           "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        runs, deadline = [], time.monotonic() + 90
+        while time.monotonic() < deadline and set(runs) != {"single", "ddp", "pipeline"}:
+            time.sleep(1)
+            try:
+                runs = _get(f"http://127.0.0.1:{port}/data/plugin/pytorch_profiler/runs")["runs"]
+            except OSError:
+                continue
+        assert set(runs) == {"single", "ddp", "pipeline"}, runs
+        tags = _get(f"http://127.0.0.1:{port}/data/plugin/scalars/tags")
+        assert all({"loss/train", "step_time_ms"} <= set(tags[run]) for run in ("single", "ddp", "pipeline")), tags
+    finally:
+        tb.terminate()
+        tb.wait(timeout=10)
