@@ -110,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("devices", help="what hardware is here, and what each strategy would use")
     cmp = sub.add_parser("compare", help="every strategy on the same model, data and seed, vs `single`")
     cmp.add_argument("--strategies", default="all", help=f"comma list or all ({', '.join(strategies.NAMES)})")
+    cmp.add_argument("--world-sizes", default="", help="scaling sweep over these device counts, e.g. 1,2,4: "
+                                                       "strong and weak scaling, scaling.json and PNG plots")
     add_run_options(cmp)
     add_strategy_options(cmp, strategies.all_strategies(), sweep=True)
     run = sub.add_parser("run", help="one strategy through the harness, without the baseline")
@@ -137,6 +139,8 @@ def cmd_compare(args, names: list[str], baseline: bool) -> int:
     from parallel.harness.runner import plan, run_strategies
 
     config = config_from_args(args)
+    if getattr(args, "world_sizes", ""):
+        return cmd_scaling(config, names, args.world_sizes)
     names, skipped = strategies.resolve(names, config.spec)
     chosen = plan(config, names, baseline)  # every check before the first file is written
     if config.port:
@@ -152,6 +156,53 @@ def cmd_compare(args, names: list[str], baseline: bool) -> int:
         console.print(f"[bold red]interrupted[/]: finished rows are in {config.out}/results.json")
         return 130
     return _finish(config, rows, console, skipped, env)
+
+
+def cmd_scaling(config: RunConfig, names: list[str], sizes_text: str) -> int:
+    """compare --world-sizes: one comparison per (strong|weak, device count), then the sweep's table and plots."""
+    from rich.table import Table
+
+    from parallel.devices import environment
+    from parallel.harness import scaling
+    from parallel.harness.runner import plan, run_strategies
+
+    try:
+        sizes = sorted({int(x) for x in sizes_text.split(",") if x.strip()})
+    except ValueError:
+        raise ConfigError(f"--world-sizes {sizes_text!r}: expected device counts like 1,2,4") from None
+    if not sizes or sizes[0] < 1:
+        raise ConfigError(f"--world-sizes {sizes_text!r}: device counts must be 1 or more")
+    runs = []
+    for mode, n, cfg in scaling.points(config, sizes):  # every point checked before the first one runs
+        run_names, _ = strategies.resolve(names, cfg.spec)
+        runs.append((mode, n, cfg, plan(cfg, run_names, baseline=True)))
+    prepare_out(Path(config.out))
+    console = make_console()
+    signal.signal(signal.SIGTERM, _interrupt)
+    results = []
+    try:
+        for mode, n, cfg, chosen in runs:
+            console.print(f"[bold]{mode} scaling: {cfg.devices}, global batch {cfg.batch_size}[/]")
+            prepare_out(Path(cfg.out))
+            env = environment(cfg.spec)
+            save = lambda rows, cfg=cfg, env=env: write_results(Path(cfg.out), dataclasses.asdict(cfg), env, rows)  # noqa: E731
+            results.append((mode, n, run_strategies(cfg, chosen, baseline=True, on_row=save)))
+    except KeyboardInterrupt:
+        console.print(f"[bold red]interrupted[/]: finished comparisons are in {config.out}/scaling/")
+        return 130
+    table = scaling.summarize(results)
+    files = scaling.write(Path(config.out), table, results, virtual=not config.spec.real)
+    t = Table(title="samples/s (efficiency) against devices", title_justify="left")
+    t.add_column("strategy")
+    for mode, n, _ in results:
+        t.add_column(f"{mode} {n}", justify="right")
+    for name in dict.fromkeys(r["strategy"] for r in table):
+        cells = {(r["mode"], r["devices"]): r for r in table if r["strategy"] == name}
+        t.add_row(name, *[f"{c['samples_per_s']:,.0f} ({c['efficiency']:.0%})" if (c := cells.get((m, n))) and
+                          c["samples_per_s"] and c["efficiency"] is not None else "-" for m, n, _ in results])
+    console.print(t)
+    console.print(f"scaling: {config.out}/scaling.json, scaling.csv; plots: " + ", ".join(f.name for f in files))
+    return 0 if all(r.ok for _, _, rows in results for r in rows) else 1
 
 
 def _interrupt(signum, frame):

@@ -141,3 +141,26 @@ def test_which_strategy_advice_follows_the_measured_numbers():
     assert "ddp: 20% of each step is communication" in text
     rows[1].speedup, rows[2].speedup = 1.4, 1.7  # other measurements, another answer
     assert "Fastest that trains exactly like one device: manual_dp, 1.70x" in "\n".join(advice(rows))
+
+
+def test_scaling_sweep_writes_its_table_and_plots(tmp_path):
+    out = tmp_path / "sweep"
+    p = run("-m", "parallel", "compare", "--world-sizes", "1,2", "--strategies", "manual_dp", "--steps", "2",
+            "--warmup", "1", "--batch-size", "32", "--out", str(out), timeout=200)
+    assert p.returncode == 0, p.stdout + p.stderr
+    table = json.loads((out / "scaling.json").read_text())
+    points = {(r["mode"], r["devices"], r["strategy"]): r for r in table}
+    assert set(points) == {(m, n, s) for m in ("strong", "weak") for n in (1, 2) for s in ("single", "manual_dp")}
+    assert points[("weak", 2, "manual_dp")]["global_batch"] == 64  # per device 32, as given
+    assert points[("strong", 2, "manual_dp")]["global_batch"] == 32
+    assert all(r["status"] == "ok" and r["samples_per_s"] > 0 for r in table)
+    for name in ("throughput.png", "efficiency.png", "loss_curves.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
+    assert (out / "scaling" / "weak-2" / "results.json").exists()
+
+
+@pytest.mark.parametrize("sizes, message", [("0,2", "device counts must be 1 or more"),
+                                            ("two", "expected device counts like 1,2,4")])
+def test_bad_world_sizes_are_refused(sizes, message, refused):
+    refused(["compare", "--world-sizes", sizes], message)
