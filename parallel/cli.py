@@ -121,14 +121,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _finish(config: RunConfig, rows: list[Row], console, skipped: dict | None = None, env: dict | None = None) -> int:
+def _finish(config: RunConfig, rows: list[Row], console, skipped: dict | None = None, env: dict | None = None,
+            cost_model: dict | None = None) -> int:
     from parallel.devices import environment
     from parallel.harness import report
 
     env = env or environment(config.spec)
     if config.out:
-        write_results(Path(config.out), dataclasses.asdict(config), env, rows, skipped)
-    report.show(rows, env, console, skipped)
+        write_results(Path(config.out), dataclasses.asdict(config), env, rows, skipped, cost_model)
+    report.show(rows, env, console, skipped, cost_model)
     if config.out:
         console.print(f"results: {config.out}/results.json, results.csv; logs: {config.out}/logs/")
     return 0 if rows and all(r.ok for r in rows) else 1
@@ -155,7 +156,10 @@ def cmd_compare(args, names: list[str], baseline: bool) -> int:
     except KeyboardInterrupt:  # the running child's process group is killed on the way out (launch.run_child)
         console.print(f"[bold red]interrupted[/]: finished rows are in {config.out}/results.json")
         return 130
-    return _finish(config, rows, console, skipped, env)
+    from parallel.harness import costmodel
+
+    model = costmodel.apply(rows, chosen, config)
+    return _finish(config, rows, console, skipped, env, model)
 
 
 def cmd_scaling(config: RunConfig, names: list[str], sizes_text: str) -> int:

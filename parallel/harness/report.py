@@ -33,7 +33,7 @@ def table(rows: list[Row], environment: dict) -> Table:
     batch = rows[0].global_batch if rows else "?"
     t = Table(title=f"{batch} samples/step on {environment['devices']} ({environment['device_kind']})",
               title_justify="left")
-    for col in ["strategy", "launch", "devices", "ms p50 (p95)", "samples/s", "speedup", "eff.", "peak mem",
+    for col in ["strategy", "launch", "devices", "ms p50 (p95)", "pred. ms", "samples/s", "speedup", "eff.", "peak mem",
                 "comm/step (pred.)", "loss", "eval loss", "equivalence", "status"]:
         t.add_column(col, justify="left" if col in ("strategy", "launch", "devices", "equivalence") else "right",
                      no_wrap=col in ("strategy", "ms p50 (p95)", "equivalence"))
@@ -43,7 +43,7 @@ def table(rows: list[Row], environment: dict) -> Table:
         if eq.max_abs_diff is not None and eq.verdict != "baseline":
             verdict += f" {eq.max_abs_diff:.0e}"
         p50 = "-" if r.step_ms_p50 is None else f"{r.step_ms_p50:.1f} ({r.step_ms_p95:.1f})"
-        t.add_row(r.label, r.launcher, f"{r.world_size} {r.device_kind}", p50,
+        t.add_row(r.label, r.launcher, f"{r.world_size} {r.device_kind}", p50, _num(r.step_ms_predicted, ".1f"),
                   _num(r.samples_per_s, ",.0f"), _num(r.speedup, ".2f"), _num(r.efficiency, ".0%"),
                   _bytes(r.peak_mem_bytes), f"{_bytes(r.comm_bytes_per_step)} ({_bytes(r.comm_bytes_predicted)})",
                   _num(r.final_loss, ".4f"), _num(r.eval_loss, ".4f"), verdict,
@@ -107,10 +107,24 @@ def advice(rows: list[Row]) -> list[str]:
     return out
 
 
-def show(rows: list[Row], environment: dict, console: Console | None = None, skipped: dict | None = None) -> None:
+def cost_lines(model: dict | None) -> list[str]:
+    if not model:
+        return []
+    ab = (f"all-reduce alpha {model['alpha_us']:.0f} us, beta {model['beta_ns_per_byte']:.2f} ns/B, "
+          if model["alpha_us"] is not None else "")
+    proj = model["projection"]
+    gpus = ", ".join(f"{n} GPUs {us:.3g} us" for n, us in proj["us_by_gpus"].items())
+    return [f"pred. ms: the cost model calibrated in this run ({ab}copy {model['copy_GB_per_s']:.1f} GB/s, compute "
+            "measured per batch size): compute on one device's share + communication not hidden + bubble.",
+            f"Projection, not measured: all-reduce of these gradients at the published {proj['busbw_GB_per_s']:.0f} "
+            f"GB/s NCCL bus bandwidth (8xH200): {gpus} (optimistic across nodes)."]
+
+
+def show(rows: list[Row], environment: dict, console: Console | None = None, skipped: dict | None = None,
+         cost_model: dict | None = None) -> None:
     console = console or make_console()
     console.print(table(rows, environment))
-    for line in notes(rows, environment, skipped):
+    for line in notes(rows, environment, skipped) + cost_lines(cost_model):
         console.print(f"- {line}", style="dim", highlight=False)
     lines = advice(rows)
     if lines:

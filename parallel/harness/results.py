@@ -33,6 +33,7 @@ class Row:
     error: str | None = None
     step_ms_p50: float | None = None
     step_ms_p95: float | None = None
+    step_ms_predicted: float | None = None  # the cost model's (harness/costmodel.py)
     samples_per_s: float | None = None
     speedup: float | None = None  # samples/s over `single` on ONE device of the same list, same run
     efficiency: float | None = None  # speedup / world_size
@@ -82,10 +83,11 @@ def atomic_write(path: Path, text: str) -> None:
         raise
 
 
-def write_results(out: Path, config: dict, environment: dict, rows: list[Row], skipped: dict | None = None) -> None:
+def write_results(out: Path, config: dict, environment: dict, rows: list[Row], skipped: dict | None = None,
+                  cost_model: dict | None = None) -> None:
     out = Path(out)
     doc = {"config": config, "environment": environment, "rows": [dataclasses.asdict(r) for r in rows],
-           "skipped": skipped or {}}
+           "skipped": skipped or {}, "cost_model": cost_model}
     atomic_write(out / "results.json", json.dumps(doc, indent=2))
     buf = io.StringIO()
     names = [f.name for f in dataclasses.fields(Row) if f.name not in CSV_SKIP]

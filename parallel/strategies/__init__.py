@@ -38,6 +38,7 @@ def _defaults() -> dict:
         "state_dict": base.state_dict,
         "comm_bytes_predicted": base.comm_bytes_predicted,
         "extra_measurements": base.extra_measurements,
+        "predict_step_ms": base.predict_step_ms,
         "Options": None,
         "NOT_EXPECTED_REASON": None,
         "CHECKPOINTS": True,

@@ -57,6 +57,11 @@ def comm_bytes_predicted(model: nn.Module, config) -> int | None:
     return None
 
 
+def predict_step_ms(cal, config, row) -> float | None:
+    """The cost model's step time for this strategy (harness/costmodel.py); None: no formula."""
+    return None
+
+
 def extra_measurements(trainable: Trainable, data, config, dist, result) -> dict:
     """Measurements beyond the loop's, taken after the final parameters are saved (they may train
     further), e.g. DDP's step time without communication. Stored in the row's `details`."""

@@ -47,3 +47,8 @@ def train_step(t: Trainable, batch, dist):
 
 def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in t.model.module.state_dict().items()}
+
+
+def predict_step_ms(cal, config, row) -> float:
+    n = world_size(config)  # 1 on CPU: a pass-through is one device's step
+    return cal.compute_ms(-(-config.batch_size // n)) + cal.copy_ms(2 * (n - 1) * cal.grad_bytes)

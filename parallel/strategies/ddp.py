@@ -124,11 +124,12 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
     step, with the loop's clock, so drift of the machine's speed hits all three alike."""
     buckets = t.extra["buckets"] / max(1, len(result.losses))  # per optimiser step this run took
     flat = torch.zeros(sum(p.numel() for p in t.model.parameters()), device=t.device)  # (all grads,)
+    tiny = torch.zeros(1, device=t.device)  # its time is the all-reduce latency (the cost model's alpha)
     timer = StepTimer(synchronizer(t.device))
-    times: dict[str, list[float]] = {"step": [], "no_sync": [], "allreduce": []}
+    times: dict[str, list[float]] = {"step": [], "no_sync": [], "allreduce": [], "allreduce_4B": []}
     first = config.warmup + config.steps  # fresh batches after the run's own
     work = {"step": lambda b: _step(t, b), "no_sync": lambda b: _step(t, b, sync=False),
-            "allreduce": lambda b: td.all_reduce(flat)}
+            "allreduce": lambda b: td.all_reduce(flat), "allreduce_4B": lambda b: td.all_reduce(tiny)}
     for i in range(1 + max(10, config.steps)):  # the first round is warm-up
         batch = data.batch(first + i, dist.rank, dist.world_size)
         for kind, run in work.items():
@@ -140,4 +141,12 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
     exposed = ms["step"] - ms["no_sync"]
     return {"buckets_per_step": buckets, "step_ms": ms["step"], "no_sync_step_ms": ms["no_sync"],
             "exposed_comm_ms": exposed, "allreduce_all_grads_ms": ms["allreduce"],
-            "exposed_over_allreduce": exposed / ms["allreduce"]}
+            "allreduce_4B_ms": ms["allreduce_4B"], "exposed_over_allreduce": exposed / ms["allreduce"]}
+
+
+def predict_step_ms(cal, config, row) -> float | None:
+    """Each rank computes its share (in --accum pieces); on CPU the all-reduce cannot hide behind compute
+    (the ranks' threads already use every core), so it is added whole."""
+    k, n = options_of(Options, config).accum, config.world_size
+    comm = cal.allreduce_ms(cal.grad_bytes, n)
+    return None if comm is None else k * cal.compute_ms(config.batch_size // (n * k)) + comm

@@ -172,3 +172,7 @@ def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
 
 def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
     return t.extra["summary"]
+
+
+def predict_step_ms(cal, config, row) -> float:
+    return cal.compute_ms(config.batch_size // world_size(config))  # a worker's step; no communication

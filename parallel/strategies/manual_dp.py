@@ -92,3 +92,9 @@ def train_step(t: Trainable, batch, dist):
 
 def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
     return t.extra["phase"].medians(skip=config.warmup)  # where each timed step's time went
+
+
+def predict_step_ms(cal, config, row) -> float:
+    """Replicas compute their chunks in parallel; the parameters are copied out and the gradients back."""
+    n = config.world_size
+    return cal.compute_ms(-(-config.batch_size // n)) + cal.copy_ms(2 * (n - 1) * cal.grad_bytes)

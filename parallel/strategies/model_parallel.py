@@ -88,3 +88,8 @@ def stage_details(t: Trainable, config, result, microbatches: int) -> dict:
     return {"balance": sp.balance, "stages": sp.describe(), "stage_param_bytes": sp.param_bytes(),
             "stage_activation_bytes": [m.bytes // steps for m in t.extra["meters"]],  # held at the end of forward
             **t.extra["busy"].summary(config.warmup, len(sp.stages), microbatches)}
+
+
+def predict_step_ms(cal, config, row) -> float:
+    """One stage at a time: the whole model's compute, plus the activations and gradients copied."""
+    return cal.compute_ms(config.batch_size) + cal.copy_ms(row.comm_bytes_per_step or 0)

@@ -170,3 +170,10 @@ def train_step(t: Trainable, batch, dist):
 def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
     return {**stage_details(t, config, result, microbatches=t.extra["m"]),
             "stage_peak_activation_bytes": t.extra.get("peak", [])}
+
+
+def predict_step_ms(cal, config, row) -> float:
+    """p balanced stages, m micro-batches: (m + p - 1) slots of one stage's share of a micro-batch."""
+    m, p = options_of(Options, config).microbatches, config.world_size
+    per_slot = cal.compute_ms(-(-config.batch_size // m)) / p
+    return (m + p - 1) * per_slot + cal.copy_ms(row.comm_bytes_per_step or 0) / p

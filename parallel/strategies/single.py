@@ -33,3 +33,7 @@ def train_step(t: Trainable, batch, dist):
     loss.backward()
     t.optimizer.step()
     return loss.detach()
+
+
+def predict_step_ms(cal, config, row) -> float:
+    return cal.compute_ms(config.batch_size)

@@ -1,0 +1,130 @@
+"""A cost model, calibrated on the machine at hand, that predicts each strategy's step time:
+
+    step = compute on one device's share  +  communication not hidden  +  pipeline bubble
+
+Calibration (all measured in this run, with the loop's clocks):
+    compute(b)   one optimiser step of `single` on b samples with one device's threads (on demand)
+    copy         memory copy bandwidth on one device's threads (activations and replicas)
+    alpha, beta  gloo all-reduce latency and seconds per byte, from the all-reduces DDP's child times
+                 (4 bytes and every gradient): time(n bytes) = 2(N-1) alpha + 2(N-1)/N n beta
+Each strategy owns its formula (`predict_step_ms`); the comparison is predicted beside measured.
+
+The projection to 8, 64 and 1024 GPUs uses a published figure, not this machine: NCCL all-reduce bus
+bandwidth on 8xH200 of about 346 GB/s at 64 MiB (stas00/ml-engineering, as quoted in FIELD-NOTES).
+It is the time to all-reduce this model's gradients at that bus bandwidth, time = size x 2(N-1)/N /
+busbw; it assumes the same bandwidth across nodes, which real clusters rarely reach: an optimistic bound.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+
+import torch
+
+from parallel.devices import synchronizer
+from parallel.harness.timing import StepTimer
+from parallel.strategies.base import grad_bytes
+
+PUBLISHED_BUSBW = 346e9  # bytes/s, NCCL all-reduce on 8xH200 at 64 MiB (stas00/ml-engineering)
+
+
+class Calibration:
+    def __init__(self, config, alpha_s: float | None = None, beta_s_per_byte: float | None = None):
+        from parallel.workloads import WORKLOADS
+
+        self.config, self.alpha, self.beta = config, alpha_s, beta_s_per_byte
+        self.workload = WORKLOADS[config.workload]
+        self.model = self.workload.build_model(config.seed)
+        self.grad_bytes = grad_bytes(self.model)
+        self._compute: dict[int, float] = {}
+
+    def compute_ms(self, batch: int) -> float:
+        """Median ms of one `single` optimiser step on `batch` samples, on one device's threads."""
+        if batch not in self._compute:
+            self._compute[batch] = self._measure_compute(batch)
+        return self._compute[batch]
+
+    def _measure_compute(self, batch: int) -> float:
+        from parallel import strategies
+        from parallel.dist import Dist
+        from parallel.worker import make_optimizer
+        from parallel.workloads import SyntheticData
+
+        single, device = strategies.get("single"), self.config.spec.device(0)
+        with _threads(self.config.spec.threads_per_device()):
+            model = self.workload.build_model(self.config.seed)
+            t = single.setup(model, make_optimizer(self.config), self.workload.loss, Dist(device=device), self.config)
+            x, y = SyntheticData(self.workload, self.config.seed, batch).batch(0)
+            return _median_ms(lambda: single.train_step(t, (x, y), None), reps=7, sync=synchronizer(device))
+
+    @functools.cached_property
+    def copy_bytes_per_s(self) -> float:
+        with _threads(self.config.spec.threads_per_device()):
+            device = self.config.spec.device(0)
+            src = torch.empty(16 * 2**20 // 4, device=device)
+            return src.numel() * 4 / (_median_ms(src.clone, reps=7, sync=synchronizer(device)) / 1e3)
+
+    def copy_ms(self, nbytes: float) -> float:
+        return nbytes / self.copy_bytes_per_s * 1e3
+
+    def allreduce_ms(self, nbytes: float, world: int) -> float | None:
+        if self.alpha is None or self.beta is None or world < 2:
+            return None if world >= 2 else 0.0
+        return (2 * (world - 1) * self.alpha + 2 * (world - 1) / world * nbytes * self.beta) * 1e3
+
+    def projection(self) -> dict[int, float]:
+        """µs to all-reduce this model's gradients at the published bus bandwidth, by GPU count."""
+        return {n: self.grad_bytes * 2 * (n - 1) / n / PUBLISHED_BUSBW * 1e6 for n in (8, 64, 1024)}
+
+
+def fit_alpha_beta(small_ms: float, large_ms: float, large_bytes: float, world: int) -> tuple[float, float]:
+    """alpha, beta (seconds) from a 4-byte and a `large_bytes` all-reduce on `world` ranks."""
+    alpha = small_ms / 1e3 / (2 * (world - 1))
+    beta = max(0.0, (large_ms / 1e3 - 2 * (world - 1) * alpha) / (2 * (world - 1) / world * large_bytes))
+    return alpha, beta
+
+
+def _median_ms(fn, reps: int, sync) -> float:
+    fn()  # warm-up
+    timer, times = StepTimer(sync), []
+    for _ in range(reps):
+        with timer:
+            fn()
+        times.append(timer.elapsed)
+    return statistics.median(times) * 1e3
+
+
+class _threads:
+    def __init__(self, n: int):
+        self.n = n
+
+    def __enter__(self):
+        self.before = torch.get_num_threads()
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.before)
+
+
+def apply(rows, chosen, config) -> dict:
+    """Calibrate (after the strategies ran, so it disturbs none of them), set every row's
+    step_ms_predicted, and return the calibration and the projection for results.json."""
+    cal = Calibration(config)
+    for r in rows:
+        d = r.details
+        if d.get("allreduce_4B_ms") and d.get("allreduce_all_grads_ms") and r.world_size > 1:
+            cal.alpha, cal.beta = fit_alpha_beta(d["allreduce_4B_ms"], d["allreduce_all_grads_ms"], cal.grad_bytes,
+                                                 r.world_size)
+            break
+    for (strategy, _, cfg), r in zip(chosen, rows, strict=True):
+        if r.status == "ok":
+            r.step_ms_predicted = strategy.predict_step_ms(cal, cfg, r)
+    return {"alpha_us": None if cal.alpha is None else cal.alpha * 1e6,
+            "beta_ns_per_byte": None if cal.beta is None else cal.beta * 1e9,
+            "copy_GB_per_s": cal.copy_bytes_per_s / 1e9,
+            "compute_ms_by_batch": dict(cal._compute),
+            "projection": {"what": "all-reduce of this model's gradients per step, microseconds, at the published "
+                                   "NCCL bus bandwidth (8xH200, 64 MiB); not measured, optimistic across nodes",
+                           "busbw_GB_per_s": PUBLISHED_BUSBW / 1e9,
+                           "us_by_gpus": cal.projection()}}
