@@ -69,7 +69,7 @@ def test_compare_writes_the_report_results_and_traces(tmp_path):
     assert p.returncode == 0, p.stderr
     assert "single" in p.stdout and "baseline" in p.stdout and "Simulated" in p.stdout
     doc = json.loads((out / "results.json").read_text())
-    assert set(doc) == {"config", "environment", "rows", "skipped"} and doc["skipped"] == {}
+    assert set(doc) == {"config", "environment", "rows", "skipped", "cost_model"} and doc["skipped"] == {}
     assert {"torch", "devices", "threads_per_device", "hostname", "time"} <= set(doc["environment"])
     (row,) = doc["rows"]
     assert set(row) == ROW_FIELDS
