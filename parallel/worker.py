@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 import torch
+import torch.distributed as td
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from parallel import strategies
@@ -51,7 +52,9 @@ def execute(strategy, config: RunConfig, dist: Dist) -> tuple[Row, dict]:
     comm_bytes = trainable.comm_bytes
     state = strategy.state_dict(trainable)
     peak, peak_kind = peak_memory(dist.device)
-    details = strategy.extra_measurements(trainable, data, config, dist, result)  # after the state is saved
+    details = {"model_state_bytes_per_device": strategy.model_state_bytes(trainable, config),
+               **_peak_per_rank(peak, peak_kind),
+               **strategy.extra_measurements(trainable, data, config, dist, result)}  # after the state is saved
 
     stats = summarize(result.step_s)
     ran = len(result.losses)  # fewer than warmup + steps after a resume
@@ -77,6 +80,15 @@ def execute(strategy, config: RunConfig, dist: Dist) -> tuple[Row, dict]:
         details=details,
     )
     return row, state
+
+
+def _peak_per_rank(peak: int, kind: str) -> dict:
+    """Every rank's peak memory, gathered to all (off the clock), when there are several ranks."""
+    if not (td.is_initialized() and td.get_world_size() > 1):
+        return {}
+    peaks = [None] * td.get_world_size()
+    td.all_gather_object(peaks, peak)
+    return {f"{kind}_per_rank": peaks}
 
 
 def run_here(strategy, config: RunConfig, dist: Dist | None = None) -> tuple[Row, dict] | None:

@@ -42,3 +42,29 @@ def test_every_row_of_a_comparison_gets_a_prediction(tmp_path):
     assert model["alpha_us"] > 0 and model["beta_ns_per_byte"] >= 0 and model["copy_GB_per_s"] > 0
     assert set(model["projection"]["us_by_gpus"]) == {"8", "64", "1024"}
     assert "Projection, not measured" in p.stdout
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("single", [3]), ("ddp_like_data_parallel", [3]), ("manual_dp", [4, 1]), ("hogwild", [3, 2]),
+])
+def test_model_state_per_device_counts_parameters_gradients_and_momentum(name, expected):
+    from parallel import strategies
+    from parallel.dist import Dist
+    from parallel.worker import execute
+
+    p = 32_998 * 4  # the CNN's parameters in bytes; SGD with momentum keeps one buffer per parameter
+    strategy = "data_parallel" if name == "ddp_like_data_parallel" else name
+    config = RunConfig(workload="cnn", devices="cpu:2", batch_size=32, steps=2, warmup=0).validate()
+    row, _ = execute(strategies.get(strategy), config, Dist())
+    assert row.details["model_state_bytes_per_device"] == [k * p for k in expected]
+
+
+def test_model_state_of_stages_adds_up_to_the_whole_model():
+    from parallel import strategies
+    from parallel.dist import Dist
+    from parallel.worker import execute
+
+    config = RunConfig(workload="cnn", devices="cpu:2", batch_size=32, steps=2, warmup=0).validate()
+    row, _ = execute(strategies.get("pipeline"), config, Dist())
+    per_stage = row.details["model_state_bytes_per_device"]
+    assert len(per_stage) == 2 and sum(per_stage) == 3 * 32_998 * 4

@@ -39,8 +39,9 @@ def test_manual_dp_matches_single(devices, workload):
     assert verdict.verdict == "match", verdict
     assert verdict.max_abs_diff < 0.1 * tol
     assert row.world_size == int(devices[-1]) and row.device_kind == "virtual"
-    assert set(row.details) == {f"{p}_ms" for p in
-                                ("scatter", "replicate", "parallel_apply", "gather", "backward", "optimizer")}
+    assert {k for k in row.details if k.endswith("_ms")} == {f"{p}_ms" for p in
+                                                            ("scatter", "replicate", "parallel_apply", "gather",
+                                                             "backward", "optimizer")}
 
 
 def test_data_parallel_on_cpu_is_a_labelled_pass_through():

@@ -27,6 +27,7 @@ def test_updates_made_in_the_workers_are_visible_in_the_parent():
     initial = WORKLOADS["cnn"].build_model(0).state_dict()
     assert all(not torch.equal(state[k], initial[k]) for k in initial if k.endswith("weight"))
     assert row.details["workers"] == 2 and 0 <= row.details["staleness_mean"] <= row.details["staleness_max"]
+    assert all(rss > 50 * 2**20 for rss in row.details["process_peak_rss_per_worker"])  # each worker's own peak
     assert len(row.step_ms) == 2 * 2  # both workers' timed steps, through the same loop and clocks
 
 

@@ -73,7 +73,8 @@ def notes(rows: list[Row], environment: dict, skipped: dict | None = None) -> li
         out.append("pass-through: the strategy cannot split work on this hardware and just runs the module.")
     kinds = {r.peak_mem_kind for r in rows if r.peak_mem_kind}
     if "process_peak_rss" in kinds:
-        out.append("peak mem on CPU is the peak resident memory of rank 0's process (torch itself included).")
+        out.append("peak mem on CPU is the peak resident memory of rank 0's process (torch itself included); "
+                   "every rank's and worker's is in the details, with the model state each device holds.")
     out.append("speedup: samples/s over `single` on one device of the same list, measured in this run; "
                "eff. = speedup / devices.")
     return out

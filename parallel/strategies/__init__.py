@@ -39,6 +39,7 @@ def _defaults() -> dict:
         "comm_bytes_predicted": base.comm_bytes_predicted,
         "extra_measurements": base.extra_measurements,
         "predict_step_ms": base.predict_step_ms,
+        "model_state_bytes": base.model_state_bytes,
         "Options": None,
         "NOT_EXPECTED_REASON": None,
         "CHECKPOINTS": True,

@@ -57,6 +57,24 @@ def comm_bytes_predicted(model: nn.Module, config) -> int | None:
     return None
 
 
+def state_bytes(params, optimizer) -> int:
+    """Parameters + their gradients + the optimiser's state for them (momentum, ...), counted from the
+    tensors themselves."""
+    total = 0
+    for p in params:
+        total += p.numel() * p.element_size() * (2 if p.grad is not None else 1)
+        if optimizer is not None:
+            total += sum(v.numel() * v.element_size() for v in optimizer.state.get(p, {}).values()
+                         if isinstance(v, torch.Tensor))
+    return total
+
+
+def model_state_bytes(t: Trainable, config) -> list[int]:
+    """Model state per device: by default each device this process drives holds the whole model."""
+    model = getattr(t.model, "module", t.model)
+    return [state_bytes(list(model.parameters()), t.optimizer)] * len(t.all_devices())
+
+
 def predict_step_ms(cal, config, row) -> float | None:
     """The cost model's step time for this strategy (harness/costmodel.py); None: no formula."""
     return None

@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from parallel.devices import synchronizer
 from parallel.errors import ConfigError
 from parallel.harness.timing import StepTimer, summarize
-from parallel.strategies.base import Trainable, grad_bytes, options_of, ring_allreduce_bytes
+from parallel.strategies.base import Trainable, grad_bytes, options_of, ring_allreduce_bytes, state_bytes
 
 NAME = "ddp"
 LAUNCH = "torchrun"
@@ -112,6 +112,11 @@ def _step(t: Trainable, batch, sync: bool = True):
 
 def train_step(t: Trainable, batch, dist):
     return _step(t, batch)
+
+
+def model_state_bytes(t: Trainable, config) -> list[int]:
+    """Every rank holds the whole model, its gradients (in the buckets) and the optimiser state."""
+    return [state_bytes(list(t.model.module.parameters()), t.optimizer)] * config.world_size
 
 
 def state_dict(t: Trainable) -> dict[str, torch.Tensor]:

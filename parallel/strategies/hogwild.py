@@ -17,6 +17,7 @@ private (pytorch/examples mnist_hogwild); only parameters are shared.
 
 from __future__ import annotations
 
+import resource
 import traceback
 from dataclasses import dataclass, field
 
@@ -106,7 +107,7 @@ def train(strategy, t: Trainable, data, config, dist, profiler=None):
     staleness = np.concatenate([o.staleness for o in outs])
     t.extra["summary"] = {"workers": len(outs), "staleness_mean": float(staleness.mean()),
                           "staleness_p95": float(np.percentile(staleness, 95)), "staleness_max": int(staleness.max()),
-                          "timed_wall_s": end - start}
+                          "timed_wall_s": end - start, "process_peak_rss_per_worker": [o.peak_rss for o in outs]}
     # Aggregate throughput: every timed sample of every worker over the wall time they took together.
     samples = config.steps * config.batch_size  # W workers x steps x B/W
     losses = np.mean([o.losses for o in outs], axis=0).tolist()  # per step, the mean over the workers' shares
@@ -134,6 +135,7 @@ def _worker(rank, model, config, counter, results, start) -> None:
         with make_profiler(config.profile, config.out, NAME, rank, me.device) as prof:
             result = the_loop(_Me, t, data, config, me, prof)
         result.staleness = t.extra["staleness"]
+        result.peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
         results.put((rank, None, result))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         results.put((rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
@@ -176,3 +178,11 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
 
 def predict_step_ms(cal, config, row) -> float:
     return cal.compute_ms(config.batch_size // world_size(config))  # a worker's step; no communication
+
+
+def model_state_bytes(t: Trainable, config) -> list[int]:
+    """The parameters once, in shared memory (counted with worker 0); each worker's own gradients and
+    momentum (SGD: one buffer) in that worker."""
+    params = sum(p.numel() * p.element_size() for p in t.model.parameters())
+    per_worker = params * (2 if config.momentum else 1)
+    return [params + per_worker] + [per_worker] * (t.extra["workers"] - 1)

@@ -26,7 +26,7 @@ import torch
 
 from parallel.devices import synchronizer_all
 from parallel.harness.timing import PhaseTimer
-from parallel.strategies.base import Trainable, grad_bytes
+from parallel.strategies.base import Trainable, grad_bytes, state_bytes
 from parallel.strategies.primitives import DeviceThreads, gather, parallel_apply, replicate, scatter
 from parallel.workloads import WORKLOADS
 
@@ -98,3 +98,11 @@ def predict_step_ms(cal, config, row) -> float:
     """Replicas compute their chunks in parallel; the parameters are copied out and the gradients back."""
     n = config.world_size
     return cal.compute_ms(-(-config.batch_size // n)) + cal.copy_ms(2 * (n - 1) * cal.grad_bytes)
+
+
+def model_state_bytes(t: Trainable, config) -> list[int]:
+    """Device 0 holds the original parameters, their gradients and the optimiser state, and every device
+    a replica's parameter copies for the length of a step."""
+    params = list(t.model.parameters())
+    copies = sum(p.numel() * p.element_size() for p in params)
+    return [state_bytes(params, t.optimizer) + copies] + [copies] * (len(t.extra["devices"]) - 1)

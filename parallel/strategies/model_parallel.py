@@ -20,7 +20,7 @@ import torch
 
 from parallel.devices import synchronizer
 from parallel.errors import ConfigError
-from parallel.strategies.base import Trainable, options_of
+from parallel.strategies.base import Trainable, options_of, state_bytes
 from parallel.strategies.stages import ActivationMeter, Busy, split, stage_backward, stage_forward
 
 NAME = "model_parallel"
@@ -93,3 +93,7 @@ def stage_details(t: Trainable, config, result, microbatches: int) -> dict:
 def predict_step_ms(cal, config, row) -> float:
     """One stage at a time: the whole model's compute, plus the activations and gradients copied."""
     return cal.compute_ms(config.batch_size) + cal.copy_ms(row.comm_bytes_per_step or 0)
+
+
+def model_state_bytes(t: Trainable, config) -> list[int]:
+    return [state_bytes(list(stage.parameters()), t.optimizer) for stage in t.extra["split"].stages]

@@ -31,7 +31,7 @@ import torch
 from parallel.errors import ConfigError
 from parallel.strategies.base import Trainable, options_of
 from parallel.strategies.model_parallel import Options as SplitOptions
-from parallel.strategies.model_parallel import setup_stages, stage_details
+from parallel.strategies.model_parallel import model_state_bytes, setup_stages, stage_details  # noqa: F401
 from parallel.strategies.primitives import DeviceThreads
 from parallel.strategies.stages import stage_backward, stage_forward
 
