@@ -32,20 +32,22 @@ def test_updates_made_in_the_workers_are_visible_in_the_parent():
 
 
 def test_hogwild_converges_like_sgd_on_the_same_samples():
-    # 40 steps of a global batch of 64 = 2560 samples for each run. Hogwild (2 workers x 32 per update)
+    # 60 steps of a global batch of 64 = 3840 samples for each run. Hogwild (2 workers x 32 per update)
     # makes twice the updates of `single` (64 per update), so the fair reference for what asynchrony costs
-    # is sequential SGD with Hogwild's update size and count. Measured (seeds 0, 1): Hogwild made 0.95 and
-    # 1.04 of that run's progress, and ended far below `single` (0.45 vs 2.01; 0.19 vs 2.09). Bands: at
-    # least half of sequential SGD's progress, and no worse than `single` + 0.05 at the same samples.
-    # Broken sharing (each worker on a private copy) would leave the parent at the initial loss: fails both.
+    # is sequential SGD with Hogwild's update size and count. Measured over 6 Hogwild runs: it made
+    # 0.93-1.00 of that run's progress, and ended at eval loss 0.017-0.197 against `single`'s 0.099.
+    # (At 40 steps the runs sit on the loss cliff, where the interleaving moves the drop: 0.17-0.96 of
+    # the progress; too wide to test.) Bands: at least 0.8 of sequential SGD's progress, and at most
+    # `single` + 0.15. Broken sharing (each worker on a private copy) would leave the parent at the
+    # initial loss: it fails both.
     def run(strategy, batch, steps):
         config = RunConfig(workload="cnn", devices="cpu:2", batch_size=batch, steps=steps, warmup=0).validate()
         return eval_loss(WORKLOADS["cnn"], execute(strategies.get(strategy), config, Dist())[1], 0, batch)
 
     initial = eval_loss(WORKLOADS["cnn"], WORKLOADS["cnn"].build_model(0).state_dict(), 0, 64)
-    hogwild, single, sequential = run("hogwild", 64, 40), run("single", 64, 40), run("single", 32, 80)
-    assert initial - hogwild >= 0.5 * (initial - sequential), (initial, hogwild, sequential)
-    assert hogwild <= single + 0.05, (hogwild, single)
+    hogwild, single, sequential = run("hogwild", 64, 60), run("single", 64, 60), run("single", 32, 120)
+    assert initial - hogwild >= 0.8 * (initial - sequential), (initial, hogwild, sequential)
+    assert hogwild <= single + 0.15, (hogwild, single)
 
 
 def test_a_crashed_worker_fails_the_run_and_leaves_no_process():
