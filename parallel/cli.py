@@ -20,7 +20,6 @@ from pathlib import Path
 
 from parallel import strategies
 from parallel.config import ConfigError, RunConfig
-from parallel.harness import launch
 from parallel.harness.report import make_console
 from parallel.harness.results import Equivalence, Row, write_results
 
@@ -144,8 +143,6 @@ def cmd_compare(args, names: list[str], baseline: bool) -> int:
         return cmd_scaling(config, names, args.world_sizes)
     names, skipped = strategies.resolve(names, config.spec)
     chosen = plan(config, names, baseline)  # every check before the first file is written
-    if config.port:
-        launch.loopback_socket(config.port).close()  # a taken port is bad input, found now
     prepare_out(Path(config.out))
     console = make_console()
     env = environment(config.spec)

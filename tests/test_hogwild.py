@@ -42,9 +42,9 @@ def test_hogwild_converges_like_sgd_on_the_same_samples():
     # initial loss: it fails both.
     def run(strategy, batch, steps):
         config = RunConfig(workload="cnn", devices="cpu:2", batch_size=batch, steps=steps, warmup=0).validate()
-        return eval_loss(WORKLOADS["cnn"], execute(strategies.get(strategy), config, Dist())[1], 0, batch)
+        return eval_loss(WORKLOADS["cnn"], execute(strategies.get(strategy), config, Dist())[1], 0)
 
-    initial = eval_loss(WORKLOADS["cnn"], WORKLOADS["cnn"].build_model(0).state_dict(), 0, 64)
+    initial = eval_loss(WORKLOADS["cnn"], WORKLOADS["cnn"].build_model(0).state_dict(), 0)
     hogwild, single, sequential = run("hogwild", 64, 60), run("single", 64, 60), run("single", 32, 120)
     assert initial - hogwild >= 0.8 * (initial - sequential), (initial, hogwild, sequential)
     assert hogwild <= single + 0.15, (hogwild, single)

@@ -84,6 +84,8 @@ def plan(config: RunConfig, names: list[str], baseline: bool = True) -> list[tup
     chosen = [(s, label, cfg) for s in map(strategies.get, names) for label, cfg in s.variants(config)]
     for s, _, cfg in chosen:
         s.validate(cfg)
+    if config.port:
+        launch.loopback_socket(config.port).close()  # a taken rendezvous port is bad input, found now
     if config.resume_from:  # missing, corrupt or for another model: refused now, not in a child
         ckpt = checkpoint.load(Path(config.resume_from))
         try:
@@ -113,7 +115,7 @@ def run_strategies(config: RunConfig, chosen: list[tuple], baseline: bool = True
                 progress.update(task, description=f"{s.name} {variant} ({s.launch}, {s.world_size(cfg)} dev)")
                 row, state = run_one(s, variant, cfg, work, logs)
                 if state is not None:
-                    row.eval_loss = eval_loss(workload, state, config.seed, config.batch_size)
+                    row.eval_loss = eval_loss(workload, state, config.seed)
                 if baseline and s.name == BASELINE and state is not None:
                     ref_state, tol = state, equivalence.tolerance(state, initial)
                     row.equivalence = Equivalence("baseline", 0.0, tol)

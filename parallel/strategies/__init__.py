@@ -131,5 +131,8 @@ def resolve(names: list[str], spec) -> tuple[list[str], dict[str, str]]:
         why = get(n).available(spec)
         if why and "all" not in names:
             raise ConfigError(f"{n} cannot run on {spec}: {why}")
-        (skipped.__setitem__(n, why) if why else run.append(n))
+        if why:
+            skipped[n] = why
+        else:
+            run.append(n)
     return run, skipped

@@ -57,12 +57,16 @@ def comm_bytes_predicted(model: nn.Module, config) -> int | None:
     return None
 
 
+def param_bytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
 def state_bytes(params, optimizer) -> int:
     """Parameters + their gradients + the optimiser's state for them (momentum, ...), counted from the
     tensors themselves."""
     total = 0
     for p in params:
-        total += p.numel() * p.element_size() * (2 if p.grad is not None else 1)
+        total += param_bytes([p]) * (2 if p.grad is not None else 1)
         if optimizer is not None:
             total += sum(v.numel() * v.element_size() for v in optimizer.state.get(p, {}).values()
                          if isinstance(v, torch.Tensor))
@@ -99,4 +103,4 @@ def options_of(options_cls, config):
 
 
 def grad_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return param_bytes(p for p in model.parameters() if p.requires_grad)

@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 
 from parallel.dist import Dist
 from parallel.errors import ConfigError
-from parallel.strategies.base import Trainable, options_of
+from parallel.strategies.base import Trainable, options_of, param_bytes
 
 NAME = "hogwild"
 LAUNCH = "hogwild"
@@ -183,6 +183,6 @@ def predict_step_ms(cal, config, row) -> float:
 def model_state_bytes(t: Trainable, config) -> list[int]:
     """The parameters once, in shared memory (counted with worker 0); each worker's own gradients and
     momentum (SGD: one buffer) in that worker."""
-    params = sum(p.numel() * p.element_size() for p in t.model.parameters())
+    params = param_bytes(t.model.parameters())
     per_worker = params * (2 if config.momentum else 1)
     return [params + per_worker] + [per_worker] * (t.extra["workers"] - 1)

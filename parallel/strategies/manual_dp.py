@@ -26,7 +26,7 @@ import torch
 
 from parallel.devices import synchronizer_all
 from parallel.harness.timing import PhaseTimer
-from parallel.strategies.base import Trainable, grad_bytes, state_bytes
+from parallel.strategies.base import Trainable, grad_bytes, param_bytes, state_bytes
 from parallel.strategies.primitives import DeviceThreads, gather, parallel_apply, replicate, scatter
 from parallel.workloads import WORKLOADS
 
@@ -54,6 +54,7 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     model = model.to(devices[0])  # the original parameters live on the output device
     return Trainable(model, make_optimizer(model.parameters()), loss_fn, devices[0], comm_bytes=0,
                      extra={"devices": devices, "pool": DeviceThreads(devices, spec.threads_per_device()),
+                            "param_bytes": param_bytes(model.parameters()),  # what a replica copies
                             "phase": PhaseTimer(synchronizer_all(devices))}, devices=devices)
 
 
@@ -85,8 +86,7 @@ def train_step(t: Trainable, batch, dist):
         parallel_apply([_backward] * len(outs), list(zip(outs, grads, strict=True)), devices, pool=pool)
     with phase("optimizer"):
         t.optimizer.step()
-    params = sum(p.numel() * p.element_size() for p in replicas[0].parameters())
-    t.comm_bytes += 2 * params * (len(xs) - 1) + _moved(xs) + 2 * _moved(outs)
+    t.comm_bytes += 2 * t.extra["param_bytes"] * (len(xs) - 1) + _moved(xs) + 2 * _moved(outs)
     return loss.detach()
 
 
@@ -103,6 +103,5 @@ def predict_step_ms(cal, config, row) -> float:
 def model_state_bytes(t: Trainable, config) -> list[int]:
     """Device 0 holds the original parameters, their gradients and the optimiser state, and every device
     a replica's parameter copies for the length of a step."""
-    params = list(t.model.parameters())
-    copies = sum(p.numel() * p.element_size() for p in params)
-    return [state_bytes(params, t.optimizer) + copies] + [copies] * (len(t.extra["devices"]) - 1)
+    copies = t.extra["param_bytes"]
+    return [state_bytes(list(t.model.parameters()), t.optimizer) + copies] + [copies] * (len(t.extra["devices"]) - 1)

@@ -19,6 +19,7 @@ from torch.autograd.profiler import record_function
 
 from parallel.errors import ConfigError
 from parallel.harness.timing import StepTimer
+from parallel.strategies.base import param_bytes
 
 
 def layers_of(model: nn.Module) -> list[nn.Module]:
@@ -94,7 +95,7 @@ class Split:
         return " | ".join(f"{a}-{b - 1}" for a, b in zip(self.bounds[:-1], self.bounds[1:], strict=True))
 
     def param_bytes(self) -> list[int]:
-        return [sum(p.numel() * p.element_size() for p in s.parameters()) for s in self.stages]
+        return [param_bytes(s.parameters()) for s in self.stages]
 
 
 def split(model: nn.Module, devices: list[torch.device], balance: str, sample: torch.Tensor) -> Split:
