@@ -7,7 +7,12 @@
 #   ./launch.sh devices             what hardware is here
 #   ./launch.sh tensorboard OUT     TensorBoard (with the profiler plugin) on 127.0.0.1 for a results folder
 #   ./launch.sh python ...          anything else inside the environment
+#   ./launch.sh multinode --nnodes N --rdzv-endpoint HOST:PORT [--nproc-per-node P] [--rdzv-id ID]
+#                         [--node-rank R] [--other-torchrun-option=value ...] STRATEGY [strategy options]
+#                                   this node's torchrun for a run over N nodes: run it on every node
+#                                   (c10d rendezvous at HOST:PORT, on the first node; see scripts/slurm/)
 #
+# PARALLEL_NO_SETUP=1 uses $VENV as it is (e.g. on a cluster's compute nodes after `./launch.sh setup`).
 # TORCH_SPEC picks the torch build installed first (default torch==2.13.0: the CPU wheel on this
 # project's machines; on a GPU machine the same pin from PyPI is a CUDA build).
 set -euo pipefail
@@ -23,6 +28,7 @@ pip_install() {
 }
 
 setup() {
+    [ "${PARALLEL_NO_SETUP:-0}" = 1 ] && return
     if [ ! -x "$VENV/bin/python" ]; then
         echo "launch.sh: creating $VENV" >&2
         "$PY" -m venv "$VENV"
@@ -38,6 +44,42 @@ setup() {
         rm -f "$VENV"/.installed-*
         touch "$stamp"
     fi
+}
+
+multinode() {
+    # torchrun's c10d rendezvous: every node's agent meets at HOST:PORT (the first node hosts it unless
+    # told otherwise) and ranks are handed out as agents arrive, so --node-rank is only a label there.
+    local nnodes="" endpoint="" nproc=1 rdzv_id=parallel node_rank="" extra=()
+    while [ $# -gt 0 ]; do
+        case "$1" in
+            --nnodes) nnodes=${2:?--nnodes needs a value}; shift 2 ;;
+            --rdzv-endpoint) endpoint=${2:?--rdzv-endpoint needs HOST:PORT}; shift 2 ;;
+            --nproc-per-node) nproc=${2:?--nproc-per-node needs a value}; shift 2 ;;
+            --rdzv-id) rdzv_id=${2:?--rdzv-id needs a value}; shift 2 ;;
+            --node-rank) node_rank=${2:?--node-rank needs a value}; shift 2 ;;
+            --*=*) extra+=("$1"); shift ;;
+            --*) echo "launch.sh multinode: unknown option '$1' (torchrun's own options go as --name=value)" >&2
+                 exit 2 ;;
+            *) break ;;
+        esac
+    done
+    local strategy=${1:-}
+    if [ -z "$nnodes" ] || [ -z "$endpoint" ] || [ -z "$strategy" ]; then
+        echo "launch.sh multinode: needs --nnodes N, --rdzv-endpoint HOST:PORT and a strategy" >&2
+        exit 2
+    fi
+    shift
+    if [ ! -f "scripts/$strategy.py" ]; then
+        local names=(scripts/*.py)
+        names=("${names[@]#scripts/}")
+        echo "launch.sh multinode: no scripts/$strategy.py (strategies: ${names[*]%.py})" >&2
+        exit 2
+    fi
+    setup
+    [ -n "$node_rank" ] && extra+=("--node-rank=$node_rank")
+    exec "$VENV/bin/python" -m torch.distributed.run --nnodes="$nnodes" --nproc-per-node="$nproc" \
+        --rdzv-backend=c10d --rdzv-endpoint="$endpoint" --rdzv-id="$rdzv_id" "${extra[@]}" \
+        "scripts/$strategy.py" "$@"
 }
 
 cmd=${1:-help}
@@ -60,9 +102,11 @@ case "$cmd" in
         exec "$VENV/bin/python" "$@" ;;
     setup)
         setup ;;
+    multinode)
+        multinode "$@" ;;
     help|-h|--help)
         awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" ;;
     *)
-        echo "launch.sh: unknown command '$cmd' (compare, test, run, devices, tensorboard, python, setup)" >&2
+        echo "launch.sh: unknown command '$cmd' (compare, test, run, devices, tensorboard, python, setup, multinode)" >&2
         exit 2 ;;
 esac

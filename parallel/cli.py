@@ -31,7 +31,8 @@ class _Parser(argparse.ArgumentParser):
 
 def add_run_options(p: argparse.ArgumentParser) -> None:
     d = RunConfig()
-    p.add_argument("--workload", default=d.workload, help=f"model and data: mlp or cnn (default {d.workload})")
+    p.add_argument("--workload", default=d.workload,
+                   help=f"model and data: mlp, cnn, transformer or dcgan (default {d.workload})")
     p.add_argument("--devices", default=d.devices, help="auto | cpu:N (N virtual devices) | cuda:0,1,...")
     p.add_argument("--world-size", type=int, default=d.world_size, help="devices to use (default: all listed)")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help=f"GLOBAL batch per step ({d.batch_size})")
@@ -141,7 +142,7 @@ def cmd_compare(args, names: list[str], baseline: bool) -> int:
     config = config_from_args(args)
     if getattr(args, "world_sizes", ""):
         return cmd_scaling(config, names, args.world_sizes)
-    names, skipped = strategies.resolve(names, config.spec)
+    names, skipped = strategies.resolve(names, config.spec, config.workload)
     chosen = plan(config, names, baseline)  # every check before the first file is written
     prepare_out(Path(config.out))
     console = make_console()
@@ -175,7 +176,7 @@ def cmd_scaling(config: RunConfig, names: list[str], sizes_text: str) -> int:
         raise ConfigError(f"--world-sizes {sizes_text!r}: device counts must be 1 or more")
     runs = []
     for mode, n, cfg in scaling.points(config, sizes):  # every point checked before the first one runs
-        run_names, _ = strategies.resolve(names, cfg.spec)
+        run_names, _ = strategies.resolve(names, cfg.spec, cfg.workload)
         runs.append((mode, n, cfg, plan(cfg, run_names, baseline=True)))
     prepare_out(Path(config.out))
     console = make_console()
@@ -279,6 +280,10 @@ def script_main(name: str, argv: list[str] | None = None) -> int:
         return 2
     if result is None:  # not rank 0: rank 0 reports
         return 0
-    row, _ = result
+    row, state = result
     row.equivalence = Equivalence("unchecked", reason="run alone; `python -m parallel compare` checks it")
+    if config.out:  # the trained parameters, for torch.load(..., weights_only=True)
+        from parallel.harness.checkpoint import atomic_save
+
+        atomic_save(Path(config.out) / f"{name}_final.pt", state)
     return _finish(config, [row], make_console())

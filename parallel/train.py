@@ -25,11 +25,12 @@ from parallel.harness.timing import StepTimer
 
 @dataclass
 class TrainResult:
-    losses: list[float]  # the global loss of every step, warm-up included
+    losses: list[float]  # the global loss of every step, warm-up included (the first, for several losses)
     step_s: list[float]  # seconds of each timed step (warm-up excluded)
     timed: tuple[float, float] = (0.0, 0.0)  # perf_counter at the start of the first timed step and the end
     #                                          of the last (CLOCK_MONOTONIC: comparable across processes)
     samples_per_s: float | None = None  # set where it is not global batch / median step (Hogwild)
+    loss_parts: list[list[float]] | None = None  # every loss of every step, when a step has several (the DCGAN's)
 
 
 class NonFiniteLoss(RuntimeError):
@@ -51,7 +52,7 @@ def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult
         _watchdog(config, dist)
         with timer, record_function(f"step {step}"):
             loss = strategy.train_step(trainable, batch, dist)
-        losses.append(loss.detach().float().reshape(()))
+        losses.append(loss.detach().float().reshape(-1))  # (1,), or (k,) for k losses
         if step >= config.warmup:
             step_s.append(timer.elapsed)
             first = timer.started if first is None else first
@@ -60,11 +61,13 @@ def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult
         if config.checkpoint_every and ((step + 1) % config.checkpoint_every == 0 or step == total - 1):
             checkpoint.save(config, strategy, trainable, step, dist)
     # One all-reduce for the whole run, off the clock: each rank's loss is the mean over its equal share.
-    global_losses = dist.all_reduce_mean(torch.stack(losses).cpu()).tolist() if losses else []
-    for step, value in enumerate(global_losses):
-        if not math.isfinite(value):
-            raise NonFiniteLoss(f"loss is {value} at step {step} of {strategy.name}")
-    return TrainResult(global_losses, step_s, (first or timer.started, timer.started + timer.elapsed))
+    global_losses = dist.all_reduce_mean(torch.stack(losses).cpu()).tolist() if losses else []  # (steps, k)
+    for step, values in enumerate(global_losses):
+        if not all(map(math.isfinite, values)):
+            raise NonFiniteLoss(f"loss is {values if len(values) > 1 else values[0]} at step {step} of {strategy.name}")
+    several = bool(global_losses) and len(global_losses[0]) > 1
+    return TrainResult([v[0] for v in global_losses], step_s, (first or timer.started, timer.started + timer.elapsed),
+                       loss_parts=global_losses if several else None)
 
 
 def _faults(step: int, config, dist) -> None:

@@ -76,6 +76,8 @@ def execute(strategy, config: RunConfig, dist: Dist) -> tuple[Row, dict]:
         final_loss=result.losses[-1] if ran else None,
         threads_per_device=threads // devices_here,
         losses=result.losses,
+        loss_parts=dict(zip(workload.loss_names, map(list, zip(*result.loss_parts, strict=True)), strict=True))
+        if result.loss_parts else {},
         step_ms=[s * 1e3 for s in result.step_s],
         details=details,
     )

@@ -10,6 +10,7 @@ same batches in every process and every strategy.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable
@@ -68,14 +69,126 @@ class LeNet(nn.Module):
         return [*self.features, *self.classifier]
 
 
+class TinyTransformer(nn.Module):
+    """A small decoder-only transformer (GPT-style, pre-norm): the workload the sharded and
+    tensor-parallel strategies are for. 64 tokens, context 32, width 128, 2 blocks of 4 heads: 0.42M params.
+
+    tokens (B, T) -> embed + position (B, T, C) -> [block] x 2 -> norm -> head -> logits (B, T, 64)
+    """
+
+    def __init__(self, vocab: int = 64, context: int = 32, width: int = 128, depth: int = 2, heads: int = 4):
+        super().__init__()
+        self.embed = Embed(vocab, context, width)
+        self.blocks = nn.Sequential(*[Block(width, heads) for _ in range(depth)])
+        self.head = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, vocab))
+
+    def forward(self, tokens):  # (B, T) -> (B, T, vocab)
+        return self.head(self.blocks(self.embed(tokens)))
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return [self.embed, *self.blocks, self.head]
+
+
+class Embed(nn.Module):
+    def __init__(self, vocab: int, context: int, width: int):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(vocab, width), nn.Embedding(context, width)
+
+    def forward(self, tokens):  # (B, T) -> (B, T, C)
+        return self.tokens(tokens) + self.positions(torch.arange(tokens.shape[1], device=tokens.device))
+
+
+class Block(nn.Module):
+    """x + attention(norm(x)), then x + mlp(norm(x)); attention is causal (each token sees its past)."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)  # tensor parallel: colwise, rowwise
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x):  # (B, T, C)
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, c // self.heads).unbind(2)  # (B, T, H, C/H)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.mlp(self.norm2(x))
+
+
+def gan_update(parts: dict, optimizers, real, z, unsynced=lambda name: contextlib.nullcontext()) -> torch.Tensor:
+    """One DCGAN step, the two-optimiser update: the discriminator learns real vs fake, then the
+    generator learns to make the discriminator say "real". `parts` may be DDP-wrapped; `unsynced(name)`
+    is then that wrapper's no_sync: the discriminator's gradients from the generator's backward are
+    thrown away (zeroed before its next step), so all-reducing them would be wasted. -> [d_loss, g_loss]"""
+    g, d = parts["generator"], parts["discriminator"]
+    bce = F.binary_cross_entropy_with_logits
+    ones, zeros = torch.ones(real.shape[0], 1, device=real.device), torch.zeros(real.shape[0], 1, device=real.device)
+    fake = g(z)  # (B, 3, 24, 24)
+    optimizers["discriminator"].zero_grad(set_to_none=True)
+    d_loss = bce(d(torch.cat([real, fake.detach()])), torch.cat([ones, zeros]))  # one forward for both halves
+    d_loss.backward()
+    optimizers["discriminator"].step()
+    optimizers["generator"].zero_grad(set_to_none=True)
+    with unsynced("discriminator"):
+        g_loss = bce(d(fake), ones)  # the discriminator just updated: the generator chases it
+        g_loss.backward()
+    optimizers["generator"].step()
+    return torch.stack([d_loss.detach(), g_loss.detach()])
+
+
+class DCGAN(nn.Module):
+    """The source material's small DCGAN, for 24x24 RGB images: two models, two optimisers, two losses.
+
+    generator:     z (B, 16, 3, 3) -> ConvT 16->128 k10 -> (B, 128, 12, 12) -> BatchNorm, ReLU
+                                   -> ConvT 128->3 k4 s2 p1 -> (B, 3, 24, 24) -> Sigmoid
+    discriminator: image (B, 3, 24, 24) -> conv 3->6 k5, ReLU, pool -> (B, 6, 10, 10)
+                                        -> conv 6->12 k5, ReLU, pool -> (B, 12, 3, 3) -> fc 108->32, ReLU -> fc 32->1
+    The material lists one pool; fc 108 = 12 x 3 x 3 needs the second. The discriminator returns a
+    logit (BCE with logits is the stable form of its Sigmoid + BCE).
+    """
+
+    LATENT = (16, 3, 3)
+
+    def __init__(self):
+        super().__init__()
+        self.generator = nn.Sequential(
+            nn.ConvTranspose2d(16, 128, 10), nn.BatchNorm2d(128), nn.ReLU(),
+            nn.ConvTranspose2d(128, 3, 4, stride=2, padding=1), nn.Sigmoid(),
+        )
+        self.discriminator = nn.Sequential(
+            nn.Conv2d(3, 6, 5), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(6, 12, 5), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(108, 32), nn.ReLU(), nn.Linear(32, 1),
+        )
+
+    def forward(self, z):  # (B, 16, 3, 3) -> (B, 3, 24, 24)
+        return self.generator(z)
+
+    def parts(self) -> dict[str, nn.Module]:
+        """The separately optimised parts: each gets its own optimiser (and, under DDP, its own wrapper)."""
+        return {"generator": self.generator, "discriminator": self.discriminator}
+
+    update = staticmethod(gan_update)  # a model with parts brings its own update
+
+
 @dataclass(frozen=True)
 class Workload:
     name: str
     description: str
     make_module: Callable[[], nn.Module]
     input_shape: tuple[int, ...]  # one sample
-    classes: int = 10
+    classes: int = 10  # outputs per sample (per token for the transformer)
     dataset_size: int = 8192  # samples; batches wrap around it like epochs
+    data: str = "teacher"  # "teacher": labelled by the nearest prototype; "tokens": a Markov chain; "images": GAN
+    loss_names: tuple[str, ...] = ("loss",)
+
+    @property
+    def multi_part(self) -> bool:
+        """Its model has separately optimised parts and brings its own update (model.parts(),
+        model.update): only strategies with MULTI_PART = True train it. Otherwise training is one loss,
+        one optimiser: loss(model(x), y)."""
+        return hasattr(self.make_module, "parts")
 
     def build_model(self, seed: int) -> nn.Module:
         """Same seed -> bitwise the same initial weights, whatever ran before in this process."""
@@ -85,7 +198,18 @@ class Workload:
 
     @staticmethod
     def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(output, target)
+        """Cross-entropy over every prediction: (B, classes) vs (B,), or per token (B, T, V) vs (B, T)."""
+        return F.cross_entropy(output.flatten(0, -2), target.flatten())
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Held-out loss: cross-entropy, or for the GAN how far generated images' per-pixel mean and
+        spread are from real ones' (mean squared difference; 0 = the same first two moments)."""
+        model.eval()
+        if self.data != "images":
+            return self.loss(model(x), y).item()
+        fake = model(y)  # y holds the latent vectors
+        return (((fake.mean(0) - x.mean(0)) ** 2).mean() + ((fake.std(0) - x.std(0)) ** 2).mean()).item()
 
 
 WORKLOADS: dict[str, Workload] = {
@@ -93,6 +217,10 @@ WORKLOADS: dict[str, Workload] = {
     for w in [
         Workload("mlp", "MLP 512-1024x4-10, 3.7M params (communication-heavy)", MLP, (512,)),
         Workload("cnn", "LeNet-size CNN 28x28x1, 30k params (compute-heavy)", LeNet, (1, 28, 28)),
+        Workload("transformer", "GPT-style transformer, 2 blocks, width 128, 64 tokens x 32, 0.42M params",
+                 TinyTransformer, (32,), classes=64, data="tokens"),
+        Workload("dcgan", "DCGAN 24x24x3: generator + discriminator, two optimisers", DCGAN, (3, 24, 24),
+                 classes=1, data="images", loss_names=("d_loss", "g_loss")),
     ]
 }
 
@@ -112,16 +240,39 @@ def _prototypes(shape: tuple[int, ...], classes: int, g: torch.Generator) -> tor
 
 
 class SyntheticData:
-    """A fixed synthetic data set with teacher labels; `batch(step)` is the same tensor everywhere."""
+    """A fixed synthetic data set; `batch(step)` is the same tensor everywhere. Per workload.data:
+    teacher:  x = SIGNAL x one of 10 prototypes + noise, y = the nearest prototype        (classification)
+    tokens:   sequences from a fixed random Markov chain (4 likely successors per token),
+              x = tokens 0..T-1, y = tokens 1..T                                         (next-token prediction)
+    images:   x = real images, sigmoid(4 x a smooth prototype + noise/2), y = latent z  (the GAN's two inputs)
+    """
 
     def __init__(self, workload: Workload, seed: int, batch_size: int):
         g = torch.Generator().manual_seed(10_000 + seed)  # independent of the model's init stream
         self.workload, self.seed, self.batch_size = workload, seed, batch_size
-        self.teacher = _prototypes(workload.input_shape, workload.classes, g)  # (classes, d)
+        if workload.data == "tokens":  # (V, V) transition probabilities: most mass on 4 successors per token
+            v = workload.classes
+            likely = torch.randn((v, v), generator=g).topk(4, dim=1).indices
+            self.teacher = torch.full((v, v), 0.2 / v).scatter_(1, likely, 0.2)
+            self.teacher /= self.teacher.sum(dim=1, keepdim=True)
+        else:
+            self.teacher = _prototypes(workload.input_shape, max(workload.classes, 10), g)  # (classes, d)
         self.x, self.y = self._samples(max(workload.dataset_size, batch_size), g)
 
     def _samples(self, n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        source = torch.randint(0, self.workload.classes, (n,), generator=g)
+        kind = self.workload.data
+        if kind == "tokens":
+            t = self.workload.input_shape[0]
+            seq = torch.empty((n, t + 1), dtype=torch.long)
+            seq[:, 0] = torch.randint(0, self.workload.classes, (n,), generator=g)
+            for i in range(t):
+                seq[:, i + 1] = torch.multinomial(self.teacher[seq[:, i]], 1, generator=g).squeeze(1)
+            return seq[:, :-1], seq[:, 1:]  # (n, T) each
+        source = torch.randint(0, self.teacher.shape[0], (n,), generator=g)
+        if kind == "images":
+            noise = torch.randn((n, self.teacher.shape[1]), generator=g)
+            x = torch.sigmoid(4 * SIGNAL * self.teacher[source] + 0.5 * noise)  # in (0, 1), like the generator's
+            return x.reshape(n, *self.workload.input_shape), torch.randn((n, *DCGAN.LATENT), generator=g)
         x = SIGNAL * self.teacher[source] + torch.randn((n, self.teacher.shape[1]), generator=g)  # (n, d)
         y = (x @ self.teacher.T).argmax(dim=1)  # the teacher's label, (n,)
         return x.reshape(n, *self.workload.input_shape), y
@@ -145,10 +296,8 @@ def _heldout(workload_name: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]
     return SyntheticData(WORKLOADS[workload_name], seed, 1).heldout()
 
 
-@torch.no_grad()
 def eval_loss(workload: Workload, state: dict[str, torch.Tensor], seed: int) -> float:
-    """The loss of parameters `state` on the held-out samples: where a strategy's training ended up."""
+    """The held-out loss of parameters `state` (Workload.evaluate): where a strategy's training ended up."""
     model = workload.build_model(seed)
     model.load_state_dict(state)
-    x, y = _heldout(workload.name, seed)
-    return workload.loss(model.eval()(x), y).item()
+    return workload.evaluate(model, *_heldout(workload.name, seed))

@@ -57,9 +57,18 @@ def save(config, strategy, trainable, step: int, dist) -> None:
         file = path(config, strategy.name)
         file.parent.mkdir(parents=True, exist_ok=True)
         state = {"step": step, "model": strategy.state_dict(trainable), "optimizer": trainable.optimizer.state_dict()}
-        fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.", dir=file.parent)
-        os.close(fd)
-        torch.save(state, tmp)
-        os.replace(tmp, file)
+        atomic_save(file, state)
     if td.is_initialized():
         td.barrier()
+
+
+def atomic_save(file: Path, obj) -> None:
+    """torch.save to a temporary file beside `file`, then rename: a reader never sees half a file."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.", dir=file.parent)
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, file)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

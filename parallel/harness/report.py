@@ -59,6 +59,9 @@ def notes(rows: list[Row], environment: dict, skipped: dict | None = None) -> li
     out += [f"[red]{r.label} mismatch: {r.equivalence.reason}[/]" for r in rows
             if r.equivalence.verdict == "mismatch"]
     out += [f"{r.label}: " + ", ".join(f"{k} {_fmt(v)}" for k, v in r.details.items()) for r in rows if r.details]
+    out += [f"{r.label} losses, first -> last step: " + ", ".join(f"{k} {v[0]:.4f} -> {v[-1]:.4f}"
+                                                                 for k, v in r.loss_parts.items())
+            for r in rows if r.loss_parts]
     if environment["device_kind"] == "virtual":
         cpu = environment["cpu"]
         out.append(f"Simulated: {environment['devices']} = virtual devices sharing {cpu['cores']} CPU core(s) "

@@ -46,6 +46,7 @@ class Row:
     threads_per_device: int | None = None
     equivalence: Equivalence = field(default_factory=lambda: Equivalence("unchecked"))
     losses: list[float] = field(default_factory=list)
+    loss_parts: dict[str, list[float]] = field(default_factory=dict)  # each loss of a several-loss step (DCGAN)
     step_ms: list[float] = field(default_factory=list)
     details: dict = field(default_factory=dict)  # strategy-specific measurements (JSON only)
 
@@ -65,7 +66,7 @@ class Row:
 
 
 # Lists stay in results.json; the CSV has one scalar per column.
-CSV_SKIP = {"losses", "step_ms", "equivalence", "details"}
+CSV_SKIP = {"losses", "loss_parts", "step_ms", "equivalence", "details"}
 
 
 def atomic_write(path: Path, text: str) -> None:

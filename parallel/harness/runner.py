@@ -61,6 +61,9 @@ def write_scalars(tb: Path, row: Row) -> None:
     with SummaryWriter(str(tb / row.label.replace(" ", "_").replace("=", "-"))) as w:
         for step, loss in enumerate(row.losses):
             w.add_scalar("loss/train", loss, step)
+        for name, values in row.loss_parts.items():  # the DCGAN's d_loss and g_loss
+            for step, loss in enumerate(values):
+                w.add_scalar(f"loss/{name}", loss, step)
         warm = len(row.losses) - len(row.step_ms) if len(row.step_ms) <= len(row.losses) else 0
         for i, ms in enumerate(row.step_ms):
             w.add_scalar("step_time_ms", ms, warm + i)

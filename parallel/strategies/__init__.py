@@ -43,6 +43,7 @@ def _defaults() -> dict:
         "Options": None,
         "NOT_EXPECTED_REASON": None,
         "CHECKPOINTS": True,
+        "MULTI_PART": False,
     }
 
 
@@ -60,6 +61,15 @@ class Strategy:
             setattr(self, attr, getattr(module, attr, default))
         self.setup = module.setup
         self.train_step = module.train_step
+
+    def unsupported(self, workload: str) -> str | None:
+        """Why this strategy cannot train `workload`, or None."""
+        from parallel.workloads import WORKLOADS
+
+        if WORKLOADS[workload].multi_part and not self.MULTI_PART:
+            runs = ", ".join(n for n in NAMES if get(n).MULTI_PART)
+            return f"its update has two models and two optimisers (strategies that run it: {runs})"
+        return None
 
     def option_fields(self) -> list[dataclasses.Field]:
         return list(dataclasses.fields(self.Options)) if self.Options else []
@@ -80,6 +90,9 @@ class Strategy:
         """Every check of this strategy against a config (one variant's): its options, checkpointing,
         its own check(). ConfigError names what is wrong."""
         self.options(config)
+        why = self.unsupported(config.workload)
+        if why:
+            raise ConfigError(f"{self.name} cannot train the {config.workload} workload: {why}")
         if (config.checkpoint_every or config.resume or config.resume_from) and not self.CHECKPOINTS:
             raise ConfigError(f"{self.name} cannot checkpoint or resume (--checkpoint-every, --resume)")
         self.check(config)
@@ -123,16 +136,18 @@ def parse_list(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def resolve(names: list[str], spec) -> tuple[list[str], dict[str, str]]:
-    """(strategies to run, {skipped: why}). `all` means every strategy that can run on `spec`; one named
-    explicitly that cannot is an error."""
+def resolve(names: list[str], spec, workload: str = "cnn") -> tuple[list[str], dict[str, str]]:
+    """(strategies to run, {skipped: why}). `all` means every strategy that can run `workload` on `spec`;
+    one named explicitly that cannot is an error."""
     run, skipped = [], {}
     for n in NAMES if "all" in names else names:
-        why = get(n).available(spec)
-        if why and "all" not in names:
-            raise ConfigError(f"{n} cannot run on {spec}: {why}")
-        if why:
-            skipped[n] = why
+        s = get(n)
+        device_why, workload_why = s.available(spec), s.unsupported(workload)
+        if (device_why or workload_why) and "all" not in names:
+            raise ConfigError(f"{n} cannot run on {spec}: {device_why}" if device_why
+                              else f"{n} cannot train the {workload} workload: {workload_why}")
+        if device_why or workload_why:
+            skipped[n] = device_why or workload_why
         else:
             run.append(n)
     return run, skipped

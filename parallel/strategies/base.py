@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ class Trainable:
     """What `setup` returns and `train_step` takes: the (wrapped, split, sharded...) model and its optimiser."""
 
     model: nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | OptimizerGroup
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     device: torch.device
     comm_bytes: int | None = None  # bytes this rank sent through collectives so far; None: not counted
@@ -26,6 +27,34 @@ class Trainable:
 
     def all_devices(self) -> list[torch.device]:
         return self.devices or [self.device]
+
+
+class OptimizerGroup:
+    """Several optimisers that the loop, checkpoints and memory counts treat as one (the DCGAN's)."""
+
+    def __init__(self, optimizers: dict[str, torch.optim.Optimizer]):
+        self.optimizers = optimizers
+
+    @property
+    def state(self) -> collections.ChainMap:  # built each time: load_state_dict replaces each optimiser's dict
+        return collections.ChainMap(*(o.state for o in self.optimizers.values()))
+
+    def __getitem__(self, name: str) -> torch.optim.Optimizer:
+        return self.optimizers[name]
+
+    def state_dict(self) -> dict:
+        return {k: o.state_dict() for k, o in self.optimizers.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k, o in self.optimizers.items():
+            o.load_state_dict(state[k])
+
+
+def make_optimizers(model: nn.Module, make_optimizer):
+    """One optimiser for the model, or one per part for a model that has parts (the DCGAN)."""
+    if not hasattr(model, "parts"):
+        return make_optimizer(model.parameters())
+    return OptimizerGroup({k: make_optimizer(m.parameters()) for k, m in model.parts().items()})
 
 
 def world_size(config) -> int:

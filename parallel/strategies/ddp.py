@@ -34,11 +34,20 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from parallel.devices import synchronizer
 from parallel.errors import ConfigError
 from parallel.harness.timing import StepTimer, summarize
-from parallel.strategies.base import Trainable, grad_bytes, options_of, ring_allreduce_bytes, state_bytes
+from parallel.strategies import sync_batchnorm
+from parallel.strategies.base import (
+    Trainable,
+    grad_bytes,
+    make_optimizers,
+    options_of,
+    ring_allreduce_bytes,
+    state_bytes,
+)
 
 NAME = "ddp"
 LAUNCH = "torchrun"
 SYNCHRONOUS = True
+MULTI_PART = True  # the DCGAN: each part its own DDP, each its own optimiser
 
 
 @dataclass
@@ -60,7 +69,12 @@ class Options:
 
 
 def check(config) -> None:
-    accum = options_of(Options, config).accum
+    from parallel.workloads import WORKLOADS
+
+    opts = options_of(Options, config)
+    if WORKLOADS[config.workload].multi_part and (opts.accum > 1 or opts.prescale):
+        raise ConfigError(f"--accum and --prescale apply to one loss; the {config.workload} workload has several")
+    accum = opts.accum
     config.check_divisible(config.world_size * accum, f"world size {config.world_size} x accum {accum} =")
 
 
@@ -80,13 +94,25 @@ def _counting_allreduce(t: Trainable, bucket):  # no return annotation: DDP reje
         return default_hooks.allreduce_hook(None, bucket)
 
 
+def _wrap(module, dist, opts):
+    return DDP(module, device_ids=[dist.device] if dist.device.type == "cuda" else None,
+               bucket_cap_mb=opts.bucket_mb or None, gradient_as_bucket_view=True)
+
+
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     opts = options_of(Options, config)
     model = model.to(dist.device)
+    if hasattr(model, "parts"):  # the DCGAN: a DDP per part, since each part has its own optimiser and backward
+        model = sync_batchnorm.convert(model, dist.device)
+        t = Trainable(model, make_optimizers(model, make_optimizer), loss_fn, dist.device, comm_bytes=0,
+                      extra={"prescale": 0, "world": dist.world_size, "buckets": 0,
+                             "parts": {k: _wrap(m, dist, opts) for k, m in model.parts().items()}})
+        for part in t.extra["parts"].values():
+            part.register_comm_hook(t, _counting_allreduce)
+        return t
     # gradient_as_bucket_view: gradients live in the buckets, saving a copy into and out of them
     # (measured on the MLP: exposed communication 1.13-1.35x a standalone all-reduce with, 1.38-1.48x without).
-    ddp = DDP(model, device_ids=[dist.device] if dist.device.type == "cuda" else None,
-              bucket_cap_mb=opts.bucket_mb or None, gradient_as_bucket_view=True)
+    ddp = _wrap(model, dist, opts)
     t = Trainable(ddp, make_optimizer(ddp.parameters()), loss_fn, dist.device, comm_bytes=0,
                   extra={"accum": opts.accum, "prescale": opts.prescale, "world": dist.world_size, "buckets": 0})
     ddp.register_comm_hook(t, _counting_allreduce)
@@ -111,16 +137,24 @@ def _step(t: Trainable, batch, sync: bool = True):
 
 
 def train_step(t: Trainable, batch, dist):
+    if "parts" in t.extra:  # the model's own update, through the DDP wrappers
+        parts = t.extra["parts"]
+        x, y = (b.to(t.device, non_blocking=True) for b in batch)
+        return t.model.update(parts, t.optimizer, x, y, unsynced=lambda name: parts[name].no_sync())
     return _step(t, batch)
 
 
 def model_state_bytes(t: Trainable, config) -> list[int]:
     """Every rank holds the whole model, its gradients (in the buckets) and the optimiser state."""
-    return [state_bytes(list(t.model.module.parameters()), t.optimizer)] * config.world_size
+    return [state_bytes(list(_plain(t).parameters()), t.optimizer)] * config.world_size
+
+
+def _plain(t: Trainable):
+    return t.model.module if isinstance(t.model, DDP) else t.model
 
 
 def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
-    return {k: v.detach().cpu().clone() for k, v in t.model.module.state_dict().items()}
+    return {k: v.detach().cpu().clone() for k, v in _plain(t).state_dict().items()}
 
 
 def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
@@ -128,6 +162,8 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
     beside one standalone all-reduce of every gradient at once. The three are timed interleaved, step by
     step, with the loop's clock, so drift of the machine's speed hits all three alike."""
     buckets = t.extra["buckets"] / max(1, len(result.losses))  # per optimiser step this run took
+    if "parts" in t.extra:  # the DCGAN's update has no single-loss no_sync twin to time against
+        return {"buckets_per_step": buckets}
     flat = torch.zeros(sum(p.numel() for p in t.model.parameters()), device=t.device)  # (all grads,)
     tiny = torch.zeros(1, device=t.device)  # its time is the all-reduce latency (the cost model's alpha)
     timer = StepTimer(synchronizer(t.device))

@@ -40,13 +40,13 @@ class Options:
 def setup_stages(model, make_optimizer, loss_fn, config, sample_size: int, balance: str) -> Trainable:
     """Shared with `pipeline`: split the model over the devices, one device's share of the cores for the
     main thread (it runs or coordinates the stages), activation meters and busy clocks per stage."""
-    from parallel.workloads import WORKLOADS
+    from parallel.workloads import WORKLOADS, SyntheticData
 
     spec = config.spec
     devices = [spec.device(i) for i in range(config.world_size)]
     torch.set_num_threads(spec.threads_per_device())
-    g = torch.Generator().manual_seed(0)  # timing input only; leaves the global RNG alone
-    sample = torch.randn((sample_size, *WORKLOADS[config.workload].input_shape), generator=g).to(devices[0])
+    # The timing input: a batch of the workload's own data (images, or token ids for the transformer).
+    sample = SyntheticData(WORKLOADS[config.workload], config.seed, sample_size).batch(0)[0].to(devices[0])
     sp = split(model, devices, balance, sample)
     return Trainable(model, make_optimizer(model.parameters()), loss_fn, devices[0], comm_bytes=0,
                      extra={"split": sp, "meters": [ActivationMeter(s) for s in sp.stages],

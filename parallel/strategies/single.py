@@ -6,11 +6,12 @@ against one device of the same list. Every other strategy reads as a small diff 
 
 from __future__ import annotations
 
-from parallel.strategies.base import Trainable
+from parallel.strategies.base import Trainable, make_optimizers
 
 NAME = "single"
 LAUNCH = "inprocess"
 SYNCHRONOUS = True
+MULTI_PART = True  # also trains models with separately optimised parts (the DCGAN)
 
 
 def world_size(config) -> int:
@@ -23,11 +24,13 @@ def comm_bytes_predicted(model, config) -> int:
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     model = model.to(dist.device)
-    return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device, comm_bytes=0)
+    return Trainable(model, make_optimizers(model, make_optimizer), loss_fn, dist.device, comm_bytes=0)
 
 
 def train_step(t: Trainable, batch, dist):
     x, y = (b.to(t.device, non_blocking=True) for b in batch)  # (B, ...) and (B,)
+    if hasattr(t.model, "parts"):  # two models, two optimisers, two losses: the model's own update
+        return t.model.update(t.model.parts(), t.optimizer, x, y)
     t.optimizer.zero_grad(set_to_none=True)
     loss = t.loss_fn(t.model(x), y)
     loss.backward()

@@ -1,0 +1,53 @@
+"""BatchNorm over the GLOBAL batch when each rank holds a share of it: what DDP needs to match `single`.
+
+Plain BatchNorm under DDP normalises each rank's share by that share's own mean and variance, so N ranks
+train a different model from one device on the whole batch. torch's nn.SyncBatchNorm all-reduces the
+statistics, but only on GPUs ("SyncBatchNorm expected input tensor to be on GPU", torch 2.13); on CPU
+(gloo) this hand-written one does the same:
+
+    local (sum x, sum x^2, count) per channel --all-reduce (sum)--> global mean, var --> normalise
+
+The all-reduce is torch.distributed.nn's differentiable one: its backward all-reduces the gradient of
+the statistics, so gradients also flow through every rank's samples, exactly as on one device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed.nn.functional as dist_nn
+from torch import nn
+
+
+class AllReduceBatchNorm2d(nn.BatchNorm2d):
+    def forward(self, x):  # (B/N, C, H, W)
+        if not self.training:
+            return super().forward(x)  # running statistics: the same on every rank
+        c = x.shape[1]
+        count = torch.full((1,), x.numel() / c, device=x.device, dtype=x.dtype)
+        stats = dist_nn.all_reduce(torch.cat([x.sum((0, 2, 3)), (x * x).sum((0, 2, 3)), count]))  # (2C + 1,)
+        n = stats[-1]
+        mean = stats[:c] / n
+        var = stats[c:2 * c] / n - mean * mean  # biased, as BatchNorm normalises with
+        with torch.no_grad():  # running statistics use the unbiased variance, like nn.BatchNorm2d
+            self.running_mean.lerp_(mean, self.momentum)
+            self.running_var.lerp_(var * n / (n - 1), self.momentum)
+            self.num_batches_tracked += 1
+        shape = (1, c, 1, 1)
+        y = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
+        return y * self.weight.view(shape) + self.bias.view(shape)
+
+
+def convert(module: nn.Module, device: torch.device) -> nn.Module:
+    """Every BatchNorm2d in `module` made global: torch's SyncBatchNorm on CUDA, the one above on CPU.
+    The state (parameters and running statistics) is carried over, and the names stay the same."""
+    if device.type == "cuda":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(module)
+    for name, child in module.named_children():
+        if type(child) is nn.BatchNorm2d:
+            bn = AllReduceBatchNorm2d(child.num_features, child.eps, child.momentum, child.affine,
+                                      child.track_running_stats, device=device)
+            bn.load_state_dict(child.state_dict())
+            setattr(module, name, bn)
+        else:
+            convert(child, device)
+    return module
