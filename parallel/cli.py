@@ -3,6 +3,7 @@
     python -m parallel devices
     python -m parallel compare [--strategies a,b,...] [run options]   every strategy vs `single`
     python -m parallel run STRATEGY [run options]                      one strategy, no baseline
+    python -m parallel bench cpu-vs-gpu | streams | memory             GPU basics (parallel/basics/)
 
 Exit codes: 0 every strategy ran (and every synchronous one matched `single`); 1 a strategy failed or
 mismatched (the table says which and why); 2 bad input (one line on stderr, nothing written).
@@ -118,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("strategy", help=", ".join(strategies.NAMES))
     add_run_options(run)
     add_strategy_options(run, strategies.all_strategies(), sweep=True)
+    from parallel.basics import cli as basics_cli
+
+    basics_cli.add_parser(sub)
     return p
 
 
@@ -239,6 +243,9 @@ def cmd_devices() -> int:
         st = strategies.get(name)
         s.add_row(name, st.launch, str(st.world_size(config)), st.device_kind(spec), st.description)
     console.print(s)
+    from parallel.basics.cli import show_memory
+
+    show_memory(console)
     return 0
 
 
@@ -247,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "devices":
             return cmd_devices()
+        if args.command == "bench":
+            from parallel.basics import cli as basics_cli
+
+            return basics_cli.main(args, make_console())
         if args.command == "compare":
             return cmd_compare(args, strategies.parse_list(args.strategies), baseline=True)
         return cmd_compare(args, [strategies.get(args.strategy).name], baseline=False)

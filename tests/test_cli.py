@@ -60,6 +60,7 @@ def test_devices_lists_cpu_and_backends(capsys):
     assert cli.main(["devices"]) == 0
     out = capsys.readouterr().out
     assert "cores" in out and "gloo yes" in out and "--devices auto =" in out
+    assert "memory per device" in out and "after del" in out  # basics/memory.py's figures and demo
 
 
 def test_compare_writes_the_report_results_and_traces(tmp_path):

@@ -1,0 +1,98 @@
+"""GPU basics (parallel/basics/): correct timing, streams, device memory, memory savers. The CUDA halves
+carry their own skip marker; everything else runs here, on CPU."""
+
+import json
+
+import pytest
+import torch
+
+from parallel import cli
+from parallel.basics import bench, memory, savers, streams
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+MiB = 2**20
+
+
+def test_synchronized_timing_of_a_slow_async_step_is_not_faster_than_the_step():
+    device = bench.AsyncDevice()  # work runs on a background thread, like a GPU's queue
+    step_s = 0.05
+    synced = bench.time_synced(lambda: device.launch(step_s), device.synchronize, repeats=4, warmup=1)
+    naive = bench.time_naive(lambda: device.launch(step_s), device.synchronize, repeats=4, warmup=1)
+    assert synced["min_ms"] >= step_s * 1e3  # every synchronized measurement includes the whole step
+    assert naive["p50_ms"] < 0.1 * step_s * 1e3  # the pitfall: without a sync the clock sees only the queueing
+
+
+def test_cpu_vs_gpu_bench_runs_the_cpu_side_and_says_the_gpu_side_was_not_run(tmp_path, capsys):
+    assert cli.main(["bench", "cpu-vs-gpu", "--scale", "0.002", "--repeats", "2", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    doc = json.loads((tmp_path / "bench-cpu-vs-gpu.json").read_text())
+    cases = {(line["case"].split(" ")[0], line["device"]) for line in doc["lines"]}
+    assert {("sum", "cpu"), ("matrix", "cpu"), ("train", "cpu"), ("matrix", "numpy (cpu)")} <= cases
+    sim = next(line for line in doc["lines"] if line["device"] == "simulated")
+    assert sim["synced"]["p50_ms"] >= 20 > sim["naive"]["p50_ms"]
+    if not torch.cuda.is_available():
+        assert "GPU side not run" in out and not any(line["device"].startswith("cuda") for line in doc["lines"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "cpu-vs-gpu", "--repeats", "0"], "--repeats must be at least 1"),
+    (["bench", "memory", "--workload", "dcgan"], "mlp, cnn or transformer"),
+    (["bench", "memory", "--budget-mb", "-1"], "--budget-mb 0 or more"),
+])
+def test_bench_refuses_bad_input(argv, message, refused):
+    refused(argv, message)
+
+
+def test_streams_say_they_do_not_apply_on_cpu(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: test_stream_fixes_always_give_the_right_sum runs instead")
+    assert cli.main(["bench", "streams"]) == 0
+    assert "streams do not apply on CPU" in capsys.readouterr().out
+
+
+@cuda
+def test_stream_fixes_always_give_the_right_sum():
+    counts = streams.check(torch.device("cuda", 0), trials=20)
+    right = [name for name in counts if name.startswith("right")]
+    assert len(right) == 2 and all(counts[name] == 20 for name in right), counts
+    # The race itself depends on the GPU's scheduling: not asserted, only reported.
+
+
+def test_freeing_a_large_cpu_tensor_gives_its_memory_back():
+    stages = dict(memory.empty_cache_demo(torch.device("cpu"), mib=256))
+    start, allocated, freed = (stages[k]["resident"] for k in ("start", "after torch.ones(256 MiB)", "after del"))
+    assert allocated - start > 200 * MiB  # the pages were touched, so they count
+    assert allocated - freed > 200 * MiB  # and over glibc's mmap threshold they go straight back
+
+
+@cuda
+def test_empty_cache_frees_what_the_caching_allocator_kept_reserved():
+    stages = dict(memory.empty_cache_demo(torch.device("cuda", 0), mib=256))
+    after_del, emptied = stages["after del"], stages["after torch.cuda.empty_cache()"]
+    assert after_del["allocated"] < stages["after torch.ones(256 MiB)"]["allocated"]
+    assert after_del["reserved"] - emptied["reserved"] >= 256 * MiB
+
+
+def test_largest_batch_search_finds_the_boundary():
+    need = lambda b: 1000 * b + 5000  # noqa: E731  bytes a step of batch b needs
+    assert savers.largest_batch(need, budget=1000 * 300 + 5000) in range(292, 301)  # within 3%
+    assert savers.largest_batch(need, budget=1000) == 0  # not even the smallest fits
+    assert savers.largest_batch(need, budget=10**12, cap=4096) == 4096
+    out_of_memory = lambda b: None if b > 100 else need(b)  # noqa: E731  e.g. CUDA raised OutOfMemoryError
+    assert savers.largest_batch(out_of_memory, budget=10**12) in range(97, 101)
+
+
+def test_memory_savers_save_memory_and_checkpointing_changes_nothing_else():
+    # The transformer: activations dominate its memory. (On the MLP at batch 256 the 3.7M parameters do,
+    # and autocast *adds* memory there: it keeps bf16 copies of the weights.)
+    results = {r.mode: r for r in savers.run("transformer", torch.device("cpu"), batch=32, budget=24 * MiB,
+                                             repeats=2)}
+    fp32 = results["fp32"]
+    # Recomputing activations gives bitwise the same forward: the loss after 5 steps is the same.
+    assert results["checkpointing"].loss_after == pytest.approx(fp32.loss_after, abs=1e-6)
+    assert results["autocast"].loss_after == pytest.approx(fp32.loss_after, rel=0.02)  # bf16 matmuls
+    for mode in ("autocast", "checkpointing", "both"):  # measured at batch 128: 0.62x, 0.60x, 0.41x
+        assert results[mode].memory_bytes < fp32.memory_bytes, (mode, results[mode].memory_bytes, fp32.memory_bytes)
+    for r in results.values():
+        assert r.largest_batch > 0 and r.largest_batch_bytes <= 24 * MiB
+    assert results["both"].largest_batch > fp32.largest_batch
