@@ -4,6 +4,7 @@
     python -m parallel compare [--strategies a,b,...] [run options]   every strategy vs `single`
     python -m parallel run STRATEGY [run options]                      one strategy, no baseline
     python -m parallel bench cpu-vs-gpu | streams | memory             GPU basics (parallel/basics/)
+    python -m parallel sweep --lr a,b --batch-size ... --num-workers ... --device cpu,cuda   a grid of runs
 
 Exit codes: 0 every strategy ran (and every synchronous one matched `single`); 1 a strategy failed or
 mismatched (the table says which and why); 2 bad input (one line on stderr, nothing written).
@@ -122,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     from parallel.basics import cli as basics_cli
 
     basics_cli.add_parser(sub)
+    from parallel import sweep
+
+    sweep.add_parser(sub)
     return p
 
 
@@ -258,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
             from parallel.basics import cli as basics_cli
 
             return basics_cli.main(args, make_console())
+        if args.command == "sweep":
+            from parallel import sweep
+
+            return sweep.main(args, make_console())
         if args.command == "compare":
             return cmd_compare(args, strategies.parse_list(args.strategies), baseline=True)
         return cmd_compare(args, [strategies.get(args.strategy).name], baseline=False)

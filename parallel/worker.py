@@ -32,8 +32,9 @@ def make_optimizer(config: RunConfig):
     return lambda params: torch.optim.SGD(params, lr=config.lr, momentum=config.momentum)
 
 
-def execute(strategy, config: RunConfig, dist: Dist) -> tuple[Row, dict]:
-    """Train once with `strategy` in this process (one rank of it); returns the row and final parameters."""
+def execute(strategy, config: RunConfig, dist: Dist, data=None) -> tuple[Row, dict]:
+    """Train once with `strategy` in this process (one rank of it); returns the row and final parameters.
+    `data`: where batches come from (default: SyntheticData; the sweep passes a DataLoader's)."""
     spec = config.spec
     # The cores are split between devices; this process drives `devices_here` of them. Set explicitly:
     # torchrun sets OMP_NUM_THREADS=1 in every worker, which would otherwise decide for us.
@@ -43,7 +44,7 @@ def execute(strategy, config: RunConfig, dist: Dist) -> tuple[Row, dict]:
 
     workload = WORKLOADS[config.workload]
     model = workload.build_model(config.seed)
-    data = SyntheticData(workload, config.seed, config.batch_size)
+    data = data or SyntheticData(workload, config.seed, config.batch_size)
     predicted = strategy.comm_bytes_predicted(model, config)
     reset_peak_memory(dist.device)
     trainable = strategy.setup(model, make_optimizer(config), workload.loss, dist, config)

@@ -301,3 +301,14 @@ def eval_loss(workload: Workload, state: dict[str, torch.Tensor], seed: int) -> 
     model = workload.build_model(seed)
     model.load_state_dict(state)
     return workload.evaluate(model, *_heldout(workload.name, seed))
+
+
+@torch.no_grad()
+def accuracy(workload: Workload, state: dict[str, torch.Tensor], seed: int) -> float | None:
+    """Share of held-out predictions (samples, or tokens) that are right; None for the GAN."""
+    if workload.data == "images":
+        return None
+    model = workload.build_model(seed)
+    model.load_state_dict(state)
+    x, y = _heldout(workload.name, seed)
+    return (model.eval()(x).argmax(dim=-1) == y).float().mean().item()

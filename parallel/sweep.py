@@ -1,0 +1,255 @@
+"""Hyperparameter sweeps in the style of a RunManager: every combination of the given values, one
+training run each, each logged to TensorBoard (scalars and hparams), one table at the end.
+
+    python -m parallel sweep --lr 0.01,0.001 --batch-size 1000,10000 --num-workers 0,1 --device cpu,cuda
+                             [--workload cnn] [--steps 20] [--warmup 3] [--seed 0] [--out DIR]
+
+Each run is `single` through THE training loop (parallel/train.py), fed by a torch DataLoader with
+`--num-workers` loader processes over the same synthetic data and the same batches as every other command.
+A device that is not here (cuda on a machine without one) is skipped with a note. Writes
+OUT/sweep.json and OUT/sweep.csv (rewritten after every run) and OUT/tb/<run>/ for TensorBoard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import statistics
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Sampler, TensorDataset
+
+from parallel.config import RunConfig
+from parallel.errors import ConfigError
+from parallel.workloads import WORKLOADS, SyntheticData
+
+GRID = OrderedDict(lr=float, batch_size=int, num_workers=int, device=str)  # the swept knobs, in table order
+
+
+def runs(grid: dict[str, list]) -> list[dict]:
+    """Every combination, in order (the RunBuilder of the RunManager pattern)."""
+    return [dict(zip(grid, values, strict=True)) for values in itertools.product(*grid.values())]
+
+
+def parse_grid(args) -> dict[str, list]:
+    grid = {}
+    for name, kind in GRID.items():
+        text = str(getattr(args, name))
+        try:
+            values = [kind(v.strip()) for v in text.split(",") if v.strip()]
+        except ValueError:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} {text!r}: expected a comma list of {kind.__name__}") from None
+        if not values:
+            raise ConfigError(f"--{name.replace('_', '-')} is empty")
+        grid[name] = list(dict.fromkeys(values))
+    for w in grid["num_workers"]:
+        if w < 0:
+            raise ConfigError(f"--num-workers must be 0 or more, got {w}")
+    for d in grid["device"]:
+        if d != "cpu" and not (d == "cuda" or d.startswith("cuda:")):
+            raise ConfigError(f"--device {d!r}: expected cpu, cuda or cuda:N")
+    return grid
+
+
+def config_for(point: dict, base: RunConfig) -> RunConfig:
+    device = "cpu:1" if point["device"] == "cpu" else ("cuda:0" if point["device"] == "cuda" else point["device"])
+    return dataclasses.replace(base, lr=point["lr"], batch_size=point["batch_size"], devices=device,
+                               world_size=0).validate()
+
+
+def unavailable(device: str) -> str | None:
+    if device == "cpu":
+        return None
+    index = int(device.partition(":")[2] or 0)
+    if not torch.cuda.is_available():
+        return "no CUDA device here"
+    if index >= torch.cuda.device_count():
+        return f"only {torch.cuda.device_count()} CUDA device(s) here"
+    return None
+
+
+class _Steps(Sampler):
+    """Batch `step` = the same indices SyntheticData.batch(step) takes, so a sweep run sees exactly the
+    batches every other command sees."""
+
+    def __init__(self, n: int, batch_size: int, steps: int):
+        self.n, self.batch_size, self.steps = n, batch_size, steps
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self):
+        for step in range(self.steps):
+            yield (torch.arange(step * self.batch_size, (step + 1) * self.batch_size) % self.n).tolist()
+
+
+class LoaderData:
+    """THE loop's data source (`batch(step, rank, world)`), served by a DataLoader in step order."""
+
+    def __init__(self, data: SyntheticData, steps: int, num_workers: int, pin_memory: bool, timeout: float):
+        sampler = _Steps(len(data.x), data.batch_size, steps)
+        self.loader = DataLoader(TensorDataset(data.x, data.y), batch_sampler=sampler, num_workers=num_workers,
+                                 pin_memory=pin_memory,
+                                 timeout=timeout if num_workers else 0)  # a stuck loader process fails, not hangs
+        self._it, self._next = iter(self.loader), 0
+        self.asked: list[float] = []  # perf_counter at every request: consecutive ones are loading + a step
+
+    def batch(self, step: int, rank: int = 0, world_size: int = 1):
+        if step != self._next or world_size != 1:
+            raise RuntimeError(f"the sweep's loader serves steps in order to one process; asked for step {step}")
+        self._next += 1
+        self.asked.append(time.perf_counter())
+        return next(self._it)
+
+    def step_ms_end_to_end(self, skip: int) -> float | None:
+        """Median time from one step's request for data to the next's, after `skip` warm-up steps."""
+        gaps = [b - a for a, b in itertools.pairwise(self.asked[skip:])]
+        return statistics.median(gaps) * 1e3 if gaps else None
+
+    def close(self) -> None:
+        del self._it  # shuts the loader processes down
+
+
+def run_point(point: dict, config: RunConfig) -> dict:
+    """One training run; the row of the sweep table."""
+    from parallel import strategies
+    from parallel.dist import Dist
+    from parallel.worker import execute
+    from parallel.workloads import accuracy, eval_loss
+
+    workload = WORKLOADS[config.workload]
+    device = config.spec.device(0)
+    data = LoaderData(SyntheticData(workload, config.seed, config.batch_size), config.warmup + config.steps,
+                      point["num_workers"], pin_memory=device.type == "cuda", timeout=config.timeout)
+    start = time.perf_counter()
+    try:
+        row, state = execute(strategies.get("single"), config, Dist(device=device), data=data)
+    finally:
+        data.close()
+    wall = time.perf_counter() - start
+    end_to_end = data.step_ms_end_to_end(config.warmup)
+    return {**point, "status": "ok", "final_loss": row.final_loss, "eval_loss": eval_loss(workload, state, config.seed),
+            "eval_accuracy": accuracy(workload, state, config.seed), "step_ms_p50": row.step_ms_p50,
+            "step_ms_end_to_end": end_to_end,  # the loop's clock is around the step; this includes loading
+            "samples_per_s_end_to_end": config.batch_size / end_to_end * 1e3 if end_to_end else None,
+            "wall_s": wall, "losses": row.losses, "step_ms": row.step_ms}
+
+
+def run_name(point: dict) -> str:
+    return f"lr={point['lr']:g}_bs={point['batch_size']}_workers={point['num_workers']}_{point['device']}"
+
+
+def log_run(tb: Path, result: dict) -> None:
+    """One TensorBoard run per grid point: the loss and step time per step, and the hparams with their
+    final metrics (TensorBoard's HPARAMS tab compares the runs)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(str(tb / run_name(result))) as w:
+        for step, loss in enumerate(result.get("losses", [])):
+            w.add_scalar("loss/train", loss, step)
+        for i, ms in enumerate(result.get("step_ms", [])):
+            w.add_scalar("step_time_ms", ms, i)
+        metrics = {f"hparam/{k}": result[k] for k in ("final_loss", "eval_loss", "eval_accuracy",
+                                                       "samples_per_s_end_to_end")
+                   if isinstance(result.get(k), float)}
+        w.add_hparams({k: result[k] for k in GRID}, metrics, run_name=".")  # ".": this run's own folder
+
+
+COLUMNS = [("lr", "lr", "{:g}"), ("batch_size", "batch", "{:,}"), ("num_workers", "workers", "{}"),
+           ("device", "device", "{}"), ("final_loss", "loss", "{:.4f}"), ("eval_loss", "eval loss", "{:.4f}"),
+           ("eval_accuracy", "eval acc.", "{:.1%}"), ("step_ms_p50", "step ms", "{:.1f}"),
+           ("step_ms_end_to_end", "step+load ms", "{:.1f}"), ("samples_per_s_end_to_end", "samples/s", "{:,.0f}"),
+           ("wall_s", "wall s", "{:.1f}"), ("status", "status", "{}")]
+
+
+def table(results: list[dict], title: str):
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left")
+    t.add_column("#", justify="right")
+    for _, header, _ in COLUMNS:
+        t.add_column(header, justify="left" if header in ("device", "status") else "right")
+    for i, r in enumerate(results, 1):
+        t.add_row(str(i), *("-" if r.get(k) is None else fmt.format(r[k]) for k, _, fmt in COLUMNS))
+    return t
+
+
+def save(out: Path, base: RunConfig, results: list[dict], skipped: list[str]) -> None:
+    """sweep.json (everything, per-step lists included) and sweep.csv (one row per run), atomically."""
+    import csv
+    import io
+    import json
+
+    from parallel.harness.results import atomic_write
+
+    doc = {"config": dataclasses.asdict(base), "runs": results, "skipped": skipped}
+    atomic_write(out / "sweep.json", json.dumps(doc, indent=2))
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=[k for k, _, _ in COLUMNS] + ["error"], extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(results)
+    atomic_write(out / "sweep.csv", buf.getvalue())
+
+
+def main(args, console) -> int:
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from parallel.cli import prepare_out
+
+    grid = parse_grid(args)
+    base = RunConfig(workload=args.workload, steps=args.steps, warmup=args.warmup, seed=args.seed,
+                     timeout=args.timeout).validate()
+    if base.workload not in WORKLOADS or WORKLOADS[base.workload].multi_part:
+        raise ConfigError(f"the sweep trains one model with one optimiser; {base.workload} has several")
+    points, skipped = [], {}
+    for point in runs(grid):
+        why = unavailable(point["device"])
+        if why:
+            skipped[point["device"]] = (why, skipped.get(point["device"], (why, 0))[1] + 1)
+            continue
+        config_for(point, base)  # every run's config checked before the first one starts
+        points.append(point)
+    skipped = [f"{device}: {n} run(s) skipped, {why}" for device, (why, n) in skipped.items()]
+    out = Path(args.out or Path("results") / time.strftime("sweep-%Y%m%d-%H%M%S"))
+    prepare_out(out)
+    results: list[dict] = []
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=console) as progress:
+        task = progress.add_task("sweep", total=len(points))
+        for point in points:
+            progress.update(task, description=run_name(point))
+            try:
+                result = run_point(point, config_for(point, base))
+            except Exception as e:  # one failed run is a row of the table, not the end of the sweep
+                result = {**point, "status": "failed", "error": f"{type(e).__name__}: {e}".splitlines()[0]}
+            results.append(result)
+            log_run(out / "tb", result)
+            save(out, base, results, skipped)
+            progress.advance(task)
+    console.print(table(results, f"sweep: {base.workload}, {base.steps} timed steps after {base.warmup} warm-up, "
+                                 f"seed {base.seed}"))
+    for line in skipped + [f"{run_name(r)} failed: {r['error']}" for r in results if r.get("error")]:
+        console.print(f"- {line}")
+    console.print("step ms: the loop's synchronized clock around the step. step+load ms: from one step's request "
+                  "for data to the next's, so loading shows there (num_workers > 0 loads in other processes).")
+    console.print(f"results: {out}/sweep.json, sweep.csv; TensorBoard: ./launch.sh tensorboard {out}")
+    return 0 if results and all(r["status"] == "ok" for r in results) else 1
+
+
+def add_parser(sub) -> None:
+    d = RunConfig()
+    p = sub.add_parser("sweep", help="a grid of runs (lr x batch size x loader workers x device), RunManager-style")
+    p.add_argument("--lr", default=str(d.lr), help=f"comma list of learning rates ({d.lr})")
+    p.add_argument("--batch-size", default=str(d.batch_size), help=f"comma list of batch sizes ({d.batch_size})")
+    p.add_argument("--num-workers", default="0", help="comma list of DataLoader worker processes (0)")
+    p.add_argument("--device", default="cpu", help="comma list of cpu, cuda, cuda:N (cpu); missing ones are skipped")
+    p.add_argument("--workload", default=d.workload, help=f"mlp, cnn or transformer ({d.workload})")
+    p.add_argument("--steps", type=int, default=d.steps, help=f"timed steps per run ({d.steps})")
+    p.add_argument("--warmup", type=int, default=d.warmup, help=f"untimed steps first ({d.warmup})")
+    p.add_argument("--seed", type=int, default=d.seed, help=f"seed of weights and data ({d.seed})")
+    p.add_argument("--timeout", type=float, default=d.timeout, help="seconds a loader process may take per batch")
+    p.add_argument("--out", default="", help="results folder (default results/sweep-<time>)")
