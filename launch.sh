@@ -4,7 +4,9 @@
 #   ./launch.sh compare [args]      every strategy, one table + results/  (python -m parallel compare)
 #   ./launch.sh test [pytest args]  the test suite (gloo on CPU): ruff, then pytest
 #   ./launch.sh run STRATEGY [args] one strategy through the harness       (python -m parallel run)
-#   ./launch.sh devices             what hardware is here
+#   ./launch.sh devices             what hardware is here, and its memory
+#   ./launch.sh bench KIND [args]   GPU basics: cpu-vs-gpu | streams | memory  (python -m parallel bench)
+#   ./launch.sh sweep [args]        a grid of runs, RunManager-style           (python -m parallel sweep)
 #   ./launch.sh tensorboard OUT     TensorBoard (with the profiler plugin) on 127.0.0.1 for a results folder
 #   ./launch.sh python ...          anything else inside the environment
 #   ./launch.sh multinode --nnodes N --rdzv-endpoint HOST:PORT [--nproc-per-node P] [--rdzv-id ID]
@@ -85,7 +87,7 @@ multinode() {
 cmd=${1:-help}
 [ $# -gt 0 ] && shift
 case "$cmd" in
-    compare|run|devices)
+    compare|run|devices|bench|sweep)
         setup
         exec "$VENV/bin/python" -m parallel "$cmd" "$@" ;;
     test)
@@ -107,6 +109,6 @@ case "$cmd" in
     help|-h|--help)
         awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" ;;
     *)
-        echo "launch.sh: unknown command '$cmd' (compare, test, run, devices, tensorboard, python, setup, multinode)" >&2
+        echo "launch.sh: unknown command '$cmd' (compare, test, run, devices, bench, sweep, tensorboard, python, setup, multinode)" >&2
         exit 2 ;;
 esac

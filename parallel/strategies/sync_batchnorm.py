@@ -7,15 +7,27 @@ statistics, but only on GPUs ("SyncBatchNorm expected input tensor to be on GPU"
 
     local (sum x, sum x^2, count) per channel --all-reduce (sum)--> global mean, var --> normalise
 
-The all-reduce is torch.distributed.nn's differentiable one: its backward all-reduces the gradient of
-the statistics, so gradients also flow through every rank's samples, exactly as on one device.
+The all-reduce is a differentiable one: its backward all-reduces the gradient of the statistics, so
+gradients also flow through every rank's samples, exactly as on one device.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as td
 import torch.distributed.nn.functional as dist_nn
 from torch import nn
+
+
+def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Differentiable all-reduce (sum). torch 2.13 deprecates torch.distributed.nn.functional's in favour
+    of _functional_collectives.all_reduce, which has an autograd formula there; older versions (the
+    pyproject allows 2.6+) have only the former."""
+    if hasattr(dist_nn, "_deprecated"):
+        from torch.distributed import _functional_collectives as funcol
+
+        return funcol.wait_tensor(funcol.all_reduce(t, "sum", td.group.WORLD))
+    return dist_nn.all_reduce(t)
 
 
 class AllReduceBatchNorm2d(nn.BatchNorm2d):
@@ -24,7 +36,7 @@ class AllReduceBatchNorm2d(nn.BatchNorm2d):
             return super().forward(x)  # running statistics: the same on every rank
         c = x.shape[1]
         count = torch.full((1,), x.numel() / c, device=x.device, dtype=x.dtype)
-        stats = dist_nn.all_reduce(torch.cat([x.sum((0, 2, 3)), (x * x).sum((0, 2, 3)), count]))  # (2C + 1,)
+        stats = _all_reduce_sum(torch.cat([x.sum((0, 2, 3)), (x * x).sum((0, 2, 3)), count]))  # (2C + 1,)
         n = stats[-1]
         mean = stats[:c] / n
         var = stats[c:2 * c] / n - mean * mean  # biased, as BatchNorm normalises with
