@@ -104,23 +104,29 @@ def _stderr_silenced():
         os.close(saved)
 
 
-def largest_batch(memory_at: Callable[[int], int | None], budget: int, start: int = 8, cap: int = 1 << 16) -> int:
-    """The largest batch whose memory_at(batch) fits `budget` (None: it did not fit, e.g. out of memory):
-    double until it does not fit, then bisect. 0 if not even `start` fits; `cap` if everything up to it does.
-    Assumes memory grows with the batch, which it does for a training step."""
-    fits = lambda b: (m := memory_at(b)) is not None and m <= budget  # noqa: E731
+def largest_batch(memory_at: Callable[[int], int | None], budget: int, start: int = 8,
+                  cap: int = 1 << 16) -> tuple[int, int | None]:
+    """(the largest batch whose memory_at(batch) fits `budget`, the bytes measured for it). None from
+    memory_at means it did not fit (e.g. out of memory). Doubles until a batch does not fit, then bisects.
+    (0, None) if not even `start` fits; `cap` if everything up to it does. Assumes memory grows with the
+    batch, as it does for a training step. The bytes are the probe's own: a repeat measurement of the same
+    step varied by up to 3% here (allocation order), so a re-measured boundary batch may not fit again."""
+    measured: dict[int, int | None] = {}
+
+    def fits(b: int) -> bool:
+        measured[b] = memory_at(b)
+        return measured[b] is not None and measured[b] <= budget
+
     if not fits(start):
-        return 0
+        return 0, None
     lo = start
     while lo < cap and fits(min(2 * lo, cap)):
         lo = min(2 * lo, cap)
-    if lo == cap:
-        return cap
-    hi = min(2 * lo, cap)  # lo fits, hi does not
+    hi = min(2 * lo, cap)  # lo fits, hi does not (unless lo == cap)
     while hi - lo > max(1, lo // 32):  # to within 3%: each probe is a real training step
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+    return lo, measured[lo]
 
 
 @functools.lru_cache(maxsize=2)
@@ -161,9 +167,8 @@ def run(workload: str, device: torch.device, batch: int, budget: int | None, ste
         r = Result(mode, trainer.dtype, summarize(times), step_memory(trainer, x, y), loss.item())
         if budget:
             progress(f"{mode}: largest batch within {budget / 2**20:.0f} MiB")
-            r.largest_batch = largest_batch(lambda b, m=mode: _memory_or_none(workload, m, device, b), budget)
-            if r.largest_batch:
-                r.largest_batch_bytes = _memory_or_none(workload, mode, device, r.largest_batch)
+            r.largest_batch, r.largest_batch_bytes = largest_batch(
+                lambda b, m=mode: _memory_or_none(workload, m, device, b), budget)
         results.append(r)
     return results
 
