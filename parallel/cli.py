@@ -261,10 +261,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             from parallel.basics import cli as basics_cli
 
-            return basics_cli.main(args, make_console())
+            signal.signal(signal.SIGTERM, _interrupt)
+            try:
+                return basics_cli.main(args, make_console())
+            except KeyboardInterrupt:
+                print("interrupted", file=sys.stderr)
+                return 130
         if args.command == "sweep":
             from parallel import sweep
 
+            signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the sweep like Ctrl-C
             return sweep.main(args, make_console())
         if args.command == "compare":
             return cmd_compare(args, strategies.parse_list(args.strategies), baseline=True)

@@ -220,16 +220,21 @@ def main(args, console) -> int:
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                   TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=console) as progress:
         task = progress.add_task("sweep", total=len(points))
-        for point in points:
-            progress.update(task, description=run_name(point))
-            try:
-                result = run_point(point, config_for(point, base))
-            except Exception as e:  # one failed run is a row of the table, not the end of the sweep
-                result = {**point, "status": "failed", "error": f"{type(e).__name__}: {e}".splitlines()[0]}
-            results.append(result)
-            log_run(out / "tb", result)
-            save(out, base, results, skipped)
-            progress.advance(task)
+        try:
+            for point in points:
+                progress.update(task, description=run_name(point))
+                try:
+                    result = run_point(point, config_for(point, base))
+                except Exception as e:  # one failed run is a row of the table, not the end of the sweep
+                    result = {**point, "status": "failed", "error": f"{type(e).__name__}: {e}".splitlines()[0]}
+                results.append(result)
+                log_run(out / "tb", result)
+                save(out, base, results, skipped)
+                progress.advance(task)
+        except KeyboardInterrupt:
+            done = f"the {len(results)} finished run(s) are in {out}/sweep.json" if results else "no run had finished"
+            console.print(f"[bold red]interrupted[/]: {done}")
+            return 130
     console.print(table(results, f"sweep: {base.workload}, {base.steps} timed steps after {base.warmup} warm-up, "
                                  f"seed {base.seed}"))
     for line in skipped + [f"{run_name(r)} failed: {r['error']}" for r in results if r.get("error")]:
