@@ -196,9 +196,8 @@ def save(out: Path, base: RunConfig, results: list[dict], skipped: list[str]) ->
 
 
 def main(args, console) -> int:
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
     from parallel.cli import prepare_out
+    from parallel.harness.report import make_progress
 
     grid = parse_grid(args)
     base = RunConfig(workload=args.workload, steps=args.steps, warmup=args.warmup, seed=args.seed,
@@ -217,8 +216,7 @@ def main(args, console) -> int:
     out = Path(args.out or Path("results") / time.strftime("sweep-%Y%m%d-%H%M%S"))
     prepare_out(out)
     results: list[dict] = []
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                  TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=console) as progress:
+    with make_progress(console) as progress:
         task = progress.add_task("sweep", total=len(points))
         try:
             for point in points:

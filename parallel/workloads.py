@@ -296,11 +296,15 @@ def _heldout(workload_name: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]
     return SyntheticData(WORKLOADS[workload_name], seed, 1).heldout()
 
 
-def eval_loss(workload: Workload, state: dict[str, torch.Tensor], seed: int) -> float:
-    """The held-out loss of parameters `state` (Workload.evaluate): where a strategy's training ended up."""
+def _trained(workload: Workload, state: dict[str, torch.Tensor], seed: int) -> nn.Module:
     model = workload.build_model(seed)
     model.load_state_dict(state)
-    return workload.evaluate(model, *_heldout(workload.name, seed))
+    return model.eval()
+
+
+def eval_loss(workload: Workload, state: dict[str, torch.Tensor], seed: int) -> float:
+    """The held-out loss of parameters `state` (Workload.evaluate): where a strategy's training ended up."""
+    return workload.evaluate(_trained(workload, state, seed), *_heldout(workload.name, seed))
 
 
 @torch.no_grad()
@@ -308,7 +312,5 @@ def accuracy(workload: Workload, state: dict[str, torch.Tensor], seed: int) -> f
     """Share of held-out predictions (samples, or tokens) that are right; None for the GAN."""
     if workload.data == "images":
         return None
-    model = workload.build_model(seed)
-    model.load_state_dict(state)
     x, y = _heldout(workload.name, seed)
-    return (model.eval()(x).argmax(dim=-1) == y).float().mean().item()
+    return (_trained(workload, state, seed)(x).argmax(dim=-1) == y).float().mean().item()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from parallel.harness.results import Row
@@ -141,3 +142,9 @@ def make_console() -> Console:
     """A terminal's own width; 200 columns when written to a file or a pipe (rich would use 80)."""
     console = Console()
     return console if console.is_terminal else Console(width=200)
+
+
+def make_progress(console: Console | None = None) -> Progress:
+    """The progress bar of every long command: what runs now, done/total, time elapsed."""
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                    TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=console)

@@ -13,12 +13,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from parallel import strategies
 from parallel.config import RunConfig
 from parallel.errors import ConfigError
 from parallel.harness import checkpoint, equivalence, launch
+from parallel.harness.report import make_progress
 from parallel.harness.results import Equivalence, Row
 from parallel.workloads import WORKLOADS, eval_loss
 
@@ -111,8 +111,7 @@ def run_strategies(config: RunConfig, chosen: list[tuple], baseline: bool = True
     workload = WORKLOADS[config.workload]
     initial = workload.build_model(config.seed).state_dict()
     try:
-        with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                      TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn()) as progress:
+        with make_progress() as progress:
             task = progress.add_task("strategies", total=len(chosen))
             for s, variant, cfg in chosen:
                 progress.update(task, description=f"{s.name} {variant} ({s.launch}, {s.world_size(cfg)} dev)")
