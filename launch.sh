@@ -4,6 +4,8 @@
 #   ./launch.sh compare [args]      every strategy, one table + results/  (python -m parallel compare)
 #   ./launch.sh test [pytest args]  the test suite (gloo on CPU): ruff, then pytest
 #   ./launch.sh run STRATEGY [args] one strategy through the harness       (python -m parallel run)
+#   ./launch.sh preflight [args]    every strategy, a torchrun restart and the GPU basics for two steps:
+#                                   one line per check (the first command to run on a machine with GPUs)
 #   ./launch.sh devices             what hardware is here, and its memory
 #   ./launch.sh bench KIND [args]   GPU basics: cpu-vs-gpu | streams | memory  (python -m parallel bench)
 #   ./launch.sh sweep [args]        a grid of runs, RunManager-style           (python -m parallel sweep)
@@ -79,6 +81,10 @@ multinode() {
     fi
     setup
     [ -n "$node_rank" ] && extra+=("--node-rank=$node_rank")
+    # torchrun's agent otherwise keeps one store for its life, and a restarted group reads the failed
+    # attempt's keys (gloo: connectFullMesh refused; nccl: a stale unique id, pytorch#135712): with this,
+    # each attempt's rank 0 hosts a fresh one. Read by the agent, so it is set here, not in the workers.
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
     exec "$VENV/bin/python" -m torch.distributed.run --nnodes="$nnodes" --nproc-per-node="$nproc" \
         --rdzv-backend=c10d --rdzv-endpoint="$endpoint" --rdzv-id="$rdzv_id" "${extra[@]}" \
         "scripts/$strategy.py" "$@"
@@ -87,7 +93,7 @@ multinode() {
 cmd=${1:-help}
 [ $# -gt 0 ] && shift
 case "$cmd" in
-    compare|run|devices|bench|sweep)
+    compare|run|devices|bench|sweep|preflight)
         setup
         exec "$VENV/bin/python" -m parallel "$cmd" "$@" ;;
     test)
@@ -109,6 +115,6 @@ case "$cmd" in
     help|-h|--help)
         awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" ;;
     *)
-        echo "launch.sh: unknown command '$cmd' (compare, test, run, devices, bench, sweep, tensorboard, python, setup, multinode)" >&2
+        echo "launch.sh: unknown command '$cmd' (compare, test, run, preflight, devices, bench, sweep, tensorboard, python, setup, multinode)" >&2
         exit 2 ;;
 esac

@@ -5,6 +5,7 @@
     python -m parallel run STRATEGY [run options]                      one strategy, no baseline
     python -m parallel bench cpu-vs-gpu | streams | memory             GPU basics (parallel/basics/)
     python -m parallel sweep --lr a,b --batch-size ... --num-workers ... --device cpu,cuda   a grid of runs
+    python -m parallel preflight                                       every path for two steps: one line a check
 
 Exit codes: 0 every strategy ran (and every synchronous one matched `single`); 1 a strategy failed or
 mismatched (the table says which and why); 2 bad input (one line on stderr, nothing written).
@@ -123,9 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     from parallel.basics import cli as basics_cli
 
     basics_cli.add_parser(sub)
-    from parallel import sweep
+    from parallel import preflight, sweep
 
     sweep.add_parser(sub)
+    preflight.add_parser(sub)
     return p
 
 
@@ -139,7 +141,8 @@ def _finish(config: RunConfig, rows: list[Row], console, skipped: dict | None = 
         write_results(Path(config.out), dataclasses.asdict(config), env, rows, skipped, cost_model)
     report.show(rows, env, console, skipped, cost_model)
     if config.out:
-        console.print(f"results: {config.out}/results.json, results.csv; logs: {config.out}/logs/")
+        logs = f"; logs: {config.out}/logs/" if (Path(config.out) / "logs").is_dir() else ""
+        console.print(f"results: {config.out}/results.json, results.csv{logs}")
     return 0 if rows and all(r.ok for r in rows) else 1
 
 
@@ -272,6 +275,11 @@ def main(argv: list[str] | None = None) -> int:
 
             signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the sweep like Ctrl-C
             return sweep.main(args, make_console())
+        if args.command == "preflight":
+            from parallel import preflight
+
+            signal.signal(signal.SIGTERM, _interrupt)
+            return preflight.main(args, make_console())
         if args.command == "compare":
             return cmd_compare(args, strategies.parse_list(args.strategies), baseline=True)
         return cmd_compare(args, [strategies.get(args.strategy).name], baseline=False)
@@ -282,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def script_main(name: str, argv: list[str] | None = None) -> int:
     """`scripts/<name>.py`: one strategy in this process (or in each torchrun worker), no harness."""
-    from parallel.dist import Dist, torchrun_auto_devices
+    from parallel.dist import Dist, script_devices
     from parallel.worker import run_here
 
     strategy = strategies.get(name)
@@ -292,11 +300,11 @@ def script_main(name: str, argv: list[str] | None = None) -> int:
     add_strategy_options(p, [strategy], sweep=False)
     args = p.parse_args(argv)
     try:
-        args.devices = torchrun_auto_devices(args.devices)
+        args.devices = script_devices(args.devices, strategy.launch)
         config = config_from_args(args, default_out=False)
         dist = Dist.from_env(config.spec)
-        # Under torchrun the world is what torchrun says (several nodes included), not the device list.
-        config = dataclasses.replace(config, world_size=max(dist.world_size, strategy.world_size(config)))
+        if strategy.launch == "torchrun":  # the world is torchrun's (several nodes included), not the device list
+            config = dataclasses.replace(config, world_size=dist.world_size)
         if config.out and dist.is_main:
             prepare_out(Path(config.out))
         result = run_here(strategy, config, dist)

@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as td
 
-from parallel.devices import DeviceSpec
+from parallel.devices import DeviceSpec, activate, gpu_count
 from parallel.errors import ConfigError
 
 
@@ -21,14 +21,21 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def torchrun_auto_devices(text: str, env: Mapping[str, str] | None = None) -> str:
-    """`auto` under `torchrun --nproc_per_node=N` on a machine without CUDA means cpu:N, so the
-    standard launch line needs no --devices; anything else is left as given."""
+def script_devices(text: str, launch: str, env: Mapping[str, str] | None = None) -> str:
+    """What `--devices auto` means for a strategy's own script (scripts/<name>.py). A torchrun strategy's
+    world is torchrun's: one device per process of this node, cuda:0..L-1 where there are GPUs, else
+    cpu:L (L = --nproc_per_node; 1 for a plain `python scripts/ddp.py`, a world of one). The in-process
+    strategies drive every device from one process, so for them `auto` keeps its usual meaning."""
     env = os.environ if env is None else env
+    if text != "auto" or launch != "torchrun":
+        return text
     local_world = int(env.get("LOCAL_WORLD_SIZE", 1))
-    if text == "auto" and local_world > 1 and not torch.cuda.is_available():
+    gpus = gpu_count()
+    if not gpus:
         return f"cpu:{local_world}"
-    return text
+    if gpus < local_world:
+        raise ConfigError(f"{local_world} processes on this node but only {gpus} CUDA device(s) visible")
+    return "cuda:" + ",".join(map(str, range(local_world)))
 
 
 @dataclass(frozen=True)
@@ -67,20 +74,30 @@ class Dist:
         """Join the process group (torchrun's env:// rendezvous), with a timeout on every collective."""
         if td.is_initialized():
             return
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        activate([self.device])  # nccl binds the rank to the current device
         td.init_process_group(self.backend, timeout=timedelta(seconds=timeout_s), store=self._store(timeout_s),
                               rank=self.rank, world_size=self.world_size)
 
     def _store(self, timeout_s: float):
-        """`python scripts/ddp.py` without torchrun: a world of one needs only an in-process store. Under
-        the harness (store sharing off, loopback master): rank 0 hosts the workers' store on a socket bound
-        to 127.0.0.1, since TCPStore would otherwise listen on every interface (harness/launch.py).
-        Otherwise torchrun's env:// rendezvous, as usual."""
+        """The store the process group meets in.
+        - `python scripts/ddp.py` without torchrun: a world of one needs only an in-process store.
+        - Under the harness (store sharing off, loopback master): rank 0 hosts the workers' store on a
+          socket bound to 127.0.0.1, since TCPStore would otherwise listen on every interface
+          (harness/launch.py).
+        - Under a plain torchrun (the agent shares its store): the agent's store, with this attempt's own
+          key prefix. The agent keeps one store for its whole life, and the process group's keys are the
+          same in every attempt, so a restarted group would read the dead attempt's addresses (gloo:
+          "connectFullMesh failed ... Connection refused"; nccl reads a stale unique id, pytorch#135712).
+          torchrun's own fix is TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, but it is read by the agent, not
+          here; launch.sh sets it, and this prefix makes a hand-typed torchrun recover too.
+        - Otherwise (another node's store, store sharing off): torchrun's env:// rendezvous, as usual."""
         if not self.launched:
             return td.HashStore()
         host, port = self.master
-        if self.agent_store or host not in ("127.0.0.1", "localhost"):
+        if self.agent_store:
+            store = td.TCPStore(host, port, self.world_size, False, timedelta(seconds=timeout_s))
+            return td.PrefixStore(f"parallel/attempt-{self.restart}/", store)
+        if host not in ("127.0.0.1", "localhost"):
             return None
         fd = None
         if self.rank == 0:

@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 from parallel.config import RunConfig
+from parallel.devices import gpu_count
 from parallel.errors import ConfigError
 from parallel.workloads import WORKLOADS, SyntheticData
 
@@ -65,10 +66,10 @@ def unavailable(device: str) -> str | None:
     if device == "cpu":
         return None
     index = int(device.partition(":")[2] or 0)
-    if not torch.cuda.is_available():
+    if not gpu_count():
         return "no CUDA device here"
-    if index >= torch.cuda.device_count():
-        return f"only {torch.cuda.device_count()} CUDA device(s) here"
+    if index >= gpu_count():
+        return f"only {gpu_count()} CUDA device(s) here"
     return None
 
 

@@ -20,7 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from parallel import strategies
 from parallel.config import RunConfig
-from parallel.devices import peak_memory, reset_peak_memory
+from parallel.devices import activate, peak_memory, reset_peak_memory
 from parallel.dist import Dist
 from parallel.harness.profiling import make_profiler
 from parallel.harness.results import Row, atomic_write
@@ -36,24 +36,27 @@ def execute(strategy, config: RunConfig, dist: Dist, data=None) -> tuple[Row, di
     """Train once with `strategy` in this process (one rank of it); returns the row and final parameters.
     `data`: where batches come from (default: SyntheticData; the sweep passes a DataLoader's)."""
     spec = config.spec
-    # The cores are split between devices; this process drives `devices_here` of them. Set explicitly:
+    local = devices_driven(strategy, config, dist)
+    # The cores are split between devices; this process drives len(local) of them. Set explicitly:
     # torchrun sets OMP_NUM_THREADS=1 in every worker, which would otherwise decide for us.
-    devices_here = max(1, strategy.world_size(config) // dist.world_size)
-    threads = spec.threads_per_device() * devices_here
+    threads = spec.threads_per_device() * len(local)
     torch.set_num_threads(threads)
+    activate(local)  # CUDA initialised (and the rank's device current) before any memory statistic
 
     workload = WORKLOADS[config.workload]
     model = workload.build_model(config.seed)
     data = data or SyntheticData(workload, config.seed, config.batch_size)
     predicted = strategy.comm_bytes_predicted(model, config)
-    reset_peak_memory(dist.device)
+    reset_peak_memory(local)
     trainable = strategy.setup(model, make_optimizer(config), workload.loss, dist, config)
     with make_profiler(config.profile, config.out, strategy.name, dist.rank, dist.device) as prof:
         result = strategy.train(strategy, trainable, data, config, dist, prof)
     comm_bytes = trainable.comm_bytes
     state = strategy.state_dict(trainable)
-    peak, peak_kind = peak_memory(dist.device)
+    peaks, peak_kind = peak_memory(local)
+    peak = max(peaks)
     details = {"model_state_bytes_per_device": strategy.model_state_bytes(trainable, config),
+               **({f"{peak_kind}_per_device": peaks} if len(peaks) > 1 else {}),
                **_peak_per_rank(peak, peak_kind),
                **strategy.extra_measurements(trainable, data, config, dist, result)}  # after the state is saved
 
@@ -75,7 +78,7 @@ def execute(strategy, config: RunConfig, dist: Dist, data=None) -> tuple[Row, di
         comm_bytes_per_step=None if comm_bytes is None or not ran else comm_bytes / ran,
         comm_bytes_predicted=predicted,
         final_loss=result.losses[-1] if ran else None,
-        threads_per_device=threads // devices_here,
+        threads_per_device=threads // len(local),
         losses=result.losses,
         loss_parts=dict(zip(workload.loss_names, map(list, zip(*result.loss_parts, strict=True)), strict=True))
         if result.loss_parts else {},
@@ -83,6 +86,14 @@ def execute(strategy, config: RunConfig, dist: Dist, data=None) -> tuple[Row, di
         details=details,
     )
     return row, state
+
+
+def devices_driven(strategy, config: RunConfig, dist: Dist) -> list[torch.device]:
+    """Every device this process drives: its rank's one under torchrun; every device of the strategy
+    for the in-process ones (manual_dp, data_parallel, model_parallel, pipeline drive several)."""
+    if strategy.launch == "torchrun":
+        return [dist.device]
+    return [config.spec.device(i) for i in range(strategy.world_size(config))]
 
 
 def _peak_per_rank(peak: int, kind: str) -> dict:

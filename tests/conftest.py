@@ -48,3 +48,15 @@ def refused(tmp_path, capsys):
         assert not out.exists()
 
     return check
+
+
+@pytest.fixture
+def strict_cuda(monkeypatch):
+    """A machine with two GPUs, as far as the package can tell: parallel.devices.CUDA replaced by a strict
+    stand-in that enforces CUDA's rules and logs every call (tests/strict_cuda.py)."""
+    from parallel import devices
+    from tests.strict_cuda import StrictCuda
+
+    fake = StrictCuda(count=2)
+    monkeypatch.setattr(devices, "CUDA", fake)
+    return fake

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from parallel.devices import synchronizer
+from parallel.devices import gpu_count, synchronizer
 from parallel.harness.timing import StepTimer, summarize
 
 
@@ -131,7 +131,7 @@ def run(scale: float = 1.0, repeats: int = 10, devices: list[torch.device] | Non
         progress: Callable[[str], None] = lambda s: None) -> list[Line]:
     """Every case on every device (CPU, then the first GPU if there is one), timed both ways, plus NumPy
     vs CuPy and the simulated asynchronous device."""
-    devices = devices or [torch.device("cpu")] + ([torch.device("cuda", 0)] if torch.cuda.is_available() else [])
+    devices = devices or [torch.device("cpu")] + ([torch.device("cuda", 0)] if gpu_count() else [])
     lines = []
     for make in CASES:
         for device in devices:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from rich.table import Table
 
+from parallel.devices import gpu_count
 from parallel.errors import ConfigError
 
 MiB = 2**20
@@ -83,7 +84,7 @@ def cpu_vs_gpu(args, console) -> dict:
     console.print("synchronized: the device is synchronized before both clock reads, so the time is the work. naive: "
                   "the clock is read right after the call returns, which for asynchronous work (GPU, the simulated "
                   "device) is when it was queued, not done: see the simulated row, whose steps take a known time.")
-    if not torch.cuda.is_available():
+    if not gpu_count():
         console.print("[yellow]GPU side not run: no CUDA device here (torch.cuda.is_available() is False).[/]")
     console.print(bench.cupy_status())
     return {"scale": args.scale, "repeats": args.repeats, "lines": [dataclasses.asdict(x) for x in lines]}
@@ -92,7 +93,7 @@ def cpu_vs_gpu(args, console) -> dict:
 def streams(args, console) -> dict:
     from parallel.basics import streams as st
 
-    if not torch.cuda.is_available():
+    if not gpu_count():
         console.print(st.CPU_MESSAGE)
         return {"ran": False, "reason": st.CPU_MESSAGE}
     counts = st.check(torch.device("cuda", 0), args.trials)
@@ -133,7 +134,7 @@ def memory(args, console) -> dict:
 
 def _device(text: str, parse_devices) -> torch.device:
     if text == "auto":
-        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        return torch.device("cuda", 0) if gpu_count() else torch.device("cpu")
     if text == "cpu":
         return torch.device("cpu")
     spec = parse_devices(text)  # cuda:N: validated (exists, visible) like --devices
@@ -156,7 +157,7 @@ def show_memory(console) -> None:
     """`devices`: memory per device now, then what freeing and empty_cache do (memory.py)."""
     from parallel.basics import memory as mem
 
-    cuda = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    cuda = [torch.device("cuda", i) for i in range(gpu_count())]
     console.print(memory_table("memory per device", [(str(d), mem.stats(d)) for d in [torch.device("cpu"), *cuda]]))
     device = cuda[0] if cuda else torch.device("cpu")
     console.print(memory_table(f"allocate, free, empty the cache ({device})", mem.empty_cache_demo(device)))

@@ -14,6 +14,8 @@ import resource
 
 import torch
 
+from parallel.devices import cuda_memory, empty_cache
+
 MiB = 2**20
 
 
@@ -39,9 +41,7 @@ def stats(device: torch.device) -> dict[str, int]:
     allocated, and the device's total and free. CPU: this process's resident and peak resident memory,
     and the machine's total and available."""
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return {"allocated": torch.cuda.memory_allocated(device), "reserved": torch.cuda.memory_reserved(device),
-                "peak_allocated": torch.cuda.max_memory_allocated(device), "total": total, "free": free}
+        return cuda_memory(device)
     system = system_memory()
     return {"resident": rss_bytes(), "peak_resident": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "total": system["total"], "available": system["available"]}
@@ -56,6 +56,6 @@ def empty_cache_demo(device: torch.device, mib: int = 256) -> list[tuple[str, di
     gc.collect()
     out.append(("after del", stats(device)))
     if device.type == "cuda":
-        torch.cuda.empty_cache()
+        empty_cache()
         out.append(("after torch.cuda.empty_cache()", stats(device)))
     return out

@@ -29,7 +29,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint_sequential
 
-from parallel.devices import synchronizer
+from parallel.devices import empty_cache, peak_memory, reset_peak_memory, synchronizer
 from parallel.harness.timing import StepTimer, summarize
 from parallel.strategies.base import state_bytes
 from parallel.workloads import WORKLOADS, SyntheticData
@@ -73,11 +73,12 @@ def step_memory(trainer: Trainer, x: torch.Tensor, y: torch.Tensor) -> int:
     """Bytes one training step needs at its peak (see the module docstring for how, per device)."""
     trainer.step(x, y)  # warm: momentum buffers exist, as in a long run
     if trainer.device.type == "cuda":
-        torch.cuda.synchronize(trainer.device)
-        torch.cuda.reset_peak_memory_stats(trainer.device)
+        sync = synchronizer(trainer.device)
+        sync()
+        reset_peak_memory([trainer.device])
         trainer.step(x, y)
-        torch.cuda.synchronize(trainer.device)
-        return torch.cuda.max_memory_allocated(trainer.device)
+        sync()
+        return peak_memory([trainer.device])[0][0]
     with _stderr_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         trainer.step(x, y)
     events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
@@ -180,5 +181,5 @@ def _memory_or_none(workload: str, mode: str, device: torch.device, batch: int) 
     try:
         return step_memory(Trainer(workload, mode, device), x, y)
     except torch.OutOfMemoryError:
-        torch.cuda.empty_cache()
+        empty_cache()
         return None

@@ -4,7 +4,8 @@
 
 Calibration (all measured in this run, with the loop's clocks):
     compute(b)   one optimiser step of `single` on b samples with one device's threads (on demand)
-    copy         memory copy bandwidth on one device's threads (activations and replicas)
+    copy         device-to-device copy bandwidth, device 0 -> device 1 (activations and replicas; on
+                 virtual CPU devices a memory copy on one device's threads)
     alpha, beta  gloo all-reduce latency and seconds per byte, from the all-reduces DDP's child times
                  (4 bytes and every gradient): time(n bytes) = 2(N-1) alpha + 2(N-1)/N n beta
 Each strategy owns its formula (`predict_step_ms`); the comparison is predicted beside measured.
@@ -22,7 +23,7 @@ import statistics
 
 import torch
 
-from parallel.devices import synchronizer
+from parallel.devices import synchronizer, synchronizer_all
 from parallel.harness.timing import StepTimer
 from parallel.strategies.base import grad_bytes
 
@@ -58,12 +59,22 @@ class Calibration:
             x, y = SyntheticData(self.workload, self.config.seed, batch).batch(0)
             return _median_ms(lambda: single.train_step(t, (x, y), None), reps=7, sync=synchronizer(device))
 
+    @property
+    def overlaps(self) -> bool:
+        """Whether collectives run beside compute. nccl runs them on a stream of their own while backward
+        goes on; gloo on virtual CPU devices shares the cores the ranks already fill, so it adds whole."""
+        return self.config.spec.real
+
     @functools.cached_property
     def copy_bytes_per_s(self) -> float:
-        with _threads(self.config.spec.threads_per_device()):
-            device = self.config.spec.device(0)
-            src = torch.empty(16 * 2**20 // 4, device=device)
-            return src.numel() * 4 / (_median_ms(src.clone, reps=7, sync=synchronizer(device)) / 1e3)
+        """What moving activations between stages (or replicas to devices) costs: the real copy from
+        device 0 to device 1, not a same-device clone (which on a GPU measures its memory, not the link)."""
+        spec = self.config.spec
+        src, dst = spec.device(0), spec.device(min(1, self.config.world_size - 1))
+        with _threads(spec.threads_per_device()):
+            x = torch.empty(16 * 2**20 // 4, device=src)
+            copy_ms = _median_ms(lambda: x.to(dst, copy=True), reps=7, sync=synchronizer_all([src, dst]))
+            return x.numel() * 4 / (copy_ms / 1e3)
 
     def copy_ms(self, nbytes: float) -> float:
         return nbytes / self.copy_bytes_per_s * 1e3

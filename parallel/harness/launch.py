@@ -13,7 +13,11 @@ Loopback only: torch's TCPStore server listens on every interface, whatever host
 torch.distributed has no authentication, so the harness hosts the rendezvous store itself on a socket
 bound to 127.0.0.1 (TCPStore's master_listen_fd), torchrun joins it as a client (is_host=false), and
 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 leaves the workers' store to rank 0, which binds it to loopback
-the same way (Dist.init). Every listening socket of a run is then on 127.0.0.1.
+the same way (Dist.init); it also lets a restarted group meet in a fresh store (pytorch#135712). gloo
+listens where the rendezvous address resolves, 127.0.0.1. NCCL's bootstrap picks its own interface
+(the first that is not loopback, unless NCCL_SOCKET_IFNAME says otherwise), so these single-node
+launches set NCCL_SOCKET_IFNAME=lo unless the user set it. Every listening socket of a harness run is
+then on 127.0.0.1 (checked by a test for gloo; the NCCL half needs GPUs and was not run here).
 """
 
 from __future__ import annotations
@@ -119,6 +123,11 @@ def _kill_group(proc: subprocess.Popen) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+def torchrun_env() -> dict[str, str]:
+    """What every torchrun launch of the harness adds to the environment (see the module docstring)."""
+    return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "NCCL_SOCKET_IFNAME": os.environ.get("NCCL_SOCKET_IFNAME", "lo")}
 
 
 def run_child(cmd: list[str], timeout: float, log_path: Path, env: dict | None = None) -> Outcome:

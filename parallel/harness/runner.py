@@ -39,7 +39,7 @@ def run_one(strategy, variant: str, config: RunConfig, work: Path, logs: Path) -
     try:
         cmd = launch.command(strategy, config, paths, store.port if store else 0)
         outcome = launch.run_child(cmd, config.timeout, logs / f"{stem}.log",
-                                   env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if store else None)
+                                   env=launch.torchrun_env() if store else None)
     finally:
         if store:
             store.close()

@@ -34,20 +34,33 @@ class StepTimer:
 
 
 class PhaseTimer:
-    """`with phases("scatter"): ...` times each phase of a step like StepTimer (synchronized clocks) and
-    labels it for the profiler. `medians(skip)` -> {"scatter_ms": ...} over all but the first `skip`."""
+    """`with phases("scatter"): ...` times each phase of a step and labels it for the profiler, on an
+    IntervalClock (devices.py): host clock reads on CPU, CUDA events on GPUs, so that timing the phases
+    does not stop the host between them. `start_step()` and `end_step()` bracket each step;
+    `medians(skip)` -> {"scatter_ms": ...} over all but the first `skip` steps."""
 
-    def __init__(self, synchronize: Callable[[], None]):
-        self.synchronize = synchronize
+    def __init__(self, clock):
+        self.clock = clock
         self.times: dict[str, list[float]] = defaultdict(list)
+        self._open: list[tuple] = []
+
+    def start_step(self) -> None:
+        self.clock.start_step()
 
     @contextlib.contextmanager
     def __call__(self, name: str):
         from torch.autograd.profiler import record_function
 
-        with record_function(name), StepTimer(self.synchronize) as timer:
+        with record_function(name):
+            start = self.clock.stamp()
             yield
-        self.times[name].append(timer.elapsed)
+            self._open.append((name, start, self.clock.stamp()))
+
+    def end_step(self) -> None:
+        self.clock.end_step()
+        for name, start, end in self._open:
+            self.times[name].append(self.clock.seconds(end) - self.clock.seconds(start, first=True))
+        self._open = []
 
     def medians(self, skip: int = 0) -> dict[str, float]:
         return {f"{k}_ms": summarize(v[skip:])["p50_ms"] for k, v in self.times.items() if v[skip:]}

@@ -90,8 +90,10 @@ class Strategy:
         """Every check of this strategy against a config (one variant's): its options, checkpointing,
         its own check(). ConfigError names what is wrong."""
         self.options(config)
-        why = self.unsupported(config.workload)
-        if why:
+        spec = config.spec
+        if why := self.available(spec):  # here, not only in `compare`: scripts and `run` come through validate too
+            raise ConfigError(f"{self.name} cannot run on {spec}: {why}")
+        if why := self.unsupported(config.workload):
             raise ConfigError(f"{self.name} cannot train the {config.workload} workload: {why}")
         if (config.checkpoint_every or config.resume or config.resume_from) and not self.CHECKPOINTS:
             raise ConfigError(f"{self.name} cannot checkpoint or resume (--checkpoint-every, --resume)")

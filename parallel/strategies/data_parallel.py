@@ -6,6 +6,12 @@ nn.DataParallel does what manual_dp does by hand, inside forward(): scatter, rep
 parallel_apply, gather (torch/nn/parallel/data_parallel.py). With no CUDA device it just calls the
 module (pytorch#3301, #7457): on `cpu:N` this row is `single` on one virtual device, labelled
 "pass-through", so the report shows why it cannot help there.
+
+The devices are always given explicitly. `device_ids=None` means *every* visible GPU, so on a machine
+with GPUs even `--devices cpu:2` would have nn.DataParallel take them all (and refuse the CPU module).
+nn.DataParallel cannot be told "CPU" while CUDA is present (`device_ids=[]` fails, a CPU device is
+refused), so on a CPU device list this strategy does explicitly what nn.DataParallel does without CUDA:
+call the module.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from parallel.devices import gpu_count
 from parallel.strategies.base import Trainable
 
 NAME = "data_parallel"
@@ -28,11 +35,29 @@ def device_kind(spec) -> str:
     return "real" if spec.real else "pass-through"
 
 
+class PassThrough(nn.Module):
+    """nn.DataParallel's own behaviour without CUDA (data_parallel.py: `if not self.device_ids: return
+    self.module(*inputs)`), on any machine."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *inputs, **kwargs):
+        return self.module(*inputs, **kwargs)
+
+
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     spec = config.spec
-    model = model.to(spec.device(0))
-    dp = nn.DataParallel(model, device_ids=list(spec.ids[: config.world_size]) if spec.real else None)
     devices = [spec.device(i) for i in range(world_size(config))]
+    model = model.to(devices[0])
+    if spec.real:
+        ids = [d.index for d in devices]
+        dp = nn.DataParallel(model, device_ids=ids, output_device=ids[0])
+    elif not gpu_count():  # no CUDA here: torch's own class, which then passes through
+        dp = nn.DataParallel(model)
+    else:  # a CPU device list on a machine with GPUs: pass through explicitly
+        dp = PassThrough(model)
     return Trainable(dp, make_optimizer(dp.parameters()), loss_fn, devices[0], devices=devices)
 
 

@@ -185,8 +185,19 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
 
 
 def predict_step_ms(cal, config, row) -> float | None:
-    """Each rank computes its share (in --accum pieces); on CPU the all-reduce cannot hide behind compute
-    (the ranks' threads already use every core), so it is added whole."""
+    """Each rank computes its share (in --accum pieces), and all-reduces every gradient once.
+    - gloo on CPU: the all-reduce cannot hide behind compute (the ranks' threads already use every
+      core), so it is added whole.
+    - nccl: DDP's buckets all-reduce on their own stream while backward goes on, so only what outlasts
+      the last micro-batch's backward shows (backward is about two thirds of a step's arithmetic, twice
+      the forward's), and never less than the last bucket's all-reduce, which starts when backward ends
+      (DDP's first-layers bucket, 1 MiB by default)."""
     k, n = options_of(Options, config).accum, config.world_size
     comm = cal.allreduce_ms(cal.grad_bytes, n)
-    return None if comm is None else k * cal.compute_ms(config.batch_size // (n * k)) + comm
+    if comm is None:
+        return None
+    micro = cal.compute_ms(config.batch_size // (n * k))
+    if not cal.overlaps:
+        return k * micro + comm
+    last_bucket = cal.allreduce_ms(min(cal.grad_bytes, 2**20), n)
+    return k * micro + max(comm - 2 / 3 * micro, last_bucket)

@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from parallel.devices import synchronizer_all
+from parallel.devices import IntervalClock
 from parallel.harness.timing import PhaseTimer
 from parallel.strategies.base import Trainable, grad_bytes, param_bytes, state_bytes
 from parallel.strategies.primitives import DeviceThreads, gather, parallel_apply, replicate, scatter
@@ -55,7 +55,7 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     return Trainable(model, make_optimizer(model.parameters()), loss_fn, devices[0], comm_bytes=0,
                      extra={"devices": devices, "pool": DeviceThreads(devices, spec.threads_per_device()),
                             "param_bytes": param_bytes(model.parameters()),  # what a replica copies
-                            "phase": PhaseTimer(synchronizer_all(devices))}, devices=devices)
+                            "phase": PhaseTimer(IntervalClock(devices))}, devices=devices)
 
 
 def _backward(output: torch.Tensor, grad: torch.Tensor) -> None:
@@ -71,6 +71,7 @@ def train_step(t: Trainable, batch, dist):
     devices, phase, pool = t.extra["devices"], t.extra["phase"], t.extra["pool"]
     x, y = batch  # the global batch, (B, ...) and (B,)
     t.optimizer.zero_grad(set_to_none=True)
+    phase.start_step()
     with phase("scatter"):
         xs = scatter(x, devices)  # [(B_i, ...)], B_i = ceil(B/N) but the last
     with phase("replicate"):
@@ -86,6 +87,7 @@ def train_step(t: Trainable, batch, dist):
         parallel_apply([_backward] * len(outs), list(zip(outs, grads, strict=True)), devices, pool=pool)
     with phase("optimizer"):
         t.optimizer.step()
+    phase.end_step()
     t.comm_bytes += 2 * t.extra["param_bytes"] * (len(xs) - 1) + _moved(xs) + 2 * _moved(outs)
     return loss.detach()
 

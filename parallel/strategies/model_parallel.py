@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from parallel.devices import synchronizer
 from parallel.errors import ConfigError
 from parallel.strategies.base import Trainable, options_of, state_bytes
 from parallel.strategies.stages import ActivationMeter, Busy, split, stage_backward, stage_forward
@@ -46,11 +45,11 @@ def setup_stages(model, make_optimizer, loss_fn, config, sample_size: int, balan
     devices = [spec.device(i) for i in range(config.world_size)]
     torch.set_num_threads(spec.threads_per_device())
     # The timing input: a batch of the workload's own data (images, or token ids for the transformer).
-    sample = SyntheticData(WORKLOADS[config.workload], config.seed, sample_size).batch(0)[0].to(devices[0])
+    sample = SyntheticData(WORKLOADS[config.workload], config.seed, sample_size).batch(0)[0]
     sp = split(model, devices, balance, sample)
     return Trainable(model, make_optimizer(model.parameters()), loss_fn, devices[0], comm_bytes=0,
                      extra={"split": sp, "meters": [ActivationMeter(s) for s in sp.stages],
-                            "busy": Busy(len(devices), [synchronizer(d) for d in devices])}, devices=devices)
+                            "busy": Busy(devices)}, devices=devices)
 
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
@@ -62,6 +61,7 @@ def train_step(t: Trainable, batch, dist):
     x, y = batch
     last = len(sp.stages) - 1
     t.optimizer.zero_grad(set_to_none=True)
+    busy.start_step()
     saved, h = [], x
     for s, (stage, device) in enumerate(zip(sp.stages, sp.devices, strict=True)):  # forward, stage by stage
         with busy(s, "forward"):

@@ -7,9 +7,10 @@
     1f1b   stage 0:  F1 F2 .  B1 F3 B2 F4 B3 .  B4           same bubble in theory; at most p micro-
            stage 1:  .  F1 B1 F2 B2 F3 B3 F4 B4 .            batches of activations held, not m
 
-The global batch is cut into m micro-batches. Each stage has its own long-lived thread (on GPUs, its
-own device and stream) that runs its list of F and B operations in order, waiting for its neighbour's
-activations or gradients: while stage 1 works on micro-batch 1, stage 0 already runs micro-batch 2.
+The global batch is cut into m micro-batches. Each stage has its own long-lived thread that runs its
+list of F and B operations in order, waiting for its neighbour's activations or gradients: while stage
+1 works on micro-batch 1, stage 0 already runs micro-batch 2. On GPUs each stage's kernels go to its own
+device's default stream (no extra streams are made: the overlap is between devices, not within one).
 Micro-batch j's loss is weighted by its share of the batch, so the gradients the micro-batches
 accumulate add up to the gradient of the whole batch and the one optimiser step equals `single`'s.
 
@@ -156,6 +157,7 @@ def train_step(t: Trainable, batch, dist):
     st = _Step(xs, ys, [len(c) / len(y) for c in ys], [queue.SimpleQueue() for _ in range(p)],
                [queue.SimpleQueue() for _ in range(p)], [None] * len(xs), t.extra["timeout"], [0] * p, [0] * p)
     t.optimizer.zero_grad(set_to_none=True)
+    t.extra["busy"].start_step()
     try:
         t.extra["pool"].run([lambda s: _run_stage(t, st, s)] * p, list(range(p)))
     except RuntimeError as e:

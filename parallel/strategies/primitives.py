@@ -12,7 +12,6 @@ device list, including N virtual devices on one CPU, so the mechanics can be run
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 import weakref
@@ -20,6 +19,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
+
+from parallel.devices import device_context
 
 
 def device_label(device: torch.device, i: int) -> str:
@@ -112,8 +113,7 @@ def _serve(inbox: queue.SimpleQueue, done: queue.SimpleQueue, threads_per_device
         i, device, fn, x, (grad_enabled, autocast) = job
         enabled, dtype = autocast[device.type]
         try:
-            device_ctx = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-            with torch.set_grad_enabled(grad_enabled), device_ctx, \
+            with torch.set_grad_enabled(grad_enabled), device_context(device), \
                     torch.autocast(device.type, dtype=dtype, enabled=enabled):
                 done.put((i, True, fn(*x) if isinstance(x, (tuple, list)) else fn(x)))
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller, naming the device

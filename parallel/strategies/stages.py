@@ -8,15 +8,16 @@ per device, balanced by measured time (or by parameter count), and counting what
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
+from parallel.devices import IntervalClock, synchronizer_all
 from parallel.errors import ConfigError
 from parallel.harness.timing import StepTimer
 from parallel.strategies.base import param_bytes
@@ -28,26 +29,34 @@ def layers_of(model: nn.Module) -> list[nn.Module]:
     return model.pipeline_layers()
 
 
-def _median_time(fn, reps: int) -> float:
-    times = []
+def _median_time(fn, reps: int, sync) -> float:
+    timer, times = StepTimer(sync), []
     for _ in range(reps + 1):  # the first is warm-up
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
+        with timer:  # synchronized before both clock reads: on a GPU, the work, not its launch
+            fn()
+        times.append(timer.elapsed)
     return statistics.median(times[1:])
 
 
-def measure_layers(layers: list[nn.Module], x: torch.Tensor, reps: int = 5) -> tuple[list[float], list[float]]:
+def measure_layers(layers: list[nn.Module], x: torch.Tensor, devices: list[torch.device],
+                   reps: int = 5) -> tuple[list[float], list[float]]:
     """(seconds of forward + backward of each layer alone on its real input, seconds to move its output to
-    the next device and the gradient back: two copies), medians of `reps`. The first layer's input needs
-    no gradient, as in training (for conv1 that gradient would be most of the cost)."""
+    the next device and the gradient back), medians of `reps`, measured where the stages will run: each
+    layer on devices[0] (a node's devices are alike; a copy of the layer, so the model stays where it is
+    and no device needs to hold all of it), and the move as the real copy devices[0] -> devices[1] and
+    back. The first layer's input needs no gradient, as in training (for conv1 that gradient would be most
+    of the cost)."""
+    home, other = devices[0], devices[1 % len(devices)]
+    sync = synchronizer_all([home, other])
+    x = x.to(home)
     costs, moves = [], []
     for i, layer in enumerate(layers):
+        here = copy.deepcopy(layer).to(home)
         a = x.detach().requires_grad_(i > 0)
-        costs.append(_median_time(functools.partial(_fwd_bwd, layer, a), reps))
-        layer.zero_grad(set_to_none=True)
-        x = layer(a).detach()
-        moves.append(_median_time(functools.partial(_copy_twice, x), reps))
+        costs.append(_median_time(functools.partial(_fwd_bwd, here, a), reps, sync))
+        x = here(a).detach()
+        moves.append(_median_time(functools.partial(_copy_there_and_back, x, other, home), reps, sync))
+        del here
     return costs, moves
 
 
@@ -56,8 +65,8 @@ def _fwd_bwd(layer: nn.Module, a: torch.Tensor) -> None:
     y.backward(torch.ones_like(y))
 
 
-def _copy_twice(x: torch.Tensor) -> None:
-    x.clone(), x.clone()  # the activation there and its gradient back
+def _copy_there_and_back(x: torch.Tensor, there: torch.device, back: torch.device) -> None:
+    x.to(there, copy=True).to(back, copy=True)  # the activation to the next stage, and (same size) its gradient back
 
 
 def partition(costs: list[float], k: int, moves: list[float] | None = None) -> list[int]:
@@ -103,7 +112,7 @@ def split(model: nn.Module, devices: list[torch.device], balance: str, sample: t
     so model.state_dict() still names and holds them)."""
     layers = layers_of(model)
     if balance == "time":
-        costs, moves = measure_layers(layers, sample)
+        costs, moves = measure_layers(layers, sample, devices)
         bounds = partition(costs, len(devices), moves)
     else:
         bounds = partition([float(sum(p.numel() for p in layer.parameters())) for layer in layers], len(devices))
@@ -151,28 +160,39 @@ def stage_backward(inp: torch.Tensor, out: torch.Tensor, grad_out: torch.Tensor 
 
 
 class Busy:
-    """Busy intervals of each stage within a step, on a shared clock: `with busy(s): ...`. The bubble is
-    the mean fraction of the step's span during which a stage had nothing to do."""
+    """Busy intervals of each stage within a step, on one clock per step: `busy.start_step()`, then
+    `with busy(s, label): ...` around each piece of stage s's work, then `busy.end_step()`. The bubble is
+    the mean fraction of the step's span during which a stage had nothing to do. The stamps come from an
+    IntervalClock: host clock reads on CPU, CUDA events on GPUs (synchronizing around every interval
+    would stop the host from queueing ahead and inflate the very bubble measured)."""
 
-    def __init__(self, stages: int, synchronizers):
-        self.syncs = synchronizers
-        self.intervals: list[list[tuple[float, float]]] = [[] for _ in range(stages)]
+    def __init__(self, devices: list[torch.device]):
+        self.devices = devices
+        self.clock = IntervalClock(devices)
+        self.stamps: list[list[tuple]] = [[] for _ in devices]
         self.bubbles: list[float] = []
         self.busy_ms: list[list[float]] = []
 
+    def start_step(self) -> None:
+        self.clock.start_step()
+
     @contextlib.contextmanager
     def __call__(self, s: int, label: str):
-        with record_function(f"stage {s} {label}"), StepTimer(self.syncs[s]) as timer:  # named in profiles
+        with record_function(f"stage {s} {label}"):  # named in profiles
+            start = self.clock.stamp([self.devices[s]])
             yield
-        self.intervals[s].append((timer.started, timer.started + timer.elapsed))  # only stage s's thread appends
+            self.stamps[s].append((start, self.clock.stamp([self.devices[s]])))  # only stage s's thread appends
 
     def end_step(self) -> None:
-        spans = [iv for stage in self.intervals for iv in stage]
+        self.clock.end_step()
+        intervals = [[(self.clock.seconds(a, first=True), self.clock.seconds(b)) for a, b in stage]
+                     for stage in self.stamps]
+        spans = [iv for stage in intervals for iv in stage]
         span = max(e for _, e in spans) - min(b for b, _ in spans)
-        busy = [sum(e - b for b, e in stage) for stage in self.intervals]
+        busy = [sum(e - b for b, e in stage) for stage in intervals]
         self.bubbles.append(sum(1 - b / span for b in busy) / len(busy))
         self.busy_ms.append([b * 1e3 for b in busy])
-        self.intervals = [[] for _ in self.intervals]
+        self.stamps = [[] for _ in self.stamps]
 
     def summary(self, skip: int, p: int, m: int) -> dict:
         if not self.bubbles:

@@ -1,0 +1,170 @@
+"""`python -m parallel preflight`: does every path work on the devices here? The first command to run on
+a new machine, and the table to paste into an issue.
+
+    python -m parallel preflight [--devices auto] [--workload cnn] [--out DIR]
+
+Each check runs the real thing for a couple of steps, in a child process (so a crash, a hang or a CUDA
+context stays there), and prints one line: passed, failed (the error in one line and its log), or not
+run (why: no GPU, for instance). The checks:
+
+    every strategy       two steps through the harness, checked against `single` like any comparison
+    torchrun restart     a rank fails, torchrun restarts the group, it meets again and finishes
+    GPU basics           bench cpu-vs-gpu, streams and memory, small sizes; devices' memory figures
+
+Exit code: 0 when no check failed (checks not run do not fail it), 1 otherwise, 2 for bad input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.table import Table
+
+from parallel import strategies
+from parallel.config import RunConfig
+from parallel.devices import gpu_count
+from parallel.harness import launch
+from parallel.harness.report import make_progress
+from parallel.harness.results import atomic_write
+from parallel.harness.runner import plan, run_strategies
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Check:
+    name: str
+    proves: str  # what passing it shows
+    status: str = "not run"  # "passed" | "failed" | "not run"
+    detail: str = ""  # the error in one line (with its log), or why it did not run
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("preflight", help="every strategy and the GPU basics for two steps: one line per check")
+    p.add_argument("--devices", default="auto", help="auto | cpu:N | cuda:0,1,... (auto: every GPU, else cpu:2)")
+    p.add_argument("--workload", default="cnn", help="the model the strategies train (cnn)")
+    p.add_argument("--out", default="", help="results folder (default results/preflight-<time>)")
+    p.add_argument("--timeout", type=float, default=180.0, help="seconds per check (180)")
+
+
+def _config(args) -> RunConfig:
+    import time
+
+    out = args.out or str(Path("results") / time.strftime("preflight-%Y%m%d-%H%M%S"))
+    return RunConfig(workload=args.workload, devices=args.devices, batch_size=64, steps=2, warmup=1,
+                     timeout=args.timeout, pg_timeout=min(60.0, args.timeout), out=out).validate()
+
+
+def strategy_checks(config: RunConfig) -> list[Check]:
+    """Every strategy that can run here, two steps through the harness with `single` as the baseline."""
+    names, skipped = strategies.resolve(["all"], config.spec, config.workload)
+    rows = run_strategies(config, plan(config, names, baseline=True))
+    checks = []
+    for r in rows:
+        c = Check(f"{r.label} on {config.devices}", f"{r.launcher} launch, {r.world_size} device(s), 2 steps, "
+                                                    "checked against single")
+        log = Path(config.out) / "logs" / f"{r.label.replace(' ', '-')}.log"
+        if r.ok:
+            c.status, c.detail = "passed", f"equivalence {r.equivalence.verdict}"
+        else:
+            why = r.error or f"{r.equivalence.verdict}: {r.equivalence.reason}"
+            c.status, c.detail = "failed", f"{why} (log: {log})"
+        checks.append(c)
+    checks += [Check(f"{n} on {config.devices}", "its launch on these devices", "not run", why)
+               for n, why in skipped.items()]
+    return checks
+
+
+def _child(name: str, proves: str, argv: list[str], config: RunConfig, env: dict | None = None) -> Check:
+    log = Path(config.out) / "logs" / f"preflight-{re.sub(r'[^a-z0-9]+', '-', name.lower()).strip('-')}.log"
+    outcome = launch.run_child([sys.executable, *argv], config.timeout, log, env=env)
+    if outcome.returncode == 0 and not outcome.timed_out:
+        return Check(name, proves, "passed", f"{outcome.wall_s:.0f} s")
+    return Check(name, proves, "failed", f"{outcome.error} (log: {log})")
+
+
+def restart_check(config: RunConfig) -> Check:
+    """torchrun as a user types it: rank 1 fails at step 2, torchrun restarts the group once, and the
+    group must meet again (in a fresh store: see Dist._store) and finish."""
+    n = 2 if config.spec.count >= 2 else 1
+    out = Path(config.out) / "restart"
+    argv = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "--max-restarts=1",
+            str(ROOT / "scripts" / "ddp.py"), "--workload", config.workload, "--steps", "4", "--warmup", "0",
+            "--batch-size", "64", "--fail-at-step", "2", "--fail-rank", str(n - 1), "--out", str(out)]
+    return _child("torchrun restart after a failed rank", f"torchrun --max-restarts=1 re-forms a group of {n} "
+                  f"({'nccl' if config.spec.real else 'gloo'}) and finishes", argv, config)
+
+
+def basics_checks(config: RunConfig) -> list[Check]:
+    gpu = gpu_count() > 0
+    out = str(Path(config.out) / "basics")
+    checks = [
+        _child("bench cpu-vs-gpu", "each case timed synchronized and naively" + ("" if gpu else "; CPU side only"),
+               ["-m", "parallel", "bench", "cpu-vs-gpu", "--scale", "0.01", "--repeats", "3", "--out", out], config),
+        _child("bench memory", "fp32, autocast (fp16 + GradScaler on CUDA, bf16 on CPU), checkpointing",
+               ["-m", "parallel", "bench", "memory", "--workload", "mlp", "--batch-size", "32", "--budget-mb", "0",
+                "--out", out], config),
+        _child("devices", "memory per device, read without a CUDA context; allocate, free, empty_cache",
+               ["-m", "parallel", "devices"], config),
+    ]
+    streams = Check("bench streams", "a side-stream race and its two fixes")
+    if gpu:
+        streams = _child(streams.name, streams.proves, ["-m", "parallel", "bench", "streams", "--trials", "3",
+                                                        "--out", out], config)
+    else:
+        streams.detail = "needs CUDA"
+    return checks + [streams]
+
+
+def cuda_only(config: RunConfig) -> list[Check]:
+    """What only GPUs can show, listed as not run where there are none."""
+    if config.spec.real:
+        return []
+    why = "no CUDA device here" if not gpu_count() else f"--devices {config.devices} is not a GPU list"
+    return [Check(name, proves, "not run", why) for name, proves in [
+        ("strategies on GPUs (nccl)", "every strategy on cuda:0..N-1, peak memory of every device, CUDA events "
+                                      "inside the step"),
+        ("bench cpu-vs-gpu, GPU rows", "synchronized vs naive on a GPU, CuPy"),
+        ("bench memory, fp16 + GradScaler", "CUDA autocast and loss scaling, max_memory_allocated"),
+        ("devices, CUDA memory", "NVML figures without a context, empty_cache on the caching allocator"),
+    ]]
+
+
+def table(checks: list[Check]) -> Table:
+    style = {"passed": "green", "failed": "bold red", "not run": "yellow"}
+    t = Table(title="preflight", title_justify="left")
+    for col in ("check", "result", "detail", "what it proves"):
+        t.add_column(col, overflow="fold")
+    for c in checks:
+        t.add_row(c.name, f"[{style[c.status]}]{c.status}[/]", c.detail, c.proves)
+    return t
+
+
+def main(args, console) -> int:
+    from parallel.cli import prepare_out
+
+    config = _config(args)
+    plan(config, strategies.resolve(["all"], config.spec, config.workload)[0])  # bad input: refused now
+    prepare_out(Path(config.out))
+    checks = strategy_checks(config)  # makes OUT/logs/, with its own progress bar
+    with make_progress(console) as progress:
+        task = progress.add_task("GPU basics, torchrun restart", total=2)
+        checks += basics_checks(config)
+        progress.advance(task)
+        checks.append(restart_check(config))
+        progress.advance(task)
+    checks += cuda_only(config)
+    atomic_write(Path(config.out) / "preflight.json", json.dumps(
+        {"devices": config.devices, "workload": config.workload, "checks": [dataclasses.asdict(c) for c in checks]},
+        indent=2))
+    console.print(table(checks))
+    failed = [c for c in checks if c.status == "failed"]
+    console.print(f"{sum(c.status == 'passed' for c in checks)} passed, {len(failed)} failed, "
+                  f"{sum(c.status == 'not run' for c in checks)} not run; {config.out}/preflight.json")
+    return 1 if failed else 0
+

@@ -1,0 +1,258 @@
+"""The CUDA paths' logic, on a machine with no GPU: each finding of the GPU-readiness review (#13) as a
+test that failed on the code before the fix. The `strict_cuda` fixture replaces parallel.devices.CUDA
+with a stand-in that enforces CUDA's rules and logs every call (tests/strict_cuda.py); `on_cpu` lets
+whole strategies run with cuda:i device objects, their tensors on the CPU."""
+
+import dataclasses
+import json
+import sys
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from parallel import cli, strategies
+from parallel.config import ConfigError, RunConfig
+from parallel.dist import Dist, script_devices
+from parallel.harness import costmodel
+from parallel.strategies import stages
+from parallel.workloads import WORKLOADS, SyntheticData
+from tests.strict_cuda import Clock, on_cpu, synced_before_every_clock
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _config(devices: str, **kw) -> RunConfig:
+    base = {"workload": "cnn", "batch_size": 32, "steps": 3, "warmup": 1, "devices": devices}
+    return RunConfig(**{**base, **kw}).validate()
+
+
+def _execute(name: str, config: RunConfig, fake, monkeypatch):
+    """worker.execute with the loop's clock logged into the stand-in's log."""
+    from parallel import train, worker
+
+    monkeypatch.setattr(train, "StepTimer", lambda sync: train_timer(sync, fake))
+    with on_cpu(fake):
+        return worker.execute(strategies.get(name), config, Dist(device=config.spec.device(0)))
+
+
+def train_timer(sync, fake):
+    from parallel.harness.timing import StepTimer
+
+    return StepTimer(sync, clock=Clock(fake))
+
+
+# 1. CUDA initialised before any memory statistic; 4. every device in peak memory
+
+
+def test_memory_statistics_come_after_cuda_is_initialised(strict_cuda, monkeypatch):
+    row, _ = _execute("single", _config("cuda:0"), strict_cuda, monkeypatch)
+    kinds = [e[0] for e in strict_cuda.log]
+    assert kinds.index("init") < kinds.index("reset")  # before the fix: reset first, and the allocator refuses
+    assert row.peak_mem_kind == "cuda_max_allocated" and row.peak_mem_bytes == 1000
+
+
+def test_an_in_process_strategy_resets_and_reads_peak_memory_of_every_device_it_drives(strict_cuda, monkeypatch):
+    row, _ = _execute("manual_dp", _config("cuda:0,1"), strict_cuda, monkeypatch)
+    assert {e[1] for e in strict_cuda.entries("reset")} == {0, 1}
+    assert {e[1] for e in strict_cuda.entries("peak")} == {0, 1}
+    assert row.details["cuda_max_allocated_per_device"] == [1000, 2000]
+    assert row.peak_mem_bytes == 2000  # the largest, not device 0's alone
+
+
+def test_the_loop_synchronizes_every_device_before_each_clock_read(strict_cuda, monkeypatch):
+    _execute("model_parallel", _config("cuda:0,1", options={"balance": "params"}), strict_cuda, monkeypatch)
+    assert strict_cuda.entries("clock")
+    assert synced_before_every_clock(strict_cuda.log, {0, 1})
+
+
+# 2. the stage split times each layer on the device it will run on, synchronized, and the real transfer
+
+
+def test_layers_are_timed_on_the_stage_device_not_where_the_model_was_built():
+    # The meta device stands in for a GPU: a layer left on the CPU refuses a meta input, as a CPU layer
+    # refuses a CUDA one ("Tensor on device cpu is not on the expected device meta!").
+    model = WORKLOADS["mlp"].build_model(0)
+    sample = SyntheticData(WORKLOADS["mlp"], 0, 8).batch(0)[0]
+    meta = torch.device("meta")
+    costs, moves = stages.measure_layers(stages.layers_of(model), sample, [meta, meta], reps=1)
+    assert len(costs) == len(moves) == len(stages.layers_of(model))
+    assert all(p.device.type == "cpu" for p in model.parameters())  # the model itself stays where it was
+
+
+def test_layer_timing_synchronizes_and_copies_to_the_next_device(strict_cuda, monkeypatch):
+    monkeypatch.setattr(stages, "StepTimer", lambda sync: train_timer(sync, strict_cuda))
+    model = WORKLOADS["cnn"].build_model(0)
+    sample = SyntheticData(WORKLOADS["cnn"], 0, 8).batch(0)[0]
+    with on_cpu(strict_cuda):
+        stages.measure_layers(stages.layers_of(model), sample, [torch.device("cuda", 0), torch.device("cuda", 1)],
+                              reps=2)
+    layers = len(stages.layers_of(model))
+    assert len(strict_cuda.entries("clock")) == 2 * 3 * 2 * layers  # (fwd+bwd, copy) x 3 runs x 2 reads
+    assert synced_before_every_clock(strict_cuda.log, {0, 1})
+    assert ("to", 1) in strict_cuda.log  # the activation really went to the next stage's device
+
+
+# 3. under torchrun the world is torchrun's; `auto` is one device per local process
+
+
+def test_auto_devices_for_a_torchrun_strategy_follow_the_local_processes(strict_cuda):
+    assert script_devices("auto", "torchrun", {}) == "cuda:0"  # python scripts/ddp.py: a world of one
+    assert script_devices("auto", "torchrun", {"LOCAL_WORLD_SIZE": "2"}) == "cuda:0,1"
+    assert script_devices("auto", "inprocess", {}) == "auto"  # manual_dp drives every device itself
+    with pytest.raises(ConfigError, match="3 processes on this node but only 2 CUDA"):
+        script_devices("auto", "torchrun", {"LOCAL_WORLD_SIZE": "3"})
+
+
+def test_auto_devices_without_gpus():
+    assert script_devices("auto", "torchrun", {}) == "cpu:1"
+    assert script_devices("auto", "torchrun", {"LOCAL_WORLD_SIZE": "4"}) == "cpu:4"
+    assert script_devices("cpu:3", "torchrun", {"LOCAL_WORLD_SIZE": "2"}) == "cpu:3"
+
+
+def test_a_torchrun_script_run_alone_is_a_world_of_one(tmp_path, monkeypatch, capsys):
+    # `python scripts/ddp.py --steps 3`: world size 1, one device, nothing to communicate, predicted or measured.
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    assert cli.script_main("ddp", ["--steps", "3", "--batch-size", "32", "--out", str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert (row["world_size"], row["devices"]) == (1, "cpu:1")
+    assert row["comm_bytes_predicted"] == 0 and row["comm_bytes_per_step"] == 0
+    assert "1 virtual" in capsys.readouterr().out
+
+
+# 5. nn.DataParallel is given its devices, never None
+
+
+def test_data_parallel_on_cpu_devices_leaves_the_gpus_alone(strict_cuda, monkeypatch):
+    # torch's own view of a GPU machine: nn.DataParallel(device_ids=None) would take both GPUs.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    config = _config("cpu:2")
+    s = strategies.get("data_parallel")
+    t = s.setup(WORKLOADS["cnn"].build_model(0), lambda p: torch.optim.SGD(p, lr=0.1), WORKLOADS["cnn"].loss,
+                Dist(), config)
+    x, y = SyntheticData(WORKLOADS["cnn"], 0, 8).batch(0)
+    assert s.train_step(t, (x, y), None).device.type == "cpu"
+    assert not getattr(t.model, "device_ids", [])
+
+
+def test_data_parallel_on_gpus_names_them(strict_cuda, monkeypatch):
+    from parallel.strategies import data_parallel
+
+    made = {}
+
+    class Recorder(nn.Module):
+        def __init__(self, module, device_ids=None, output_device=None):
+            super().__init__()
+            self.module = module
+            made.update(device_ids=device_ids, output_device=output_device)
+
+    monkeypatch.setattr(data_parallel.nn, "DataParallel", Recorder)
+    with on_cpu(strict_cuda):
+        data_parallel.setup(WORKLOADS["cnn"].build_model(0), lambda p: torch.optim.SGD(p, lr=0.1),
+                            WORKLOADS["cnn"].loss, Dist(), _config("cuda:1,0"))
+    assert made == {"device_ids": [1, 0], "output_device": 1}
+
+
+# 6. the parent process opens no CUDA context
+
+
+def test_the_environment_record_reads_gpus_without_a_cuda_context(strict_cuda, monkeypatch):
+    from parallel import devices
+
+    class Memory:
+        total, free = 80 << 30, 79 << 30
+
+    nvml = types.SimpleNamespace(
+        nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetCount=lambda: 2,
+        nvmlDeviceGetHandleByIndex=lambda i: i, nvmlDeviceGetMemoryInfo=lambda h: Memory(),
+        nvmlDeviceGetCudaComputeCapability=lambda h: (9, 0), nvmlDeviceGetName=lambda h: b"NVIDIA H100")
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    env = devices.environment(devices.parse_devices("cuda:0,1"))
+    assert [g["name"] for g in env["gpus"]] == ["NVIDIA H100"] * 2 and env["gpus"][1]["free_bytes"] == 79 << 30
+    assert strict_cuda.log == []  # no init, no memory query, no synchronize: no context in the parent
+
+
+def test_without_nvml_a_short_lived_child_asks_cuda(strict_cuda, monkeypatch):
+    from parallel import devices
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails
+    asked = []
+    monkeypatch.setattr(devices, "_child_cuda_info", lambda: asked.append(1) or [])
+    devices.cuda_info()
+    assert asked == [1] and strict_cuda.log == []
+
+
+# 7. Hogwild refuses CUDA in validate, for every entry point
+
+
+def test_hogwild_on_gpus_is_refused_by_every_entry_point(strict_cuda, capsys):
+    with pytest.raises(ConfigError, match="hogwild cannot run on cuda:0,1: Hogwild here shares CPU memory"):
+        strategies.get("hogwild").validate(_config("cuda:0,1"))
+    assert cli.script_main("hogwild", ["--devices", "cuda:0,1"]) == 2
+    assert "Hogwild here shares CPU memory" in capsys.readouterr().err
+
+
+# 8. the cost model calibrates the real copy and models overlap where the backend overlaps
+
+
+def test_copy_bandwidth_is_calibrated_between_devices(strict_cuda, monkeypatch):
+    monkeypatch.setattr(costmodel, "StepTimer", lambda sync: train_timer(sync, strict_cuda))
+    with on_cpu(strict_cuda):
+        assert costmodel.Calibration(_config("cuda:0,1")).copy_bytes_per_s > 0
+    assert ("to", 1) in strict_cuda.log
+    assert synced_before_every_clock(strict_cuda.log, {0, 1})
+
+
+def _cal(overlaps: bool):
+    return types.SimpleNamespace(compute_ms=lambda b: 12.0, grad_bytes=64 << 20, overlaps=overlaps,
+                                 allreduce_ms=lambda n, w: 6.0 * n / (64 << 20) + 0.1)
+
+
+def test_ddp_prediction_hides_the_all_reduce_behind_backward_only_where_it_overlaps():
+    ddp = strategies.get("ddp")
+    config = _config("cpu:2")
+    on_cpu_ms = ddp.predict_step_ms(_cal(overlaps=False), config, None)
+    on_nccl_ms = ddp.predict_step_ms(_cal(overlaps=True), config, None)
+    assert on_cpu_ms == pytest.approx(12.0 + 6.1)  # gloo: compute + the whole all-reduce
+    # nccl: backward (2/3 of 12 ms = 8 ms) hides the 6.1 ms all-reduce but for its last 1 MiB bucket
+    assert on_nccl_ms == pytest.approx(12.0 + 6.0 / 64 + 0.1)
+
+
+# 9. no synchronize inside the step: events for phases and busy intervals
+
+
+def test_manual_dp_times_its_phases_with_events_not_synchronizes(strict_cuda, monkeypatch):
+    config = _config("cuda:0,1")
+    row, _ = _execute("manual_dp", config, strict_cuda, monkeypatch)
+    steps = config.warmup + config.steps
+    # Per step: the loop's two synchronized clock reads and the events' resolution at the step's end, on
+    # each device. Before: two more per phase per device (six phases).
+    assert len(strict_cuda.entries("sync")) <= steps * 3 * 2
+    assert strict_cuda.entries("record")
+    assert {"scatter_ms", "replicate_ms", "parallel_apply_ms", "gather_ms", "backward_ms",
+            "optimizer_ms"} <= row.details.keys()
+
+
+def test_pipeline_busy_intervals_are_events_resolved_at_the_step_end(strict_cuda):
+    devs = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    busy = stages.Busy(devs)
+    busy.start_step()
+    with busy(0, "F0"):
+        sum(range(20000))
+    with busy(1, "F0"):
+        sum(range(20000))
+    assert strict_cuda.entries("sync") == []  # nothing inside the step waits for a device
+    busy.end_step()
+    assert 0 < busy.bubbles[0] < 1 and all(ms > 0 for ms in busy.busy_ms[0])
+
+
+def test_cpu_runs_are_unchanged_by_the_clock(small):
+    from parallel import worker
+
+    config = dataclasses.replace(small(), options={"microbatches": 4})
+    row, _ = worker.execute(strategies.get("pipeline"), config, Dist())
+    assert 0 <= row.details["bubble_measured"] < 1 and len(row.details["stage_busy_ms"]) == 2
