@@ -24,7 +24,7 @@ from pathlib import Path
 from parallel import strategies
 from parallel.config import ConfigError, RunConfig
 from parallel.harness.report import make_console
-from parallel.harness.results import Equivalence, Row, write_results
+from parallel.harness.results import Equivalence, Row, prepare_out, write_results
 
 
 class _Parser(argparse.ArgumentParser):
@@ -94,17 +94,6 @@ def config_from_args(args: argparse.Namespace, default_out: bool = True) -> RunC
     if not config.out and default_out:
         config.out = str(Path("results") / time.strftime("run-%Y%m%d-%H%M%S"))
     return config
-
-
-def prepare_out(out: Path) -> None:
-    """Create the results folder and prove it is writable before any work starts."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write-test-{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"--out {str(out)!r} is not writable: {e.strerror or e}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -178,8 +178,9 @@ def device_context(device: torch.device):
 
 
 def activate(devices) -> None:
-    """Initialise CUDA for every device this process will drive, the first one current. Called once,
-    before anything reads memory statistics or puts a tensor on a GPU. A no-op for CPU devices."""
+    """Initialise CUDA in this process (its allocator is set up for every visible device at once) and
+    make the first of `devices` current. Called before anything reads memory statistics or puts a tensor
+    on a GPU. A no-op for CPU devices."""
     cuda = [d for d in dict.fromkeys(devices) if d.type == "cuda"]
     if cuda:
         CUDA.activate(cuda[0])

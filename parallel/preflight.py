@@ -1,7 +1,7 @@
 """`python -m parallel preflight`: does every path work on the devices here? The first command to run on
 a new machine, and the table to paste into an issue.
 
-    python -m parallel preflight [--devices auto] [--workload cnn] [--out DIR]
+    python -m parallel preflight [--devices auto] [--strategies all] [--workload cnn] [--out DIR]
 
 Each check runs the real thing for a couple of steps, in a child process (so a crash, a hang or a CUDA
 context stays there), and prints one line: passed, failed (the error in one line and its log), or not
@@ -30,7 +30,7 @@ from parallel.config import RunConfig
 from parallel.devices import gpu_count
 from parallel.harness import launch
 from parallel.harness.report import make_progress
-from parallel.harness.results import atomic_write
+from parallel.harness.results import atomic_write, prepare_out
 from parallel.harness.runner import plan, run_strategies
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +47,7 @@ class Check:
 def add_parser(sub) -> None:
     p = sub.add_parser("preflight", help="every strategy and the GPU basics for two steps: one line per check")
     p.add_argument("--devices", default="auto", help="auto | cpu:N | cuda:0,1,... (auto: every GPU, else cpu:2)")
+    p.add_argument("--strategies", default="all", help=f"comma list or all ({', '.join(strategies.NAMES)})")
     p.add_argument("--workload", default="cnn", help="the model the strategies train (cnn)")
     p.add_argument("--out", default="", help="results folder (default results/preflight-<time>)")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per check (180)")
@@ -60,10 +61,9 @@ def _config(args) -> RunConfig:
                      timeout=args.timeout, pg_timeout=min(60.0, args.timeout), out=out).validate()
 
 
-def strategy_checks(config: RunConfig) -> list[Check]:
-    """Every strategy that can run here, two steps through the harness with `single` as the baseline."""
-    names, skipped = strategies.resolve(["all"], config.spec, config.workload)
-    rows = run_strategies(config, plan(config, names, baseline=True))
+def strategy_checks(config: RunConfig, chosen: list[tuple], skipped: dict[str, str]) -> list[Check]:
+    """The strategies that can run here, two steps through the harness with `single` as the baseline."""
+    rows = run_strategies(config, chosen)
     checks = []
     for r in rows:
         c = Check(f"{r.label} on {config.devices}", f"{r.launcher} launch, {r.world_size} device(s), 2 steps, "
@@ -146,12 +146,11 @@ def table(checks: list[Check]) -> Table:
 
 
 def main(args, console) -> int:
-    from parallel.cli import prepare_out
-
     config = _config(args)
-    plan(config, strategies.resolve(["all"], config.spec, config.workload)[0])  # bad input: refused now
+    names, skipped = strategies.resolve(strategies.parse_list(args.strategies), config.spec, config.workload)
+    chosen = plan(config, names, baseline=True)  # bad input is refused here, before anything is written
     prepare_out(Path(config.out))
-    checks = strategy_checks(config)  # makes OUT/logs/, with its own progress bar
+    checks = strategy_checks(config, chosen, skipped)  # makes OUT/logs/, with its own progress bar
     with make_progress(console) as progress:
         task = progress.add_task("GPU basics, torchrun restart", total=2)
         checks += basics_checks(config)

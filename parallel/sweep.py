@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Sampler, TensorDataset
 from parallel.config import RunConfig
 from parallel.devices import gpu_count
 from parallel.errors import ConfigError
+from parallel.harness.results import atomic_write, prepare_out
 from parallel.workloads import WORKLOADS, SyntheticData
 
 GRID = OrderedDict(lr=float, batch_size=int, num_workers=int, device=str)  # the swept knobs, in table order
@@ -185,7 +186,6 @@ def save(out: Path, base: RunConfig, results: list[dict], skipped: list[str]) ->
     import io
     import json
 
-    from parallel.harness.results import atomic_write
 
     doc = {"config": dataclasses.asdict(base), "runs": results, "skipped": skipped}
     atomic_write(out / "sweep.json", json.dumps(doc, indent=2))
@@ -197,7 +197,6 @@ def save(out: Path, base: RunConfig, results: list[dict], skipped: list[str]) ->
 
 
 def main(args, console) -> int:
-    from parallel.cli import prepare_out
     from parallel.harness.report import make_progress
 
     grid = parse_grid(args)

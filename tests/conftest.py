@@ -9,6 +9,19 @@ from parallel.config import RunConfig
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def session_alive(sid: int) -> list[int]:
+    """Processes still alive in the process session `sid` (a launch started with start_new_session)."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # state, ppid, pgrp, session, ...
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            alive.append(int(stat.parent.name))
+    return alive
+
+
 @pytest.fixture
 def small():
     """A validated config small enough to train in well under a second."""

@@ -256,3 +256,27 @@ def test_cpu_runs_are_unchanged_by_the_clock(small):
     config = dataclasses.replace(small(), options={"microbatches": 4})
     row, _ = worker.execute(strategies.get("pipeline"), config, Dist())
     assert 0 <= row.details["bubble_measured"] < 1 and len(row.details["stage_busy_ms"]) == 2
+
+
+def test_devices_command_initialises_cuda_before_reading_memory(strict_cuda, monkeypatch, capsys):
+    from parallel import devices
+
+    monkeypatch.setattr(devices, "_nvml_info", lambda: None)
+    monkeypatch.setattr(devices, "_child_cuda_info", lambda: [])
+    with on_cpu(strict_cuda):
+        assert cli.main(["devices"]) == 0
+    kinds = [e[0] for e in strict_cuda.log]
+    assert kinds.index("init") < kinds.index("memory") and "empty_cache" in kinds
+    assert "after torch.cuda.empty_cache()" in capsys.readouterr().out
+
+
+# 10. NCCL's bootstrap stays on loopback in the harness's single-node launches
+
+
+def test_harness_launches_keep_nccl_on_loopback_unless_told_otherwise(monkeypatch):
+    from parallel.harness import launch
+
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    assert launch.torchrun_env() == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "NCCL_SOCKET_IFNAME": "lo"}
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
+    assert launch.torchrun_env()["NCCL_SOCKET_IFNAME"] == "ib0"

@@ -1,7 +1,9 @@
 """Several nodes, shown on one machine: two torchrun agents on loopback (nnodes=2, one process each) train
-exactly what one agent with two processes trains. Both go through `launch.sh multinode`, the command
-scripts/slurm/ddp.sbatch runs on every node. The launch scripts are checked with bash -n and shellcheck."""
+exactly what one agent with two processes trains, also when a rank fails and torchrun restarts the
+group. Both go through `launch.sh multinode`, the command scripts/slurm/ddp.sbatch runs on every node.
+The launch scripts are checked with bash -n and shellcheck."""
 
+import json
 import os
 import shutil
 import signal
@@ -13,43 +15,58 @@ import torch
 
 from parallel.harness.launch import LoopbackStore
 from parallel.workloads import WORKLOADS
-from tests.conftest import ROOT
+from tests.conftest import ROOT, session_alive
 
 pytestmark = pytest.mark.timeout(240)
 SHELL_SCRIPTS = ["launch.sh", "scripts/slurm/ddp.sbatch", ".ci/run"]
 
 
-def agents(out, nnodes: int, nproc: int) -> None:
+def agents(out, nnodes: int, nproc: int, extra: tuple[str, ...] = ()) -> list[str]:
     """nnodes agents of `launch.sh multinode` meeting at a rendezvous store this test hosts on 127.0.0.1
-    (is_host=false: no agent opens a listening socket on another interface)."""
+    (is_host=false: no agent opens a listening socket on another interface). Returns their outputs; no
+    process of theirs may outlive them."""
     store = LoopbackStore(0, timeout_s=120)
     env = {**os.environ, "VENV": sys.prefix, "PARALLEL_NO_SETUP": "1"}
     cmd = ["bash", "launch.sh", "multinode", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
            "--rdzv-endpoint", f"127.0.0.1:{store.port}", "--rdzv-conf=is_host=false", "--local-addr=127.0.0.1",
-           "ddp", "--devices", "cpu:2", "--steps", "4", "--warmup", "1", "--batch-size", "64", "--out", str(out)]
+           "--max-restarts=1", "ddp", "--devices", "cpu:2", "--steps", "10", "--warmup", "0", "--batch-size", "64",
+           "--checkpoint-every", "2", "--resume", *extra, "--out", str(out)]
     procs = [subprocess.Popen([*cmd[:9], "--node-rank", str(r), *cmd[9:]], cwd=ROOT, env=env, start_new_session=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(nnodes)]
+    outputs = []
     try:
         for p in procs:
             output, _ = p.communicate(timeout=150)
             assert p.returncode == 0, output[-3000:]
+            outputs.append(output)
     finally:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
         store.close()
+    for p in procs:
+        assert session_alive(p.pid) == [], "a process of the launch outlived it"
+    return outputs
 
 
-def test_two_nodes_of_one_process_train_like_one_node_of_two(tmp_path):
+def test_two_nodes_restart_a_failed_rank_and_end_like_one_node_of_two(tmp_path):
+    # One agent with two processes, uninterrupted; two agents of one process each, where rank 1 (the
+    # second agent's worker) fails at step 5: both agents restart their workers (launch.sh sets
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, so the new group meets in a fresh store), which resume from
+    # the checkpoint of step 3 and recompute steps 4-9 on the same batches.
     agents(tmp_path / "one-node", nnodes=1, nproc=2)
-    agents(tmp_path / "two-nodes", nnodes=2, nproc=1)
+    logs = agents(tmp_path / "two-nodes", nnodes=2, nproc=1, extra=("--fail-at-step", "5", "--fail-rank", "1"))
+    assert any("InjectedFault: injected fault at step 5 on rank 1" in log for log in logs)  # it did fail
     one = torch.load(tmp_path / "one-node" / "ddp_final.pt", weights_only=True)
     two = torch.load(tmp_path / "two-nodes" / "ddp_final.pt", weights_only=True)
     # Same ranks, same shares of the same batches, same thread count (cpu:2 -> one thread each), the
-    # same 2-rank gloo all-reduce: only the transport differs, so the results are equal to float noise.
+    # same 2-rank gloo all-reduce, resumed from a bitwise checkpoint: only the transport differs, and the
+    # result is bitwise the same.
     assert one.keys() == two.keys()
-    for k in one:
-        torch.testing.assert_close(two[k], one[k], rtol=0, atol=1e-6)
+    assert all(torch.equal(two[k], one[k]) for k in one)
+    losses = [json.loads((tmp_path / d / "results.json").read_text())["rows"][0]["final_loss"]
+              for d in ("one-node", "two-nodes")]
+    assert losses[0] == losses[1]
     initial = WORKLOADS["cnn"].build_model(0).state_dict()  # and training happened: the parameters moved
     assert max((one[k] - initial[k]).abs().max().item() for k in one) > 1e-3
 

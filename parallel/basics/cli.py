@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 from rich.table import Table
 
-from parallel.devices import gpu_count
+from parallel.devices import activate, gpu_count
 from parallel.errors import ConfigError
+from parallel.harness.results import atomic_write, prepare_out
 
 MiB = 2**20
 
@@ -47,13 +48,9 @@ def main(args: argparse.Namespace, console) -> int:
 
         args.device = _device(args.device, parse_devices)
     if args.out:
-        from parallel.cli import prepare_out
-
         prepare_out(Path(args.out))
     doc = {"cpu-vs-gpu": cpu_vs_gpu, "streams": streams, "memory": memory}[args.bench](args, console)
     if args.out:
-        from parallel.harness.results import atomic_write
-
         atomic_write(Path(args.out) / f"bench-{args.bench}.json", json.dumps(doc, indent=2, default=str))
         console.print(f"results: {args.out}/bench-{args.bench}.json")
     return 0
@@ -158,6 +155,7 @@ def show_memory(console) -> None:
     from parallel.basics import memory as mem
 
     cuda = [torch.device("cuda", i) for i in range(gpu_count())]
+    activate(cuda)  # CUDA initialised before its memory statistics are read
     console.print(memory_table("memory per device", [(str(d), mem.stats(d)) for d in [torch.device("cpu"), *cuda]]))
     device = cuda[0] if cuda else torch.device("cpu")
     console.print(memory_table(f"allocate, free, empty the cache ({device})", mem.empty_cache_demo(device)))

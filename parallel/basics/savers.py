@@ -29,7 +29,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint_sequential
 
-from parallel.devices import empty_cache, peak_memory, reset_peak_memory, synchronizer
+from parallel.devices import activate, empty_cache, peak_memory, reset_peak_memory, synchronizer
 from parallel.harness.timing import StepTimer, summarize
 from parallel.strategies.base import state_bytes
 from parallel.workloads import WORKLOADS, SyntheticData
@@ -152,6 +152,7 @@ def run(workload: str, device: torch.device, batch: int, budget: int | None, ste
         from parallel.errors import ConfigError
 
         raise ConfigError(f"the memory savers train one model; {workload} has several")
+    activate([device])  # CUDA initialised before its memory statistics are read
     data = SyntheticData(WORKLOADS[workload], 0, batch)
     results = []
     for mode in MODES:

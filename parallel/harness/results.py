@@ -11,6 +11,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from parallel.errors import ConfigError
+
 
 @dataclass
 class Equivalence:
@@ -100,3 +102,14 @@ def write_results(out: Path, config: dict, environment: dict, rows: list[Row], s
         d.update({f"equivalence_{k}": v for k, v in dataclasses.asdict(r.equivalence).items()})
         writer.writerow(d)
     atomic_write(out / "results.csv", buf.getvalue())
+
+
+def prepare_out(out: Path) -> None:
+    """Create the results folder and prove it is writable before any work starts."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"--out {str(out)!r} is not writable: {e.strerror or e}") from None
