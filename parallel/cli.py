@@ -21,10 +21,20 @@ import sys
 import time
 from pathlib import Path
 
-from parallel import strategies
+from rich.table import Table
+
+from parallel import devices, preflight, strategies, sweep
+from parallel.basics import cli as basics_cli
+from parallel.basics.cli import show_memory
+from parallel.checkpoint import atomic_save
 from parallel.config import ConfigError, RunConfig
+from parallel.devices import environment
+from parallel.dist import Dist, script_devices
+from parallel.harness import costmodel, report, scaling
 from parallel.harness.report import make_console
-from parallel.harness.results import Equivalence, Row, prepare_out, write_results
+from parallel.harness.runner import plan, run_strategies
+from parallel.results import Equivalence, Row, prepare_out, write_results
+from parallel.worker import run_here
 
 
 class _Parser(argparse.ArgumentParser):
@@ -110,10 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("strategy", help=", ".join(strategies.NAMES))
     add_run_options(run)
     add_strategy_options(run, strategies.all_strategies(), sweep=True)
-    from parallel.basics import cli as basics_cli
 
     basics_cli.add_parser(sub)
-    from parallel import preflight, sweep
 
     sweep.add_parser(sub)
     preflight.add_parser(sub)
@@ -122,9 +130,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _finish(config: RunConfig, rows: list[Row], console, skipped: dict | None = None, env: dict | None = None,
             cost_model: dict | None = None) -> int:
-    from parallel.devices import environment
-    from parallel.harness import report
-
     env = env or environment(config.spec)
     if config.out:
         write_results(Path(config.out), dataclasses.asdict(config), env, rows, skipped, cost_model)
@@ -136,9 +141,6 @@ def _finish(config: RunConfig, rows: list[Row], console, skipped: dict | None = 
 
 
 def cmd_compare(args, names: list[str], baseline: bool) -> int:
-    from parallel.devices import environment
-    from parallel.harness.runner import plan, run_strategies
-
     config = config_from_args(args)
     if getattr(args, "world_sizes", ""):
         return cmd_scaling(config, names, args.world_sizes)
@@ -154,7 +156,6 @@ def cmd_compare(args, names: list[str], baseline: bool) -> int:
     except KeyboardInterrupt:  # the running child's process group is killed on the way out (launch.run_child)
         console.print(f"[bold red]interrupted[/]: finished rows are in {config.out}/results.json")
         return 130
-    from parallel.harness import costmodel
 
     model = costmodel.apply(rows, chosen, config)
     return _finish(config, rows, console, skipped, env, model)
@@ -162,12 +163,6 @@ def cmd_compare(args, names: list[str], baseline: bool) -> int:
 
 def cmd_scaling(config: RunConfig, names: list[str], sizes_text: str) -> int:
     """compare --world-sizes: one comparison per (strong|weak, device count), then the sweep's table and plots."""
-    from rich.table import Table
-
-    from parallel.devices import environment
-    from parallel.harness import scaling
-    from parallel.harness.runner import plan, run_strategies
-
     try:
         sizes = sorted({int(x) for x in sizes_text.split(",") if x.strip()})
     except ValueError:
@@ -212,10 +207,6 @@ def _interrupt(signum, frame):
 
 
 def cmd_devices() -> int:
-    from rich.table import Table
-
-    from parallel import devices
-
     console = make_console()
     cpu = devices.cpu_info()
     t = Table(title="devices", title_justify="left")
@@ -239,7 +230,6 @@ def cmd_devices() -> int:
         st = strategies.get(name)
         s.add_row(name, st.launch, str(st.world_size(config)), st.device_kind(spec), st.description)
     console.print(s)
-    from parallel.basics.cli import show_memory
 
     show_memory(console)
     return 0
@@ -251,8 +241,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "devices":
             return cmd_devices()
         if args.command == "bench":
-            from parallel.basics import cli as basics_cli
-
             signal.signal(signal.SIGTERM, _interrupt)
             try:
                 return basics_cli.main(args, make_console())
@@ -260,13 +248,9 @@ def main(argv: list[str] | None = None) -> int:
                 print("interrupted", file=sys.stderr)
                 return 130
         if args.command == "sweep":
-            from parallel import sweep
-
             signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the sweep like Ctrl-C
             return sweep.main(args, make_console())
         if args.command == "preflight":
-            from parallel import preflight
-
             signal.signal(signal.SIGTERM, _interrupt)
             return preflight.main(args, make_console())
         if args.command == "compare":
@@ -279,9 +263,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def script_main(name: str, argv: list[str] | None = None) -> int:
     """`scripts/<name>.py`: one strategy in this process (or in each torchrun worker), no harness."""
-    from parallel.dist import Dist, script_devices
-    from parallel.worker import run_here
-
     strategy = strategies.get(name)
     p = _Parser(prog=f"scripts/{name}.py", description=strategy.module.__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -305,7 +286,6 @@ def script_main(name: str, argv: list[str] | None = None) -> int:
     row, state = result
     row.equivalence = Equivalence("unchecked", reason="run alone; `python -m parallel compare` checks it")
     if config.out:  # the trained parameters, for torch.load(..., weights_only=True)
-        from parallel.harness.checkpoint import atomic_save
 
         atomic_save(Path(config.out) / f"{name}_final.pt", state)
     return _finish(config, [row], make_console())

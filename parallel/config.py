@@ -7,7 +7,9 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from parallel.devices import parse_devices
 from parallel.errors import ConfigError
+from parallel.workloads import WORKLOADS
 
 __all__ = ["ConfigError", "RunConfig"]
 
@@ -41,9 +43,6 @@ class RunConfig:
 
     def validate(self) -> RunConfig:
         """Check every field and resolve `devices` and `world_size`; returns the resolved copy."""
-        from parallel.devices import parse_devices
-        from parallel.workloads import WORKLOADS
-
         if self.workload not in WORKLOADS:
             raise ConfigError(f"unknown workload {self.workload!r}; choose from {', '.join(WORKLOADS)}")
         for name in ("batch_size", "steps"):
@@ -77,8 +76,6 @@ class RunConfig:
 
     @property
     def spec(self):
-        from parallel.devices import parse_devices
-
         return parse_devices(self.devices)
 
     def check_divisible(self, parts: int, what: str) -> None:

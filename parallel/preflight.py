@@ -30,8 +30,8 @@ from parallel.config import RunConfig
 from parallel.devices import gpu_count
 from parallel.harness import launch
 from parallel.harness.report import make_progress
-from parallel.harness.results import atomic_write, prepare_out
 from parallel.harness.runner import plan, run_strategies
+from parallel.results import atomic_write, prepare_out
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -22,11 +22,15 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
+from parallel import strategies
 from parallel.config import RunConfig
 from parallel.devices import gpu_count
+from parallel.dist import Dist
 from parallel.errors import ConfigError
-from parallel.harness.results import atomic_write, prepare_out
-from parallel.workloads import WORKLOADS, SyntheticData
+from parallel.harness.report import make_progress
+from parallel.results import atomic_write, prepare_out
+from parallel.worker import execute
+from parallel.workloads import WORKLOADS, SyntheticData, accuracy, eval_loss
 
 GRID = OrderedDict(lr=float, batch_size=int, num_workers=int, device=str)  # the swept knobs, in table order
 
@@ -118,11 +122,6 @@ class LoaderData:
 
 def run_point(point: dict, config: RunConfig) -> dict:
     """One training run; the row of the sweep table."""
-    from parallel import strategies
-    from parallel.dist import Dist
-    from parallel.worker import execute
-    from parallel.workloads import accuracy, eval_loss
-
     workload = WORKLOADS[config.workload]
     device = config.spec.device(0)
     data = LoaderData(SyntheticData(workload, config.seed, config.batch_size), config.warmup + config.steps,
@@ -197,8 +196,6 @@ def save(out: Path, base: RunConfig, results: list[dict], skipped: list[str]) ->
 
 
 def main(args, console) -> int:
-    from parallel.harness.report import make_progress
-
     grid = parse_grid(args)
     base = RunConfig(workload=args.workload, steps=args.steps, warmup=args.warmup, seed=args.seed,
                      timeout=args.timeout).validate()

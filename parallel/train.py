@@ -18,9 +18,9 @@ import torch
 import torch.distributed as td
 from torch.autograd.profiler import record_function
 
+from parallel import checkpoint
 from parallel.devices import synchronizer_all
-from parallel.harness import checkpoint
-from parallel.harness.timing import StepTimer
+from parallel.timing import StepTimer
 
 
 @dataclass
@@ -31,6 +31,11 @@ class TrainResult:
     #                                          of the last (CLOCK_MONOTONIC: comparable across processes)
     samples_per_s: float | None = None  # set where it is not global batch / median step (Hogwild)
     loss_parts: list[list[float]] | None = None  # every loss of every step, when a step has several (the DCGAN's)
+
+
+def make_optimizer(config):
+    """The optimiser every strategy uses: SGD with momentum, from the config (a function of parameters)."""
+    return lambda params: torch.optim.SGD(params, lr=config.lr, momentum=config.momentum)
 
 
 class NonFiniteLoss(RuntimeError):

@@ -22,14 +22,11 @@ from parallel import strategies
 from parallel.config import RunConfig
 from parallel.devices import activate, peak_memory, reset_peak_memory
 from parallel.dist import Dist
-from parallel.harness.profiling import make_profiler
-from parallel.harness.results import Row, atomic_write
-from parallel.harness.timing import summarize
+from parallel.profiling import make_profiler
+from parallel.results import Row, atomic_write
+from parallel.timing import summarize
+from parallel.train import make_optimizer
 from parallel.workloads import WORKLOADS, SyntheticData
-
-
-def make_optimizer(config: RunConfig):
-    return lambda params: torch.optim.SGD(params, lr=config.lr, momentum=config.momentum)
 
 
 def execute(strategy, config: RunConfig, dist: Dist, data=None) -> tuple[Row, dict]:

@@ -11,7 +11,7 @@ import pytest
 
 from parallel import cli, strategies
 from parallel.harness import launch
-from parallel.harness.results import Row
+from parallel.results import Row
 from tests.conftest import ROOT
 
 ROW_FIELDS = {f.name for f in dataclasses.fields(Row)}
@@ -126,7 +126,7 @@ def test_a_crash_surfaces_its_error_line(tmp_path):
 
 def test_which_strategy_advice_follows_the_measured_numbers():
     from parallel.harness.report import advice
-    from parallel.harness.results import Equivalence
+    from parallel.results import Equivalence
 
     def row(name, speedup, verdict, world=2, **details):
         return Row(name, "", "x", "cpu:2", "virtual", world, 64, samples_per_s=speedup * 100, speedup=speedup,

@@ -38,7 +38,7 @@ def _execute(name: str, config: RunConfig, fake, monkeypatch):
 
 
 def train_timer(sync, fake):
-    from parallel.harness.timing import StepTimer
+    from parallel.timing import StepTimer
 
     return StepTimer(sync, clock=Clock(fake))
 

@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from parallel import cli, strategies
+from parallel import checkpoint, cli, strategies
 from parallel.config import RunConfig
 from parallel.dist import Dist
-from parallel.harness import checkpoint
 from parallel.train import NonFiniteLoss
 from parallel.worker import execute
 from parallel.workloads import WORKLOADS

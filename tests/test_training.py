@@ -9,7 +9,7 @@ import torch
 from parallel import strategies
 from parallel.dist import Dist
 from parallel.harness import equivalence
-from parallel.harness.timing import StepTimer, summarize
+from parallel.timing import StepTimer, summarize
 from parallel.train import NonFiniteLoss, train
 from parallel.worker import execute
 from parallel.workloads import MLP, WORKLOADS, SyntheticData

@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from parallel.devices import gpu_count, synchronizer
-from parallel.harness.timing import StepTimer, summarize
+from parallel.timing import StepTimer, summarize
+from parallel.workloads import WORKLOADS, SyntheticData
 
 
 def time_synced(fn: Callable[[], object], synchronize: Callable[[], None], repeats: int, warmup: int = 2) -> dict:
@@ -101,8 +102,6 @@ def _linear_step(device, scale):
 
 
 def _cnn_step(device, scale):
-    from parallel.workloads import WORKLOADS, SyntheticData
-
     batch = max(8, int(512 * scale))
     model = WORKLOADS["cnn"].build_model(0).to(device)
     x, y = (t.to(device) for t in SyntheticData(WORKLOADS["cnn"], 0, batch).batch(0))

@@ -10,9 +10,12 @@ from pathlib import Path
 import torch
 from rich.table import Table
 
-from parallel.devices import activate, gpu_count
+from parallel.basics import bench, savers
+from parallel.basics import memory as mem
+from parallel.basics import streams as st
+from parallel.devices import activate, gpu_count, parse_devices
 from parallel.errors import ConfigError
-from parallel.harness.results import atomic_write, prepare_out
+from parallel.results import atomic_write, prepare_out
 
 MiB = 2**20
 
@@ -44,8 +47,6 @@ def main(args: argparse.Namespace, console) -> int:
     if getattr(args, "workload", "mlp") not in ("mlp", "cnn", "transformer"):
         raise ConfigError(f"--workload for the memory savers: mlp, cnn or transformer, got {args.workload!r}")
     if hasattr(args, "device"):
-        from parallel.devices import parse_devices
-
         args.device = _device(args.device, parse_devices)
     if args.out:
         prepare_out(Path(args.out))
@@ -61,8 +62,6 @@ def _ms(stats: dict) -> str:
 
 
 def cpu_vs_gpu(args, console) -> dict:
-    from parallel.basics import bench
-
     with console.status("timing") as status:
         lines = bench.run(args.scale, args.repeats, progress=lambda s: status.update(f"timing {s}"))
     t = Table(title=f"CPU vs GPU, median ms of {args.repeats} (range), after 2 warm-up runs", title_justify="left")
@@ -88,8 +87,6 @@ def cpu_vs_gpu(args, console) -> dict:
 
 
 def streams(args, console) -> dict:
-    from parallel.basics import streams as st
-
     if not gpu_count():
         console.print(st.CPU_MESSAGE)
         return {"ran": False, "reason": st.CPU_MESSAGE}
@@ -105,8 +102,6 @@ def streams(args, console) -> dict:
 
 
 def memory(args, console) -> dict:
-    from parallel.basics import savers
-
     device = args.device
     budget = int(args.budget_mb * MiB) or None
     with console.status("measuring") as status:
@@ -152,8 +147,6 @@ def memory_table(title: str, rows: list[tuple[str, dict[str, int]]]) -> Table:
 
 def show_memory(console) -> None:
     """`devices`: memory per device now, then what freeing and empty_cache do (memory.py)."""
-    from parallel.basics import memory as mem
-
     cuda = [torch.device("cuda", i) for i in range(gpu_count())]
     activate(cuda)  # CUDA initialised before its memory statistics are read
     console.print(memory_table("memory per device", [(str(d), mem.stats(d)) for d in [torch.device("cpu"), *cuda]]))

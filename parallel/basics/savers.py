@@ -30,8 +30,9 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint_sequential
 
 from parallel.devices import activate, empty_cache, peak_memory, reset_peak_memory, synchronizer
-from parallel.harness.timing import StepTimer, summarize
+from parallel.errors import ConfigError
 from parallel.strategies.base import state_bytes
+from parallel.timing import StepTimer, summarize
 from parallel.workloads import WORKLOADS, SyntheticData
 
 MODES = {"fp32": (False, False), "autocast": (True, False), "checkpointing": (False, True), "both": (True, True)}
@@ -149,8 +150,6 @@ class Result:
 def run(workload: str, device: torch.device, batch: int, budget: int | None, steps: int = 5, repeats: int = 5,
         progress: Callable[[str], None] = lambda s: None) -> list[Result]:
     if WORKLOADS[workload].multi_part:
-        from parallel.errors import ConfigError
-
         raise ConfigError(f"the memory savers train one model; {workload} has several")
     activate([device])  # CUDA initialised before its memory statistics are read
     data = SyntheticData(WORKLOADS[workload], 0, batch)

@@ -23,17 +23,19 @@ import statistics
 
 import torch
 
+from parallel import strategies
 from parallel.devices import synchronizer, synchronizer_all
-from parallel.harness.timing import StepTimer
+from parallel.dist import Dist
 from parallel.strategies.base import grad_bytes
+from parallel.timing import StepTimer
+from parallel.train import make_optimizer
+from parallel.workloads import WORKLOADS, SyntheticData
 
 PUBLISHED_BUSBW = 346e9  # bytes/s, NCCL all-reduce on 8xH200 at 64 MiB (stas00/ml-engineering)
 
 
 class Calibration:
     def __init__(self, config, alpha_s: float | None = None, beta_s_per_byte: float | None = None):
-        from parallel.workloads import WORKLOADS
-
         self.config, self.alpha, self.beta = config, alpha_s, beta_s_per_byte
         self.workload = WORKLOADS[config.workload]
         self.model = self.workload.build_model(config.seed)
@@ -47,11 +49,6 @@ class Calibration:
         return self._compute[batch]
 
     def _measure_compute(self, batch: int) -> float:
-        from parallel import strategies
-        from parallel.dist import Dist
-        from parallel.worker import make_optimizer
-        from parallel.workloads import SyntheticData
-
         single, device = strategies.get("single"), self.config.spec.device(0)
         with _threads(self.config.spec.threads_per_device()):
             model = self.workload.build_model(self.config.seed)

@@ -24,7 +24,12 @@ from __future__ import annotations
 
 import torch
 
-from parallel.harness.results import Equivalence
+from parallel import strategies
+from parallel.config import RunConfig
+from parallel.dist import Dist
+from parallel.results import Equivalence
+from parallel.worker import execute
+from parallel.workloads import WORKLOADS
 
 RTOL = 1e-2
 FLOOR = 1e-7  # for runs that barely move the parameters (fp32 eps is 1.2e-7 relative)
@@ -69,12 +74,6 @@ def judge(strategy, ref: dict | None, state: dict | None, tol: float) -> Equival
 
 def _measure() -> None:
     """Re-measure the table in the docstring: noise (1 vs 2 threads) and a 5%-lr bug, vs movement."""
-    from parallel import strategies
-    from parallel.config import RunConfig
-    from parallel.dist import Dist
-    from parallel.worker import execute
-    from parallel.workloads import WORKLOADS
-
     single = strategies.get("single")
     for workload in ("mlp", "cnn"):
         initial = WORKLOADS[workload].build_model(0).state_dict()

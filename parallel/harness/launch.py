@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+from parallel.errors import ConfigError
+
 
 @dataclass
 class Outcome:
@@ -44,8 +46,6 @@ class Outcome:
 
 def loopback_socket(port: int = 0) -> socket.socket:
     """A listening TCP socket on 127.0.0.1 (port 0: any free one); ConfigError if the port is taken."""
-    from parallel.errors import ConfigError
-
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.bind(("127.0.0.1", port))

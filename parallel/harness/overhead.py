@@ -19,7 +19,8 @@ import torch
 from parallel import strategies
 from parallel.config import RunConfig
 from parallel.dist import Dist
-from parallel.worker import execute, make_optimizer
+from parallel.train import make_optimizer
+from parallel.worker import execute
 from parallel.workloads import WORKLOADS, SyntheticData
 
 

@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from parallel.harness.results import Row
+from parallel.results import Row
 
 VERDICT_STYLE = {"match": "green", "baseline": "cyan", "mismatch": "bold red", "not-expected": "yellow",
                  "unchecked": "dim"}

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
-from parallel import strategies
+from parallel import checkpoint, strategies
 from parallel.config import RunConfig
 from parallel.errors import ConfigError
-from parallel.harness import checkpoint, equivalence, launch
+from parallel.harness import equivalence, launch
 from parallel.harness.report import make_progress
-from parallel.harness.results import Equivalence, Row
+from parallel.results import Equivalence, Row
 from parallel.workloads import WORKLOADS, eval_loss
 
 BASELINE = "single"

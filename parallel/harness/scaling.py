@@ -17,7 +17,7 @@ import io
 import json
 from pathlib import Path
 
-from parallel.harness.results import Row, atomic_write
+from parallel.results import Row, atomic_write
 
 MODES = ("strong", "weak")
 

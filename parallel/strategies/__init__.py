@@ -19,16 +19,17 @@ import importlib
 import itertools
 from types import ModuleType
 
+from parallel import train
 from parallel.errors import ConfigError
+from parallel.strategies import base
+from parallel.strategies.base import options_of
+from parallel.workloads import WORKLOADS
 
 # The report lists strategies in this order; `single` is the baseline and always first.
 NAMES = ["single", "manual_dp", "data_parallel", "ddp", "hogwild", "model_parallel", "pipeline"]
 
 
 def _defaults() -> dict:
-    from parallel import train
-    from parallel.strategies import base
-
     return {
         "train": train.train,
         "available": base.available,
@@ -64,8 +65,6 @@ class Strategy:
 
     def unsupported(self, workload: str) -> str | None:
         """Why this strategy cannot train `workload`, or None."""
-        from parallel.workloads import WORKLOADS
-
         if WORKLOADS[workload].multi_part and not self.MULTI_PART:
             runs = ", ".join(n for n in NAMES if get(n).MULTI_PART)
             return f"its update has two models and two optimisers (strategies that run it: {runs})"
@@ -76,8 +75,6 @@ class Strategy:
 
     def options(self, config):
         """This strategy's own knobs, typed, from config.options (one value each); None if it has none."""
-        from parallel.strategies.base import options_of
-
         if self.Options is None:
             return None
         for f in self.option_fields():

@@ -33,7 +33,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from parallel.devices import synchronizer
 from parallel.errors import ConfigError
-from parallel.harness.timing import StepTimer, summarize
 from parallel.strategies import sync_batchnorm
 from parallel.strategies.base import (
     Trainable,
@@ -43,6 +42,8 @@ from parallel.strategies.base import (
     ring_allreduce_bytes,
     state_bytes,
 )
+from parallel.timing import StepTimer, summarize
+from parallel.workloads import WORKLOADS
 
 NAME = "ddp"
 LAUNCH = "torchrun"
@@ -69,8 +70,6 @@ class Options:
 
 
 def check(config) -> None:
-    from parallel.workloads import WORKLOADS
-
     opts = options_of(Options, config)
     if WORKLOADS[config.workload].multi_part and (opts.accum > 1 or opts.prescale):
         raise ConfigError(f"--accum and --prescale apply to one loss; the {config.workload} workload has several")

@@ -25,9 +25,14 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
+from parallel.devices import cpu_cores
 from parallel.dist import Dist
 from parallel.errors import ConfigError
+from parallel.profiling import make_profiler
 from parallel.strategies.base import Trainable, options_of, param_bytes
+from parallel.train import TrainResult, make_optimizer
+from parallel.train import train as the_loop
+from parallel.workloads import WORKLOADS, SyntheticData
 
 NAME = "hogwild"
 LAUNCH = "hogwild"
@@ -85,8 +90,6 @@ def train_step(t: Trainable, batch, dist):
 
 def train(strategy, t: Trainable, data, config, dist, profiler=None):
     """Spawn the workers, each running THE loop on its shares; combine their clocks and losses."""
-    from parallel.train import TrainResult
-
     ctx = mp.get_context("spawn")  # a fresh interpreter per worker: no forked thread pools or locks
     workers = t.extra["workers"]
     # The barrier lines the workers up after their (staggered) start-up, so the wall time of the run is
@@ -116,12 +119,6 @@ def train(strategy, t: Trainable, data, config, dist, profiler=None):
 
 def _worker(rank, model, config, counter, results, start) -> None:
     """One Hogwild worker: its own seed, threads, optimiser and shares of the data; then THE loop."""
-    from parallel.devices import cpu_cores
-    from parallel.harness.profiling import make_profiler
-    from parallel.train import train as the_loop
-    from parallel.worker import make_optimizer
-    from parallel.workloads import WORKLOADS, SyntheticData
-
     try:
         workers = world_size(config)
         torch.manual_seed(config.seed + rank)

@@ -25,9 +25,9 @@ import math
 import torch
 
 from parallel.devices import IntervalClock
-from parallel.harness.timing import PhaseTimer
 from parallel.strategies.base import Trainable, grad_bytes, param_bytes, state_bytes
 from parallel.strategies.primitives import DeviceThreads, gather, parallel_apply, replicate, scatter
+from parallel.timing import PhaseTimer
 from parallel.workloads import WORKLOADS
 
 NAME = "manual_dp"

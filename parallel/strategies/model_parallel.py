@@ -21,6 +21,7 @@ import torch
 from parallel.errors import ConfigError
 from parallel.strategies.base import Trainable, options_of, state_bytes
 from parallel.strategies.stages import ActivationMeter, Busy, split, stage_backward, stage_forward
+from parallel.workloads import WORKLOADS, SyntheticData
 
 NAME = "model_parallel"
 LAUNCH = "inprocess"
@@ -39,8 +40,6 @@ class Options:
 def setup_stages(model, make_optimizer, loss_fn, config, sample_size: int, balance: str) -> Trainable:
     """Shared with `pipeline`: split the model over the devices, one device's share of the cores for the
     main thread (it runs or coordinates the stages), activation meters and busy clocks per stage."""
-    from parallel.workloads import WORKLOADS, SyntheticData
-
     spec = config.spec
     devices = [spec.device(i) for i in range(config.world_size)]
     torch.set_num_threads(spec.threads_per_device())

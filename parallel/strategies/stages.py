@@ -19,8 +19,8 @@ from torch.autograd.profiler import record_function
 
 from parallel.devices import IntervalClock, synchronizer_all
 from parallel.errors import ConfigError
-from parallel.harness.timing import StepTimer
 from parallel.strategies.base import param_bytes
+from parallel.timing import StepTimer
 
 
 def layers_of(model: nn.Module) -> list[nn.Module]:
