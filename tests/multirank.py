@@ -11,6 +11,7 @@ the ranks that did not finish. `fn` must be importable (defined at module level)
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -59,7 +60,7 @@ def _collect(procs, results, timeout: float) -> list:
             continue
         if not ok:
             raise RankError(_root_cause([(rank, *value)], results))
-        out[rank] = value
+        out[rank] = pickle.loads(value)
     return [out[r] for r in range(len(procs))]
 
 
@@ -84,7 +85,9 @@ def _rank(fn, rank: int, world: int, store_path: str, timeout: float, args: tupl
         store = td.FileStore(store_path, world)
         td.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
         try:
-            results.put((rank, True, fn(rank, world, *args)))
+            # Pickled here, by value: a tensor sent as it is travels as a shared-memory handle, which is
+            # gone once this process has exited ("Connection reset by peer" in the parent).
+            results.put((rank, True, pickle.dumps(fn(rank, world, *args))))
         except BaseException as e:  # reported before the group is torn down, which fails the other ranks
             results.put((rank, False, (time.time(), f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))
         finally:

@@ -6,8 +6,9 @@
     def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable
     def train_step(trainable, batch, dist) -> loss tensor   # one optimiser step on this rank's share
 
-and may override the defaults in base.py (world_size, check, device_kind, state_dict, ...). A strategy's
-own knobs are an `Options` dataclass in its module: the CLI offers each field as a flag, and a comma list
+and may override the defaults in base.py (world_size, check, device_kind, state_dict, ...) by declaring
+them: `HOOKS = Hooks(check=check, ...)`; nothing else in the module is a hook. A strategy's own knobs
+are an `Options` dataclass in its module: the CLI offers each field as a flag, and a comma list
 (`--bucket-mb 1,4,25`) runs one variant per value, each a row of the report. The harness only ever talks
 to `Strategy`; it never branches on a strategy's name.
 """
@@ -26,26 +27,23 @@ from parallel.strategies.base import options_of
 from parallel.workloads import WORKLOADS
 
 # The report lists strategies in this order; `single` is the baseline and always first.
-NAMES = ["single", "manual_dp", "data_parallel", "ddp", "hogwild", "model_parallel", "pipeline"]
+NAMES = ["single", "manual_dp", "data_parallel", "manual_ddp", "ddp", "hogwild", "model_parallel", "pipeline"]
 
 
-def _defaults() -> dict:
-    return {
-        "train": train.train,
-        "available": base.available,
-        "world_size": base.world_size,
-        "check": base.check,
-        "device_kind": base.device_kind,
-        "state_dict": base.state_dict,
-        "comm_bytes_predicted": base.comm_bytes_predicted,
-        "extra_measurements": base.extra_measurements,
-        "predict_step_ms": base.predict_step_ms,
-        "model_state_bytes": base.model_state_bytes,
-        "Options": None,
-        "NOT_EXPECTED_REASON": None,
-        "CHECKPOINTS": True,
-        "MULTI_PART": False,
-    }
+# The constants a strategy module may set, with their defaults. Its functions beyond setup and
+# train_step are declared in `HOOKS = base.Hooks(...)` (see base.Hooks).
+CONSTANTS = {"Options": None, "NOT_EXPECTED_REASON": None, "CHECKPOINTS": True, "MULTI_PART": False}
+
+
+def _hooks(module: ModuleType) -> base.Hooks:
+    """The module's HOOKS; a function of the module's own that has a hook's name but is not declared
+    there is an error (a hook that would silently never run)."""
+    hooks = getattr(module, "HOOKS", base.Hooks())
+    for f in dataclasses.fields(base.Hooks):
+        own = module.__dict__.get(f.name)
+        if callable(own) and getattr(own, "__module__", None) == module.__name__ and getattr(hooks, f.name) is not own:
+            raise TypeError(f"{module.__name__}.{f.name} looks like a hook but is not in its HOOKS")
+    return hooks
 
 
 class Strategy:
@@ -58,8 +56,12 @@ class Strategy:
         self.synchronous: bool = module.SYNCHRONOUS
         first = (module.__doc__ or "").strip().splitlines()[0]
         self.description: str = first.removeprefix(f"{self.name}: ")
-        for attr, default in _defaults().items():
+        for attr, default in CONSTANTS.items():
             setattr(self, attr, getattr(module, attr, default))
+        hooks = _hooks(module)
+        for f in dataclasses.fields(hooks):
+            setattr(self, f.name, getattr(hooks, f.name))
+        self.train = hooks.train or train.train
         self.setup = module.setup
         self.train_step = module.train_step
 

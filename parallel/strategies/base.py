@@ -133,3 +133,40 @@ def options_of(options_cls, config):
 
 def grad_bytes(model: nn.Module) -> int:
     return param_bytes(p for p in model.parameters() if p.requires_grad)
+
+
+def predict_data_parallel_ms(cal, config, accum: int) -> float | None:
+    """Data parallel (ddp, manual_ddp): each rank computes its share (in `accum` pieces) and all-reduces
+    every gradient once a step.
+    - gloo on CPU: the all-reduce cannot hide behind compute (the ranks' threads already use every
+      core), so it is added whole.
+    - nccl: the buckets all-reduce on their own stream while backward goes on, so only what outlasts the
+      last micro-batch's backward shows (backward is about two thirds of a step's arithmetic, twice the
+      forward's), and never less than the last bucket's all-reduce, which starts when backward ends
+      (the first layers' bucket; DDP's is 1 MiB)."""
+    n = config.world_size
+    comm = cal.allreduce_ms(cal.grad_bytes, n)
+    if comm is None:
+        return None
+    micro = cal.compute_ms(config.batch_size // (n * accum))
+    if not cal.overlaps:
+        return accum * micro + comm
+    return accum * micro + max(comm - 2 / 3 * micro, cal.allreduce_ms(min(cal.grad_bytes, 2**20), n))
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """A strategy's optional parts, each defaulting to the function above. A strategy module lists the
+    ones it overrides, `HOOKS = Hooks(check=check, ...)`, and nothing else in it is a hook, whatever its
+    name: a helper imported from another strategy cannot become one by accident."""
+
+    available: Callable = available
+    world_size: Callable = world_size
+    check: Callable = check
+    device_kind: Callable = device_kind
+    state_dict: Callable = state_dict
+    comm_bytes_predicted: Callable = comm_bytes_predicted
+    extra_measurements: Callable = extra_measurements
+    predict_step_ms: Callable = predict_step_ms
+    model_state_bytes: Callable = model_state_bytes
+    train: Callable | None = None  # None: THE loop (parallel.train.train); Hogwild brings its own

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from parallel.devices import gpu_count
-from parallel.strategies.base import Trainable
+from parallel.strategies.base import Hooks, Trainable
 
 NAME = "data_parallel"
 LAUNCH = "inprocess"
@@ -77,3 +77,6 @@ def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
 def predict_step_ms(cal, config, row) -> float:
     n = world_size(config)  # 1 on CPU: a pass-through is one device's step
     return cal.compute_ms(-(-config.batch_size // n)) + cal.copy_ms(2 * (n - 1) * cal.grad_bytes)
+
+
+HOOKS = Hooks(world_size=world_size, device_kind=device_kind, state_dict=state_dict, predict_step_ms=predict_step_ms)

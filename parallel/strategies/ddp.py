@@ -35,10 +35,12 @@ from parallel.devices import synchronizer
 from parallel.errors import ConfigError
 from parallel.strategies import sync_batchnorm
 from parallel.strategies.base import (
+    Hooks,
     Trainable,
     grad_bytes,
     make_optimizers,
     options_of,
+    predict_data_parallel_ms,
     ring_allreduce_bytes,
     state_bytes,
 )
@@ -184,19 +186,8 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
 
 
 def predict_step_ms(cal, config, row) -> float | None:
-    """Each rank computes its share (in --accum pieces), and all-reduces every gradient once.
-    - gloo on CPU: the all-reduce cannot hide behind compute (the ranks' threads already use every
-      core), so it is added whole.
-    - nccl: DDP's buckets all-reduce on their own stream while backward goes on, so only what outlasts
-      the last micro-batch's backward shows (backward is about two thirds of a step's arithmetic, twice
-      the forward's), and never less than the last bucket's all-reduce, which starts when backward ends
-      (DDP's first-layers bucket, 1 MiB by default)."""
-    k, n = options_of(Options, config).accum, config.world_size
-    comm = cal.allreduce_ms(cal.grad_bytes, n)
-    if comm is None:
-        return None
-    micro = cal.compute_ms(config.batch_size // (n * k))
-    if not cal.overlaps:
-        return k * micro + comm
-    last_bucket = cal.allreduce_ms(min(cal.grad_bytes, 2**20), n)
-    return k * micro + max(comm - 2 / 3 * micro, last_bucket)
+    return predict_data_parallel_ms(cal, config, options_of(Options, config).accum)
+
+
+HOOKS = Hooks(check=check, comm_bytes_predicted=comm_bytes_predicted, model_state_bytes=model_state_bytes,
+              state_dict=state_dict, extra_measurements=extra_measurements, predict_step_ms=predict_step_ms)

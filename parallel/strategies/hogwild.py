@@ -29,7 +29,7 @@ from parallel.devices import cpu_cores
 from parallel.dist import Dist
 from parallel.errors import ConfigError
 from parallel.profiling import make_profiler
-from parallel.strategies.base import Trainable, options_of, param_bytes
+from parallel.strategies.base import Hooks, Trainable, options_of, param_bytes
 from parallel.train import TrainResult, make_optimizer
 from parallel.train import train as the_loop
 from parallel.workloads import WORKLOADS, SyntheticData
@@ -183,3 +183,8 @@ def model_state_bytes(t: Trainable, config) -> list[int]:
     params = param_bytes(t.model.parameters())
     per_worker = params * (2 if config.momentum else 1)
     return [params + per_worker] + [per_worker] * (t.extra["workers"] - 1)
+
+
+HOOKS = Hooks(world_size=world_size, available=available, check=check, comm_bytes_predicted=comm_bytes_predicted,
+              train=train, state_dict=state_dict, extra_measurements=extra_measurements,
+              predict_step_ms=predict_step_ms, model_state_bytes=model_state_bytes)

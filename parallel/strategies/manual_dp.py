@@ -25,7 +25,7 @@ import math
 import torch
 
 from parallel.devices import IntervalClock
-from parallel.strategies.base import Trainable, grad_bytes, param_bytes, state_bytes
+from parallel.strategies.base import Hooks, Trainable, grad_bytes, param_bytes, state_bytes
 from parallel.strategies.primitives import DeviceThreads, gather, parallel_apply, replicate, scatter
 from parallel.timing import PhaseTimer
 from parallel.workloads import WORKLOADS
@@ -107,3 +107,7 @@ def model_state_bytes(t: Trainable, config) -> list[int]:
     a replica's parameter copies for the length of a step."""
     copies = t.extra["param_bytes"]
     return [state_bytes(list(t.model.parameters()), t.optimizer) + copies] + [copies] * (len(t.extra["devices"]) - 1)
+
+
+HOOKS = Hooks(comm_bytes_predicted=comm_bytes_predicted, extra_measurements=extra_measurements,
+              predict_step_ms=predict_step_ms, model_state_bytes=model_state_bytes)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from parallel.errors import ConfigError
-from parallel.strategies.base import Trainable, options_of, state_bytes
+from parallel.strategies.base import Hooks, Trainable, options_of, state_bytes
 from parallel.strategies.stages import ActivationMeter, Busy, split, stage_backward, stage_forward
 from parallel.workloads import WORKLOADS, SyntheticData
 
@@ -96,3 +96,7 @@ def predict_step_ms(cal, config, row) -> float:
 
 def model_state_bytes(t: Trainable, config) -> list[int]:
     return [state_bytes(list(stage.parameters()), t.optimizer) for stage in t.extra["split"].stages]
+
+
+HOOKS = Hooks(extra_measurements=extra_measurements, predict_step_ms=predict_step_ms,
+              model_state_bytes=model_state_bytes)

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 import torch
 
 from parallel.errors import ConfigError
-from parallel.strategies.base import Trainable, options_of
+from parallel.strategies.base import Hooks, Trainable, options_of
 from parallel.strategies.model_parallel import Options as SplitOptions
-from parallel.strategies.model_parallel import model_state_bytes, setup_stages, stage_details  # noqa: F401
+from parallel.strategies.model_parallel import model_state_bytes, setup_stages, stage_details
 from parallel.strategies.primitives import DeviceThreads
 from parallel.strategies.stages import stage_backward, stage_forward
 
@@ -179,3 +179,7 @@ def predict_step_ms(cal, config, row) -> float:
     m, p = options_of(Options, config).microbatches, config.world_size
     per_slot = cal.compute_ms(-(-config.batch_size // m)) / p
     return (m + p - 1) * per_slot + cal.copy_ms(row.comm_bytes_per_step or 0) / p
+
+
+HOOKS = Hooks(check=check, extra_measurements=extra_measurements, predict_step_ms=predict_step_ms,
+              model_state_bytes=model_state_bytes)

@@ -6,7 +6,7 @@ against one device of the same list. Every other strategy reads as a small diff 
 
 from __future__ import annotations
 
-from parallel.strategies.base import Trainable, make_optimizers
+from parallel.strategies.base import Hooks, Trainable, make_optimizers
 
 NAME = "single"
 LAUNCH = "inprocess"
@@ -40,3 +40,6 @@ def train_step(t: Trainable, batch, dist):
 
 def predict_step_ms(cal, config, row) -> float:
     return cal.compute_ms(config.batch_size)
+
+
+HOOKS = Hooks(world_size=world_size, comm_bytes_predicted=comm_bytes_predicted, predict_step_ms=predict_step_ms)

@@ -1,0 +1,193 @@
+"""manual_ddp: DistributedDataParallel by hand, one process per device: the two ideas of torch's DDP.
+
+    torchrun --nproc_per_node=2 scripts/manual_ddp.py [--bucket-mb MB] [--naive 1]
+
+The diff from `single`: each rank trains on its 1/N share of the global batch (the loop hands it out),
+and before the optimizer step every gradient is averaged over the ranks, so every rank takes the step
+`single` takes on the whole batch (Li et al., "PyTorch Distributed", VLDB 2020).
+
+naive (--naive 1): a hook on every parameter all-reduces its gradient as soon as backward has
+    accumulated it, and divides by N. One collective per parameter, each waited for inside backward
+    (picotron's DataParallelNaive).
+
+bucketed (the real one; --bucket-mb MB, 0 = 25 as DDP's default): gradients live in flat buckets of about
+    MB, filled in the order
+    backward produces them (the last layers first). When a bucket's last gradient lands, its all-reduce
+    starts asynchronously and backward goes on with the earlier layers; before the step, wait for all.
+
+    backward:  [fc3 fc2 | fc1 conv2 | conv1]   grads land, last layer first
+    buckets:    bucket 0 ---all-reduce--->     bucket 1 ---all-reduce--->   bucket 2 -->|wait, /N, step
+
+Each parameter's .grad is a view into its bucket (DDP's gradient_as_bucket_view), so there is no copy
+into or out of the buckets; zero_grad zeroes the views in place instead of dropping them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as td
+from torch import nn
+from torch.autograd.profiler import record_function
+
+from parallel.errors import ConfigError
+from parallel.strategies.base import (
+    Hooks,
+    Trainable,
+    grad_bytes,
+    options_of,
+    predict_data_parallel_ms,
+    ring_allreduce_bytes,
+    state_bytes,
+)
+
+NAME = "manual_ddp"
+LAUNCH = "torchrun"
+SYNCHRONOUS = True
+
+
+DEFAULT_BUCKET_MB = 25.0  # DDP's bucket_cap_mb (DDP also makes its first bucket 1 MiB; this one does not)
+
+
+@dataclass
+class Options:
+    bucket_mb: float = field(default=0.0, metadata={"help": "gradient bucket cap in MiB; 0 = 25, DDP's default"})
+    naive: int = field(default=0, metadata={"help": "1: no buckets, one blocking all-reduce per parameter as its "
+                                                    "gradient lands"})
+
+    def __post_init__(self):
+        if not self.bucket_mb >= 0:
+            raise ConfigError(f"--bucket-mb must be 0 (the default, 25) or more, got {self.bucket_mb}")
+        if self.naive not in (0, 1):
+            raise ConfigError(f"--naive must be 0 or 1, got {self.naive}")
+
+
+def check(config) -> None:
+    config.check_divisible(config.world_size, "world size")
+
+
+def comm_bytes_predicted(model, config) -> float:
+    return ring_allreduce_bytes(grad_bytes(model), config.world_size)  # every gradient, once a step
+
+
+class Bucket:
+    """A flat buffer holding the gradients of `params` back to back; all-reduced once all have landed."""
+
+    def __init__(self, index: int, params: list[nn.Parameter]):
+        self.index, self.params = index, params
+        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        offset = 0
+        for p in params:  # each .grad a view of its slice: backward accumulates straight into the bucket
+            p.grad = self.buffer[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.ready = 0
+        self.work = None
+
+
+@dataclass
+class Sync:
+    """What the hooks share: the buckets, and the bytes and collectives counted so far."""
+
+    world: int
+    buckets: list[Bucket] = field(default_factory=list)
+    bucket_of: dict[nn.Parameter, Bucket] = field(default_factory=dict)
+    bytes: float = 0.0
+    collectives: int = 0
+
+    def all_reduce(self, t: torch.Tensor, async_op: bool):
+        self.bytes += ring_allreduce_bytes(t.numel() * t.element_size(), self.world)
+        self.collectives += 1
+        return td.all_reduce(t, async_op=async_op)  # a sum; divided by N once it has arrived
+
+
+def _buckets(params: list[nn.Parameter], cap_bytes: float) -> list[list[nn.Parameter]]:
+    """Parameters in the order backward produces their gradients (reverse of the forward order), cut into
+    groups of at least `cap_bytes` (the last one smaller)."""
+    groups, size = [[]], 0
+    for p in reversed(params):
+        if size >= cap_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(p)
+        size += p.numel() * p.element_size()
+    return groups
+
+
+def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
+    opts = options_of(Options, config)
+    model = model.to(dist.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:  # every rank starts from rank 0's weights, as DDP's constructor ensures
+        td.broadcast(p.detach(), src=0)
+    sync = Sync(dist.world_size)
+    if not opts.naive:
+        cap = (opts.bucket_mb or DEFAULT_BUCKET_MB) * 2**20
+        sync.buckets = [Bucket(i, g) for i, g in enumerate(_buckets(params, cap))]
+        sync.bucket_of = {p: b for b in sync.buckets for p in b.params}
+        hook = lambda p: _bucket_ready(sync, p)  # noqa: E731
+    else:
+        hook = lambda p: _naive(sync, p)  # noqa: E731
+    for p in params:
+        p.register_post_accumulate_grad_hook(hook)
+    return Trainable(model, make_optimizer(params), loss_fn, dist.device, comm_bytes=0, extra={"sync": sync})
+
+
+def _naive(sync: Sync, p: nn.Parameter) -> None:
+    """Backward has just accumulated p's gradient: average it over the ranks, now (blocking)."""
+    with record_function("all-reduce one gradient"):
+        sync.all_reduce(p.grad, async_op=False)
+    p.grad.div_(sync.world)
+
+
+def _bucket_ready(sync: Sync, p: nn.Parameter) -> None:
+    """One more gradient of its bucket has landed; the bucket's last one starts its all-reduce."""
+    b = sync.bucket_of[p]
+    b.ready += 1
+    if b.ready == len(b.params):
+        with record_function(f"all-reduce bucket {b.index}"):
+            b.work = sync.all_reduce(b.buffer, async_op=True)
+
+
+def _finish(sync: Sync) -> None:
+    """After backward: wait for every bucket (one whose parameters got no gradient this step is reduced
+    now, so that every rank runs the same collectives), then divide the sums by N."""
+    for b in sync.buckets:
+        if b.work is None:
+            b.work = sync.all_reduce(b.buffer, async_op=True)
+    for b in sync.buckets:
+        b.work.wait()
+        b.buffer.div_(sync.world)
+        b.ready, b.work = 0, None
+
+
+def train_step(t: Trainable, batch, dist):
+    sync = t.extra["sync"]
+    x, y = (b.to(t.device, non_blocking=True) for b in batch)  # this rank's share, (B/N, ...)
+    t.optimizer.zero_grad(set_to_none=False)  # zero the bucket views in place; None would detach them
+    loss = t.loss_fn(t.model(x), y)  # the mean over this rank's share
+    loss.backward()  # the hooks all-reduce as gradients land
+    with record_function("wait for the buckets"):
+        _finish(sync)
+    t.optimizer.step()
+    t.comm_bytes = sync.bytes
+    return loss.detach()
+
+
+def model_state_bytes(t: Trainable, config) -> list[int]:
+    """Every rank holds the whole model, its gradients (in the buckets) and the optimiser state."""
+    return [state_bytes(list(t.model.parameters()), t.optimizer)] * config.world_size
+
+
+def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
+    sync, steps = t.extra["sync"], max(1, len(result.losses))
+    return {"all_reduces_per_step": sync.collectives / steps,
+            "bucket_bytes": [b.buffer.numel() * b.buffer.element_size() for b in sync.buckets]}
+
+
+def predict_step_ms(cal, config, row) -> float | None:
+    return predict_data_parallel_ms(cal, config, accum=1)
+
+
+HOOKS = Hooks(check=check, comm_bytes_predicted=comm_bytes_predicted, model_state_bytes=model_state_bytes,
+              extra_measurements=extra_measurements, predict_step_ms=predict_step_ms)

@@ -1,0 +1,75 @@
+"""manual_ddp, DDP by hand, against one device: gloo ranks spawned inside pytest (tests/multirank.py),
+each running the strategy through the real worker, the parent running `single` on the whole batch."""
+
+import types
+
+import pytest
+import torch
+
+from parallel import strategies
+from parallel.config import RunConfig
+from parallel.dist import Dist
+from parallel.harness import equivalence
+from parallel.worker import execute
+from parallel.workloads import WORKLOADS
+from tests.multirank import run_ranks
+
+pytestmark = pytest.mark.timeout(180)
+WORKLOADS_RUN = ["mlp", "cnn", "transformer"]
+VARIANTS = [{"naive": 1}, {"bucket_mb": 0.05}, {}]  # per-parameter hooks; several small buckets; the default (25)
+
+
+def _config(workload: str, world: int, options: dict) -> RunConfig:
+    return RunConfig(workload=workload, devices=f"cpu:{world}", batch_size=48, steps=3, warmup=1,
+                     options=options).validate()
+
+
+def _train_every_variant(rank, world):
+    """Every workload and variant in one spawn of the ranks (a spawn costs seconds, a run milliseconds)."""
+    out = []
+    for workload in WORKLOADS_RUN:
+        for options in VARIANTS:
+            row, state = execute(strategies.get("manual_ddp"), _config(workload, world, options),
+                                 Dist(rank=rank, local_rank=rank, world_size=world, local_world_size=world))
+            out.append((workload, options, row.comm_bytes_per_step, row.comm_bytes_predicted,
+                        row.details["all_reduces_per_step"], state if rank == 0 else None))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_manual_ddp_trains_what_one_device_trains_and_counts_ring_bytes(world):
+    results = run_ranks(_train_every_variant, world)[0]  # rank 0's
+    for workload, options, sent, predicted, collectives, state in results:
+        config = _config(workload, world, options)
+        _, ref = execute(strategies.get("single"), config, Dist())
+        initial = WORKLOADS[workload].build_model(0).state_dict()
+        # 4 SGD steps on the same global batch of 48, each rank 48/N of it: the only difference is the
+        # order of fp32 sums (ranks, threads), float noise, far inside the harness's tolerance (1% of how
+        # far training moved the parameters; harness/equivalence.py), which every bug of the mutation
+        # kind (a missing average, a bucket not reduced) exceeds.
+        verdict = equivalence.judge(strategies.get("manual_ddp"), ref, state, equivalence.tolerance(ref, initial))
+        assert verdict.verdict == "match", (workload, options, verdict)
+        assert verdict.max_abs_diff < 0.1 * verdict.tolerance, (workload, options, verdict)
+        assert sent == pytest.approx(predicted, rel=0.01)  # counted bytes = ring all-reduce of every gradient
+        params = sum(1 for p in WORKLOADS[workload].build_model(0).parameters())
+        assert collectives == (params if options.get("naive") else collectives) and collectives >= 1
+        if options.get("bucket_mb"):
+            assert collectives > 1, (workload, "several buckets expected")
+
+
+def test_a_hook_that_is_not_declared_is_refused():
+    from parallel.strategies import Strategy
+
+    module = types.ModuleType("parallel.strategies.fake", "fake: a strategy with an undeclared hook")
+    module.__dict__.update(NAME="fake", LAUNCH="inprocess", SYNCHRONOUS=True, setup=None, train_step=None)
+    exec("def check(config):\n    pass\n", module.__dict__)  # defined here, with a hook's name, not in HOOKS
+    with pytest.raises(TypeError, match="parallel.strategies.fake.check looks like a hook but is not in its HOOKS"):
+        Strategy(module)
+
+
+def test_an_imported_helper_never_becomes_a_hook():
+    # pipeline imports model_parallel's functions; only what its HOOKS names is used.
+    pipeline = strategies.get("pipeline")
+    assert pipeline.model_state_bytes is strategies.get("model_parallel").model_state_bytes  # declared on purpose
+    assert pipeline.world_size is strategies.base.world_size  # the default: nothing it imports takes its place
+    assert torch  # the module's own imports are not hooks either
