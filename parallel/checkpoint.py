@@ -1,65 +1,188 @@
-"""Checkpoint and resume: rank 0 saves the model and optimiser every K steps and at the end, atomically,
-then every rank waits at a barrier; a restarted (or re-run) job resumes from the last one.
+"""Checkpoint and resume through torch.distributed.checkpoint (DCP): every rank saves and loads its own
+part, every K steps and at the end; a restarted (or re-run) job resumes from the last one.
+
+    OUT/checkpoints/<strategy>/        .metadata + one __<rank>_0.distcp per rank that holds state
+
+The state is the model's and the optimiser's, under the plain model's parameter names
+(torch.distributed.checkpoint.state_dict.get_state_dict: DDP's `module.` prefix dropped; a DTensor or
+FSDP2 shard saved as the shard), and the step. A world of one (the in-process strategies) writes the
+same format without a process group. A checkpoint is written to a fresh folder beside the final one and
+renamed into place once every rank has finished, so a reader never sees half a checkpoint.
 
 The data of step s is a function of s alone (workloads.SyntheticData), so resuming at step s+1 with the
 saved parameters and optimiser state continues exactly where the interrupted run was: the kill-and-
-resume test ends with the same parameters as an uninterrupted run. Loading uses weights_only=True, so a
-checkpoint cannot run code.
+resume tests end bitwise equal to an uninterrupted run.
+
+Loading is safe against a crafted checkpoint: DCP unpickles `.metadata` with plain pickle and the
+non-tensor entries (the optimiser's hyper-parameters) with torch.load(weights_only=False), either of
+which can run code. Here the metadata goes through an unpickler that admits only DCP's own metadata
+classes, and the non-tensor entries through torch.load(weights_only=True).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import pickle
+import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as td
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from parallel.errors import ConfigError
 
 
 def path(config, strategy_name: str) -> Path:
-    return Path(config.out) / "checkpoints" / f"{strategy_name}.pt"
+    return Path(config.out) / "checkpoints" / strategy_name
 
 
-def load(file: Path) -> dict:
-    """The checkpoint at `file`, checked; ConfigError (one line, exit 2) if it is missing or not one."""
-    try:
-        ckpt = torch.load(file, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise ConfigError(f"checkpoint {str(file)!r} does not exist") from None
-    except Exception as e:  # noqa: BLE001 - torch raises many kinds for a corrupt file
-        raise ConfigError(f"checkpoint {str(file)!r} cannot be read: {type(e).__name__}") from None
-    if not (isinstance(ckpt, dict) and {"step", "model", "optimizer"} <= ckpt.keys()):
-        raise ConfigError(f"checkpoint {str(file)!r} is not a checkpoint of this program")
-    return ckpt
+def _plain(model):
+    return getattr(model, "module", model)  # DDP and DataParallel wrap the model
+
+
+def _optimizers(optimizer) -> list:
+    return list(optimizer.optimizers.values()) if hasattr(optimizer, "optimizers") else [optimizer]
+
+
+def state(trainable) -> dict:
+    """What a checkpoint holds, as DCP wants it: the model's and optimisers' state by parameter name."""
+    model_sd, optim_sd = get_state_dict(_plain(trainable.model), _optimizers(trainable.optimizer))
+    return {"model": model_sd, "optim": optim_sd, "step": torch.zeros((), dtype=torch.int64)}
+
+
+def save(config, strategy, trainable, step: int, dist) -> None:
+    """Every rank writes its part into a fresh folder; once all have (a barrier), rank 0 swaps it in."""
+    final = path(config, strategy.name)
+    tmp = final.with_name(f".{final.name}.step{step}")
+    if dist.is_main:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    _barrier()
+    sd = state(trainable)
+    sd["step"].fill_(step)
+    with _single_process_is_meant():
+        dcp.save(sd, checkpoint_id=tmp, no_dist=not td.is_initialized())  # ends gathering every rank's writes
+    if dist.is_main:
+        old = final.with_name(f".{final.name}.old")
+        if final.exists():
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+
+
+@contextlib.contextmanager
+def _single_process_is_meant():
+    """DCP warns on every save and load without a process group, even when told no_dist=True: a world of
+    one (the in-process strategies) is what is meant here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized")
+        yield
+
+
+def _barrier() -> None:
+    if td.is_initialized():
+        td.barrier()
 
 
 def resume_point(config, strategy, trainable) -> int:
     """Restore the checkpoint this run should continue from, if any; return the first step to run."""
-    file = Path(config.resume_from) if config.resume_from else path(config, strategy.name)
-    if not (config.resume_from or (config.resume and file.exists())):
+    folder = Path(config.resume_from) if config.resume_from else path(config, strategy.name)
+    if not (config.resume_from or (config.resume and (folder / ".metadata").exists())):
         return 0
-    ckpt = load(file)
-    model = getattr(trainable.model, "module", trainable.model)  # DDP and DataParallel wrap the model
+    sd = state(trainable)
+    load_into(folder, sd)
     try:
-        model.load_state_dict(ckpt["model"])
-        trainable.optimizer.load_state_dict(ckpt["optimizer"])
+        set_state_dict(_plain(trainable.model), _optimizers(trainable.optimizer),
+                       model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     except (RuntimeError, ValueError, KeyError) as e:
-        raise ConfigError(f"checkpoint {str(file)!r} does not fit this model: {str(e).splitlines()[0]}") from None
-    return ckpt["step"] + 1
+        raise ConfigError(f"checkpoint {str(folder)!r} does not fit this model: {str(e).splitlines()[0]}") from None
+    return int(sd["step"]) + 1
 
 
-def save(config, strategy, trainable, step: int, dist) -> None:
-    """Rank 0 writes (to a temporary file, then renames); every rank waits until it is written."""
-    if dist.is_main:
-        file = path(config, strategy.name)
-        file.parent.mkdir(parents=True, exist_ok=True)
-        state = {"step": step, "model": strategy.state_dict(trainable), "optimizer": trainable.optimizer.state_dict()}
-        atomic_save(file, state)
-    if td.is_initialized():
-        td.barrier()
+def check_fits(folder: Path, model, what: str) -> None:
+    """ConfigError unless `folder` holds a checkpoint whose parameters fit `model` (names and shapes)."""
+    try:
+        load_into(folder, {"model": model.state_dict()})
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("does not fit this model", f"does not fit {what}")) from None
+
+
+def load_into(folder: Path, sd: dict) -> None:
+    """Fill `sd` (tensors in place, other entries replaced) from the checkpoint in `folder`; ConfigError,
+    one line, for a folder that is missing, not a checkpoint, unreadable, or for another model."""
+    if not (folder / ".metadata").is_file():
+        what = "does not exist" if not folder.exists() else "is not a checkpoint of this program (no .metadata)"
+        raise ConfigError(f"checkpoint {str(folder)!r} {what}")
+    try:  # first on its own: what is not DCP's metadata, or would run code, is refused before DCP reads it
+        _SafeReader(folder).read_metadata()
+    except Exception as e:  # noqa: BLE001 - a corrupt file raises many kinds
+        raise ConfigError(f"checkpoint {str(folder)!r} cannot be read: {type(e).__name__}: {e}") from None
+    try:
+        with _single_process_is_meant():
+            dcp.load(sd, storage_reader=_SafeReader(folder), planner=_SafePlanner(), no_dist=not td.is_initialized())
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps a rank's failure in its own
+        cause = _first_line(e)
+        what = "does not fit this model" if "Missing key" in cause or "size" in cause else "cannot be read"
+        raise ConfigError(f"checkpoint {str(folder)!r} {what}: {cause}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    """The line of a (DCP-wrapped) failure that says what went wrong, e.g. "Missing key in checkpoint
+    state_dict: model.fc1.weight."."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    said = [ln for ln in lines if ln.startswith(("RuntimeError", "ValueError", "KeyError", "AssertionError"))]
+    return (said[-1] if said else lines[-1] if lines else type(e).__name__)[:300]
+
+
+# ---- loading a checkpoint that runs no code
+
+
+_METADATA_GLOBALS = {("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("torch", "Size"),
+                     ("torch.serialization", "_get_layout"),
+                     ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's metadata classes, torch's dtypes and sizes, paths: nothing that can run code."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _METADATA_GLOBALS or module == "torch.distributed.checkpoint.metadata" or \
+                (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's metadata")
+
+
+class _SafeReader(dcp.FileSystemReader):
+    def read_metadata(self, *args, **kwargs):
+        rank = kwargs.get("rank")
+        with open(Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata"), "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafePlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner.load_bytes with weights_only=True (the optimiser's lr, momentum, ...)."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
 
 
 def atomic_save(file: Path, obj) -> None:

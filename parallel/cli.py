@@ -61,9 +61,10 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=d.port, help="rendezvous port on 127.0.0.1 (0: any free port)")
     p.add_argument("--max-restarts", type=int, default=d.max_restarts, help="torchrun restarts after a failure (0)")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
-                   help="save model + optimiser to OUT/checkpoints/ every K steps and at the end (0: never)")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/<strategy>.pt if it exists")
-    p.add_argument("--resume-from", default=d.resume_from, help="continue from this checkpoint (must exist)")
+                   help="save model + optimiser to OUT/checkpoints/<strategy>/ (torch.distributed.checkpoint, "
+                        "each rank its part) every K steps and at the end (0: never)")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/<strategy>/ if it exists")
+    p.add_argument("--resume-from", default=d.resume_from, help="continue from this checkpoint folder (must exist)")
     p.add_argument("--fail-at-step", type=int, default=d.fail_at_step, help="demo/test: raise at this step (-1: never)")
     p.add_argument("--fail-rank", type=int, default=d.fail_rank, help="demo/test: ... on this rank or worker (0)")
     p.add_argument("--hang-rank", type=int, default=d.hang_rank, help="demo/test: this rank stops responding at step 1")

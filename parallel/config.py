@@ -32,7 +32,7 @@ class RunConfig:
     port: int = 0  # rendezvous port on 127.0.0.1 for torchrun strategies; 0: any free port
     max_restarts: int = 0  # torchrun --max-restarts for the harness's launches
     checkpoint_every: int = 0  # save model + optimiser every K steps and at the end (0: never)
-    resume: bool = False  # continue from OUT/checkpoints/<strategy>.pt if it exists (what a restart uses)
+    resume: bool = False  # continue from OUT/checkpoints/<strategy>/ if it exists (what a restart uses)
     resume_from: str = ""  # continue from this checkpoint; it must exist
     fail_at_step: int = -1  # for demos and tests: raise in the training loop at this step ...
     fail_rank: int = 0  # ... on this rank (or Hogwild worker); only in torchrun's first attempt

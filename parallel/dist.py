@@ -115,10 +115,12 @@ class Dist:
         if td.is_initialized():
             td.destroy_process_group()
 
-    def all_reduce_mean(self, t: torch.Tensor) -> torch.Tensor:
-        """Mean over ranks (a no-op in a world of one): for printing losses, never for training."""
+    def all_reduce_mean(self, t: torch.Tensor, counts: bool = True) -> torch.Tensor:
+        """Mean over the ranks that pass counts=True (a no-op in a world of one): for reporting losses,
+        never for training. Every rank joins; the others add nothing."""
         if self.world_size == 1 or not td.is_initialized():
             return t
-        t = t.to(self.device).clone()
-        td.all_reduce(t)
-        return (t / self.world_size).cpu()
+        weight = float(counts)
+        both = torch.cat([t.reshape(-1) * weight, torch.tensor([weight])]).to(self.device)
+        td.all_reduce(both)
+        return (both[:-1] / both[-1]).reshape(t.shape).cpu()

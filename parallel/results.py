@@ -23,6 +23,20 @@ class Equivalence:
 
 
 @dataclass
+class Measured:
+    """The measurements the report's advice and the cost model read, declared: a strategy sets them by
+    name (a typo is a TypeError, not a silently missing line). Everything else a strategy measures goes
+    to the row's free-form `details`."""
+
+    exposed_comm_ms: float | None = None  # step time minus the same step without communication
+    exposed_over_allreduce: float | None = None  # that, over one standalone all-reduce of every gradient
+    allreduce_4B_ms: float | None = None  # the all-reduce latency (the cost model's alpha)
+    allreduce_all_grads_ms: float | None = None  # one all-reduce of every gradient (with alpha: beta)
+    bubble_measured: float | None = None  # fraction of a step the pipeline's stages were idle
+    bubble_theory: float | None = None  # (p-1)/(m+p-1)
+
+
+@dataclass
 class Row:
     strategy: str
     variant: str  # "" or the swept options, e.g. "bucket_mb=4"
@@ -50,6 +64,7 @@ class Row:
     losses: list[float] = field(default_factory=list)
     loss_parts: dict[str, list[float]] = field(default_factory=dict)  # each loss of a several-loss step (DCGAN)
     step_ms: list[float] = field(default_factory=list)
+    measured: Measured = field(default_factory=Measured)  # what the advice and the cost model read
     details: dict = field(default_factory=dict)  # strategy-specific measurements (JSON only)
 
     @property
@@ -60,6 +75,7 @@ class Row:
     def from_dict(cls, data: dict) -> Row:
         data = dict(data)
         data["equivalence"] = Equivalence(**data.get("equivalence", {"verdict": "unchecked"}))
+        data["measured"] = Measured(**data.get("measured", {}))
         return cls(**data)
 
     @property
@@ -68,7 +84,7 @@ class Row:
 
 
 # Lists stay in results.json; the CSV has one scalar per column.
-CSV_SKIP = {"losses", "loss_parts", "step_ms", "equivalence", "details"}
+CSV_SKIP = {"losses", "loss_parts", "step_ms", "equivalence", "measured", "details"}
 
 
 def atomic_write(path: Path, text: str) -> None:
@@ -95,11 +111,13 @@ def write_results(out: Path, config: dict, environment: dict, rows: list[Row], s
     buf = io.StringIO()
     names = [f.name for f in dataclasses.fields(Row) if f.name not in CSV_SKIP]
     eq_names = [f"equivalence_{f.name}" for f in dataclasses.fields(Equivalence)]
-    writer = csv.DictWriter(buf, fieldnames=names + eq_names)
+    measured_names = [f.name for f in dataclasses.fields(Measured)]
+    writer = csv.DictWriter(buf, fieldnames=names + eq_names + measured_names)
     writer.writeheader()
     for r in rows:
         d = {k: getattr(r, k) for k in names}
         d.update({f"equivalence_{k}": v for k, v in dataclasses.asdict(r.equivalence).items()})
+        d.update(dataclasses.asdict(r.measured))
         writer.writerow(d)
     atomic_write(out / "results.csv", buf.getvalue())
 

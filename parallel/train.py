@@ -1,10 +1,10 @@
 """THE training loop. Every strategy runs through it; none has a loop of its own.
 
     for each of warmup + steps optimiser steps:
-        batch  = this rank's share of global batch `step`   (same data everywhere, same seed)
+        batch  = this rank's share of global batch `step`   (its dp coordinate's share: strategy.dims)
         [sync, clock] strategy.train_step(...) [sync, clock]   <- only steps after the warm-up are timed
         profiler.step()
-    losses are all-reduced across ranks once, at the end, and checked for NaN/inf
+    losses are averaged over the ranks whose loss counts, once, at the end, and checked for NaN/inf
 """
 
 from __future__ import annotations
@@ -51,8 +51,10 @@ def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult
     losses, step_s, first = [], [], None
     total = config.warmup + config.steps
     start = checkpoint.resume_point(config, strategy, trainable)
+    dims = strategy.dims(config, dist)  # which share of each global batch this rank takes, whose loss counts
+    share = dims.batch_share(dist.rank)
     for step in range(start, total):
-        batch = data.batch(step, dist.rank, dist.world_size)
+        batch = data.batch(step, *share)
         _faults(step, config, dist)
         _watchdog(config, dist)
         with timer, record_function(f"step {step}"):
@@ -65,8 +67,10 @@ def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult
             profiler.step()
         if config.checkpoint_every and ((step + 1) % config.checkpoint_every == 0 or step == total - 1):
             checkpoint.save(config, strategy, trainable, step, dist)
-    # One all-reduce for the whole run, off the clock: each rank's loss is the mean over its equal share.
-    global_losses = dist.all_reduce_mean(torch.stack(losses).cpu()).tolist() if losses else []  # (steps, k)
+    # One all-reduce for the whole run, off the clock: the mean over the ranks whose loss counts (each the
+    # mean over its equal share; one per tensor-parallel group, the last pipeline stage).
+    counts = dims.counts_loss(dist.rank)
+    global_losses = dist.all_reduce_mean(torch.stack(losses).cpu(), counts).tolist() if losses else []  # (steps, k)
     for step, values in enumerate(global_losses):
         if not all(map(math.isfinite, values)):
             raise NonFiniteLoss(f"loss is {values if len(values) > 1 else values[0]} at step {step} of {strategy.name}")

@@ -23,7 +23,7 @@ from parallel.config import RunConfig
 from parallel.devices import activate, peak_memory, reset_peak_memory
 from parallel.dist import Dist
 from parallel.profiling import make_profiler
-from parallel.results import Row, atomic_write
+from parallel.results import Measured, Row, atomic_write
 from parallel.timing import summarize
 from parallel.train import make_optimizer
 from parallel.workloads import WORKLOADS, SyntheticData
@@ -52,10 +52,11 @@ def execute(strategy, config: RunConfig, dist: Dist, data=None) -> tuple[Row, di
     state = strategy.state_dict(trainable)
     peaks, peak_kind = peak_memory(local)
     peak = max(peaks)
+    extra = strategy.extra_measurements(trainable, data, config, dist, result)  # after the state is saved
+    measured = extra.pop("measured", Measured())
     details = {"model_state_bytes_per_device": strategy.model_state_bytes(trainable, config),
                **({f"{peak_kind}_per_device": peaks} if len(peaks) > 1 else {}),
-               **_peak_per_rank(peak, peak_kind),
-               **strategy.extra_measurements(trainable, data, config, dist, result)}  # after the state is saved
+               **_peak_per_rank(peak, peak_kind), **extra}
 
     stats = summarize(result.step_s)
     ran = len(result.losses)  # fewer than warmup + steps after a resume
@@ -80,6 +81,7 @@ def execute(strategy, config: RunConfig, dist: Dist, data=None) -> tuple[Row, di
         loss_parts=dict(zip(workload.loss_names, map(list, zip(*result.loss_parts, strict=True)), strict=True))
         if result.loss_parts else {},
         step_ms=[s * 1e3 for s in result.step_s],
+        measured=measured,
         details=details,
     )
     return row, state

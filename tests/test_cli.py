@@ -11,7 +11,7 @@ import pytest
 
 from parallel import cli, strategies
 from parallel.harness import launch
-from parallel.results import Row
+from parallel.results import Measured, Row
 from tests.conftest import ROOT
 
 ROW_FIELDS = {f.name for f in dataclasses.fields(Row)}
@@ -63,6 +63,7 @@ def test_devices_lists_cpu_and_backends(capsys):
     assert "memory per device" in out and "after del" in out  # basics/memory.py's figures and demo
 
 
+@pytest.mark.slow
 def test_compare_writes_the_report_results_and_traces(tmp_path):
     out = tmp_path / "run"
     p = run("-m", "parallel", "compare", "--strategies", "single", "--steps", "4", "--warmup", "1",
@@ -84,6 +85,7 @@ def test_compare_writes_the_report_results_and_traces(tmp_path):
     assert not list(out.glob(".results.*"))  # no temporary files left behind
 
 
+@pytest.mark.slow
 def test_script_writes_the_same_results(tmp_path):
     out = tmp_path / "script"
     p = run("scripts/single.py", "--steps", "2", "--warmup", "0", "--batch-size", "32", "--out", str(out))
@@ -93,6 +95,7 @@ def test_script_writes_the_same_results(tmp_path):
     assert row["equivalence"]["verdict"] == "unchecked"
 
 
+@pytest.mark.slow
 def test_a_strategy_over_its_timeout_is_reported_not_waited_on(tmp_path):
     out = tmp_path / "slow"
     start = time.monotonic()
@@ -102,6 +105,7 @@ def test_a_strategy_over_its_timeout_is_reported_not_waited_on(tmp_path):
     assert row["status"] == "timed-out" and "timed out after 0.5 s" in row["error"]
 
 
+@pytest.mark.slow
 def test_timeout_kills_the_whole_process_tree(tmp_path):
     pidfile = tmp_path / "grandchild.pid"
     cmd = ["bash", "-c", f"sleep 60 & echo $! > {pidfile}; wait"]
@@ -119,6 +123,7 @@ def running(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_a_crash_surfaces_its_error_line(tmp_path):
     outcome = launch.run_child([sys.executable, "-c", "raise ValueError('boom at step 3')"], 30, tmp_path / "log")
     assert outcome.returncode == 1 and outcome.error == "ValueError: boom at step 3"
@@ -128,10 +133,10 @@ def test_which_strategy_advice_follows_the_measured_numbers():
     from parallel.harness.report import advice
     from parallel.results import Equivalence
 
-    def row(name, speedup, verdict, world=2, **details):
+    def row(name, speedup, verdict, world=2, **measured):
         return Row(name, "", "x", "cpu:2", "virtual", world, 64, samples_per_s=speedup * 100, speedup=speedup,
                    efficiency=speedup / world, step_ms_p50=10.0, eval_loss=1.0,
-                   equivalence=Equivalence(verdict), details=details)
+                   equivalence=Equivalence(verdict), measured=Measured(**measured))
 
     rows = [row("single", 1.0, "baseline", world=1), row("ddp", 1.8, "match", exposed_comm_ms=2.0,
                                                           exposed_over_allreduce=1.2),
@@ -144,6 +149,7 @@ def test_which_strategy_advice_follows_the_measured_numbers():
     assert "Fastest that trains exactly like one device: manual_dp, 1.70x" in "\n".join(advice(rows))
 
 
+@pytest.mark.slow
 def test_scaling_sweep_writes_its_table_and_plots(tmp_path):
     out = tmp_path / "sweep"
     p = run("-m", "parallel", "compare", "--world-sizes", "1,2", "--strategies", "manual_dp", "--steps", "2",

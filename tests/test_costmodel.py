@@ -30,6 +30,7 @@ def test_projection_follows_the_bus_bandwidth_formula():
     assert us[8] < us[64] < us[1024] < 2 * us[8]  # 2(N-1)/N approaches 2
 
 
+@pytest.mark.slow
 def test_every_row_of_a_comparison_gets_a_prediction(tmp_path):
     out = tmp_path / "run"
     p = subprocess.run([sys.executable, "-m", "parallel", "compare", "--strategies", "manual_dp,ddp,pipeline",

@@ -110,6 +110,7 @@ def test_device_threads_end_when_the_pool_is_dropped():
     assert not any(t.is_alive() for t in mine)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["manual_dp", "data_parallel"])
 def test_scripts_run(name, tmp_path):
     p = subprocess.run([sys.executable, f"scripts/{name}.py", "--steps", "2", "--batch-size", "32",

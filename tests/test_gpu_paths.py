@@ -255,7 +255,7 @@ def test_cpu_runs_are_unchanged_by_the_clock(small):
 
     config = dataclasses.replace(small(), options={"microbatches": 4})
     row, _ = worker.execute(strategies.get("pipeline"), config, Dist())
-    assert 0 <= row.details["bubble_measured"] < 1 and len(row.details["stage_busy_ms"]) == 2
+    assert 0 <= row.measured.bubble_measured < 1 and len(row.details["stage_busy_ms"]) == 2
 
 
 def test_devices_command_initialises_cuda_before_reading_memory(strict_cuda, monkeypatch, capsys):

@@ -68,6 +68,7 @@ def test_cuda_is_refused_with_a_reason_and_skipped_under_all():
         strategies.resolve(["hogwild"], cuda)
 
 
+@pytest.mark.slow
 def test_compare_reports_convergence_instead_of_parity(tmp_path):
     out = tmp_path / "out"
     p = subprocess.run([sys.executable, "scripts/hogwild.py", "--workers", "2", "--steps", "3", "--batch-size", "32",

@@ -49,6 +49,7 @@ def agents(out, nnodes: int, nproc: int, extra: tuple[str, ...] = ()) -> list[st
     return outputs
 
 
+@pytest.mark.slow
 def test_two_nodes_restart_a_failed_rank_and_end_like_one_node_of_two(tmp_path):
     # One agent with two processes, uninterrupted; two agents of one process each, where rank 1 (the
     # second agent's worker) fails at step 5: both agents restart their workers (launch.sh sets

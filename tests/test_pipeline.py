@@ -34,8 +34,8 @@ def check_matches_single(name, workload, **options):
 @pytest.mark.parametrize("workload", ["mlp", "cnn"])
 def test_model_parallel_matches_single(workload):
     row = check_matches_single("model_parallel", workload)
-    d = row.details
-    assert d["bubble_theory"] == 0.5 and 0 < d["bubble_measured"] < 1  # one stage busy at a time
+    d, m = row.details, row.measured
+    assert m.bubble_theory == 0.5 and 0 < m.bubble_measured < 1  # one stage busy at a time
     assert len(d["stage_param_bytes"]) == 2 and all(b > 0 for b in d["stage_activation_bytes"])
 
 
@@ -43,7 +43,7 @@ def test_model_parallel_matches_single(workload):
 @pytest.mark.parametrize("microbatches, schedule", [(1, "gpipe"), (4, "gpipe"), (8, "gpipe"), (4, "1f1b"), (8, "1f1b")])
 def test_pipeline_matches_single(workload, microbatches, schedule):
     row = check_matches_single("pipeline", workload, microbatches=microbatches, schedule=schedule)
-    assert row.details["bubble_theory"] == pytest.approx(1 / (microbatches + 1))
+    assert row.measured.bubble_theory == pytest.approx(1 / (microbatches + 1))
 
 
 def test_1f1b_holds_fewer_activations_than_gpipe():
@@ -105,6 +105,7 @@ def test_bad_pipeline_options_are_one_line_exit_2(argv, message, refused):
     refused(["compare", "--strategies", "pipeline", "--devices", "cpu:2", *argv], message)
 
 
+@pytest.mark.slow
 def test_scripts_run(tmp_path):
     for name in ("model_parallel", "pipeline"):
         p = subprocess.run([sys.executable, f"scripts/{name}.py", "--steps", "2", "--batch-size", "32",

@@ -12,6 +12,7 @@ from parallel.workloads import WORKLOADS, SyntheticData
 pytestmark = pytest.mark.timeout(180)
 
 
+@pytest.mark.slow
 def test_sweep_writes_one_tensorboard_run_per_grid_point(tmp_path, capsys):
     out = tmp_path / "sweep"
     code = cli.main(["sweep", "--lr", "0.05,0.01", "--batch-size", "64", "--num-workers", "0,1", "--device", "cpu,cuda",

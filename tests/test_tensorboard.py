@@ -25,6 +25,7 @@ def _get(url: str):
         return json.loads(r.read())
 
 
+@pytest.mark.slow
 def test_tensorboard_lists_every_profiled_strategy_and_rank_traces_do_not_collide(tmp_path):
     out = tmp_path / "run"
     p = subprocess.run([sys.executable, "-m", "parallel", "compare", "--strategies", "ddp,pipeline", "--profile",

@@ -30,6 +30,7 @@ def compare(tmp_path, *args):
     return {r["strategy"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
 
 
+@pytest.mark.slow
 def test_dcgan_trains_under_single_and_ddp_and_they_agree(tmp_path):
     rows = compare(tmp_path, "--workload", "dcgan", "--strategies", "single,ddp", "--steps", "5",
                    "--batch-size", "64")
@@ -49,6 +50,7 @@ def test_dcgan_trains_under_single_and_ddp_and_they_agree(tmp_path):
     assert rows["ddp"]["comm_bytes_per_step"] > 0
 
 
+@pytest.mark.slow
 def test_transformer_trains_and_splits_like_one_device(tmp_path):
     rows = compare(tmp_path, "--workload", "transformer", "--strategies", "ddp,pipeline", "--steps", "4",
                    "--batch-size", "32", "--microbatches", "2", "--lr", "0.5")

@@ -7,7 +7,7 @@ call without torch.cuda.synchronize() measures the queueing, not the work, which
 material comes to report GPU "speed-ups" of 1000x for a matrix product. Here every case is timed both
 ways on each device, after the same warm-up:
 
-    synced:  [sync] clock  fn()  [sync] clock     x repeats -> median and range   (harness/timing.StepTimer)
+    synced:  [sync] clock  fn()  [sync] clock     x repeats -> median and range   (parallel/timing.StepTimer)
     naive:          clock  fn()         clock     x repeats -> median              (what the material did)
 
 On CPU the two agree (CPU ops finish before they return). So that the pitfall shows on any machine,

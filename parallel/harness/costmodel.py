@@ -120,9 +120,9 @@ def apply(rows, chosen, config) -> dict:
     step_ms_predicted, and return the calibration and the projection for results.json."""
     cal = Calibration(config)
     for r in rows:
-        d = r.details
-        if d.get("allreduce_4B_ms") and d.get("allreduce_all_grads_ms") and r.world_size > 1:
-            cal.alpha, cal.beta = fit_alpha_beta(d["allreduce_4B_ms"], d["allreduce_all_grads_ms"], cal.grad_bytes,
+        m = r.measured
+        if m.allreduce_4B_ms and m.allreduce_all_grads_ms and r.world_size > 1:
+            cal.alpha, cal.beta = fit_alpha_beta(m.allreduce_4B_ms, m.allreduce_all_grads_ms, cal.grad_bytes,
                                                  r.world_size)
             break
     for (strategy, _, cfg), r in zip(chosen, rows, strict=True):

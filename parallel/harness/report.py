@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -28,6 +30,10 @@ def _bytes(n) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
+
+
+def _set(measured) -> dict:
+    return {k: v for k, v in dataclasses.asdict(measured).items() if v is not None}
 
 
 def table(rows: list[Row], environment: dict) -> Table:
@@ -59,7 +65,8 @@ def notes(rows: list[Row], environment: dict, skipped: dict | None = None) -> li
     out += [f"{r.label}: {r.equivalence.reason}" for r in rows if r.equivalence.verdict == "not-expected"]
     out += [f"[red]{r.label} mismatch: {r.equivalence.reason}[/]" for r in rows
             if r.equivalence.verdict == "mismatch"]
-    out += [f"{r.label}: " + ", ".join(f"{k} {_fmt(v)}" for k, v in r.details.items()) for r in rows if r.details]
+    out += [f"{r.label}: " + ", ".join(f"{k} {_fmt(v)}" for k, v in {**r.details, **_set(r.measured)}.items())
+            for r in rows if r.details]
     out += [f"{r.label} losses, first -> last step: " + ", ".join(f"{k} {v[0]:.4f} -> {v[-1]:.4f}"
                                                                  for k, v in r.loss_parts.items())
             for r in rows if r.loss_parts]
@@ -102,13 +109,13 @@ def advice(rows: list[Row]) -> list[str]:
     if slower:
         out.append("Slower than one device here: " + ", ".join(f"{r.label} {r.speedup:.2f}x" for r in slower) + ".")
     for r in ok:
-        d = r.details
-        if d.get("exposed_comm_ms") is not None and r.step_ms_p50:
-            out.append(f"{r.label}: {d['exposed_comm_ms'] / r.step_ms_p50:.0%} of each step is communication not "
-                       f"hidden behind compute ({d['exposed_over_allreduce']:.2f}x one all-reduce of every gradient).")
-        if d.get("bubble_measured") is not None and r.world_size > 1:
-            out.append(f"{r.label}: stages idle {d['bubble_measured']:.0%} of each step "
-                       f"(theory {d['bubble_theory']:.0%} for its micro-batches).")
+        m = r.measured
+        if m.exposed_comm_ms is not None and r.step_ms_p50:
+            out.append(f"{r.label}: {m.exposed_comm_ms / r.step_ms_p50:.0%} of each step is communication not "
+                       f"hidden behind compute ({m.exposed_over_allreduce:.2f}x one all-reduce of every gradient).")
+        if m.bubble_measured is not None and r.world_size > 1:
+            out.append(f"{r.label}: stages idle {m.bubble_measured:.0%} of each step "
+                       f"(theory {m.bubble_theory:.0%} for its micro-batches).")
     return out
 
 

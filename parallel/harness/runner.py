@@ -16,7 +16,6 @@ import torch
 
 from parallel import checkpoint, strategies
 from parallel.config import RunConfig
-from parallel.errors import ConfigError
 from parallel.harness import equivalence, launch
 from parallel.harness.report import make_progress
 from parallel.results import Equivalence, Row
@@ -90,12 +89,8 @@ def plan(config: RunConfig, names: list[str], baseline: bool = True) -> list[tup
     if config.port:
         launch.loopback_socket(config.port).close()  # a taken rendezvous port is bad input, found now
     if config.resume_from:  # missing, corrupt or for another model: refused now, not in a child
-        ckpt = checkpoint.load(Path(config.resume_from))
-        try:
-            WORKLOADS[config.workload].build_model(config.seed).load_state_dict(ckpt["model"])
-        except RuntimeError as e:
-            raise ConfigError(f"checkpoint {config.resume_from!r} does not fit the {config.workload} model: "
-                              f"{str(e).splitlines()[0]}") from None
+        checkpoint.check_fits(Path(config.resume_from), WORKLOADS[config.workload].build_model(config.seed),
+                              f"the {config.workload} model")
     return chosen
 
 

@@ -6,9 +6,13 @@ import collections
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+
+from parallel.layout import ParallelDims
 
 
 @dataclass
@@ -20,7 +24,7 @@ class Trainable:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     device: torch.device
     comm_bytes: int | None = None  # bytes this rank sent through collectives so far; None: not counted
-    extra: dict = field(default_factory=dict)  # strategy-specific state
+    state: Any = None  # the strategy's own state: a small dataclass of its module (ddp.State, ...)
     devices: list[torch.device] = field(default_factory=list)  # every device this process drives, when
     #   more than `device`: the loop synchronizes them all before reading its clock (a pipeline's last
     #   stage, say, may still be running on device 1 when device 0 is done)
@@ -62,6 +66,13 @@ def world_size(config) -> int:
     return config.world_size
 
 
+def dims(config, dist) -> ParallelDims:
+    """How this strategy lays out its processes: by default each one a data-parallel replica (a world of
+    one for the in-process strategies, which drive all their devices from one process). The loop asks
+    it which share of the global batch a rank takes and whose losses make the step's loss."""
+    return ParallelDims.data_parallel(dist.world_size)
+
+
 def available(spec) -> str | None:
     """None if the strategy can run on these devices, else the one-line reason it cannot."""
     return None
@@ -86,18 +97,31 @@ def comm_bytes_predicted(model: nn.Module, config) -> int | None:
     return None
 
 
-def param_bytes(params) -> int:
-    return sum(p.numel() * p.element_size() for p in params)
+def local(t: torch.Tensor) -> torch.Tensor:
+    """What this device really holds of `t`: a DTensor's local shard (a DTensor's numel() is the global
+    size), else the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
-def state_bytes(params, optimizer) -> int:
+def tensor_bytes(t: torch.Tensor, allocated: bool = False) -> int:
+    """Bytes of what this device holds of `t`: logical (elements x size), or allocated (the storage,
+    padding of an uneven shard included)."""
+    t = local(t)
+    return t.untyped_storage().nbytes() if allocated else t.numel() * t.element_size()
+
+
+def param_bytes(params, allocated: bool = False) -> int:
+    return sum(tensor_bytes(p, allocated) for p in params)
+
+
+def state_bytes(params, optimizer, allocated: bool = False) -> int:
     """Parameters + their gradients + the optimiser's state for them (momentum, ...), counted from the
-    tensors themselves."""
+    tensors this device holds (local shards of DTensors)."""
     total = 0
     for p in params:
-        total += param_bytes([p]) * (2 if p.grad is not None else 1)
+        total += tensor_bytes(p, allocated) + (tensor_bytes(p.grad, allocated) if p.grad is not None else 0)
         if optimizer is not None:
-            total += sum(v.numel() * v.element_size() for v in optimizer.state.get(p, {}).values()
+            total += sum(tensor_bytes(v, allocated) for v in optimizer.state.get(p, {}).values()
                          if isinstance(v, torch.Tensor))
     return total
 
@@ -115,7 +139,8 @@ def predict_step_ms(cal, config, row) -> float | None:
 
 def extra_measurements(trainable: Trainable, data, config, dist, result) -> dict:
     """Measurements beyond the loop's, taken after the final parameters are saved (they may train
-    further), e.g. DDP's step time without communication. Stored in the row's `details`."""
+    further), e.g. DDP's step time without communication. Stored in the row's `details`, except the
+    declared ones, given as {"measured": results.Measured(...)}, which go to the row's `measured`."""
     return {}
 
 
@@ -162,6 +187,7 @@ class Hooks:
 
     available: Callable = available
     world_size: Callable = world_size
+    dims: Callable = dims
     check: Callable = check
     device_kind: Callable = device_kind
     state_dict: Callable = state_dict

@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from parallel.devices import synchronizer
 from parallel.errors import ConfigError
+from parallel.results import Measured
 from parallel.strategies import sync_batchnorm
 from parallel.strategies.base import (
     Hooks,
@@ -71,6 +72,15 @@ class Options:
             raise ConfigError(f"--prescale must be 0 or 1, got {self.prescale}")
 
 
+@dataclass
+class State:
+    world: int
+    accum: int = 1  # micro-batches per optimiser step
+    prescale: int = 0  # 1: the loss is divided by N, the hook all-reduces a sum
+    buckets: int = 0  # buckets all-reduced so far
+    parts: dict | None = None  # the DCGAN: a DDP wrapper per part
+
+
 def check(config) -> None:
     opts = options_of(Options, config)
     if WORKLOADS[config.workload].multi_part and (opts.accum > 1 or opts.prescale):
@@ -86,10 +96,10 @@ def _counting_allreduce(t: Trainable, bucket):  # no return annotation: DDP reje
     """DDP communication hook: count the bucket, then do what DDP does by default (divide by N,
     all-reduce); with prescale the gradients are already divided, so all-reduce the sum."""
     buf = bucket.buffer()
-    t.comm_bytes += ring_allreduce_bytes(buf.numel() * buf.element_size(), t.extra["world"])
-    t.extra["buckets"] += 1
+    t.comm_bytes += ring_allreduce_bytes(buf.numel() * buf.element_size(), t.state.world)
+    t.state.buckets += 1
     with record_function(f"all-reduce bucket {bucket.index()}"):
-        if t.extra["prescale"]:
+        if t.state.prescale:
             return td.all_reduce(buf, async_op=True).get_future().then(lambda fut: fut.value()[0])
         return default_hooks.allreduce_hook(None, bucket)
 
@@ -107,22 +117,21 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     if hasattr(model, "parts"):  # the DCGAN: a DDP per part, since each part has its own optimiser and backward
         model = sync_batchnorm.convert(model, dist.device)
         t = Trainable(model, make_optimizers(model, make_optimizer), loss_fn, dist.device, comm_bytes=0,
-                      extra={"prescale": 0, "world": dist.world_size, "buckets": 0,
-                             "parts": {k: _wrap(m, dist, opts) for k, m in model.parts().items()}})
-        for part in t.extra["parts"].values():
+                      state=State(dist.world_size, parts={k: _wrap(m, dist, opts) for k, m in model.parts().items()}))
+        for part in t.state.parts.values():
             part.register_comm_hook(t, _counting_allreduce)
         return t
     ddp = _wrap(model, dist, opts)
     t = Trainable(ddp, make_optimizer(ddp.parameters()), loss_fn, dist.device, comm_bytes=0,
-                  extra={"accum": opts.accum, "prescale": opts.prescale, "world": dist.world_size, "buckets": 0})
+                  state=State(dist.world_size, accum=opts.accum, prescale=opts.prescale))
     ddp.register_comm_hook(t, _counting_allreduce)
     return t
 
 
 def _step(t: Trainable, batch, sync: bool = True):
     x, y = (b.to(t.device, non_blocking=True) for b in batch)  # this rank's share, (B/N, ...)
-    k = t.extra["accum"]
-    scale = k * (t.extra["world"] if t.extra["prescale"] else 1)
+    k = t.state.accum
+    scale = k * (t.state.world if t.state.prescale else 1)
     t.optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=t.device)
     for i, (xb, yb) in enumerate(zip(x.chunk(k), y.chunk(k), strict=True)):
@@ -137,8 +146,8 @@ def _step(t: Trainable, batch, sync: bool = True):
 
 
 def train_step(t: Trainable, batch, dist):
-    if "parts" in t.extra:  # the model's own update, through the DDP wrappers
-        parts = t.extra["parts"]
+    if t.state.parts:  # the model's own update, through the DDP wrappers
+        parts = t.state.parts
         x, y = (b.to(t.device, non_blocking=True) for b in batch)
         return t.model.update(parts, t.optimizer, x, y, unsynced=lambda name: parts[name].no_sync())
     return _step(t, batch)
@@ -161,8 +170,8 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
     """Exposed communication = the step time minus the same step with no all-reduce at all (no_sync),
     beside one standalone all-reduce of every gradient at once. The three are timed interleaved, step by
     step, with the loop's clock, so drift of the machine's speed hits all three alike."""
-    buckets = t.extra["buckets"] / max(1, len(result.losses))  # per optimiser step this run took
-    if "parts" in t.extra:  # the DCGAN's update has no single-loss no_sync twin to time against
+    buckets = t.state.buckets / max(1, len(result.losses))  # per optimiser step this run took
+    if t.state.parts:  # the DCGAN's update has no single-loss no_sync twin to time against
         return {"buckets_per_step": buckets}
     flat = torch.zeros(sum(p.numel() for p in t.model.parameters()), device=t.device)  # (all grads,)
     tiny = torch.zeros(1, device=t.device)  # its time is the all-reduce latency (the cost model's alpha)
@@ -181,8 +190,8 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
     ms = {k: summarize(v)["p50_ms"] for k, v in times.items()}
     exposed = ms["step"] - ms["no_sync"]
     return {"buckets_per_step": buckets, "step_ms": ms["step"], "no_sync_step_ms": ms["no_sync"],
-            "exposed_comm_ms": exposed, "allreduce_all_grads_ms": ms["allreduce"],
-            "allreduce_4B_ms": ms["allreduce_4B"], "exposed_over_allreduce": exposed / ms["allreduce"]}
+            "measured": Measured(exposed_comm_ms=exposed, exposed_over_allreduce=exposed / ms["allreduce"],
+                                 allreduce_all_grads_ms=ms["allreduce"], allreduce_4B_ms=ms["allreduce_4B"])}
 
 
 def predict_step_ms(cal, config, row) -> float | None:

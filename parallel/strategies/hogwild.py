@@ -30,6 +30,7 @@ from parallel.dist import Dist
 from parallel.errors import ConfigError
 from parallel.profiling import make_profiler
 from parallel.strategies.base import Hooks, Trainable, options_of, param_bytes
+from parallel.strategies.base import dims as base_dims
 from parallel.train import TrainResult, make_optimizer
 from parallel.train import train as the_loop
 from parallel.workloads import WORKLOADS, SyntheticData
@@ -48,6 +49,14 @@ class Options:
     def __post_init__(self):
         if not 0 <= self.workers <= 64:
             raise ConfigError(f"--workers must be 1..64 (0: one per device), got {self.workers}")
+
+
+@dataclass
+class State:
+    workers: int
+    counter: object = None  # in a worker: the shared count of updates (a multiprocessing Value)
+    staleness: list[int] = field(default_factory=list)  # in a worker: updates landed between read and write
+    summary: dict = field(default_factory=dict)  # in the parent: the workers' figures, combined
 
 
 def world_size(config) -> int:
@@ -70,12 +79,12 @@ def comm_bytes_predicted(model, config) -> int:
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     model.share_memory()  # parameters move to shared memory BEFORE the workers start
-    return Trainable(model, None, loss_fn, dist.device, comm_bytes=0, extra={"workers": world_size(config)})
+    return Trainable(model, None, loss_fn, dist.device, comm_bytes=0, state=State(world_size(config)))
 
 
 def train_step(t: Trainable, batch, dist):
     """One worker's step: read the shared parameters (version `seen`), compute, write without a lock."""
-    counter = t.extra["counter"]
+    counter = t.state.counter
     seen = counter.value  # updates that had landed when this step read the parameters
     x, y = batch  # this worker's share of the global batch, (B/W, ...)
     t.optimizer.zero_grad(set_to_none=True)
@@ -84,14 +93,14 @@ def train_step(t: Trainable, batch, dist):
     t.optimizer.step()  # in place on the shared storage, racing the other workers
     with counter.get_lock():  # the counter itself is exact; the parameters are not locked
         counter.value += 1
-        t.extra["staleness"].append(counter.value - seen - 1)
+        t.state.staleness.append(counter.value - seen - 1)
     return loss.detach()
 
 
 def train(strategy, t: Trainable, data, config, dist, profiler=None):
     """Spawn the workers, each running THE loop on its shares; combine their clocks and losses."""
     ctx = mp.get_context("spawn")  # a fresh interpreter per worker: no forked thread pools or locks
-    workers = t.extra["workers"]
+    workers = t.state.workers
     # The barrier lines the workers up after their (staggered) start-up, so the wall time of the run is
     # time they all trained in; its timeout means a worker that dies early cannot hang the others.
     counter, results, start = ctx.Value("q", 0), ctx.Queue(), ctx.Barrier(workers, timeout=config.pg_timeout)
@@ -108,7 +117,7 @@ def train(strategy, t: Trainable, data, config, dist, profiler=None):
             p.join()
     start, end = min(o.timed[0] for o in outs), max(o.timed[1] for o in outs)
     staleness = np.concatenate([o.staleness for o in outs])
-    t.extra["summary"] = {"workers": len(outs), "staleness_mean": float(staleness.mean()),
+    t.state.summary = {"workers": len(outs), "staleness_mean": float(staleness.mean()),
                           "staleness_p95": float(np.percentile(staleness, 95)), "staleness_max": int(staleness.max()),
                           "timed_wall_s": end - start, "process_peak_rss_per_worker": [o.peak_rss for o in outs]}
     # Aggregate throughput: every timed sample of every worker over the wall time they took together.
@@ -125,13 +134,13 @@ def _worker(rank, model, config, counter, results, start) -> None:
         torch.set_num_threads(max(1, cpu_cores() // workers))
         workload = WORKLOADS[config.workload]
         t = Trainable(model, make_optimizer(config)(model.parameters()), workload.loss, torch.device("cpu"),
-                      extra={"counter": counter, "staleness": []})
+                      state=State(workers, counter))
         me = Dist(rank=rank, local_rank=rank, world_size=workers, local_world_size=workers)
         data = SyntheticData(workload, config.seed, config.batch_size)
         start.wait()
         with make_profiler(config.profile, config.out, NAME, rank, me.device) as prof:
             result = the_loop(_Me, t, data, config, me, prof)
-        result.staleness = t.extra["staleness"]
+        result.staleness = t.state.staleness
         result.peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
         results.put((rank, None, result))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
@@ -143,6 +152,7 @@ class _Me:
 
     name = NAME
     train_step = staticmethod(train_step)
+    dims = staticmethod(base_dims)  # W replicas, each its share of every global batch
 
 
 def _collect(procs, results, poll_s: float = 0.5) -> list[dict]:
@@ -170,7 +180,7 @@ def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
 
 
 def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
-    return t.extra["summary"]
+    return t.state.summary
 
 
 def predict_step_ms(cal, config, row) -> float:
@@ -182,7 +192,7 @@ def model_state_bytes(t: Trainable, config) -> list[int]:
     momentum (SGD: one buffer) in that worker."""
     params = param_bytes(t.model.parameters())
     per_worker = params * (2 if config.momentum else 1)
-    return [params + per_worker] + [per_worker] * (t.extra["workers"] - 1)
+    return [params + per_worker] + [per_worker] * (t.state.workers - 1)
 
 
 HOOKS = Hooks(world_size=world_size, available=available, check=check, comm_bytes_predicted=comm_bytes_predicted,

@@ -130,7 +130,7 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
         hook = lambda p: _naive(sync, p)  # noqa: E731
     for p in params:
         p.register_post_accumulate_grad_hook(hook)
-    return Trainable(model, make_optimizer(params), loss_fn, dist.device, comm_bytes=0, extra={"sync": sync})
+    return Trainable(model, make_optimizer(params), loss_fn, dist.device, comm_bytes=0, state=sync)
 
 
 def _naive(sync: Sync, p: nn.Parameter) -> None:
@@ -162,7 +162,7 @@ def _finish(sync: Sync) -> None:
 
 
 def train_step(t: Trainable, batch, dist):
-    sync = t.extra["sync"]
+    sync = t.state
     x, y = (b.to(t.device, non_blocking=True) for b in batch)  # this rank's share, (B/N, ...)
     t.optimizer.zero_grad(set_to_none=False)  # zero the bucket views in place; None would detach them
     loss = t.loss_fn(t.model(x), y)  # the mean over this rank's share
@@ -180,7 +180,7 @@ def model_state_bytes(t: Trainable, config) -> list[int]:
 
 
 def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
-    sync, steps = t.extra["sync"], max(1, len(result.losses))
+    sync, steps = t.state, max(1, len(result.losses))
     return {"all_reduces_per_step": sync.collectives / steps,
             "bucket_bytes": [b.buffer.numel() * b.buffer.element_size() for b in sync.buckets]}
 

@@ -21,6 +21,7 @@ loss.backward() would run the replicas' backward passes one after another (FIELD
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -44,6 +45,14 @@ def comm_bytes_predicted(model, config) -> float:
     return 2 * (n - 1) * grad_bytes(model) + (n - 1) / n * (x_bytes + 2 * out_bytes)
 
 
+@dataclass
+class State:
+    devices: list[torch.device]
+    pool: DeviceThreads  # a long-lived thread per device
+    param_bytes: int  # what a replica copies
+    phase: PhaseTimer  # where each step's time goes
+
+
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     spec = config.spec
     devices = [spec.device(i) for i in range(config.world_size)]
@@ -53,9 +62,9 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     torch.set_num_threads(spec.threads_per_device())
     model = model.to(devices[0])  # the original parameters live on the output device
     return Trainable(model, make_optimizer(model.parameters()), loss_fn, devices[0], comm_bytes=0,
-                     extra={"devices": devices, "pool": DeviceThreads(devices, spec.threads_per_device()),
-                            "param_bytes": param_bytes(model.parameters()),  # what a replica copies
-                            "phase": PhaseTimer(IntervalClock(devices))}, devices=devices)
+                     state=State(devices, DeviceThreads(devices, spec.threads_per_device()),
+                                 param_bytes(model.parameters()), PhaseTimer(IntervalClock(devices))),
+                     devices=devices)
 
 
 def _backward(output: torch.Tensor, grad: torch.Tensor) -> None:
@@ -68,7 +77,7 @@ def _moved(chunks) -> int:
 
 
 def train_step(t: Trainable, batch, dist):
-    devices, phase, pool = t.extra["devices"], t.extra["phase"], t.extra["pool"]
+    devices, phase, pool = t.state.devices, t.state.phase, t.state.pool
     x, y = batch  # the global batch, (B, ...) and (B,)
     t.optimizer.zero_grad(set_to_none=True)
     phase.start_step()
@@ -88,12 +97,12 @@ def train_step(t: Trainable, batch, dist):
     with phase("optimizer"):
         t.optimizer.step()
     phase.end_step()
-    t.comm_bytes += 2 * t.extra["param_bytes"] * (len(xs) - 1) + _moved(xs) + 2 * _moved(outs)
+    t.comm_bytes += 2 * t.state.param_bytes * (len(xs) - 1) + _moved(xs) + 2 * _moved(outs)
     return loss.detach()
 
 
 def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
-    return t.extra["phase"].medians(skip=config.warmup)  # where each timed step's time went
+    return t.state.phase.medians(skip=config.warmup)  # where each timed step's time went
 
 
 def predict_step_ms(cal, config, row) -> float:
@@ -105,8 +114,8 @@ def predict_step_ms(cal, config, row) -> float:
 def model_state_bytes(t: Trainable, config) -> list[int]:
     """Device 0 holds the original parameters, their gradients and the optimiser state, and every device
     a replica's parameter copies for the length of a step."""
-    copies = t.extra["param_bytes"]
-    return [state_bytes(list(t.model.parameters()), t.optimizer) + copies] + [copies] * (len(t.extra["devices"]) - 1)
+    copies = t.state.param_bytes
+    return [state_bytes(list(t.model.parameters()), t.optimizer) + copies] + [copies] * (len(t.state.devices) - 1)
 
 
 HOOKS = Hooks(comm_bytes_predicted=comm_bytes_predicted, extra_measurements=extra_measurements,

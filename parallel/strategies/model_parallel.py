@@ -20,7 +20,7 @@ import torch
 
 from parallel.errors import ConfigError
 from parallel.strategies.base import Hooks, Trainable, options_of, state_bytes
-from parallel.strategies.stages import ActivationMeter, Busy, split, stage_backward, stage_forward
+from parallel.strategies.stages import ActivationMeter, Busy, Split, split, stage_backward, stage_forward
 from parallel.workloads import WORKLOADS, SyntheticData
 
 NAME = "model_parallel"
@@ -37,6 +37,13 @@ class Options:
             raise ConfigError(f"--balance must be time or params, got {self.balance!r}")
 
 
+@dataclass
+class Stages:
+    split: Split  # the stages and their devices
+    meters: list[ActivationMeter]  # activation bytes each stage saves for backward
+    busy: Busy  # each stage's busy intervals, step by step
+
+
 def setup_stages(model, make_optimizer, loss_fn, config, sample_size: int, balance: str) -> Trainable:
     """Shared with `pipeline`: split the model over the devices, one device's share of the cores for the
     main thread (it runs or coordinates the stages), activation meters and busy clocks per stage."""
@@ -47,8 +54,7 @@ def setup_stages(model, make_optimizer, loss_fn, config, sample_size: int, balan
     sample = SyntheticData(WORKLOADS[config.workload], config.seed, sample_size).batch(0)[0]
     sp = split(model, devices, balance, sample)
     return Trainable(model, make_optimizer(model.parameters()), loss_fn, devices[0], comm_bytes=0,
-                     extra={"split": sp, "meters": [ActivationMeter(s) for s in sp.stages],
-                            "busy": Busy(devices)}, devices=devices)
+                     state=Stages(sp, [ActivationMeter(s) for s in sp.stages], Busy(devices)), devices=devices)
 
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
@@ -56,7 +62,7 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
 
 
 def train_step(t: Trainable, batch, dist):
-    sp, busy, meters = t.extra["split"], t.extra["busy"], t.extra["meters"]
+    sp, busy, meters = t.state.split, t.state.busy, t.state.meters
     x, y = batch
     last = len(sp.stages) - 1
     t.optimizer.zero_grad(set_to_none=True)
@@ -83,10 +89,10 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
 
 
 def stage_details(t: Trainable, config, result, microbatches: int) -> dict:
-    sp, steps = t.extra["split"], max(1, len(result.losses))
+    sp, steps = t.state.split, max(1, len(result.losses))
     return {"balance": sp.balance, "stages": sp.describe(), "stage_param_bytes": sp.param_bytes(),
-            "stage_activation_bytes": [m.bytes // steps for m in t.extra["meters"]],  # held at the end of forward
-            **t.extra["busy"].summary(config.warmup, len(sp.stages), microbatches)}
+            "stage_activation_bytes": [m.bytes // steps for m in t.state.meters],  # held at the end of forward
+            **t.state.busy.summary(config.warmup, len(sp.stages), microbatches)}
 
 
 def predict_step_ms(cal, config, row) -> float:
@@ -95,7 +101,7 @@ def predict_step_ms(cal, config, row) -> float:
 
 
 def model_state_bytes(t: Trainable, config) -> list[int]:
-    return [state_bytes(list(stage.parameters()), t.optimizer) for stage in t.extra["split"].stages]
+    return [state_bytes(list(stage.parameters()), t.optimizer) for stage in t.state.split.stages]
 
 
 HOOKS = Hooks(extra_measurements=extra_measurements, predict_step_ms=predict_step_ms,

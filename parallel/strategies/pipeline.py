@@ -32,7 +32,7 @@ import torch
 from parallel.errors import ConfigError
 from parallel.strategies.base import Hooks, Trainable, options_of
 from parallel.strategies.model_parallel import Options as SplitOptions
-from parallel.strategies.model_parallel import model_state_bytes, setup_stages, stage_details
+from parallel.strategies.model_parallel import Stages, model_state_bytes, setup_stages, stage_details
 from parallel.strategies.primitives import DeviceThreads
 from parallel.strategies.stages import stage_backward, stage_forward
 
@@ -81,11 +81,21 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     opts = options_of(Options, config)
     micro = -(-config.batch_size // opts.microbatches)  # balance the stages at the size they will run
     t = setup_stages(model, make_optimizer, loss_fn, config, micro, opts.balance)
-    sp = t.extra["split"]
+    sp = t.state.split
     p, m = len(sp.stages), opts.microbatches
-    t.extra.update(m=m, timeout=config.pg_timeout, ops=[SCHEDULES[opts.schedule](s, p, m) for s in range(p)],
-                   pool=DeviceThreads(sp.devices, config.spec.threads_per_device()))
+    t.state = State(**vars(t.state), m=m, timeout=config.pg_timeout,
+                    ops=[SCHEDULES[opts.schedule](s, p, m) for s in range(p)],
+                    pool=DeviceThreads(sp.devices, config.spec.threads_per_device()), peak=[0] * p)
     return t
+
+
+@dataclass
+class State(Stages):
+    m: int  # micro-batches per step
+    timeout: float  # seconds a stage waits for its neighbour
+    ops: list[list[tuple[str, int]]]  # each stage's schedule: ("F" | "B", micro-batch)
+    pool: DeviceThreads  # a long-lived thread per stage
+    peak: list[int]  # the most activation bytes each stage held at once, over the run
 
 
 @dataclass
@@ -118,11 +128,11 @@ class _Step:
 
 def _run_stage(t: Trainable, st: _Step, s: int) -> None:
     """Stage s's operations for one step, in stage s's thread, in its schedule's order."""
-    sp, busy, meter = t.extra["split"], t.extra["busy"], t.extra["meters"][s]
+    sp, busy, meter = t.state.split, t.state.busy, t.state.meters[s]
     stage, device, last = sp.stages[s], sp.devices[s], s == len(sp.stages) - 1
     saved, held = {}, {}  # micro-batch -> (input, output); -> activation bytes it holds
     try:
-        for op, j in t.extra["ops"][s]:
+        for op, j in t.state.ops[s]:
             if op == "F":
                 x = st.xs[j] if s == 0 else st.recv(st.fwd[s])
                 before = meter.bytes
@@ -150,28 +160,28 @@ def _run_stage(t: Trainable, st: _Step, s: int) -> None:
 
 
 def train_step(t: Trainable, batch, dist):
-    sp, m = t.extra["split"], t.extra["m"]
+    sp, m = t.state.split, t.state.m
     x, y = batch  # the global batch; stage 0 takes it micro-batch by micro-batch
     xs, ys = list(x.chunk(m)), list(y.chunk(m))
     p = len(sp.stages)
     st = _Step(xs, ys, [len(c) / len(y) for c in ys], [queue.SimpleQueue() for _ in range(p)],
-               [queue.SimpleQueue() for _ in range(p)], [None] * len(xs), t.extra["timeout"], [0] * p, [0] * p)
+               [queue.SimpleQueue() for _ in range(p)], [None] * len(xs), t.state.timeout, [0] * p, [0] * p)
     t.optimizer.zero_grad(set_to_none=True)
-    t.extra["busy"].start_step()
+    t.state.busy.start_step()
     try:
-        t.extra["pool"].run([lambda s: _run_stage(t, st, s)] * p, list(range(p)))
+        t.state.pool.run([lambda s: _run_stage(t, st, s)] * p, list(range(p)))
     except RuntimeError as e:
         raise RuntimeError(f"pipeline stage failed: {type(st.error).__name__}: {st.error}") from e
     t.optimizer.step()
-    t.extra["busy"].end_step()
+    t.state.busy.end_step()
     t.comm_bytes += sum(st.moved)
-    t.extra["peak"] = [max(a, b) for a, b in zip(t.extra.get("peak", [0] * p), st.peak, strict=True)]
+    t.state.peak = [max(a, b) for a, b in zip(t.state.peak, st.peak, strict=True)]
     return torch.stack(st.losses).sum()
 
 
 def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
-    return {**stage_details(t, config, result, microbatches=t.extra["m"]),
-            "stage_peak_activation_bytes": t.extra.get("peak", [])}
+    return {**stage_details(t, config, result, microbatches=t.state.m),
+            "stage_peak_activation_bytes": t.state.peak}
 
 
 def predict_step_ms(cal, config, row) -> float:

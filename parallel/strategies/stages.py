@@ -19,6 +19,7 @@ from torch.autograd.profiler import record_function
 
 from parallel.devices import IntervalClock, synchronizer_all
 from parallel.errors import ConfigError
+from parallel.results import Measured
 from parallel.strategies.base import param_bytes
 from parallel.timing import StepTimer
 
@@ -195,9 +196,10 @@ class Busy:
         self.stamps = [[] for _ in self.stamps]
 
     def summary(self, skip: int, p: int, m: int) -> dict:
+        theory = (p - 1) / (m + p - 1)
         if not self.bubbles:
-            return {"bubble_theory": (p - 1) / (m + p - 1)}
+            return {"measured": Measured(bubble_theory=theory)}
         kept = self.bubbles[skip:] or self.bubbles
         per_stage = list(zip(*(self.busy_ms[skip:] or self.busy_ms), strict=True))
-        return {"bubble_measured": statistics.median(kept), "bubble_theory": (p - 1) / (m + p - 1),
+        return {"measured": Measured(bubble_measured=statistics.median(kept), bubble_theory=theory),
                 "stage_busy_ms": [round(statistics.median(s), 2) for s in per_stage]}
