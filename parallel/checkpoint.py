@@ -22,6 +22,7 @@ classes, and the non-tensor entries through torch.load(weights_only=True).
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import pickle
@@ -32,14 +33,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as td
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import StorageMeta
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from parallel.errors import ConfigError
+
+# torch.distributed.checkpoint is imported where it is used: it pulls in DTensor, about 0.5 s of start-up
+# (python -X importtime) for every process of every run, most of which never checkpoint.
 
 
 def path(config, strategy_name: str) -> Path:
@@ -56,6 +54,8 @@ def _optimizers(optimizer) -> list:
 
 def state(trainable) -> dict:
     """What a checkpoint holds, as DCP wants it: the model's and optimisers' state by parameter name."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     model_sd, optim_sd = get_state_dict(_plain(trainable.model), _optimizers(trainable.optimizer))
     return {"model": model_sd, "optim": optim_sd, "step": torch.zeros((), dtype=torch.int64)}
 
@@ -70,6 +70,8 @@ def save(config, strategy, trainable, step: int, dist) -> None:
     _barrier()
     sd = state(trainable)
     sd["step"].fill_(step)
+    import torch.distributed.checkpoint as dcp
+
     with _single_process_is_meant():
         dcp.save(sd, checkpoint_id=tmp, no_dist=not td.is_initialized())  # ends gathering every rank's writes
     if dist.is_main:
@@ -100,6 +102,8 @@ def resume_point(config, strategy, trainable) -> int:
     folder = Path(config.resume_from) if config.resume_from else path(config, strategy.name)
     if not (config.resume_from or (config.resume and (folder / ".metadata").exists())):
         return 0
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
     sd = state(trainable)
     load_into(folder, sd)
     try:
@@ -121,16 +125,20 @@ def check_fits(folder: Path, model, what: str) -> None:
 def load_into(folder: Path, sd: dict) -> None:
     """Fill `sd` (tensors in place, other entries replaced) from the checkpoint in `folder`; ConfigError,
     one line, for a folder that is missing, not a checkpoint, unreadable, or for another model."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    reader, planner = _safe_loading()
     if not (folder / ".metadata").is_file():
         what = "does not exist" if not folder.exists() else "is not a checkpoint of this program (no .metadata)"
         raise ConfigError(f"checkpoint {str(folder)!r} {what}")
     try:  # first on its own: what is not DCP's metadata, or would run code, is refused before DCP reads it
-        _SafeReader(folder).read_metadata()
+        reader(folder).read_metadata()
     except Exception as e:  # noqa: BLE001 - a corrupt file raises many kinds
         raise ConfigError(f"checkpoint {str(folder)!r} cannot be read: {type(e).__name__}: {e}") from None
     try:
         with _single_process_is_meant():
-            dcp.load(sd, storage_reader=_SafeReader(folder), planner=_SafePlanner(), no_dist=not td.is_initialized())
+            dcp.load(sd, storage_reader=reader(folder), planner=planner(), no_dist=not td.is_initialized())
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps a rank's failure in its own
         cause = _first_line(e)
         what = "does not fit this model" if "Missing key" in cause or "size" in cause else "cannot be read"
@@ -163,26 +171,34 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's metadata")
 
 
-class _SafeReader(dcp.FileSystemReader):
-    def read_metadata(self, *args, **kwargs):
-        rank = kwargs.get("rank")
-        with open(Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata"), "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+@functools.cache
+def _safe_loading() -> tuple[type, type]:
+    """DCP's file reader and load planner, made safe: the metadata through _MetadataUnpickler, the
+    non-tensor entries (the optimiser's lr, momentum, ...) through torch.load(weights_only=True)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import StorageMeta
 
+    class SafeReader(dcp.FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            rank = kwargs.get("rank")
+            with open(Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata"), "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
 
-class _SafePlanner(DefaultLoadPlanner):
-    """DefaultLoadPlanner.load_bytes with weights_only=True (the optimiser's lr, momentum, ...)."""
+    class SafePlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
 
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
+    return SafeReader, SafePlanner
 
 
 def atomic_save(file: Path, obj) -> None:
