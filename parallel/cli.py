@@ -34,7 +34,7 @@ from parallel.harness import costmodel, report, scaling
 from parallel.harness.report import make_console
 from parallel.harness.runner import plan, run_strategies
 from parallel.results import Equivalence, Row, prepare_out, write_results
-from parallel.worker import run_here
+from parallel.worker import leave, run_here
 
 
 class _Parser(argparse.ArgumentParser):
@@ -282,11 +282,14 @@ def script_main(name: str, argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if result is None:  # not rank 0: rank 0 reports
-        return 0
-    row, state = result
+    code = 0 if result is None else _report_script(name, config, *result)  # rank 0 reports
+    if dist.launched:  # a torchrun worker: no interpreter teardown, which can abort it (worker.leave)
+        leave(code)
+    return code
+
+
+def _report_script(name: str, config: RunConfig, row: Row, state: dict) -> int:
     row.equivalence = Equivalence("unchecked", reason="run alone; `python -m parallel compare` checks it")
     if config.out:  # the trained parameters, for torch.load(..., weights_only=True)
-
         atomic_save(Path(config.out) / f"{name}_final.pt", state)
     return _finish(config, [row], make_console())
