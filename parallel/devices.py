@@ -201,6 +201,16 @@ def peak_memory(devices) -> tuple[list[int], str]:
     return [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], "process_peak_rss"  # Linux: KiB
 
 
+def _record_events(devices) -> dict:
+    """A timing event recorded now on each CUDA device's current stream, by device."""
+    events = {}
+    for d in devices:
+        events[d] = CUDA.event(d)
+        with device_context(d):
+            events[d].record()
+    return events
+
+
 class IntervalClock:
     """Times intervals *inside* a step (manual_dp's phases, a pipeline stage's busy spells) on one clock
     per step, without stopping the host.
@@ -222,22 +232,12 @@ class IntervalClock:
 
     def start_step(self) -> None:
         self._t0 = time.perf_counter()
-        for d in self.cuda:
-            self._ref[d] = CUDA.event(d)
-            with device_context(d):
-                self._ref[d].record()
+        self._ref = _record_events(self.cuda)
 
     def stamp(self, devices=None):
         """Now, on `devices` (default: every device of the clock)."""
         devices = [d for d in dict.fromkeys(devices or self.cuda) if d.type == "cuda"]
-        if not devices:
-            return time.perf_counter()
-        events = {}
-        for d in devices:
-            events[d] = CUDA.event(d)
-            with device_context(d):
-                events[d].record()
-        return events
+        return _record_events(devices) if devices else time.perf_counter()
 
     def end_step(self) -> None:
         """Wait for the step's last events (the step boundary, where the loop synchronizes anyway)."""
