@@ -66,6 +66,17 @@ class PhaseTimer:
         return {f"{k}_ms": summarize(v[skip:])["p50_ms"] for k, v in self.times.items() if v[skip:]}
 
 
+def median_time(fn: Callable[[], object], reps: int, synchronize: Callable[[], None]) -> float:
+    """Median seconds of `reps` runs of fn, synchronized before each clock read, after one warm-up run
+    (timed like the others, then dropped)."""
+    timer, times = StepTimer(synchronize), []
+    for _ in range(reps + 1):
+        with timer:
+            fn()
+        times.append(timer.elapsed)
+    return float(np.median(times[1:]))
+
+
 def summarize(seconds: Sequence[float]) -> dict[str, float | None]:
     """Median, p95 and range in milliseconds; None for an empty list."""
     if not seconds:

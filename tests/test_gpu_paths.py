@@ -12,11 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-from parallel import cli, strategies
+from parallel import cli, strategies, timing
 from parallel.config import ConfigError, RunConfig
 from parallel.dist import Dist, script_devices
 from parallel.harness import costmodel
 from parallel.strategies import stages
+from parallel.timing import StepTimer
 from parallel.workloads import WORKLOADS, SyntheticData
 from tests.strict_cuda import Clock, on_cpu, synced_before_every_clock
 
@@ -38,9 +39,7 @@ def _execute(name: str, config: RunConfig, fake, monkeypatch):
 
 
 def train_timer(sync, fake):
-    from parallel.timing import StepTimer
-
-    return StepTimer(sync, clock=Clock(fake))
+    return StepTimer(sync, clock=Clock(fake))  # the class itself, bound at import: tests patch the name
 
 
 # 1. CUDA initialised before any memory statistic; 4. every device in peak memory
@@ -82,7 +81,7 @@ def test_layers_are_timed_on_the_stage_device_not_where_the_model_was_built():
 
 
 def test_layer_timing_synchronizes_and_copies_to_the_next_device(strict_cuda, monkeypatch):
-    monkeypatch.setattr(stages, "StepTimer", lambda sync: train_timer(sync, strict_cuda))
+    monkeypatch.setattr(timing, "StepTimer", lambda sync: train_timer(sync, strict_cuda))
     model = WORKLOADS["cnn"].build_model(0)
     sample = SyntheticData(WORKLOADS["cnn"], 0, 8).batch(0)[0]
     with on_cpu(strict_cuda):
@@ -200,7 +199,7 @@ def test_hogwild_on_gpus_is_refused_by_every_entry_point(strict_cuda, capsys):
 
 
 def test_copy_bandwidth_is_calibrated_between_devices(strict_cuda, monkeypatch):
-    monkeypatch.setattr(costmodel, "StepTimer", lambda sync: train_timer(sync, strict_cuda))
+    monkeypatch.setattr(timing, "StepTimer", lambda sync: train_timer(sync, strict_cuda))
     with on_cpu(strict_cuda):
         assert costmodel.Calibration(_config("cuda:0,1")).copy_bytes_per_s > 0
     assert ("to", 1) in strict_cuda.log

@@ -19,7 +19,6 @@ busbw; it assumes the same bandwidth across nodes, which real clusters rarely re
 from __future__ import annotations
 
 import functools
-import statistics
 
 import torch
 
@@ -27,7 +26,7 @@ from parallel import strategies
 from parallel.devices import synchronizer, synchronizer_all
 from parallel.dist import Dist
 from parallel.strategies.base import grad_bytes
-from parallel.timing import StepTimer
+from parallel.timing import median_time
 from parallel.train import make_optimizer
 from parallel.workloads import WORKLOADS, SyntheticData
 
@@ -54,7 +53,7 @@ class Calibration:
             model = self.workload.build_model(self.config.seed)
             t = single.setup(model, make_optimizer(self.config), self.workload.loss, Dist(device=device), self.config)
             x, y = SyntheticData(self.workload, self.config.seed, batch).batch(0)
-            return _median_ms(lambda: single.train_step(t, (x, y), None), reps=7, sync=synchronizer(device))
+            return median_time(lambda: single.train_step(t, (x, y), None), 7, synchronizer(device)) * 1e3
 
     @property
     def overlaps(self) -> bool:
@@ -70,7 +69,7 @@ class Calibration:
         src, dst = spec.device(0), spec.device(min(1, self.config.world_size - 1))
         with _threads(spec.threads_per_device()):
             x = torch.empty(16 * 2**20 // 4, device=src)
-            copy_ms = _median_ms(lambda: x.to(dst, copy=True), reps=7, sync=synchronizer_all([src, dst]))
+            copy_ms = median_time(lambda: x.to(dst, copy=True), 7, synchronizer_all([src, dst])) * 1e3
             return x.numel() * 4 / (copy_ms / 1e3)
 
     def copy_ms(self, nbytes: float) -> float:
@@ -91,16 +90,6 @@ def fit_alpha_beta(small_ms: float, large_ms: float, large_bytes: float, world: 
     alpha = small_ms / 1e3 / (2 * (world - 1))
     beta = max(0.0, (large_ms / 1e3 - 2 * (world - 1) * alpha) / (2 * (world - 1) / world * large_bytes))
     return alpha, beta
-
-
-def _median_ms(fn, reps: int, sync) -> float:
-    fn()  # warm-up
-    timer, times = StepTimer(sync), []
-    for _ in range(reps):
-        with timer:
-            fn()
-        times.append(timer.elapsed)
-    return statistics.median(times) * 1e3
 
 
 class _threads:

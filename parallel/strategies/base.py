@@ -162,6 +162,12 @@ def grad_bytes(model: nn.Module) -> int:
     return param_bytes(p for p in model.parameters() if p.requires_grad)
 
 
+def allreduce_every_gradient(model: nn.Module, config) -> float:
+    """Data parallel's textbook bytes a rank sends per step (ddp, manual_ddp): every gradient all-reduced
+    once, with a ring."""
+    return ring_allreduce_bytes(grad_bytes(model), config.world_size)
+
+
 def predict_data_parallel_ms(cal, config, accum: int) -> float | None:
     """Data parallel (ddp, manual_ddp): each rank computes its share (in `accum` pieces) and all-reduces
     every gradient once a step.

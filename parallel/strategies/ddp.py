@@ -38,7 +38,7 @@ from parallel.strategies import sync_batchnorm
 from parallel.strategies.base import (
     Hooks,
     Trainable,
-    grad_bytes,
+    allreduce_every_gradient,
     make_optimizers,
     options_of,
     predict_data_parallel_ms,
@@ -86,10 +86,6 @@ def check(config) -> None:
     if WORKLOADS[config.workload].multi_part and (opts.accum > 1 or opts.prescale):
         raise ConfigError(f"--accum and --prescale apply to one loss; the {config.workload} workload has several")
     config.check_divisible(config.world_size * opts.accum, f"world size {config.world_size} x accum {opts.accum} =")
-
-
-def comm_bytes_predicted(model, config) -> float:
-    return ring_allreduce_bytes(grad_bytes(model), config.world_size)  # every gradient, once a step
 
 
 def _counting_allreduce(t: Trainable, bucket):  # no return annotation: DDP rejects a string one
@@ -198,5 +194,5 @@ def predict_step_ms(cal, config, row) -> float | None:
     return predict_data_parallel_ms(cal, config, options_of(Options, config).accum)
 
 
-HOOKS = Hooks(check=check, comm_bytes_predicted=comm_bytes_predicted, model_state_bytes=model_state_bytes,
+HOOKS = Hooks(check=check, comm_bytes_predicted=allreduce_every_gradient, model_state_bytes=model_state_bytes,
               state_dict=state_dict, extra_measurements=extra_measurements, predict_step_ms=predict_step_ms)

@@ -35,7 +35,7 @@ from parallel.errors import ConfigError
 from parallel.strategies.base import (
     Hooks,
     Trainable,
-    grad_bytes,
+    allreduce_every_gradient,
     options_of,
     predict_data_parallel_ms,
     ring_allreduce_bytes,
@@ -65,10 +65,6 @@ class Options:
 
 def check(config) -> None:
     config.check_divisible(config.world_size, "world size")
-
-
-def comm_bytes_predicted(model, config) -> float:
-    return ring_allreduce_bytes(grad_bytes(model), config.world_size)  # every gradient, once a step
 
 
 class Bucket:
@@ -189,5 +185,5 @@ def predict_step_ms(cal, config, row) -> float | None:
     return predict_data_parallel_ms(cal, config, accum=1)
 
 
-HOOKS = Hooks(check=check, comm_bytes_predicted=comm_bytes_predicted, model_state_bytes=model_state_bytes,
+HOOKS = Hooks(check=check, comm_bytes_predicted=allreduce_every_gradient, model_state_bytes=model_state_bytes,
               extra_measurements=extra_measurements, predict_step_ms=predict_step_ms)

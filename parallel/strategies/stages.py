@@ -21,22 +21,13 @@ from parallel.devices import IntervalClock, synchronizer_all
 from parallel.errors import ConfigError
 from parallel.results import Measured
 from parallel.strategies.base import param_bytes
-from parallel.timing import StepTimer
+from parallel.timing import median_time
 
 
 def layers_of(model: nn.Module) -> list[nn.Module]:
     if not hasattr(model, "pipeline_layers"):
         raise ConfigError(f"{type(model).__name__} does not say how to split it (no pipeline_layers())")
     return model.pipeline_layers()
-
-
-def _median_time(fn, reps: int, sync) -> float:
-    timer, times = StepTimer(sync), []
-    for _ in range(reps + 1):  # the first is warm-up
-        with timer:  # synchronized before both clock reads: on a GPU, the work, not its launch
-            fn()
-        times.append(timer.elapsed)
-    return statistics.median(times[1:])
 
 
 def measure_layers(layers: list[nn.Module], x: torch.Tensor, devices: list[torch.device],
@@ -54,9 +45,9 @@ def measure_layers(layers: list[nn.Module], x: torch.Tensor, devices: list[torch
     for i, layer in enumerate(layers):
         here = copy.deepcopy(layer).to(home)
         a = x.detach().requires_grad_(i > 0)
-        costs.append(_median_time(functools.partial(_fwd_bwd, here, a), reps, sync))
+        costs.append(median_time(functools.partial(_fwd_bwd, here, a), reps, sync))  # synchronized clocks
         x = here(a).detach()
-        moves.append(_median_time(functools.partial(_copy_there_and_back, x, other, home), reps, sync))
+        moves.append(median_time(functools.partial(_copy_there_and_back, x, other, home), reps, sync))
         del here
     return costs, moves
 
