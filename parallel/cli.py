@@ -30,7 +30,7 @@ from parallel.checkpoint import atomic_save
 from parallel.config import ConfigError, RunConfig
 from parallel.devices import environment
 from parallel.dist import Dist, script_devices
-from parallel.harness import costmodel, report, scaling
+from parallel.harness import costmodel, mutants, report, scaling
 from parallel.harness.report import make_console
 from parallel.harness.runner import plan, run_strategies
 from parallel.results import Equivalence, Row, prepare_out, write_results
@@ -53,6 +53,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=d.warmup, help=f"untimed optimiser steps first ({d.warmup})")
     p.add_argument("--lr", type=float, default=d.lr, help=f"SGD learning rate ({d.lr})")
     p.add_argument("--seed", type=int, default=d.seed, help=f"seed of weights and data ({d.seed})")
+    p.add_argument("--precision", default=d.precision, help="fp32, or bf16: every strategy's steps (and "
+                                                            "`single`'s) under torch.autocast(bfloat16)")
     p.add_argument("--profile", action="store_true", help="write torch.profiler traces to OUT/tb/")
     p.add_argument("--out", default=d.out, help="results folder (default results/run-<time>)")
     p.add_argument("--timeout", type=float, default=d.timeout, help=f"seconds per strategy ({d.timeout:g})")
@@ -68,6 +70,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fail-at-step", type=int, default=d.fail_at_step, help="demo/test: raise at this step (-1: never)")
     p.add_argument("--fail-rank", type=int, default=d.fail_rank, help="demo/test: ... on this rank or worker (0)")
     p.add_argument("--hang-rank", type=int, default=d.hang_rank, help="demo/test: this rank stops responding at step 1")
+    p.add_argument("--mutant", default=d.mutant, help="test the oracle: run with this injected bug "
+                                                      "(python -m parallel mutants --list)")
 
 
 _TYPES = {"int": int, "float": float, "str": str}
@@ -126,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sweep.add_parser(sub)
     preflight.add_parser(sub)
+    mutants.add_parser(sub)
     return p
 
 
@@ -251,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "sweep":
             signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the sweep like Ctrl-C
             return sweep.main(args, make_console())
+        if args.command == "mutants":
+            return mutants.main(args, make_console())
         if args.command == "preflight":
             signal.signal(signal.SIGTERM, _interrupt)
             return preflight.main(args, make_console())

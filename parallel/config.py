@@ -13,6 +13,8 @@ from parallel.workloads import WORKLOADS
 
 __all__ = ["ConfigError", "RunConfig"]
 
+PRECISIONS = ("fp32", "bf16")
+
 
 @dataclass
 class RunConfig:
@@ -25,6 +27,7 @@ class RunConfig:
     seed: int = 0
     devices: str = "auto"
     world_size: int = 0  # 0: one per device in `devices`
+    precision: str = "fp32"  # "bf16": every strategy's steps under torch.autocast(bfloat16), `single`'s too
     profile: bool = False
     out: str = ""  # "" -> results/run-<time>
     timeout: float = 300.0  # seconds one strategy may take, start-up included
@@ -37,6 +40,7 @@ class RunConfig:
     fail_at_step: int = -1  # for demos and tests: raise in the training loop at this step ...
     fail_rank: int = 0  # ... on this rank (or Hogwild worker); only in torchrun's first attempt
     hang_rank: int = -1  # for demos and tests: this rank stops responding at step 1
+    mutant: str = ""  # for testing the oracle: run with this injected bug (`python -m parallel mutants --list`)
     # Strategies' own knobs by flag name (e.g. {"accum": 2}); each strategy's Options types and checks
     # its own. A list is a sweep: one variant (one report row) per value.
     options: dict = field(default_factory=dict)
@@ -54,6 +58,8 @@ class RunConfig:
             raise ConfigError(f"--seed must be 0 or more, got {self.seed}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ConfigError(f"--lr must be a positive finite number, got {self.lr}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if not (0 <= self.momentum < 1):
             raise ConfigError(f"momentum must be in [0, 1), got {self.momentum}")
         for name in ("timeout", "pg_timeout"):

@@ -16,10 +16,28 @@ from parallel.errors import ConfigError
 
 @dataclass
 class Equivalence:
+    """The oracle's verdict on one row (harness/equivalence.py)."""
+
     verdict: str  # "baseline" | "match" | "mismatch" | "not-expected" | "unchecked"
-    max_abs_diff: float | None = None
-    tolerance: float | None = None
+    max_abs_diff: float | None = None  # the worst tensor's largest difference from `single`'s ...
+    tolerance: float | None = None  # ... and that tensor's own tolerance
     reason: str = ""
+    worst_tensor: str = ""  # the tensor with the largest difference over its tolerance
+    ratio: float | None = None  # the largest difference over its tolerance, tensors and steps: <= 1 matches
+    first_step: int | None = None  # the first step whose loss was off by more than its tolerance
+    basis: str = ""  # what the tolerance rests on: "fp32 rule", "bf16 autocast in both", or a strategy's own
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a verdict's tolerances rest on (harness/equivalence.py has the rules and their measurements):
+    each tensor within rtol x max(its movement, floor x its magnitude), each step's loss within rtol x how
+    far the loss had moved + loss_floor x the loss; `basis` is what the row says of it."""
+
+    rtol: float
+    floor: float
+    loss_floor: float
+    basis: str
 
 
 @dataclass

@@ -3,12 +3,14 @@
     for each of warmup + steps optimiser steps:
         batch  = this rank's share of global batch `step`   (its dp coordinate's share: strategy.dims)
         [sync, clock] strategy.train_step(...) [sync, clock]   <- only steps after the warm-up are timed
+                      (under --precision: fp32, or bf16 autocast)
         profiler.step()
     losses are averaged over the ranks whose loss counts, once, at the end, and checked for NaN/inf
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -38,6 +40,16 @@ def make_optimizer(config):
     return lambda params: torch.optim.SGD(params, lr=config.lr, momentum=config.momentum)
 
 
+def precision(config, device: torch.device):
+    """The arithmetic of every step, one substitution for every strategy: under "bf16", torch.autocast to
+    bfloat16 on the device's type (matrix products and convolutions in bf16, losses and reductions in fp32;
+    parameters, gradients and the optimiser's update stay fp32, as they are no autocast ops); under "fp32",
+    nothing. Threads a strategy starts carry it along (primitives.DeviceThreads)."""
+    if config.precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
 class NonFiniteLoss(RuntimeError):
     pass
 
@@ -48,6 +60,7 @@ class InjectedFault(RuntimeError):
 
 def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult:
     timer = StepTimer(synchronizer_all(trainable.all_devices() if trainable is not None else [dist.device]))
+    device = trainable.device if trainable is not None else dist.device
     losses, step_s, first = [], [], None
     total = config.warmup + config.steps
     start = checkpoint.resume_point(config, strategy, trainable)
@@ -57,7 +70,7 @@ def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult
         batch = data.batch(step, *share)
         _faults(step, config, dist)
         _watchdog(config, dist)
-        with timer, record_function(f"step {step}"):
+        with timer, record_function(f"step {step}"), precision(config, device):
             loss = strategy.train_step(trainable, batch, dist)
         losses.append(loss.detach().float().reshape(-1))  # (1,), or (k,) for k losses
         if step >= config.warmup:

@@ -28,7 +28,7 @@ from parallel.dist import Dist
 from parallel.profiling import make_profiler
 from parallel.results import Measured, Row, atomic_write
 from parallel.timing import summarize
-from parallel.train import make_optimizer
+from parallel.train import make_optimizer, precision
 from parallel.workloads import WORKLOADS, SyntheticData
 
 
@@ -49,17 +49,19 @@ def execute(strategy, config: RunConfig, dist: Dist, data=None) -> tuple[Row, di
     predicted = strategy.comm_bytes_predicted(model, config)
     reset_peak_memory(local)
     trainable = strategy.setup(model, make_optimizer(config), workload.loss, dist, config)
+    trainable.mutant = config.mutant  # the injected bug, if any, that train_step may carry (--mutant)
     with make_profiler(config.profile, config.out, strategy.name, dist.rank, dist.device) as prof:
         result = strategy.train(strategy, trainable, data, config, dist, prof)
     comm_bytes = trainable.comm_bytes
     state = strategy.state_dict(trainable)
     peaks, peak_kind = peak_memory(local)
     peak = max(peaks)
-    extra = strategy.extra_measurements(trainable, data, config, dist, result)  # after the state is saved
+    with precision(config, trainable.device):  # what it times is the run's own step
+        extra = strategy.extra_measurements(trainable, data, config, dist, result)  # after the state is saved
     measured = extra.pop("measured", Measured())
     details = {"model_state_bytes_per_device": strategy.model_state_bytes(trainable, config),
                **({f"{peak_kind}_per_device": peaks} if len(peaks) > 1 else {}),
-               **_peak_per_rank(peak, peak_kind), **extra}
+               **_peak_per_rank(peak, peak_kind, dist), **extra}
 
     stats = summarize(result.step_s)
     ran = len(result.losses)  # fewer than warmup + steps after a resume
@@ -98,11 +100,12 @@ def devices_driven(strategy, config: RunConfig, dist: Dist) -> list[torch.device
     return [config.spec.device(i) for i in range(strategy.world_size(config))]
 
 
-def _peak_per_rank(peak: int, kind: str) -> dict:
-    """Every rank's peak memory, gathered to all (off the clock), when there are several ranks."""
-    if not (td.is_initialized() and td.get_world_size() > 1):
+def _peak_per_rank(peak: int, kind: str, dist: Dist) -> dict:
+    """Every rank's peak memory, gathered to all (off the clock), when this run has several ranks (an
+    in-process strategy run inside a bigger group, as the oracle's runs do, is a world of one)."""
+    if dist.world_size == 1 or not td.is_initialized():
         return {}
-    peaks = [None] * td.get_world_size()
+    peaks = [None] * dist.world_size
     td.all_gather_object(peaks, peak)
     return {f"{kind}_per_rank": peaks}
 

@@ -4,7 +4,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from parallel import strategies
 from parallel.config import RunConfig
+from parallel.dist import Dist
+from parallel.harness import equivalence
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,6 +34,16 @@ def small():
         return RunConfig(**{**base, **kw}).validate()
 
     return make
+
+
+def judged(name: str, config: RunConfig):
+    """(row, the oracle's verdict) of an in-process strategy against `single` on the same config."""
+    from parallel.worker import execute
+
+    strategy = strategies.get(name)
+    row, state = execute(strategy, config, Dist())
+    ref = equivalence.reference_of(config, *execute(strategies.get("single"), config, Dist()))
+    return row, equivalence.judge(strategy, config, ref, row, state)
 
 
 @pytest.fixture(autouse=True)

@@ -11,23 +11,19 @@ import torch
 from parallel import strategies
 from parallel.config import RunConfig
 from parallel.dist import Dist
-from parallel.harness import equivalence
 from parallel.strategies import pipeline, stages
 from parallel.worker import execute
 from parallel.workloads import WORKLOADS
-from tests.conftest import ROOT
+from tests.conftest import ROOT, judged
 
 
 def check_matches_single(name, workload, **options):
-    # 6 optimiser steps on a global batch of 32 split over 2 stages. Tolerance: the harness's, 1% of how
-    # far `single` moved the parameters (harness/equivalence.py). model_parallel does the same arithmetic
-    # as `single`; the pipeline sums m micro-batch gradients instead of one batch's, so float noise only.
+    # 6 optimiser steps on a global batch of 32 split over 2 stages. Tolerance: the oracle's, 2% of how far
+    # `single` moved each tensor and each step's loss (harness/equivalence.py). model_parallel does the same
+    # arithmetic as `single`; the pipeline sums m micro-batch gradients instead of one batch's: float noise.
     config = RunConfig(workload=workload, devices="cpu:2", batch_size=32, steps=5, warmup=1, options=options).validate()
-    row, state = execute(strategies.get(name), config, Dist())
-    _, ref = execute(strategies.get("single"), config, Dist())
-    tol = equivalence.tolerance(ref, WORKLOADS[workload].build_model(0).state_dict())
-    verdict = equivalence.judge(strategies.get(name), ref, state, tol)
-    assert verdict.verdict == "match" and verdict.max_abs_diff < 0.1 * tol, verdict
+    row, verdict = judged(name, config)
+    assert verdict.verdict == "match" and verdict.ratio < 0.1, verdict
     return row
 
 
@@ -50,8 +46,9 @@ def test_1f1b_holds_fewer_activations_than_gpipe():
     peaks = {}
     for schedule in ("gpipe", "1f1b"):
         config = RunConfig(workload="cnn", devices="cpu:2", batch_size=64, steps=2, warmup=0,
-                           options={"microbatches": 8, "schedule": schedule}).validate()
+                           options={"microbatches": 8, "schedule": schedule, "balance": "params"}).validate()
         peaks[schedule] = execute(strategies.get("pipeline"), config, Dist())[0].details["stage_peak_activation_bytes"]
+    # Split by parameters: a split by measured time may cut the two runs differently on a loaded machine.
     # Stage 0 holds all 8 micro-batches under GPipe, at most p = 2 under 1F1B; stage 1 (last) holds 1.
     assert peaks["1f1b"][0] * 4 == peaks["gpipe"][0] and peaks["1f1b"][1] * 8 == peaks["gpipe"][1]
 

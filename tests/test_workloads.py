@@ -1,9 +1,6 @@
-"""The DCGAN (two models, two optimisers) and the transformer through the same harness as the classifiers."""
+"""The DCGAN (two models, two optimisers) and the transformer: they learn, and what only they need."""
 
-import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,52 +9,33 @@ from torch import nn
 
 from parallel import strategies
 from parallel.config import RunConfig
+from parallel.dist import Dist
 from parallel.errors import ConfigError
 from parallel.strategies.base import OptimizerGroup, make_optimizers
 from parallel.strategies.sync_batchnorm import AllReduceBatchNorm2d
+from parallel.worker import execute
 from parallel.workloads import WORKLOADS, SyntheticData
-from tests.conftest import ROOT
 
 pytestmark = pytest.mark.timeout(240)
 
 
-def compare(tmp_path, *args):
-    out = tmp_path / "out"
-    p = subprocess.run([sys.executable, "-m", "parallel", "compare", "--devices", "cpu:2", "--warmup", "1",
-                        "--timeout", "150", "--out", str(out), *args],
-                       cwd=ROOT, capture_output=True, text=True, timeout=220)
-    assert p.returncode == 0, p.stdout + p.stderr
-    return {r["strategy"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+def test_dcgan_trains_both_parts_and_reports_both_losses(small):
+    # Parity with `single` under DDP (its BatchNorm synchronised) is the registry's parity test's, and
+    # per-rank BatchNorm is the injected bug ddp:unsynced-batchnorm (tests/test_oracle.py); here, that
+    # the two-optimiser update trains and reports both losses.
+    row, _ = execute(strategies.get("single"), small(workload="dcgan", batch_size=64, steps=5), Dist())
+    parts = row.loss_parts
+    assert set(parts) == {"d_loss", "g_loss"} and len(parts["d_loss"]) == 6 and row.losses == parts["d_loss"]
+    assert all(math.isfinite(v) for losses in parts.values() for v in losses)
+    assert parts["d_loss"][-1] != parts["d_loss"][0]  # the discriminator's update did something
+    assert parts["g_loss"][-1] < parts["g_loss"][0]  # and the generator's moved it toward "real"
 
 
-@pytest.mark.slow
-def test_dcgan_trains_under_single_and_ddp_and_they_agree(tmp_path):
-    rows = compare(tmp_path, "--workload", "dcgan", "--strategies", "single,ddp", "--steps", "5",
-                   "--batch-size", "64")
-    for name in ("single", "ddp"):
-        parts = rows[name]["loss_parts"]
-        assert set(parts) == {"d_loss", "g_loss"} and len(parts["d_loss"]) == 6
-        assert all(math.isfinite(v) for losses in parts.values() for v in losses)
-        assert parts["d_loss"][-1] != parts["d_loss"][0]  # the discriminator's update did something
-        assert parts["g_loss"][-1] < parts["g_loss"][0]  # and the generator's moved it toward "real"
-    eq = rows["ddp"]["equivalence"]
-    assert eq["verdict"] == "match", eq
-    # With the generator's BatchNorm synchronised (sync_batchnorm.py) DDP matched `single` to 1.5e-7
-    # here (float noise; 2e-5 after the default 23 steps of 512); with plain per-rank BatchNorm it was 2e-4
-    # off at 11 steps of 128, inside the harness's 1%-of-movement tolerance (7e-3). So this bound, not
-    # the verdict, is what catches unsynchronised statistics.
-    assert eq["max_abs_diff"] < 2e-5
-    assert rows["ddp"]["comm_bytes_per_step"] > 0
-
-
-@pytest.mark.slow
-def test_transformer_trains_and_splits_like_one_device(tmp_path):
-    rows = compare(tmp_path, "--workload", "transformer", "--strategies", "ddp,pipeline", "--steps", "4",
-                   "--batch-size", "32", "--microbatches", "2", "--lr", "0.5")
+def test_the_transformer_learns(small):
     # At lr 0.5 the next-token loss fell 4.31 -> 3.50 in 5 steps (measured); 0.3 leaves room for noise.
-    assert rows["single"]["losses"][-1] < rows["single"]["losses"][0] - 0.3
-    for name in ("ddp", "pipeline"):  # token ids through DDP's shares and the pipeline's first stage
-        assert rows[name]["equivalence"]["verdict"] == "match", rows[name]["equivalence"]
+    # Token ids through every strategy's split: the registry's parity test (tests/test_oracle.py).
+    row, _ = execute(strategies.get("single"), small(workload="transformer", batch_size=32, lr=0.5), Dist())
+    assert row.losses[-1] < row.losses[0] - 0.3, row.losses
 
 
 @pytest.mark.parametrize("name", ["manual_dp", "data_parallel", "hogwild", "model_parallel", "pipeline"])

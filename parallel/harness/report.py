@@ -47,8 +47,8 @@ def table(rows: list[Row], environment: dict) -> Table:
     for r in rows:
         eq = r.equivalence
         verdict = f"[{VERDICT_STYLE.get(eq.verdict, '')}]{eq.verdict}[/]"
-        if eq.max_abs_diff is not None and eq.verdict != "baseline":
-            verdict += f" {eq.max_abs_diff:.0e}"
+        if eq.ratio is not None:
+            verdict += f" {eq.ratio:.2g}"
         p50 = "-" if r.step_ms_p50 is None else f"{r.step_ms_p50:.1f} ({r.step_ms_p95:.1f})"
         t.add_row(r.label, r.launcher, f"{r.world_size} {r.device_kind}", p50, _num(r.step_ms_predicted, ".1f"),
                   _num(r.samples_per_s, ",.0f"), _num(r.speedup, ".2f"), _num(r.efficiency, ".0%"),
@@ -65,6 +65,12 @@ def notes(rows: list[Row], environment: dict, skipped: dict | None = None) -> li
     out += [f"{r.label}: {r.equivalence.reason}" for r in rows if r.equivalence.verdict == "not-expected"]
     out += [f"[red]{r.label} mismatch: {r.equivalence.reason}[/]" for r in rows
             if r.equivalence.verdict == "mismatch"]
+    if any(r.equivalence.ratio is not None for r in rows):
+        out.append("equivalence: every tensor and every step's loss against `single`'s, each within its own "
+                   "tolerance; the number is the largest difference over its tolerance (above 1: mismatch). "
+                   "Evidence that it catches real bugs: python -m parallel mutants")
+    out += [f"{r.label}: judged by {r.equivalence.basis}" for r in rows
+            if r.equivalence.basis and r.equivalence.basis != "fp32 rule" and r.equivalence.verdict != "baseline"]
     out += [f"{r.label}: " + ", ".join(f"{k} {_fmt(v)}" for k, v in {**r.details, **_set(r.measured)}.items())
             for r in rows if r.details]
     out += [f"{r.label} losses, first -> last step: " + ", ".join(f"{k} {v[0]:.4f} -> {v[-1]:.4f}"

@@ -47,6 +47,8 @@ def run_one(strategy, variant: str, config: RunConfig, work: Path, logs: Path) -
         return _failed_row(strategy, variant, config, outcome), None
     row = Row.from_dict(json.loads(paths["result"].read_text()))
     row.variant = variant
+    if config.mutant.startswith(f"{strategy.name}:"):  # the row that carries an injected bug says so
+        row.variant = ",".join(filter(None, [variant, f"mutant={config.mutant.split(':', 1)[1]}"]))
     return row, torch.load(paths["state"], weights_only=True)
 
 
@@ -102,7 +104,7 @@ def run_strategies(config: RunConfig, chosen: list[tuple], baseline: bool = True
     logs.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="parallel-"))
     rows: list[Row] = []
-    ref_state, tol = None, None
+    ref = None
     workload = WORKLOADS[config.workload]
     initial = workload.build_model(config.seed).state_dict()
     try:
@@ -114,10 +116,10 @@ def run_strategies(config: RunConfig, chosen: list[tuple], baseline: bool = True
                 if state is not None:
                     row.eval_loss = eval_loss(workload, state, config.seed)
                 if baseline and s.name == BASELINE and state is not None:
-                    ref_state, tol = state, equivalence.tolerance(state, initial)
-                    row.equivalence = Equivalence("baseline", 0.0, tol)
+                    ref = equivalence.Reference(initial, state, equivalence.curves(row))
+                    row.equivalence = Equivalence("baseline", 0.0, basis=equivalence.rule_for(s, cfg).basis)
                 elif row.status == "ok":
-                    row.equivalence = equivalence.judge(s, ref_state, state, tol)
+                    row.equivalence = equivalence.judge(s, cfg, ref, row, state)
                     if row.equivalence.verdict == "not-expected" and rows and rows[0].eval_loss:
                         ratio = row.eval_loss / rows[0].eval_loss
                         row.equivalence.reason += (f"; converged instead: eval loss {row.eval_loss:.4f} vs "

@@ -32,7 +32,7 @@ NAMES = ["single", "manual_dp", "data_parallel", "manual_ddp", "ddp", "hogwild",
 
 # The constants a strategy module may set, with their defaults. Its functions beyond setup and
 # train_step are declared in `HOOKS = base.Hooks(...)` (see base.Hooks).
-CONSTANTS = {"Options": None, "NOT_EXPECTED_REASON": None, "CHECKPOINTS": True, "MULTI_PART": False}
+CONSTANTS = {"Options": None, "NOT_EXPECTED_REASON": None, "CHECKPOINTS": True, "MULTI_PART": False, "MUTANTS": ()}
 
 
 def _hooks(module: ModuleType) -> base.Hooks:
@@ -94,6 +94,8 @@ class Strategy:
             raise ConfigError(f"{self.name} cannot run on {spec}: {why}")
         if why := self.unsupported(config.workload):
             raise ConfigError(f"{self.name} cannot train the {config.workload} workload: {why}")
+        if config.mutant and config.mutant not in mutants():
+            raise ConfigError(f"unknown mutant {config.mutant!r}; `python -m parallel mutants --list` lists them")
         if (config.checkpoint_every or config.resume or config.resume_from) and not self.CHECKPOINTS:
             raise ConfigError(f"{self.name} cannot checkpoint or resume (--checkpoint-every, --resume)")
         self.check(config)
@@ -124,6 +126,17 @@ def get(name: str) -> Strategy:
 
 def all_strategies() -> list[Strategy]:
     return [get(n) for n in NAMES]
+
+
+def mutants() -> dict[str, tuple[Strategy, base.Mutant]]:
+    """Every strategy's injected bugs, by name: {"ddp:sum-not-mean": (ddp, its Mutant), ...}."""
+    out = {}
+    for s in all_strategies():
+        for m in s.MUTANTS:
+            if not m.name.startswith(f"{s.name}:"):
+                raise TypeError(f"{s.module.__name__}: mutant {m.name!r} must be named {s.name}:<bug>")
+            out[m.name] = (s, m)
+    return out
 
 
 def parse_list(text: str) -> list[str]:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from parallel.layout import ParallelDims
+from parallel.results import Rule
 
 
 @dataclass
@@ -28,6 +29,7 @@ class Trainable:
     devices: list[torch.device] = field(default_factory=list)  # every device this process drives, when
     #   more than `device`: the loop synchronizes them all before reading its clock (a pipeline's last
     #   stage, say, may still be running on device 1 when device 0 is done)
+    mutant: str = ""  # the injected bug this run carries (--mutant; see Mutant), "" for none
 
     def all_devices(self) -> list[torch.device]:
         return self.devices or [self.device]
@@ -59,6 +61,23 @@ def make_optimizers(model: nn.Module, make_optimizer):
     if not hasattr(model, "parts"):
         return make_optimizer(model.parameters())
     return OptimizerGroup({k: make_optimizer(m.parameters()) for k, m in model.parts().items()})
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """A small, realistic bug a strategy can be run with, through the documented switch `--mutant NAME`
+    (RunConfig.mutant), never by editing files: the evidence that the oracle catches what it must. Each
+    strategy lists its own in MUTANTS and tests `injected(config_or_trainable, MUTANT)` where the bug
+    goes; `python -m parallel mutants` runs them all and shows the oracle's verdict on each."""
+
+    name: str  # "<strategy>:<bug>"
+    bug: str  # what is wrong, in one line
+    run: dict = field(default_factory=dict, hash=False)  # the run it shows in: RunConfig fields, "options"
+
+
+def injected(holder, mutant: Mutant) -> bool:
+    """Is `mutant` switched on? `holder`: the RunConfig (in setup) or the Trainable (in train_step)."""
+    return holder.mutant == mutant.name
 
 
 def world_size(config) -> int:
@@ -134,6 +153,12 @@ def model_state_bytes(t: Trainable, config) -> list[int]:
     return [state_bytes(list(model.parameters()), t.optimizer)] * len(t.all_devices())
 
 
+def tolerance(config) -> Rule | None:
+    """The strategy's own equivalence rule for this config, where it casts on its own what `single` does
+    not (a stated tolerance, with what it rests on); None: the oracle's rule for the run's precision."""
+    return None
+
+
 def predict_step_ms(cal, config, row) -> float | None:
     """The cost model's step time for this strategy (harness/costmodel.py); None: no formula."""
     return None
@@ -202,5 +227,6 @@ class Hooks:
     comm_bytes_predicted: Callable = comm_bytes_predicted
     extra_measurements: Callable = extra_measurements
     predict_step_ms: Callable = predict_step_ms
+    tolerance: Callable = tolerance
     model_state_bytes: Callable = model_state_bytes
     train: Callable | None = None  # None: THE loop (parallel.train.train); Hogwild brings its own

@@ -34,8 +34,10 @@ from torch.autograd.profiler import record_function
 from parallel.errors import ConfigError
 from parallel.strategies.base import (
     Hooks,
+    Mutant,
     Trainable,
     allreduce_every_gradient,
+    injected,
     options_of,
     predict_data_parallel_ms,
     ring_allreduce_bytes,
@@ -46,6 +48,16 @@ NAME = "manual_ddp"
 LAUNCH = "torchrun"
 SYNCHRONOUS = True
 
+
+# Bugs the oracle must catch (`--mutant NAME`; base.Mutant).
+LAST_BUCKET_DROPPED = Mutant("manual_ddp:last-bucket-dropped", "the last, smaller bucket is never made (an "
+                             "off-by-one in the bucketing), so the first layer's gradients are never all-reduced",
+                             {"options": {"bucket_mb": 1}})
+SHARE_OFF_BY_ONE = Mutant("manual_ddp:share-off-by-one", "rank 0 trains on one sample fewer than its share "
+                          "(an off-by-one slice)", {"workload": "cnn", "batch_size": 512})
+GRADS_SET_TO_NONE = Mutant("manual_ddp:grads-set-to-none", "zero_grad(set_to_none=True): from step 1 the gradients "
+                                                           "are fresh tensors, no longer views of the buckets reduced")
+MUTANTS = (LAST_BUCKET_DROPPED, SHARE_OFF_BY_ONE, GRADS_SET_TO_NONE)
 
 DEFAULT_BUCKET_MB = 25.0  # DDP's bucket_cap_mb (DDP also makes its first bucket 1 MiB; this one does not)
 
@@ -117,14 +129,18 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     for p in params:  # every rank starts from rank 0's weights, as DDP's constructor ensures
         td.broadcast(p.detach(), src=0)
     sync = Sync(dist.world_size)
+    hooked = params
     if not opts.naive:
-        cap = (opts.bucket_mb or DEFAULT_BUCKET_MB) * 2**20
-        sync.buckets = [Bucket(i, g) for i, g in enumerate(_buckets(params, cap))]
+        groups = _buckets(params, (opts.bucket_mb or DEFAULT_BUCKET_MB) * 2**20)
+        if injected(config, LAST_BUCKET_DROPPED):
+            groups = groups[:-1]
+        sync.buckets = [Bucket(i, g) for i, g in enumerate(groups)]
         sync.bucket_of = {p: b for b in sync.buckets for p in b.params}
+        hooked = list(sync.bucket_of)
         hook = lambda p: _bucket_ready(sync, p)  # noqa: E731
     else:
         hook = lambda p: _naive(sync, p)  # noqa: E731
-    for p in params:
+    for p in hooked:
         p.register_post_accumulate_grad_hook(hook)
     return Trainable(model, make_optimizer(params), loss_fn, dist.device, comm_bytes=0, state=sync)
 
@@ -160,7 +176,10 @@ def _finish(sync: Sync) -> None:
 def train_step(t: Trainable, batch, dist):
     sync = t.state
     x, y = (b.to(t.device, non_blocking=True) for b in batch)  # this rank's share, (B/N, ...)
-    t.optimizer.zero_grad(set_to_none=False)  # zero the bucket views in place; None would detach them
+    if injected(t, SHARE_OFF_BY_ONE) and dist.rank == 0:
+        x, y = x[:-1], y[:-1]
+    # Zero the bucket views in place; None would detach them.
+    t.optimizer.zero_grad(set_to_none=injected(t, GRADS_SET_TO_NONE))
     loss = t.loss_fn(t.model(x), y)  # the mean over this rank's share
     loss.backward()  # the hooks all-reduce as gradients land
     with record_function("wait for the buckets"):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from parallel.devices import IntervalClock
-from parallel.strategies.base import Hooks, Trainable, grad_bytes, param_bytes, state_bytes
+from parallel.strategies.base import Hooks, Mutant, Trainable, grad_bytes, injected, param_bytes, state_bytes
 from parallel.strategies.primitives import DeviceThreads, gather, parallel_apply, replicate, scatter
 from parallel.timing import PhaseTimer
 from parallel.workloads import WORKLOADS
@@ -34,6 +34,13 @@ from parallel.workloads import WORKLOADS
 NAME = "manual_dp"
 LAUNCH = "inprocess"
 SYNCHRONOUS = True
+
+# Bugs the oracle must catch (`--mutant NAME`; base.Mutant).
+STALE_REPLICA = Mutant("manual_dp:stale-replica", "replicas made at the first step and kept: they go on "
+                                                  "computing with the first step's weights", {"workload": "cnn"})
+REPLICA_GRAD_DROPPED = Mutant("manual_dp:replica-grad-dropped", "the last replica's backward never runs: its "
+                                                                "chunk adds no gradient", {"devices": "cpu:3"})
+MUTANTS = (STALE_REPLICA, REPLICA_GRAD_DROPPED)
 
 
 def comm_bytes_predicted(model, config) -> float:
@@ -51,6 +58,7 @@ class State:
     pool: DeviceThreads  # a long-lived thread per device
     param_bytes: int  # what a replica copies
     phase: PhaseTimer  # where each step's time goes
+    kept: list | None = None  # the replicas of the first step (only under STALE_REPLICA)
 
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
@@ -84,7 +92,9 @@ def train_step(t: Trainable, batch, dist):
     with phase("scatter"):
         xs = scatter(x, devices)  # [(B_i, ...)], B_i = ceil(B/N) but the last
     with phase("replicate"):
-        replicas = replicate(t.model, devices[: len(xs)])
+        replicas = t.state.kept or replicate(t.model, devices[: len(xs)])
+        if injected(t, STALE_REPLICA):
+            t.state.kept = replicas
     with phase("parallel_apply"):
         outs = parallel_apply(replicas, xs, devices, pool=pool)  # [(B_i, C)] on device i
     with phase("gather"):
@@ -93,7 +103,8 @@ def train_step(t: Trainable, batch, dist):
     with phase("backward"):
         (grad_out,) = torch.autograd.grad(loss, out)  # (B, C): the loss's part of backward
         grads = scatter(grad_out, devices)  # what Gather.backward does: split it back to the replicas
-        parallel_apply([_backward] * len(outs), list(zip(outs, grads, strict=True)), devices, pool=pool)
+        pairs = list(zip(outs, grads, strict=True))[: -1 if injected(t, REPLICA_GRAD_DROPPED) else None]
+        parallel_apply([_backward] * len(pairs), pairs, devices, pool=pool)
     with phase("optimizer"):
         t.optimizer.step()
     phase.end_step()

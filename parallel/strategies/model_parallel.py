@@ -19,13 +19,18 @@ from dataclasses import dataclass, field
 import torch
 
 from parallel.errors import ConfigError
-from parallel.strategies.base import Hooks, Trainable, options_of, state_bytes
+from parallel.strategies.base import Hooks, Mutant, Trainable, injected, options_of, state_bytes
 from parallel.strategies.stages import ActivationMeter, Busy, Split, split, stage_backward, stage_forward
 from parallel.workloads import WORKLOADS, SyntheticData
 
 NAME = "model_parallel"
 LAUNCH = "inprocess"
 SYNCHRONOUS = True
+
+# A bug the oracle must catch (`--mutant NAME`; base.Mutant).
+NO_GRAD_BACK = Mutant("model_parallel:no-grad-back", "the activations' gradient is never sent back to the "
+                      "previous stage: the first stage never learns", {"workload": "cnn"})
+MUTANTS = (NO_GRAD_BACK,)
 
 
 @dataclass
@@ -77,6 +82,8 @@ def train_step(t: Trainable, batch, dist):
         t.comm_bytes += 2 * inp.numel() * inp.element_size() if s else 0  # activation in, its gradient back
     grad = None
     for s in reversed(range(len(sp.stages))):  # backward, last stage first
+        if s < last and injected(t, NO_GRAD_BACK):
+            break
         with busy(s, "backward"):
             grad = stage_backward(*saved[s], grad)
     t.optimizer.step()

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from parallel.errors import ConfigError
-from parallel.strategies.base import Hooks, Trainable, options_of
+from parallel.strategies.base import Hooks, Mutant, Trainable, injected, options_of
 from parallel.strategies.model_parallel import Options as SplitOptions
 from parallel.strategies.model_parallel import Stages, model_state_bytes, setup_stages, stage_details
 from parallel.strategies.primitives import DeviceThreads
@@ -39,6 +39,14 @@ from parallel.strategies.stages import stage_backward, stage_forward
 NAME = "pipeline"
 LAUNCH = "inprocess"
 SYNCHRONOUS = True
+
+# Bugs the oracle must catch (`--mutant NAME`; base.Mutant).
+MICROBATCH_DROPPED = Mutant("pipeline:microbatch-dropped", "the last micro-batch's backward is missing from "
+                                                           "every stage's schedule", {"workload": "cnn"})
+EQUAL_WEIGHTS = Mutant("pipeline:equal-weights", "micro-batch losses weighted 1/m, not by their size, when the "
+                                                 "batch does not divide into m", {"batch_size": 100,
+                                                                                  "options": {"microbatches": 3}})
+MUTANTS = (MICROBATCH_DROPPED, EQUAL_WEIGHTS)
 
 
 @dataclass
@@ -83,8 +91,10 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     t = setup_stages(model, make_optimizer, loss_fn, config, micro, opts.balance)
     sp = t.state.split
     p, m = len(sp.stages), opts.microbatches
-    t.state = State(**vars(t.state), m=m, timeout=config.pg_timeout,
-                    ops=[SCHEDULES[opts.schedule](s, p, m) for s in range(p)],
+    ops = [SCHEDULES[opts.schedule](s, p, m) for s in range(p)]
+    if injected(config, MICROBATCH_DROPPED):
+        ops = [[op for op in stage if op != ("B", m - 1)] for stage in ops]
+    t.state = State(**vars(t.state), m=m, timeout=config.pg_timeout, ops=ops,
                     pool=DeviceThreads(sp.devices, config.spec.threads_per_device()), peak=[0] * p)
     return t
 
@@ -164,7 +174,8 @@ def train_step(t: Trainable, batch, dist):
     x, y = batch  # the global batch; stage 0 takes it micro-batch by micro-batch
     xs, ys = list(x.chunk(m)), list(y.chunk(m))
     p = len(sp.stages)
-    st = _Step(xs, ys, [len(c) / len(y) for c in ys], [queue.SimpleQueue() for _ in range(p)],
+    weights = [1 / len(ys)] * len(ys) if injected(t, EQUAL_WEIGHTS) else [len(c) / len(y) for c in ys]
+    st = _Step(xs, ys, weights, [queue.SimpleQueue() for _ in range(p)],
                [queue.SimpleQueue() for _ in range(p)], [None] * len(xs), t.state.timeout, [0] * p, [0] * p)
     t.optimizer.zero_grad(set_to_none=True)
     t.state.busy.start_step()

@@ -34,7 +34,8 @@ class AllReduceBatchNorm2d(nn.BatchNorm2d):
     def forward(self, x):  # (B/N, C, H, W)
         if not self.training:
             return super().forward(x)  # running statistics: the same on every rank
-        c = x.shape[1]
+        c, dtype = x.shape[1], x.dtype
+        x = x.float()  # statistics in fp32 whatever comes in (bf16 under autocast), as BatchNorm keeps them
         count = torch.full((1,), x.numel() / c, device=x.device, dtype=x.dtype)
         stats = _all_reduce_sum(torch.cat([x.sum((0, 2, 3)), (x * x).sum((0, 2, 3)), count]))  # (2C + 1,)
         n = stats[-1]
@@ -46,7 +47,7 @@ class AllReduceBatchNorm2d(nn.BatchNorm2d):
             self.num_batches_tracked += 1
         shape = (1, c, 1, 1)
         y = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
-        return y * self.weight.view(shape) + self.bias.view(shape)
+        return (y * self.weight.view(shape) + self.bias.view(shape)).to(dtype)
 
 
 def convert(module: nn.Module, device: torch.device) -> nn.Module:

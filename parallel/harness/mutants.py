@@ -1,0 +1,234 @@
+"""The oracle's evidence: every strategy's injected bugs run against `single` and judged, and false alarms counted.
+
+    python -m parallel mutants [--list] [--honest N] [--out DIR]
+
+Every bug (base.Mutant) is switched on through `--mutant NAME`, the same switch a user can give `run`,
+and must come out "mismatch"; the command exits 0 only then. `--honest N` is the other half: N runs
+(seeds x workloads x cpu:2 and cpu:3) of every synchronous strategy on every workload it trains, at the
+default run's size, none of which may mismatch; it prints the closest any came to its tolerance.
+
+The runs share a few spawned processes (harness/ranks.py): one runs `single` and the in-process
+strategies, a gloo group per world size the torchrun ones. The strategies' code is the same as under
+the harness; a child process and a torchrun start per run would cost about 6 s each (FIELD-NOTES) for
+nothing the oracle looks at, and the harness's own path is tested by the comparison's tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.table import Table
+
+from parallel import strategies
+from parallel.config import RunConfig
+from parallel.dist import Dist
+from parallel.harness import equivalence
+from parallel.harness.ranks import run_ranks
+from parallel.results import Equivalence, atomic_write
+from parallel.worker import execute
+from parallel.workloads import WORKLOADS
+
+# The run every mutant starts from (its Mutant.run overrides it): small, so the whole catalogue is quick,
+# with steps enough for a bug that starts at step 1 (a stale replica, detached gradients) to show.
+MUTANT_RUN = {"devices": "cpu:2", "batch_size": 64, "steps": 4, "warmup": 1, "workload": "mlp"}
+
+
+@dataclass(frozen=True)
+class Job:
+    strategy: str
+    config: str  # a validated RunConfig, as JSON (it travels to the spawned ranks)
+    label: str  # the mutant's name, or "honest"
+
+
+@dataclass
+class Outcome:
+    label: str
+    strategy: str
+    workload: str
+    devices: str
+    seed: int
+    equivalence: Equivalence
+    old_rule_match: bool | None  # what the rule before per-tensor tolerances would have said
+    seconds: float
+
+
+def mutant_config(mutant, precision: str = "fp32") -> RunConfig:
+    run = {**MUTANT_RUN, "precision": precision, **mutant.run}
+    return RunConfig(**{k: v for k, v in run.items() if k != "options"}, options=run.get("options", {}),
+                     mutant=mutant.name).validate()
+
+
+def mutant_jobs(precision: str = "fp32") -> list[Job]:
+    jobs = []
+    for name, (strategy, mutant) in strategies.mutants().items():
+        config = mutant_config(mutant, precision)
+        strategy.validate(config)
+        jobs.append(Job(strategy.name, config.to_json(), name))
+    return jobs
+
+
+def honest_jobs(runs: int, base: dict | None = None) -> list[Job]:
+    """Every synchronous strategy (but the baseline) on every workload it trains, for `runs` (seed,
+    devices, workload) combinations: workloads fastest, then cpu:2 / cpu:3, then seeds. `base`: RunConfig
+    fields over the default run (the tests' smaller one)."""
+    combos = itertools.islice(((seed, devices, w) for seed in itertools.count() for devices in ("cpu:2", "cpu:3")
+                               for w in WORKLOADS), runs)
+    jobs = []
+    for seed, devices, workload in combos:
+        fields = {"batch_size": 510 if devices == "cpu:3" else 512, **(base or {})}  # 510 divides by 2 and 3
+        config = RunConfig(workload=workload, devices=devices, seed=seed, **fields).validate()
+        for s in strategies.all_strategies():
+            if s.synchronous and s.name != "single" and not s.unsupported(workload):
+                s.validate(config)
+                jobs.append(Job(s.name, config.to_json(), "honest"))
+    return jobs
+
+
+def run_jobs(jobs: list[Job], total: float = 900.0, pg_timeout: float = 120.0) -> list[Outcome]:
+    """Run and judge every job; outcomes in the jobs' order. First one process runs `single` for every
+    distinct run and the in-process strategies; then a group per world size runs the torchrun ones, all
+    ranks busy at once (no rank waits in a collective while another trains alone). `total`: seconds a
+    group may take in all; `pg_timeout`: seconds one collective may wait."""
+    torchrun = {i for i, j in enumerate(jobs) if strategies.get(j.strategy).launch == "torchrun"}
+    baselines = sorted({_baseline(j).to_json() for j in jobs})
+    refs, outcomes = run_ranks(_in_process, 1, ([(i, j) for i, j in enumerate(jobs) if i not in torchrun], baselines),
+                               timeout=pg_timeout, total=total)[0]
+    for world in sorted({_world(jobs[i]) for i in torchrun}):
+        indexed = [(i, jobs[i]) for i in sorted(torchrun) if _world(jobs[i]) == world]
+        needed = {k: refs[k] for k in {_baseline(j).to_json() for _, j in indexed}}
+        outcomes.update(run_ranks(_spmd, world, (indexed, needed), timeout=pg_timeout, total=total)[0])
+    return [outcomes[i] for i in range(len(jobs))]
+
+
+def _world(job: Job) -> int:
+    return RunConfig.from_json(job.config).world_size
+
+
+def _baseline(job: Job) -> RunConfig:
+    """The `single` run a job is judged against: the same run without the bug and the strategy's options."""
+    return dataclasses.replace(RunConfig.from_json(job.config), mutant="", options={})
+
+
+def _in_process(rank: int, world: int, indexed: list[tuple[int, Job]], baselines: list[str]):
+    """One process: `single` for every baseline, then every in-process job, judged."""
+    single, refs = strategies.get("single"), {}
+    for key in baselines:
+        config = RunConfig.from_json(key)
+        refs[key] = equivalence.reference_of(config, *execute(single, config, Dist()))
+    return refs, {i: _run(job, Dist(), refs) for i, job in indexed}
+
+
+def _spmd(rank: int, world: int, indexed: list[tuple[int, Job]], refs: dict) -> dict[int, Outcome] | None:
+    """Every rank runs every torchrun job; rank 0 judges."""
+    dist = Dist(rank=rank, local_rank=rank, world_size=world, local_world_size=world)
+    out = {i: _run(job, dist, refs) for i, job in indexed}
+    return out if rank == 0 else None
+
+
+def _run(job: Job, dist: Dist, refs: dict) -> Outcome | None:
+    s, config = strategies.get(job.strategy), RunConfig.from_json(job.config)
+    start = time.perf_counter()
+    try:
+        row, state = execute(s, config, dist)
+    except Exception as e:
+        raise RuntimeError(f"{job.label} run of {job.strategy} failed: {type(e).__name__}: {e}") from e
+    if not dist.is_main:
+        return None
+    ref = refs[_baseline(job).to_json()]
+    return Outcome(job.label, s.name, config.workload, config.devices, config.seed,
+                   equivalence.judge(s, config, ref, row, state), equivalence.global_rule(ref, state),
+                   time.perf_counter() - start)
+
+
+def show_mutants(outcomes: list[Outcome], console) -> None:
+    described = {name: m.bug for name, (_, m) in strategies.mutants().items()}
+    t = Table(title="injected bugs: the oracle's verdict on each (every one must be a mismatch)",
+              title_justify="left")
+    for col in ("mutant", "bug", "workload", "verdict", "worst tensor", "err / tol", "first step off", "old rule"):
+        t.add_column(col, justify="right" if col in ("err / tol", "first step off") else "left",
+                     no_wrap=col in ("mutant", "verdict", "worst tensor"))
+    for o in outcomes:
+        eq = o.equivalence
+        style = "green" if eq.verdict == "mismatch" else "bold red"
+        t.add_row(o.label, described.get(o.label, ""), f"{o.workload} {o.devices}", f"[{style}]{eq.verdict}[/]",
+                  _off_tensor(eq), _ratio(eq.ratio),
+                  "-" if eq.first_step is None else str(eq.first_step),
+                  "missed" if o.old_rule_match else "caught")
+    console.print(t)
+    caught = sum(o.equivalence.verdict == "mismatch" for o in outcomes)
+    missed_before = sum(bool(o.old_rule_match) for o in outcomes)
+    console.print(f"{caught} of {len(outcomes)} injected bugs caught; the rule before per-tensor tolerances and "
+                  f"per-step losses (one tolerance from the largest movement) missed {missed_before}.")
+
+
+def show_honest(outcomes: list[Outcome], console) -> None:
+    t = Table(title="honest runs: no synchronous strategy may mismatch", title_justify="left")
+    for col in ("workload", "devices", "seed", "strategies", "closest (err / tol)", "verdicts"):
+        t.add_column(col, justify="right" if col in ("seed", "closest (err / tol)") else "left")
+    for (workload, devices, seed), group in itertools.groupby(outcomes, lambda o: (o.workload, o.devices, o.seed)):
+        group = list(group)
+        closest = max(group, key=lambda o: o.equivalence.ratio or 0.0)
+        bad = [o.strategy for o in group if o.equivalence.verdict != "match"]
+        t.add_row(workload, devices, str(seed), str(len(group)),
+                  f"{_ratio(closest.equivalence.ratio)} ({closest.strategy})",
+                  "[green]all match[/]" if not bad else f"[bold red]mismatch: {', '.join(bad)}[/]")
+    console.print(t)
+    runs = len({(o.workload, o.devices, o.seed) for o in outcomes})
+    worst = max(outcomes, key=lambda o: o.equivalence.ratio or 0.0)
+    mismatches = sum(o.equivalence.verdict != "match" for o in outcomes)
+    console.print(f"{runs} honest runs, {len(outcomes)} strategy checks, {mismatches} mismatches; closest margin: "
+                  f"{_ratio(worst.equivalence.ratio)} of the tolerance ({worst.strategy} on {worst.workload}, "
+                  f"{worst.devices}, seed {worst.seed}: {worst.equivalence.worst_tensor})")
+
+
+def _off_tensor(eq: Equivalence) -> str:
+    """The worst tensor, where it is itself beyond its tolerance (else the loss curve caught the bug)."""
+    return eq.worst_tensor if eq.tolerance and eq.max_abs_diff > eq.tolerance else "-"
+
+
+def _ratio(r: float | None) -> str:
+    return "-" if r is None else f"{r:.3g}"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("mutants", help="the oracle's evidence: every injected bug must be caught")
+    p.add_argument("--list", action="store_true", help="list the injected bugs and exit")
+    p.add_argument("--honest", type=int, default=0, metavar="N",
+                   help="also N honest runs (seeds x workloads x cpu:2/cpu:3) of every synchronous strategy: "
+                        "none may mismatch (24 take about 10 minutes here)")
+    p.add_argument("--precision", default="fp32", help="fp32, or bf16: every run (and `single`) under bf16 "
+                                                       "autocast, judged by the bf16 rule, which is looser")
+    p.add_argument("--out", default="", help="also write mutants.json (and honest.json) to this folder")
+
+
+def main(args, console) -> int:
+    from parallel.errors import ConfigError
+
+    if args.honest < 0:
+        raise ConfigError(f"--honest must be 0 or more, got {args.honest}")
+    if args.list:
+        for name, (_, m) in strategies.mutants().items():
+            console.print(f"{name}: {m.bug}  [dim]{json.dumps(m.run)}[/]", highlight=False)
+        return 0
+    if args.out:
+        from parallel.results import prepare_out
+
+        prepare_out(Path(args.out))
+    outcomes = run_jobs(mutant_jobs(args.precision))
+    show_mutants(outcomes, console)
+    ok = all(o.equivalence.verdict == "mismatch" for o in outcomes)
+    files = {"mutants.json": outcomes}
+    if args.honest:
+        honest = run_jobs(honest_jobs(args.honest, {"precision": args.precision}), total=7200)
+        show_honest(honest, console)
+        ok = ok and all(o.equivalence.verdict == "match" for o in honest)
+        files["honest.json"] = honest
+    if args.out:
+        for name, rows in files.items():
+            atomic_write(Path(args.out) / name, json.dumps([dataclasses.asdict(o) for o in rows], indent=2))
+    return 0 if ok else 1

@@ -1,0 +1,98 @@
+"""N spawned processes in one gloo group, in seconds: collective code in tests, and the oracle's runs.
+
+    results = run_ranks(fn, world=2, args=(x,), timeout=60)   # fn(rank, world, *args) in every rank
+
+In the spirit of torch's MultiProcessTestCase and accelerate's debug_launcher: the ranks meet through a
+FileStore in a fresh temporary folder (no port, so nothing to collide with), every collective has the
+timeout, and the first failing rank's exception comes back with its traceback, or a TimeoutError names
+the ranks that did not finish. `fn` must be importable (defined at module level) for spawn to find it.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as td
+import torch.multiprocessing as mp
+
+
+class RankError(RuntimeError):
+    pass
+
+
+def run_ranks(fn, world: int, args: tuple = (), timeout: float = 60.0, total: float | None = None) -> list:
+    """fn(rank, world, *args) in `world` spawned ranks; their return values in rank order. `timeout`: what
+    one collective may wait; `total`: what the whole may take (default: timeout)."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="ranks-") as folder:
+        results = ctx.Queue()
+        procs = [ctx.Process(target=_rank, args=(fn, rank, world, os.path.join(folder, "store"), timeout, args,
+                                                 results), name=f"rank-{rank}", daemon=True) for rank in range(world)]
+        for p in procs:
+            p.start()
+        try:
+            return _collect(procs, results, timeout if total is None else total)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+                p.join(5)
+
+
+def _collect(procs, results, timeout: float) -> list:
+    out: dict[int, object] = {}
+    deadline = time.monotonic() + timeout + 30  # start-up (importing torch) on top of the collectives' timeout
+    while len(out) < len(procs):
+        try:
+            rank, ok, value = results.get(timeout=0.2)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if r not in out and not p.is_alive() and p.exitcode]
+            if dead:
+                raise RankError(f"rank {dead[0]} died (exit code {procs[dead[0]].exitcode})") from None
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(len(procs))) - out.keys())
+                raise TimeoutError(f"ranks {missing} did not finish in {timeout + 30:g} s") from None
+            continue
+        if not ok:
+            raise RankError(_root_cause([(rank, *value)], results))
+        out[rank] = pickle.loads(value)
+    return [out[r] for r in range(len(procs))]
+
+
+def _root_cause(errors: list[tuple], results, grace_s: float = 2.0) -> str:
+    """One rank's failure makes the others fail too ("Connection closed by peer"), sometimes sooner than
+    its own report arrives: wait a moment for the others, and name the one that failed first."""
+    end = time.monotonic() + grace_s
+    while time.monotonic() < end:
+        try:
+            rank, ok, value = results.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if not ok:
+            errors.append((rank, *value))
+    rank, _, message = min(errors, key=lambda e: e[1])
+    return f"rank {rank}: {message}"
+
+
+def _rank(fn, rank: int, world: int, store_path: str, timeout: float, args: tuple, results) -> None:
+    torch.set_num_threads(1)
+    try:
+        store = td.FileStore(store_path, world)
+        td.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
+        try:
+            # Pickled here, by value: a tensor sent as it is travels as a shared-memory handle, which is
+            # gone once this process has exited ("Connection reset by peer" in the parent).
+            results.put((rank, True, pickle.dumps(fn(rank, world, *args))))
+        except BaseException as e:  # reported before the group is torn down, which fails the other ranks
+            results.put((rank, False, (time.time(), f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))
+        finally:
+            td.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - sent to the parent, which raises it naming the rank
+        results.put((rank, False, (time.time(), f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))

@@ -1,0 +1,187 @@
+"""The oracle (harness/equivalence.py): per-tensor and per-step verdicts, the injected bugs it must catch,
+and every synchronous strategy of the registry against `single` on every workload it trains."""
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from parallel import cli, strategies
+from parallel.config import RunConfig
+from parallel.errors import ConfigError
+from parallel.harness import equivalence, mutants
+from parallel.workloads import WORKLOADS
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.timeout(300)
+SYNC = SimpleNamespace(synchronous=True, name="fake", tolerance=lambda config: None)  # no rule of its own
+FP32 = SimpleNamespace(precision="fp32")  # the config a verdict reads
+
+
+def _row(*losses, **parts):
+    return SimpleNamespace(losses=list(losses), loss_parts={k: list(v) for k, v in parts.items()})
+
+
+def _ref(moves: dict[str, float], losses=(2.3, 2.0, 1.5)):
+    """A reference where training moved tensor k by moves[k] (every element), from the CNN's weights."""
+    initial = WORKLOADS["cnn"].build_model(0).state_dict()
+    final = {k: v + moves.get(k, 0.01) if v.is_floating_point() else v + 1 for k, v in initial.items()}
+    return equivalence.Reference(initial, final, {"loss": list(losses)})
+
+
+def test_an_error_in_a_tensor_that_moves_little_is_caught_where_one_global_tolerance_passes_it():
+    ref = _ref({"classifier.4.bias": 1e-4})  # moved 100x less than the rest
+    bad = dict(ref.state, **{"classifier.4.bias": ref.state["classifier.4.bias"] + 5e-5})  # half its movement
+    assert equivalence.global_rule(ref, bad)  # 5e-5 < 1% of the largest movement (1e-2): the old rule passed it
+    verdict = equivalence.judge(SYNC, FP32, ref, _row(2.3, 2.0, 1.5), bad)
+    assert verdict.verdict == "mismatch" and verdict.worst_tensor == "classifier.4.bias"
+    assert verdict.ratio == pytest.approx(5e-5 / (equivalence.RTOL * 1e-4), rel=0.05)  # (the additions round in fp32)
+    assert "classifier.4.bias off by 5" in verdict.reason and "its tolerance" in verdict.reason
+
+
+def test_float_noise_matches_and_a_tensor_that_never_moved_is_judged_against_its_magnitude():
+    ref = _ref({"features.0.bias": 0.0})  # an exact gradient of zero: it moves by rounding only
+    noisy = {k: v + 1e-9 * (v.abs().max() + 1) if v.is_floating_point() else v for k, v in ref.state.items()}
+    verdict = equivalence.judge(SYNC, FP32, ref, _row(2.3, 2.0, 1.5), noisy)
+    assert verdict.verdict == "match" and verdict.ratio < 0.1, verdict
+    magnitude = ref.state["features.0.bias"].abs().max().item()
+    floor = equivalence.RTOL * equivalence.FLOOR * magnitude  # its tolerance
+    off = dict(ref.state, **{"features.0.bias": ref.state["features.0.bias"] + 2 * floor})
+    assert equivalence.judge(SYNC, FP32, ref, _row(2.3, 2.0, 1.5), off).worst_tensor == "features.0.bias"
+
+
+def test_the_loss_curve_names_the_first_step_that_diverged():
+    ref = _ref({})
+    # Step 0 starts from the same weights: 1e-3 of the loss off there is a bug (an off-by-one share) ...
+    verdict = equivalence.judge(SYNC, FP32, ref, _row(2.3023, 2.0, 1.5), ref.state)
+    assert verdict.verdict == "mismatch" and verdict.first_step == 0 and "loss first off at step 0" in verdict.reason
+    # ... summation-order noise (1e-7 of it) is not; later steps are judged against how far the loss moved.
+    assert equivalence.judge(SYNC, FP32, ref, _row(2.3000002, 2.0, 1.5), ref.state).verdict == "match"
+    late = equivalence.judge(SYNC, FP32, ref, _row(2.3, 2.0, 1.53), ref.state)  # 3.75% of the 0.8 it fell
+    assert late.verdict == "mismatch" and late.first_step == 2
+    assert equivalence.judge(SYNC, FP32, ref, _row(2.3, 2.0, 1.505), ref.state).verdict == "match"  # 0.6%
+
+
+def test_every_loss_of_a_several_loss_step_is_compared_and_a_resumed_run_is_aligned_at_the_end():
+    ref = _ref({})
+    ref.losses = {"d_loss": [1.4, 1.3, 1.1], "g_loss": [0.7, 0.9, 1.2]}
+    ok = _row(d_loss=[1.4, 1.3, 1.1], g_loss=[0.7, 0.9, 1.2])
+    assert equivalence.judge(SYNC, FP32, ref, ok, ref.state).verdict == "match"
+    g_off = equivalence.judge(SYNC, FP32, ref, _row(d_loss=[1.4, 1.3, 1.1], g_loss=[0.7, 0.95, 1.2]), ref.state)
+    assert g_off.first_step == 1 and "g_loss first off at step 1" in g_off.reason
+    resumed = _row(d_loss=[1.3, 1.1], g_loss=[0.9, 1.2])  # steps 1 and 2 only
+    assert equivalence.judge(SYNC, FP32, ref, resumed, ref.state).verdict == "match"
+
+
+def test_counters_must_be_equal_and_names_must_agree():
+    ref = _ref({})
+    renamed = {("module." + k): v for k, v in ref.state.items()}
+    assert "parameter names differ" in equivalence.judge(SYNC, FP32, ref, _row(2.3, 2.0, 1.5), renamed).reason
+    ref.state["bn.num_batches_tracked"] = ref.initial["bn.num_batches_tracked"] = torch.tensor(3)  # BatchNorm's
+    other = dict(ref.state, **{"bn.num_batches_tracked": torch.tensor(4)})
+    verdict = equivalence.judge(SYNC, FP32, ref, _row(2.3, 2.0, 1.5), other)
+    assert verdict.verdict == "mismatch" and verdict.worst_tensor == "bn.num_batches_tracked", verdict
+    nan = dict(ref.state, **{"features.0.weight": torch.full_like(ref.state["features.0.weight"], float("nan"))})
+    assert equivalence.judge(SYNC, FP32, ref, _row(2.3, 2.0, 1.5), nan).worst_tensor == "features.0.weight"
+    asynchronous = SimpleNamespace(synchronous=False, NOT_EXPECTED_REASON="Hogwild is asynchronous")
+    assert equivalence.judge(asynchronous, FP32, ref, _row(), other).verdict == "not-expected"
+
+
+def test_every_strategy_that_can_have_a_parallelism_bug_brings_one_and_names_it_after_itself():
+    catalogue = strategies.mutants()
+    assert len(catalogue) >= 12
+    owners = {s.name for s, _ in catalogue.values()}
+    # `single` is the reference; data_parallel is torch's nn.DataParallel (a pass-through on CPU), no code of ours.
+    expected = {s.name for s in strategies.all_strategies() if s.synchronous} - {"single", "data_parallel"}
+    assert expected <= owners, sorted(expected - owners)
+
+
+@pytest.mark.slow
+def test_the_switch_reaches_a_strategy_run_by_the_harness_and_the_report_says_mismatch(tmp_path):
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "parallel", "compare", "--strategies", "manual_dp", "--workload", "cnn",
+                        "--steps", "2", "--warmup", "1", "--batch-size", "32", "--mutant", "manual_dp:stale-replica",
+                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=200)
+    assert p.returncode == 1, p.stdout + p.stderr  # a mismatch fails the comparison
+    single, mutated = json.loads((out / "results.json").read_text())["rows"]
+    assert single["equivalence"]["verdict"] == "baseline" and mutated["equivalence"]["verdict"] == "mismatch"
+    assert mutated["variant"] == "mutant=stale-replica"
+    assert "manual_dp mutant=stale-replica mismatch:" in p.stdout and "its tolerance" in p.stdout
+
+
+@pytest.fixture(scope="module")
+def mutant_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mutants")
+    code = cli.main(["mutants", "--out", str(out)])
+    return code, {o["label"]: o for o in json.loads((out / "mutants.json").read_text())}
+
+
+def test_the_mutants_command_exits_0_when_every_bug_is_caught(mutant_results):
+    code, results = mutant_results
+    assert code == 0 and results.keys() == strategies.mutants().keys()
+
+
+@pytest.mark.parametrize("name", list(strategies.mutants()))
+def test_the_oracle_catches_the_injected_bug(mutant_results, name):
+    verdict = mutant_results[1][name]["equivalence"]
+    assert verdict["verdict"] == "mismatch" and verdict["ratio"] > 1 and verdict["reason"], verdict
+
+
+def test_unsynchronised_batchnorm_under_ddp_was_missed_by_the_old_rule_and_is_caught_now(mutant_results):
+    result = mutant_results[1]["ddp:unsynced-batchnorm"]
+    assert result["old_rule_match"] and result["equivalence"]["verdict"] == "mismatch"
+    assert result["equivalence"]["worst_tensor"].startswith("generator.")  # where the BatchNorm is
+
+
+# Registry-driven parity: every synchronous strategy on every workload it trains, on cpu:2, 6 steps on a batch
+# of 48. A strategy is checked here the day it is registered. The verdict is the oracle's own; float noise
+# sits far below it. (cpu:3 and seeds: `python -m parallel mutants --honest 24`; the suite's time.)
+PARITY_RUN = {"batch_size": 48, "steps": 5, "warmup": 1}
+PARITY = [(s.name, w) for w in WORKLOADS for s in strategies.all_strategies()
+          if s.synchronous and s.name != "single" and not s.unsupported(w)]
+
+
+@pytest.fixture(scope="module")
+def parity_results():
+    jobs = mutants.honest_jobs(len(WORKLOADS), PARITY_RUN)  # seed 0, cpu:2: every workload once
+    return {(o.strategy, o.workload): o.equivalence for o in mutants.run_jobs(jobs)}
+
+
+@pytest.mark.parametrize("name, workload", PARITY, ids=["-".join(p) for p in PARITY])
+def test_every_synchronous_strategy_matches_single(parity_results, name, workload):
+    verdict = parity_results[(name, workload)]
+    assert verdict.verdict == "match", verdict
+    assert verdict.ratio < 0.5, verdict  # a margin: noise measured at most 0.33 of the tolerance (DCGAN, DDP)
+
+
+def test_bf16_runs_are_judged_by_a_rule_that_says_so_and_still_catch_a_missing_average():
+    # --precision bf16: `single` under the same autocast, the bf16 rule (20% of each tensor's movement),
+    # looser than fp32's because a split batch rounds its products to bf16 before summing. ddp --compress
+    # bf16: fp32 training whose gradients travel in bf16, judged by ddp's own stated rule (harness/
+    # equivalence.py, ddp.tolerance). Honest runs match under both; the bugs are still caught.
+    bf16, catalogue = {"precision": "bf16", **PARITY_RUN}, strategies.mutants()
+    compressed = RunConfig(workload="mlp", devices="cpu:2", options={"compress": "bf16"}, **PARITY_RUN).validate()
+    jobs = mutants.honest_jobs(1, bf16) + [  # the MLP on cpu:2, under bf16 autocast; then ddp --compress bf16
+        mutants.Job("ddp", compressed.to_json(), "honest"),
+        mutants.Job("ddp", mutants.mutant_config(catalogue["ddp:sum-not-mean"][1], "bf16").to_json(), "bug"),
+        mutants.Job("ddp", mutants.mutant_config(catalogue["ddp:compressed-sum"][1]).to_json(), "bug")]
+    *autocast, compress, bug_bf16, bug_compressed = mutants.run_jobs(jobs)
+    assert autocast and all(o.equivalence.verdict == "match" and o.equivalence.basis.startswith("bf16 autocast")
+                            for o in autocast), autocast
+    assert compress.equivalence.verdict == "match" and compress.equivalence.basis.startswith("ddp's own rule")
+    assert bug_bf16.equivalence.verdict == "mismatch" and bug_bf16.equivalence.basis.startswith("bf16 autocast")
+    assert bug_compressed.equivalence.verdict == "mismatch"
+    assert bug_compressed.equivalence.basis == compress.equivalence.basis
+
+
+def test_compressed_gradients_are_predicted_at_half_the_bytes():
+    model = WORKLOADS["mlp"].build_model(0)
+    full = RunConfig(workload="mlp", devices="cpu:2").validate()
+    half = RunConfig(workload="mlp", devices="cpu:2", options={"compress": "bf16"}).validate()
+    ddp = strategies.get("ddp")
+    assert ddp.comm_bytes_predicted(model, half) == ddp.comm_bytes_predicted(model, full) / 2 == 3_684_362 * 2
+    with pytest.raises(ConfigError, match="divide twice"):
+        ddp.validate(RunConfig(devices="cpu:2", options={"compress": "bf16", "prescale": 1}).validate())
