@@ -62,7 +62,9 @@ def test_dcgan_optimisers_checkpoint_as_one():
 
 def test_hand_written_sync_batchnorm_is_batchnorm_over_the_whole_batch():
     # A world of one: the all-reduce is the identity, so it must equal nn.BatchNorm2d exactly, forward,
-    # backward and running statistics. (DDP parity above checks the 2-rank case end to end.)
+    # backward and running statistics. (The registry's parity test checks DDP's 2-rank case.) Under bf16
+    # autocast the input arrives in bf16: statistics stay fp32 and the output comes back in bf16, as
+    # nn.BatchNorm2d's does (the running statistics would refuse a bf16 update).
     td.init_process_group("gloo", store=td.HashStore(), rank=0, world_size=1)
     try:
         torch.manual_seed(0)
@@ -76,5 +78,9 @@ def test_hand_written_sync_batchnorm_is_batchnorm_over_the_whole_batch():
         torch.testing.assert_close(ours.weight.grad, ref.weight.grad, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(ours.running_var, ref.running_var)
         torch.testing.assert_close(ours.running_mean, ref.running_mean)
+        half = x.bfloat16()
+        out, want = ours(half), ref(half)
+        assert out.dtype == want.dtype == torch.bfloat16 and ours.running_mean.dtype == torch.float32
+        torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-2)  # bf16 output: 8 bits of mantissa
     finally:
         td.destroy_process_group()
