@@ -53,11 +53,21 @@ def _optimizers(optimizer) -> list:
 
 
 def state(trainable) -> dict:
-    """What a checkpoint holds, as DCP wants it: the model's and optimisers' state by parameter name."""
+    """What a checkpoint holds, as DCP wants it: the model's and optimisers' state by parameter name, and
+    the step. (A strategy whose optimiser does not hold the model's parameters brings its own, the
+    `checkpoint_state` and `restore_checkpoint` hooks: zero's slices.)"""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(_plain(trainable.model), _optimizers(trainable.optimizer))
     return {"model": model_sd, "optim": optim_sd, "step": torch.zeros((), dtype=torch.int64)}
+
+
+def restore(trainable, sd: dict) -> None:
+    """Put a loaded `state` back into the model and optimisers."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    set_state_dict(_plain(trainable.model), _optimizers(trainable.optimizer),
+                   model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
 
 def save(config, strategy, trainable, step: int, dist) -> None:
@@ -68,7 +78,7 @@ def save(config, strategy, trainable, step: int, dist) -> None:
         final.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
     _barrier()
-    sd = state(trainable)
+    sd = strategy.checkpoint_state(trainable)
     sd["step"].fill_(step)
     import torch.distributed.checkpoint as dcp
 
@@ -102,13 +112,10 @@ def resume_point(config, strategy, trainable) -> int:
     folder = Path(config.resume_from) if config.resume_from else path(config, strategy.name)
     if not (config.resume_from or (config.resume and (folder / ".metadata").exists())):
         return 0
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    sd = state(trainable)
+    sd = strategy.checkpoint_state(trainable)
     load_into(folder, sd)
     try:
-        set_state_dict(_plain(trainable.model), _optimizers(trainable.optimizer),
-                       model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        strategy.restore_checkpoint(trainable, sd)
     except (RuntimeError, ValueError, KeyError) as e:
         raise ConfigError(f"checkpoint {str(folder)!r} does not fit this model: {str(e).splitlines()[0]}") from None
     return int(sd["step"]) + 1

@@ -3,6 +3,7 @@ state each rank holds against the ZeRO paper's shares, and the bytes sent per st
 (cpu:2 parity on every workload is the registry's test in test_oracle.py; its bugs are in the mutants.)"""
 
 import pytest
+import torch
 
 from parallel import strategies
 from parallel.config import RunConfig
@@ -10,7 +11,7 @@ from parallel.dist import Dist
 from parallel.harness import equivalence
 from parallel.worker import execute
 from parallel.workloads import WORKLOADS
-from tests.multirank import run_ranks
+from tests.multirank import RankError, run_ranks
 
 pytestmark = pytest.mark.timeout(240)
 PSI = sum(p.numel() for p in WORKLOADS["mlp"].build_model(0).parameters())  # 3,684,362 parameters
@@ -54,6 +55,28 @@ def test_zero_matches_single_and_shards_what_the_paper_says(world, workloads):
         assert row.details["model_state_bytes_per_device"][0] == pytest.approx(d["zero_formula_bytes"], rel=0.01)
 
 
-def test_zero_refuses_a_stage_it_does_not_have_and_checkpointing_for_now(refused):
+def test_zero_refuses_a_stage_it_does_not_have(refused):
     refused(["run", "zero", "--zero-stage", "3"], "--zero-stage must be 1 or 2, got 3 (stage 3 is `fsdp`)")
-    refused(["run", "zero", "--checkpoint-every", "2"], "zero cannot checkpoint or resume")
+
+
+def _checkpointed(rank, world, out, stage, fail, resume):
+    config = RunConfig(workload="mlp", devices=f"cpu:{world}", batch_size=48, steps=5, warmup=1, out=out,
+                       checkpoint_every=2, fail_at_step=3 if fail else -1, resume=resume,
+                       options={"zero_stage": stage}).validate()
+    _, state = execute(strategies.get("zero"), config, Dist(rank=rank, local_rank=rank, world_size=world,
+                                                            local_world_size=world))
+    return state if rank == 0 else None
+
+
+def test_zero_resumes_after_a_fault_and_ends_bitwise_like_an_uninterrupted_run(tmp_path):
+    # Checkpoints after steps 1, 3, 5 (every 2, torch.distributed.checkpoint: the parameters once, each
+    # rank's slice of the momentum in its own file); rank 0 fails before step 3; the re-run resumes at 2.
+    # Stage 2, whose gradients live only in the slices; stage 1 saves the same state.
+    stage = 2
+    whole = run_ranks(_checkpointed, 2, (str(tmp_path / "whole"), stage, False, False), timeout=60)[0]
+    with pytest.raises(RankError, match="injected fault at step 3 on rank 0"):
+        run_ranks(_checkpointed, 2, (str(tmp_path / "cut"), stage, True, False), timeout=60)
+    assert sorted(p.name for p in (tmp_path / "cut" / "checkpoints" / "zero").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp"]
+    resumed = run_ranks(_checkpointed, 2, (str(tmp_path / "cut"), stage, False, True), timeout=60)[0]
+    assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from parallel import checkpoint
 from parallel.layout import ParallelDims
 from parallel.results import Rule
 
@@ -228,5 +229,7 @@ class Hooks:
     extra_measurements: Callable = extra_measurements
     predict_step_ms: Callable = predict_step_ms
     tolerance: Callable = tolerance
+    checkpoint_state: Callable = checkpoint.state  # what a checkpoint holds (model, optimisers, step) ...
+    restore_checkpoint: Callable = checkpoint.restore  # ... and how it goes back in after a load
     model_state_bytes: Callable = model_state_bytes
     train: Callable | None = None  # None: THE loop (parallel.train.train); Hogwild brings its own

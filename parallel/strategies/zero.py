@@ -36,7 +36,6 @@ from parallel.strategies.base import Hooks, Mutant, Trainable, injected, options
 NAME = "zero"
 LAUNCH = "torchrun"
 SYNCHRONOUS = True
-CHECKPOINTS = False  # each rank's optimizer state is its own slice: not yet saved through DCP (#16)
 
 # Bugs the oracle must catch (`--mutant NAME`; base.Mutant).
 WRONG_SLICE = Mutant("zero:wrong-slice", "each rank's optimizer steps the next rank's slice of the parameters "
@@ -169,6 +168,22 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
             "zero_formula_bytes": psi + (psi if z.stage == 1 else psi / n) + psi / n}
 
 
+def checkpoint_state(t: Trainable) -> dict:
+    """The parameters under the model's names (every rank holds all of them: DCP writes them once), and this
+    rank's slice of the momentum under a key of its own, so each rank writes and reads only its slice. A
+    checkpoint resumes on the same number of ranks (another N slices differently: refused as not fitting)."""
+    z, rank = t.state, td.get_rank() if td.is_initialized() else 0
+    opt = t.optimizer.state[z.shard]  # SGD creates its momentum at the first step: make it now, as zeros
+    opt.setdefault("momentum_buffer", torch.zeros_like(z.shard))
+    return {"model": t.model.state_dict(), f"momentum_of_slice_{rank}_of_{z.world}": opt["momentum_buffer"],
+            "step": torch.zeros((), dtype=torch.int64)}
+
+
+def restore_checkpoint(t: Trainable, sd: dict) -> None:
+    """DCP loaded in place: the parameters into `flat` (through the model's views), the momentum into the
+    optimizer's own buffer. Nothing left to do."""
+
+
 def predict_step_ms(cal, config, row) -> float | None:
     """Each rank's share of the compute, then the reduce-scatter and the all-gather, neither hidden behind
     backward (they come after it). A ring reduce-scatter and all-gather are each half an all-reduce's
@@ -182,4 +197,5 @@ def predict_step_ms(cal, config, row) -> float | None:
 
 
 HOOKS = Hooks(check=check, comm_bytes_predicted=comm_bytes_predicted, model_state_bytes=model_state_bytes,
-              state_dict=state_dict, extra_measurements=extra_measurements, predict_step_ms=predict_step_ms)
+              state_dict=state_dict, extra_measurements=extra_measurements, predict_step_ms=predict_step_ms,
+              checkpoint_state=checkpoint_state, restore_checkpoint=restore_checkpoint)
