@@ -1,6 +1,7 @@
-"""zero (ZeRO-1/2 by hand) on 2 and 4 gloo ranks spawned inside pytest: parity with `single`, the model
-state each rank holds against the ZeRO paper's shares, and the bytes sent per step against its 2 Psi.
-(cpu:2 parity on every workload is the registry's test in test_oracle.py; its bugs are in the mutants.)"""
+"""zero (ZeRO-1/2 by hand) and zero_optimizer (torch's ZeroRedundancyOptimizer) on 2 and 4 gloo ranks
+spawned inside pytest: parity with `single`, the model state each rank holds against the ZeRO paper's
+shares, the bytes sent per step against its 2 Psi (and the library's 3 Psi), and resume after a fault.
+(cpu:2 parity on every workload is the registry's test in test_oracle.py; their bugs are in the mutants.)"""
 
 import pytest
 import torch
@@ -26,22 +27,31 @@ def _train(rank, world, workloads):
     dist = Dist(rank=rank, local_rank=rank, world_size=world, local_world_size=world)
     out = []
     for workload in workloads:
-        for stage in (1, 2):
-            row, state = execute(strategies.get("zero"), _config(workload, world, stage), dist)
-            out.append((workload, stage, row, state if rank == 0 else None))
+        for name, stage in (("zero", 1), ("zero", 2), ("zero_optimizer", 1)):
+            row, state = execute(strategies.get(name), _config(workload, world, stage), dist)
+            out.append((name, workload, stage, row, state if rank == 0 else None))
     return out
 
 
 @pytest.mark.parametrize("world, workloads", [(2, ["mlp"]), (4, ["mlp", "cnn", "transformer"])])
 def test_zero_matches_single_and_shards_what_the_paper_says(world, workloads):
-    for workload, stage, row, state in run_ranks(_train, world, (workloads,), timeout=120)[0]:
+    for name, workload, stage, row, state in run_ranks(_train, world, (workloads,), timeout=120)[0]:
         config = _config(workload, world, stage)
         ref = equivalence.reference_of(config, *execute(strategies.get("single"), config, Dist()))
         # The oracle's own tolerance (harness/equivalence.py): the ranks' sums differ from one device's in
         # order only, so float noise, far below it.
-        verdict = equivalence.judge(strategies.get("zero"), config, ref, row, state)
-        assert verdict.verdict == "match" and verdict.ratio < 0.1, (workload, stage, verdict)
+        verdict = equivalence.judge(strategies.get(name), config, ref, row, state)
+        assert verdict.verdict == "match" and verdict.ratio < 0.1, (name, workload, stage, verdict)
         if workload != "mlp":
+            continue
+        if name == "zero_optimizer":
+            # DDP's all-reduce stays (2(N-1)/N x Psi x 4), then every parameter is broadcast from its owner
+            # ((N-1)/N more): 3 Psi, counted at the collectives; whole parameters owned greedily: uneven.
+            sent = row.details["bytes_per_step_by_collective"]
+            assert sent["all_reduce"] == pytest.approx(2 * (world - 1) / world * PSI * 4, rel=0.01)
+            assert sent["broadcast"] == pytest.approx((world - 1) / world * PSI * 4, rel=0.01)
+            owned = row.details["owned_param_bytes_per_rank"]
+            assert sum(owned) == PSI * 4 and max(owned) > min(owned)
             continue
         d, padded = row.details, -(-PSI // world) * world  # the flat buffer, padded to a multiple of N
         ddp_momentum = PSI * 4  # DDP keeps SGD's momentum for every parameter on every rank, fp32
@@ -59,24 +69,24 @@ def test_zero_refuses_a_stage_it_does_not_have(refused):
     refused(["run", "zero", "--zero-stage", "3"], "--zero-stage must be 1 or 2, got 3 (stage 3 is `fsdp`)")
 
 
-def _checkpointed(rank, world, out, stage, fail, resume):
+def _checkpointed(rank, world, name, out, fail, resume):
     config = RunConfig(workload="mlp", devices=f"cpu:{world}", batch_size=48, steps=5, warmup=1, out=out,
                        checkpoint_every=2, fail_at_step=3 if fail else -1, resume=resume,
-                       options={"zero_stage": stage}).validate()
-    _, state = execute(strategies.get("zero"), config, Dist(rank=rank, local_rank=rank, world_size=world,
-                                                            local_world_size=world))
+                       options={"zero_stage": 2} if name == "zero" else {}).validate()
+    _, state = execute(strategies.get(name), config, Dist(rank=rank, local_rank=rank, world_size=world,
+                                                          local_world_size=world))
     return state if rank == 0 else None
 
 
-def test_zero_resumes_after_a_fault_and_ends_bitwise_like_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("name", ["zero", "zero_optimizer"])
+def test_a_resume_after_a_fault_ends_bitwise_like_an_uninterrupted_run(tmp_path, name):
     # Checkpoints after steps 1, 3, 5 (every 2, torch.distributed.checkpoint: the parameters once, each
-    # rank's slice of the momentum in its own file); rank 0 fails before step 3; the re-run resumes at 2.
-    # Stage 2, whose gradients live only in the slices; stage 1 saves the same state.
-    stage = 2
-    whole = run_ranks(_checkpointed, 2, (str(tmp_path / "whole"), stage, False, False), timeout=60)[0]
+    # rank's share of the momentum under keys of its own, so in its own file); rank 0 fails before step 3;
+    # the re-run resumes at step 2. zero at stage 2, whose gradients live only in the slices.
+    whole = run_ranks(_checkpointed, 2, (name, str(tmp_path / "whole"), False, False), timeout=60)[0]
     with pytest.raises(RankError, match="injected fault at step 3 on rank 0"):
-        run_ranks(_checkpointed, 2, (str(tmp_path / "cut"), stage, True, False), timeout=60)
-    assert sorted(p.name for p in (tmp_path / "cut" / "checkpoints" / "zero").iterdir()) == [
+        run_ranks(_checkpointed, 2, (name, str(tmp_path / "cut"), True, False), timeout=60)
+    assert sorted(p.name for p in (tmp_path / "cut" / "checkpoints" / name).iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp"]
-    resumed = run_ranks(_checkpointed, 2, (str(tmp_path / "cut"), stage, False, True), timeout=60)[0]
+    resumed = run_ranks(_checkpointed, 2, (name, str(tmp_path / "cut"), False, True), timeout=60)[0]
     assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole)

@@ -27,7 +27,8 @@ from parallel.strategies.base import options_of
 from parallel.workloads import WORKLOADS
 
 # The report lists strategies in this order; `single` is the baseline and always first.
-NAMES = ["single", "manual_dp", "data_parallel", "manual_ddp", "ddp", "zero", "hogwild", "model_parallel", "pipeline"]
+NAMES = ["single", "manual_dp", "data_parallel", "manual_ddp", "ddp", "zero", "zero_optimizer", "hogwild",
+         "model_parallel", "pipeline"]
 
 
 # The constants a strategy module may set, with their defaults. Its functions beyond setup and
