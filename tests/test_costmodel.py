@@ -1,14 +1,10 @@
-"""The cost model: its all-reduce fit, its formulas, and predictions on every row of a real comparison."""
+"""The cost model: its all-reduce fit and its formulas (every row of a real comparison predicted: test_ddp.py)."""
 
-import json
-import subprocess
-import sys
 
 import pytest
 
 from parallel.config import RunConfig
 from parallel.harness import costmodel
-from tests.conftest import ROOT
 
 
 def test_alpha_beta_fit_inverts_the_ring_formula():
@@ -30,19 +26,7 @@ def test_projection_follows_the_bus_bandwidth_formula():
     assert us[8] < us[64] < us[1024] < 2 * us[8]  # 2(N-1)/N approaches 2
 
 
-@pytest.mark.slow
-def test_every_row_of_a_comparison_gets_a_prediction(tmp_path):
-    out = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "parallel", "compare", "--strategies", "manual_dp,ddp,pipeline",
-                        "--devices", "cpu:2", "--steps", "4", "--batch-size", "128", "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=200)
-    assert p.returncode == 0, p.stdout + p.stderr
-    doc = json.loads((out / "results.json").read_text())
-    assert all(r["step_ms_predicted"] and r["step_ms_predicted"] > 0 for r in doc["rows"]), doc["rows"]
-    model = doc["cost_model"]
-    assert model["alpha_us"] > 0 and model["beta_ns_per_byte"] >= 0 and model["copy_GB_per_s"] > 0
-    assert set(model["projection"]["us_by_gpus"]) == {"8", "64", "1024"}
-    assert "Projection, not measured" in p.stdout
+# Every row of a comparison predicted, end to end: test_ddp.py's comparison checks it (a launch costs seconds).
 
 
 @pytest.mark.parametrize("name, expected", [

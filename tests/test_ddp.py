@@ -22,15 +22,18 @@ def compare(tmp_path, *args):
 
 
 @pytest.mark.slow
-def test_ddp_with_and_without_accumulation_matches_single_and_counts_its_bytes(tmp_path):
+def test_ddp_with_and_without_accumulation_matches_single_counts_its_bytes_and_every_row_is_predicted(tmp_path):
     # 6 optimiser steps on the same global batch of 64: each rank takes 32, with --accum 2 as 2 micro-batches
     # of 16 (all-reduce on the second only). The verdict is the oracle's (2% of how far `single` moved each
     # tensor and each step's loss; see harness/equivalence.py), and the difference itself must be at
-    # float-noise level, far below it. One comparison, two DDP rows: a torchrun launch costs 5-8 s here.
-    p, rows = compare(tmp_path, "--workload", "mlp", "--batch-size", "64", "--accum", "1,2")
+    # float-noise level, far below it. One comparison serves the cost model's checks too (manual_dp and the
+    # pipeline beside DDP): a torchrun launch costs 5-8 s here.
+    p, rows = compare(tmp_path, "--workload", "mlp", "--batch-size", "64", "--accum", "1,2",
+                      "--strategies", "manual_dp,ddp,pipeline")
     assert p.returncode == 0, p.stdout + p.stderr
-    assert [r["variant"] for r in rows] == ["", "accum=1", "accum=2"]
-    single, ddp, accumulated = rows
+    assert [f"{r['strategy']} {r['variant']}".strip() for r in rows] == [
+        "single", "manual_dp", "ddp accum=1", "ddp accum=2", "pipeline"]
+    single, _, ddp, accumulated, _ = rows
     for r in (ddp, accumulated):
         assert r["status"] == "ok" and r["equivalence"]["verdict"] == "match", r["equivalence"]
         assert r["equivalence"]["ratio"] < 0.1 and r["equivalence"]["basis"] == "fp32 rule"
@@ -42,6 +45,12 @@ def test_ddp_with_and_without_accumulation_matches_single_and_counts_its_bytes(t
     details, measured = ddp["details"], ddp["measured"]
     assert details["no_sync_step_ms"] > 0 and measured["allreduce_all_grads_ms"] > 0
     assert measured["exposed_comm_ms"] == pytest.approx(details["step_ms"] - details["no_sync_step_ms"])
+    # The cost model: every row predicted, calibrated in this run, and the NCCL projection labelled.
+    assert all(r["step_ms_predicted"] and r["step_ms_predicted"] > 0 for r in rows), rows
+    model = json.loads((tmp_path / "out" / "results.json").read_text())["cost_model"]
+    assert model["alpha_us"] > 0 and model["beta_ns_per_byte"] >= 0 and model["copy_GB_per_s"] > 0
+    assert set(model["projection"]["us_by_gpus"]) == {"8", "64", "1024"}
+    assert "Projection, not measured" in p.stdout
 
 
 @pytest.mark.slow
