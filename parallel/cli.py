@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import signal
 import sys
@@ -117,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("devices", help="what hardware is here, and what each strategy would use")
     cmp = sub.add_parser("compare", help="every strategy on the same model, data and seed, vs `single`")
     cmp.add_argument("--strategies", default="all", help=f"comma list or all ({', '.join(strategies.NAMES)})")
+    cmp.add_argument("--project-params", type=float, default=0.0, help="also project model state per GPU by ZeRO "
+                     "stage for a model of this many parameters (e.g. 7e9) at 8..1024 GPUs (0: off)")
     cmp.add_argument("--world-sizes", default="", help="scaling sweep over these device counts, e.g. 1,2,4: "
                                                        "strong and weak scaling, scaling.json and PNG plots")
     add_run_options(cmp)
@@ -148,6 +151,9 @@ def _finish(config: RunConfig, rows: list[Row], console, skipped: dict | None = 
 
 def cmd_compare(args, names: list[str], baseline: bool) -> int:
     config = config_from_args(args)
+    params = getattr(args, "project_params", 0)
+    if not (math.isfinite(params) and params >= 0):
+        raise ConfigError(f"--project-params must be a parameter count (0: off), got {params:g}")
     if getattr(args, "world_sizes", ""):
         return cmd_scaling(config, names, args.world_sizes)
     names, skipped = strategies.resolve(names, config.spec, config.workload)
@@ -164,6 +170,8 @@ def cmd_compare(args, names: list[str], baseline: bool) -> int:
         return 130
 
     model = costmodel.apply(rows, chosen, config)
+    if getattr(args, "project_params", 0):
+        model["memory_projection"] = costmodel.memory_projection(args.project_params)
     return _finish(config, rows, console, skipped, env, model)
 
 

@@ -47,6 +47,7 @@ def test_unknown_strategy_is_one_line_exit_2_and_writes_nothing(tmp_path):
         (["compare", "--mutant", "ddp:typo"], "unknown mutant 'ddp:typo'"),
         (["compare", "--strategies", "ddp", "--compress", "fp16"], "--compress must be bf16 or empty"),
         (["mutants", "--honest", "-1"], "--honest must be 0 or more, got -1"),
+        (["compare", "--project-params=-7e9"], "--project-params must be a parameter count (0: off), got -7e+09"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, message, refused):

@@ -53,3 +53,25 @@ def test_model_state_of_stages_adds_up_to_the_whole_model():
     row, _ = execute(strategies.get("pipeline"), config, Dist())
     per_stage = row.details["model_state_bytes_per_device"]
     assert len(per_stage) == 2 and sum(per_stage) == 3 * 32_998 * 4
+
+
+def test_memory_projection_follows_the_zero_paper_and_says_from_how_many_gpus_each_stage_fits():
+    from parallel.harness.report import memory_lines
+
+    gib = 2**30
+    small, large = costmodel.memory_projection(7e9), costmodel.memory_projection(70e9)
+    # 16 bytes a parameter unsharded (fp16 parameter and gradient, 12 of Adam in fp32): 104 GiB at 7e9.
+    assert small["GiB_by_stage"]["DDP (no sharding)"][1024] == pytest.approx(16 * 7e9 / gib)
+    assert small["GiB_by_stage"]["ZeRO-1 (zero)"][8] == pytest.approx((4 * 7e9 + 12 * 7e9 / 8) / gib)
+    assert small["GiB_by_stage"]["ZeRO-2 (zero --zero-stage 2)"][64] == pytest.approx((2 * 7e9 + 14 * 7e9 / 64) / gib)
+    assert large["GiB_by_stage"]["ZeRO-3 (FSDP)"][64] == pytest.approx(16 * 70e9 / 64 / gib)
+    # 7e9 fits 80 GiB from 2 GPUs once anything is sharded; at 70e9 the unsharded 2 or 4 bytes of ZeRO-1/2
+    # alone exceed it, and ZeRO-3 needs 1120 GB / 85.9 GB = 13.04 -> 16 GPUs.
+    assert small["fits_from_gpus"] == {"DDP (no sharding)": None, "ZeRO-1 (zero)": 2,
+                                       "ZeRO-2 (zero --zero-stage 2)": 2, "ZeRO-3 (FSDP)": 2}
+    assert large["fits_from_gpus"] == {"DDP (no sharding)": None, "ZeRO-1 (zero)": None,
+                                       "ZeRO-2 (zero --zero-stage 2)": None, "ZeRO-3 (FSDP)": 16}
+    lines = memory_lines({"memory_projection": large})
+    assert "70 GiB" not in lines[0] and "7e+10 parameters" in lines[0]
+    assert any("ZeRO-3 (FSDP): 8 GPUs 130.4 GiB" in ln and "fits from 16 GPUs" in ln for ln in lines), lines
+    assert any("ZeRO-1 (zero)" in ln and "never fits" in ln for ln in lines)

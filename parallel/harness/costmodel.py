@@ -85,6 +85,29 @@ class Calibration:
         return {n: self.grad_bytes * 2 * (n - 1) / n / PUBLISHED_BUSBW * 1e6 for n in (8, 64, 1024)}
 
 
+# Model state per GPU in the ZeRO paper's setting (Rajbhandari et al., SC 2020, section 3): mixed-precision
+# Adam, 2 bytes of fp16 parameters + 2 of fp16 gradients + K = 12 of fp32 copy, momentum and variance per
+# parameter, Psi parameters over N GPUs. Activations, buffers and fragmentation come on top.
+ZERO_MODEL_STATE = {
+    "DDP (no sharding)": lambda psi, n: 16 * psi,
+    "ZeRO-1 (zero)": lambda psi, n: 4 * psi + 12 * psi / n,
+    "ZeRO-2 (zero --zero-stage 2)": lambda psi, n: 2 * psi + 14 * psi / n,
+    "ZeRO-3 (FSDP)": lambda psi, n: 16 * psi / n,
+}
+GPU_COUNTS = (8, 64, 1024)
+
+
+def memory_projection(params: float, capacity_gib: float = 80.0) -> dict:
+    """Model state per GPU for a model of `params` parameters at 8, 64 and 1024 GPUs, by ZeRO stage, and
+    the fewest GPUs (a power of two up to 1024) at which it fits `capacity_gib`: a formula, not measured."""
+    by_stage, fits_from = {}, {}
+    for stage, bytes_per_gpu in ZERO_MODEL_STATE.items():
+        by_stage[stage] = {n: bytes_per_gpu(params, n) / 2**30 for n in GPU_COUNTS}
+        fits_from[stage] = next((2**k for k in range(11) if bytes_per_gpu(params, 2**k) <= capacity_gib * 2**30), None)
+    return {"what": "model state per GPU, GiB, mixed-precision Adam (ZeRO paper); activations not included",
+            "params": params, "capacity_GiB": capacity_gib, "GiB_by_stage": by_stage, "fits_from_gpus": fits_from}
+
+
 def fit_alpha_beta(small_ms: float, large_ms: float, large_bytes: float, world: int) -> tuple[float, float]:
     """alpha, beta (seconds) from a 4-byte and a `large_bytes` all-reduce on `world` ranks."""
     alpha = small_ms / 1e3 / (2 * (world - 1))

@@ -135,7 +135,21 @@ def cost_lines(model: dict | None) -> list[str]:
     return [f"pred. ms: the cost model calibrated in this run ({ab}copy {model['copy_GB_per_s']:.1f} GB/s, compute "
             "measured per batch size): compute on one device's share + communication not hidden + bubble.",
             f"Projection, not measured: all-reduce of these gradients at the published {proj['busbw_GB_per_s']:.0f} "
-            f"GB/s NCCL bus bandwidth (8xH200): {gpus} (optimistic across nodes)."]
+            f"GB/s NCCL bus bandwidth (8xH200): {gpus} (optimistic across nodes)."] + memory_lines(model)
+
+
+def memory_lines(model: dict) -> list[str]:
+    """--project-params: model state per GPU by ZeRO stage, and from how many GPUs it fits."""
+    mem = model.get("memory_projection")
+    if not mem:
+        return []
+    out = [f"Projection, not measured: {mem['what']}, for {mem['params']:.3g} parameters on "
+           f"{mem['capacity_GiB']:g} GiB GPUs:"]
+    for stage, gib in mem["GiB_by_stage"].items():
+        fits = mem["fits_from_gpus"][stage]
+        where = f"fits from {fits} GPU{'s' if fits > 1 else ''}" if fits else "never fits, at any count"
+        out.append(f"  {stage}: " + ", ".join(f"{n} GPUs {g:.1f} GiB" for n, g in gib.items()) + f"; {where}")
+    return out
 
 
 def show(rows: list[Row], environment: dict, console: Console | None = None, skipped: dict | None = None,
