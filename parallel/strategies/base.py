@@ -136,16 +136,24 @@ def param_bytes(params, allocated: bool = False) -> int:
     return sum(tensor_bytes(p, allocated) for p in params)
 
 
+def optimizer_state_bytes(params, optimizer, allocated: bool = False) -> int:
+    """The optimiser's state for `params` (momentum, ...) that this device holds."""
+    return sum(tensor_bytes(v, allocated) for p in params for v in optimizer.state.get(p, {}).values()
+               if isinstance(v, torch.Tensor))
+
+
 def state_bytes(params, optimizer, allocated: bool = False) -> int:
     """Parameters + their gradients + the optimiser's state for them (momentum, ...), counted from the
     tensors this device holds (local shards of DTensors)."""
-    total = 0
-    for p in params:
-        total += tensor_bytes(p, allocated) + (tensor_bytes(p.grad, allocated) if p.grad is not None else 0)
-        if optimizer is not None:
-            total += sum(tensor_bytes(v, allocated) for v in optimizer.state.get(p, {}).values()
-                         if isinstance(v, torch.Tensor))
-    return total
+    params = list(params)
+    total = sum(tensor_bytes(p, allocated) + (tensor_bytes(p.grad, allocated) if p.grad is not None else 0)
+                for p in params)
+    return total + (optimizer_state_bytes(params, optimizer, allocated) if optimizer is not None else 0)
+
+
+def loaded_in_place(t: Trainable, sd: dict) -> None:
+    """A `restore_checkpoint` for a `checkpoint_state` made of the live tensors themselves (the model's
+    parameters, the optimiser's buffers): DCP has loaded into them, nothing is left to do."""
 
 
 def model_state_bytes(t: Trainable, config) -> list[int]:

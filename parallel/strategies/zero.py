@@ -31,7 +31,16 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from parallel.errors import ConfigError
-from parallel.strategies.base import Hooks, Mutant, Trainable, injected, options_of, tensor_bytes
+from parallel.strategies.base import (
+    Hooks,
+    Mutant,
+    Trainable,
+    injected,
+    loaded_in_place,
+    optimizer_state_bytes,
+    options_of,
+    tensor_bytes,
+)
 
 NAME = "zero"
 LAUNCH = "torchrun"
@@ -146,8 +155,7 @@ def model_state_bytes(t: Trainable, config) -> list[int]:
     input), and the optimizer state of its slice."""
     z = t.state
     grads = tensor_bytes(z.grads) if z.grads is not None else tensor_bytes(z.shard)
-    momentum = sum(tensor_bytes(v) for v in t.optimizer.state.get(z.shard, {}).values() if torch.is_tensor(v))
-    return [tensor_bytes(z.flat) + grads + momentum] * config.world_size
+    return [tensor_bytes(z.flat) + grads + optimizer_state_bytes([z.shard], t.optimizer)] * config.world_size
 
 
 def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
@@ -158,11 +166,10 @@ def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
 def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
     z, steps = t.state, max(1, len(result.losses))
     n, psi = z.world, z.flat.numel() * z.flat.element_size()
-    momentum = sum(tensor_bytes(v) for v in t.optimizer.state.get(z.shard, {}).values() if torch.is_tensor(v))
     return {"zero_stage": z.stage, "bytes_per_step_by_collective": {k: v / steps for k, v in z.sent.items()},
             "param_bytes_per_rank": tensor_bytes(z.flat),
             "grad_bytes_per_rank": tensor_bytes(z.grads) if z.grads is not None else psi // n,
-            "optimizer_state_bytes_per_rank": momentum,
+            "optimizer_state_bytes_per_rank": optimizer_state_bytes([z.shard], t.optimizer),
             # ZeRO's model state per device for fp32 SGD with momentum (K = 4 bytes of optimizer state per
             # parameter): DDP 12 Psi; stage 1: 4 + 4 + 4/N; stage 2: 4 + (4 + 4)/N (Psi = parameter count).
             "zero_formula_bytes": psi + (psi if z.stage == 1 else psi / n) + psi / n}
@@ -179,11 +186,6 @@ def checkpoint_state(t: Trainable) -> dict:
             "step": torch.zeros((), dtype=torch.int64)}
 
 
-def restore_checkpoint(t: Trainable, sd: dict) -> None:
-    """DCP loaded in place: the parameters into `flat` (through the model's views), the momentum into the
-    optimizer's own buffer. Nothing left to do."""
-
-
 def predict_step_ms(cal, config, row) -> float | None:
     """Each rank's share of the compute, then the reduce-scatter and the all-gather, neither hidden behind
     backward (they come after it). A ring reduce-scatter and all-gather are each half an all-reduce's
@@ -198,4 +200,4 @@ def predict_step_ms(cal, config, row) -> float | None:
 
 HOOKS = Hooks(check=check, comm_bytes_predicted=comm_bytes_predicted, model_state_bytes=model_state_bytes,
               state_dict=state_dict, extra_measurements=extra_measurements, predict_step_ms=predict_step_ms,
-              checkpoint_state=checkpoint_state, restore_checkpoint=restore_checkpoint)
+              checkpoint_state=checkpoint_state, restore_checkpoint=loaded_in_place)

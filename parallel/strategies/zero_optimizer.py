@@ -27,7 +27,16 @@ from torch.autograd.profiler import record_function
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from parallel.strategies.base import Hooks, Mutant, Trainable, injected, ring_allreduce_bytes, tensor_bytes
+from parallel.strategies.base import (
+    Hooks,
+    Mutant,
+    Trainable,
+    injected,
+    loaded_in_place,
+    optimizer_state_bytes,
+    ring_allreduce_bytes,
+    tensor_bytes,
+)
 
 NAME = "zero_optimizer"
 LAUNCH = "torchrun"
@@ -125,8 +134,7 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
     owned = [sum(tensor_bytes(p) for p in _owned(t, r)) for r in range(config.world_size)]
     return {"bytes_per_step_by_collective": {k: v / steps for k, v in t.state.by_kind.items()},
             "owned_param_bytes_per_rank": owned,  # greedy by size: uneven
-            "optimizer_state_bytes_per_rank": [sum(tensor_bytes(v) for p in _owned(t, r) for v in
-                                                   t.optimizer.optim.state.get(p, {}).values() if torch.is_tensor(v))
+            "optimizer_state_bytes_per_rank": [optimizer_state_bytes(_owned(t, r), t.optimizer.optim)
                                                if r == dist.rank else None for r in range(config.world_size)]}
 
 
@@ -142,10 +150,6 @@ def checkpoint_state(t: Trainable) -> dict:
     return {"model": t.model.module.state_dict(), **momenta, "step": torch.zeros((), dtype=torch.int64)}
 
 
-def restore_checkpoint(t: Trainable, sd: dict) -> None:
-    """DCP loaded in place into the parameters and the owned momentum buffers: nothing left to do."""
-
-
 HOOKS = Hooks(check=check, state_dict=state_dict, model_state_bytes=model_state_bytes,
               comm_bytes_predicted=comm_bytes_predicted, extra_measurements=extra_measurements,
-              checkpoint_state=checkpoint_state, restore_checkpoint=restore_checkpoint)
+              checkpoint_state=checkpoint_state, restore_checkpoint=loaded_in_place)
