@@ -50,6 +50,8 @@ class Measured:
     exposed_over_allreduce: float | None = None  # that, over one standalone all-reduce of every gradient
     allreduce_4B_ms: float | None = None  # the all-reduce latency (the cost model's alpha)
     allreduce_all_grads_ms: float | None = None  # one all-reduce of every gradient (with alpha: beta)
+    reduce_scatter_all_grads_ms: float | None = None  # one reduce-scatter of every gradient (sharded DP)
+    all_gather_all_params_ms: float | None = None  # one all-gather of every parameter (sharded DP)
     bubble_measured: float | None = None  # fraction of a step the pipeline's stages were idle
     bubble_theory: float | None = None  # (p-1)/(m+p-1)
 

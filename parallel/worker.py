@@ -52,7 +52,7 @@ def execute(strategy, config: RunConfig, dist: Dist, data=None) -> tuple[Row, di
     trainable.mutant = config.mutant  # the injected bug, if any, that train_step may carry (--mutant)
     with make_profiler(config.profile, config.out, strategy.name, dist.rank, dist.device) as prof:
         result = strategy.train(strategy, trainable, data, config, dist, prof)
-    comm_bytes = trainable.comm_bytes
+    comm_bytes, comm_steps = trainable.comm_bytes, trainable.comm_steps
     state = strategy.state_dict(trainable)
     peaks, peak_kind = peak_memory(local)
     peak = max(peaks)
@@ -78,7 +78,7 @@ def execute(strategy, config: RunConfig, dist: Dist, data=None) -> tuple[Row, di
         samples_per_s=result.samples_per_s or (stats["p50_ms"] and config.batch_size / (stats["p50_ms"] / 1e3)),
         peak_mem_bytes=peak,
         peak_mem_kind=peak_kind,
-        comm_bytes_per_step=None if comm_bytes is None or not ran else comm_bytes / ran,
+        comm_bytes_per_step=None if comm_bytes is None or not ran else comm_bytes / (comm_steps or ran),
         comm_bytes_predicted=predicted,
         final_loss=result.losses[-1] if ran else None,
         threads_per_device=threads // len(local),

@@ -27,7 +27,7 @@ from parallel.strategies.base import options_of
 from parallel.workloads import WORKLOADS
 
 # The report lists strategies in this order; `single` is the baseline and always first.
-NAMES = ["single", "manual_dp", "data_parallel", "manual_ddp", "ddp", "zero", "zero_optimizer", "hogwild",
+NAMES = ["single", "manual_dp", "data_parallel", "manual_ddp", "ddp", "zero", "zero_optimizer", "fsdp", "hogwild",
          "model_parallel", "pipeline"]
 
 

@@ -26,6 +26,7 @@ class Trainable:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     device: torch.device
     comm_bytes: int | None = None  # bytes this rank sent through collectives so far; None: not counted
+    comm_steps: int | None = None  # how many steps comm_bytes covers (wire.Counter); None: every step run
     state: Any = None  # the strategy's own state: a small dataclass of its module (ddp.State, ...)
     devices: list[torch.device] = field(default_factory=list)  # every device this process drives, when
     #   more than `device`: the loop synchronizes them all before reading its clock (a pipeline's last
@@ -219,6 +220,24 @@ def predict_data_parallel_ms(cal, config, accum: int) -> float | None:
     if not cal.overlaps:
         return accum * micro + comm
     return accum * micro + max(comm - 2 / 3 * micro, cal.allreduce_ms(min(cal.grad_bytes, 2**20), n))
+
+
+def predict_sharded_ms(cal, config, row, all_gathers: int) -> float | None:
+    """Sharded data parallel (zero, fsdp): each rank computes its share, then one reduce-scatter of the
+    gradients and `all_gathers` all-gathers of the parameters, none hidden (they block in or after
+    backward here; FSDP2's prefetch on GPUs would hide some: an upper bound there). The collectives' times
+    are the row's own, measured in this run (wire.timed_collectives: on gloo a reduce-scatter costs about
+    an all-reduce); without them, from the all-reduce calibration: an all-gather or an nccl reduce-scatter
+    is half an all-reduce's traffic, gloo's reduce-scatter a whole one (PR #118911)."""
+    m, n = row.measured, config.world_size
+    if m.reduce_scatter_all_grads_ms is not None and m.all_gather_all_params_ms is not None:
+        comm = m.reduce_scatter_all_grads_ms + all_gathers * m.all_gather_all_params_ms
+    else:
+        allreduce = cal.allreduce_ms(cal.grad_bytes, n)
+        if allreduce is None:
+            return None
+        comm = (allreduce / 2 if cal.overlaps else allreduce) + all_gathers * allreduce / 2
+    return cal.compute_ms(config.batch_size // n) + comm
 
 
 @dataclass(frozen=True)

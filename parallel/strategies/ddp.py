@@ -42,7 +42,9 @@ from parallel.strategies.base import (
     allreduce_every_gradient,
     injected,
     make_optimizers,
+    optimizer_state_bytes,
     options_of,
+    param_bytes,
     predict_data_parallel_ms,
     ring_allreduce_bytes,
     state_bytes,
@@ -224,7 +226,13 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
                 times[kind].append(timer.elapsed)
     ms = {k: summarize(v)["p50_ms"] for k, v in times.items()}
     exposed = ms["step"] - ms["no_sync"]
+    params = list(_plain(t).parameters())
+    full = param_bytes(params)
     return {"buckets_per_step": buckets, "step_ms": ms["step"], "no_sync_step_ms": ms["no_sync"],
+            # the unsharded reference for the sharded strategies' table: every rank holds all of it
+            "param_bytes_per_rank": full, "grad_bytes_per_rank": full,
+            "optimizer_state_bytes_per_rank": optimizer_state_bytes(params, t.optimizer),
+            "zero_formula_bytes": 3 * full,  # (4 + 4 + K = 4) Psi: fp32 SGD with momentum
             "measured": Measured(exposed_comm_ms=exposed, exposed_over_allreduce=exposed / ms["allreduce"],
                                  allreduce_all_grads_ms=ms["allreduce"], allreduce_4B_ms=ms["allreduce_4B"])}
 

@@ -109,7 +109,7 @@ class Sync:
         return td.all_reduce(t, async_op=async_op)  # a sum; divided by N once it has arrived
 
 
-def _buckets(params: list[nn.Parameter], cap_bytes: float) -> list[list[nn.Parameter]]:
+def buckets_in_backward_order(params: list[nn.Parameter], cap_bytes: float) -> list[list[nn.Parameter]]:
     """Parameters in the order backward produces their gradients (reverse of the forward order), cut into
     groups of at least `cap_bytes` (the last one smaller)."""
     groups, size = [[]], 0
@@ -131,7 +131,7 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     sync = Sync(dist.world_size)
     hooked = params
     if not opts.naive:
-        groups = _buckets(params, (opts.bucket_mb or DEFAULT_BUCKET_MB) * 2**20)
+        groups = buckets_in_backward_order(params, (opts.bucket_mb or DEFAULT_BUCKET_MB) * 2**20)
         if injected(config, LAST_BUCKET_DROPPED):
             groups = groups[:-1]
         sync.buckets = [Bucket(i, g) for i, g in enumerate(groups)]

@@ -3,25 +3,31 @@
     torchrun --nproc_per_node=2 scripts/zero.py [--zero-stage 1|2]
 
 The diff from `manual_ddp`: every rank still holds all the parameters and trains on its 1/N share of the
-batch, but each rank owns one slice of them, and only that slice's optimizer state (SGD's momentum here):
+batch, and backward still hands the gradients over bucket by bucket as they land, but each bucket is cut
+into N equal chunks, and rank r owns chunk r of every bucket: only those chunks' optimizer state (SGD's
+momentum here), and at stage 2 only their gradients.
 
-    flat parameters (padded to a multiple of N):   [ rank 0's slice | rank 1's slice | ... | pad ]
-    backward          every rank: the gradient of every parameter, on its share of the batch
-    reduce-scatter    rank r receives the SUM of everyone's gradient for its slice only; / N = the mean
-    optimizer.step()  torch's own update rule on the slice (its momentum: 1/N of DDP's optimizer state)
-    all-gather        every rank's updated slice into every rank's parameters
+    flat parameters, bucket by bucket, each padded to a multiple of N:
+        [ bucket 0: r0 | r1 | ... ][ bucket 1: r0 | r1 | ... ] ...     (buckets in backward order)
+    backward          as a bucket's last gradient lands: reduce-scatter it; rank r receives the SUM of
+                      everyone's gradient for its chunk; / N = the mean
+    optimizer.step()  torch's own update rule on this rank's chunks (a view of the parameters each)
+    all-gather        every bucket's chunks into every rank's parameters
 
-    stage 1: the full gradient buffer stays allocated (as DDP's buckets); stage 2 frees it once it has been
-             reduce-scattered, so at rest a rank holds 1/N of the gradients too.
+    stage 1: the full gradient buffer stays allocated (as DDP's buckets); stage 2 keeps a bucket's
+             gradients only until its reduce-scatter, so at rest a rank holds 1/N of the gradients, and
+             during backward one bucket of whole gradients at a time.
 
 Bytes a rank sends per step: reduce-scatter (N-1)/N x P + all-gather (N-1)/N x P = 2(N-1)/N x P, the
 same as DDP's one all-reduce (the paper's 2 Psi), for 1/N of the optimizer state (and at stage 2 of the
-gradients). Here stage 2 reduces after backward in one piece: the full gradient still exists during
-backward (ZeRO-2 proper reduces bucket by bucket as backward produces them; not done yet).
+gradients); counted at the collectives (wire.Counter). The reduce-scatters block inside backward: on
+CPU there is nothing to overlap with (the ranks' threads use every core); on GPUs, overlapping them
+(async, a bounded number in flight) would hide them behind backward as DDP does. Not done here.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -31,6 +37,7 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from parallel.errors import ConfigError
+from parallel.strategies import wire
 from parallel.strategies.base import (
     Hooks,
     Mutant,
@@ -39,46 +46,68 @@ from parallel.strategies.base import (
     loaded_in_place,
     optimizer_state_bytes,
     options_of,
+    param_bytes,
+    predict_sharded_ms,
     tensor_bytes,
 )
+from parallel.strategies.manual_ddp import DEFAULT_BUCKET_MB, buckets_in_backward_order
 
 NAME = "zero"
 LAUNCH = "torchrun"
 SYNCHRONOUS = True
 
 # Bugs the oracle must catch (`--mutant NAME`; base.Mutant).
-WRONG_SLICE = Mutant("zero:wrong-slice", "each rank's optimizer steps the next rank's slice of the parameters "
-                     "with its own slice's gradient (a shard offset off by one rank)")
-NO_ALL_GATHER = Mutant("zero:no-all-gather", "the updated slices are never all-gathered: each rank sees only "
-                       "its own slice move", {"options": {"zero_stage": 2}})
-MUTANTS = (WRONG_SLICE, NO_ALL_GATHER)
-
-# gloo has reduce_scatter_single / all_gather_single in torch 2.13; the pyproject allows 2.6+, where they
-# are reduce_scatter_tensor / all_gather_into_tensor (deprecated names in 2.13).
-_reduce_scatter = getattr(td, "reduce_scatter_single", None) or td.reduce_scatter_tensor
-_all_gather = getattr(td, "all_gather_single", None) or td.all_gather_into_tensor
-
+WRONG_SLICE = Mutant("zero:wrong-slice", "each rank's optimizer steps the next rank's chunks of the parameters "
+                     "with its own chunks' gradient (a shard offset off by one rank)")
+NO_ALL_GATHER = Mutant("zero:no-all-gather", "the updated chunks are never all-gathered: each rank sees only "
+                       "its own chunks move", {"options": {"zero_stage": 2}})
+BUCKET_EARLY = Mutant("zero:bucket-early", "a bucket is reduce-scattered when its first gradient lands, not its "
+                      "last: the rest of it is reduced before backward has written it", {"workload": "cnn",
+                                                                                          "options": {"zero_stage": 2}})
+MUTANTS = (WRONG_SLICE, NO_ALL_GATHER, BUCKET_EARLY)
 
 @dataclass
 class Options:
     zero_stage: int = field(default=1, metadata={"help": "1: optimizer state sharded; 2: gradients too"})
+    bucket_mb: float = field(default=0.0, metadata={"help": "gradient bucket cap in MiB; 0 = 25, DDP's default"})
 
     def __post_init__(self):
         if self.zero_stage not in (1, 2):
             raise ConfigError(f"--zero-stage must be 1 or 2, got {self.zero_stage} (stage 3 is `fsdp`)")
+        if not self.bucket_mb >= 0:
+            raise ConfigError(f"--bucket-mb must be 0 (the default, 25) or more, got {self.bucket_mb}")
+
+
+@dataclass
+class Bucket:
+    """A range of the flat parameters (its length a multiple of N) and this rank's chunk of it."""
+
+    index: int
+    start: int
+    end: int
+    params: list[nn.Parameter]
+    shard: nn.Parameter  # (length/N,) this rank's chunk: a view of the flat parameters, what the optimizer steps
+    ready: int = 0  # gradients landed so far in this backward
+    reduced: bool = False
+    staged: torch.Tensor | None = None  # stage 2: the bucket's whole gradients, only until reduce-scattered
 
 
 @dataclass
 class Shards:
-    """This rank's view of the flat parameters and its slice of them."""
+    """This rank's view of the flat parameters and its chunks of them."""
 
     world: int
     stage: int
-    params: list[nn.Parameter]  # the model's, each a view of `flat`
-    flat: torch.Tensor  # (P,) every parameter back to back, padded to a multiple of N
-    shard: nn.Parameter  # (P/N,) this rank's slice of `flat`: what the optimizer steps
+    flat: torch.Tensor  # (P,) every parameter back to back, bucket by bucket, each padded to a multiple of N
     grads: torch.Tensor | None  # stage 1: (P,) the full gradient buffer, p.grad views into it
-    sent: dict[str, float] = field(default_factory=lambda: {"reduce_scatter": 0.0, "all_gather": 0.0})
+    buckets: list[Bucket]
+    counter: wire.Counter  # bytes by collective, counted in the warm-up steps
+    offsets: dict[nn.Parameter, int] = field(default_factory=dict)  # each parameter's place in `flat`
+    early: bool = False  # the zero:bucket-early bug
+
+    @property
+    def shards(self) -> list[nn.Parameter]:
+        return [b.shard for b in self.buckets]
 
 
 def check(config) -> None:
@@ -86,60 +115,79 @@ def check(config) -> None:
 
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
-    stage, n = options_of(Options, config).zero_stage, dist.world_size
+    o, n = options_of(Options, config), dist.world_size
     model = model.to(dist.device)
     params = [p for p in model.parameters() if p.requires_grad]
-    total = sum(p.numel() for p in params)
-    size = math.ceil(total / n)  # each rank's slice; the last one padded
-    flat = torch.zeros(size * n, dtype=params[0].dtype, device=dist.device)
-    grads = torch.zeros_like(flat) if stage == 1 else None
-    offset = 0
-    for p in params:  # each parameter becomes a view of the flat buffer (its gradient, at stage 1, too)
-        flat[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
-        p.data = flat[offset:offset + p.numel()].view_as(p)
-        if grads is not None:
-            p.grad = grads[offset:offset + p.numel()].view_as(p)
-        offset += p.numel()
-    td.broadcast(flat, src=0)  # every rank starts from rank 0's weights
+    groups = buckets_in_backward_order(params, (o.bucket_mb or DEFAULT_BUCKET_MB) * 2**20)
+    sizes = [math.ceil(sum(p.numel() for p in g) / n) * n for g in groups]  # each bucket padded to N chunks
+    flat = torch.zeros(sum(sizes), dtype=params[0].dtype, device=dist.device)
+    grads = torch.zeros_like(flat) if o.zero_stage == 1 else None
     owner = (dist.rank + 1) % n if injected(config, WRONG_SLICE) else dist.rank
-    shard = nn.Parameter(flat[owner * size:(owner + 1) * size])  # a view: stepping it moves the model's weights
-    return Trainable(model, make_optimizer([shard]), loss_fn, dist.device, comm_bytes=0,
-                     state=Shards(n, stage, params, flat, shard, grads))
+    buckets, offsets, start = [], {}, 0
+    for i, (group, size) in enumerate(zip(groups, sizes, strict=True)):
+        offset = start
+        for p in group:  # each parameter becomes a view of the flat buffer (its gradient, at stage 1, too)
+            flat[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = flat[offset:offset + p.numel()].view_as(p)
+            if grads is not None:
+                p.grad = grads[offset:offset + p.numel()].view_as(p)
+            offsets[p] = offset
+            offset += p.numel()
+        chunk = size // n  # a view: stepping it moves the model's weights
+        buckets.append(Bucket(i, start, start + size, group, nn.Parameter(flat[start + owner * chunk:][:chunk])))
+        start += size
+    td.broadcast(flat, src=0)  # every rank starts from rank 0's weights
+    z = Shards(n, o.zero_stage, flat, grads, buckets, wire.Counter(config.warmup), offsets,
+               injected(config, BUCKET_EARLY))
+    for b in buckets:
+        for p in b.params:
+            p.register_post_accumulate_grad_hook(functools.partial(_landed, z, b))
+    return Trainable(model, make_optimizer(z.shards), loss_fn, dist.device, comm_bytes=0, state=z)
 
 
-def _full_gradient(z: Shards) -> torch.Tensor:
-    """(P,) every parameter's gradient back to back: the stage-1 buffer, or at stage 2 a transient copy
-    whose parts are freed as they are copied."""
-    if z.grads is not None:
-        return z.grads
-    parts = []
-    for p in z.params:
-        parts.append(p.grad.reshape(-1))
-        p.grad = None  # stage 2: no full gradient kept past this step
-    pad = z.flat.numel() - sum(t.numel() for t in parts)
-    return torch.cat(parts + [z.flat.new_zeros(pad)])
+def _landed(z: Shards, b: Bucket, p: nn.Parameter) -> None:
+    """Backward has accumulated p's gradient. Stage 2 moves it into the bucket's staging buffer and frees
+    it; the bucket's last gradient starts its reduce-scatter."""
+    if z.grads is None:
+        if b.staged is None:
+            b.staged = z.flat.new_zeros(b.end - b.start)
+        at = z.offsets[p] - b.start
+        b.staged[at:at + p.numel()].copy_(p.grad.reshape(-1))
+        p.grad = None  # stage 2: no whole gradient outlives its bucket
+    b.ready += 1
+    if b.ready == (1 if z.early else len(b.params)) and not b.reduced:
+        _reduce(z, b)
+
+
+def _reduce(z: Shards, b: Bucket) -> None:
+    with record_function(f"reduce-scatter bucket {b.index}"):
+        grad = torch.empty_like(b.shard)
+        whole = z.grads[b.start:b.end] if z.grads is not None else b.staged
+        if whole is None:  # stage 2, a bucket none of whose parameters got a gradient this step
+            whole = z.flat.new_zeros(b.end - b.start)
+        wire.reduce_scatter(grad, whole)  # the sum over the ranks of this rank's chunk
+        b.shard.grad = grad.div_(z.world)  # the mean: what `single` computes on the whole batch
+    b.staged, b.reduced = None, True
 
 
 def train_step(t: Trainable, batch, dist):
     z = t.state
     x, y = (b.to(t.device, non_blocking=True) for b in batch)  # this rank's share, (B/N, ...)
-    if z.grads is not None:
-        z.grads.zero_()  # the parameters' .grad are views of it: zeroed in place, never set to None
-    loss = t.loss_fn(t.model(x), y)  # the mean over this rank's share
-    loss.backward()
-    ring = (z.world - 1) / z.world * z.flat.numel() * z.flat.element_size()  # bytes a rank sends, each way
-    with record_function("reduce-scatter gradients"):
-        grad = torch.empty_like(z.shard)
-        _reduce_scatter(grad, _full_gradient(z))  # the sum over the ranks of this rank's slice
-        z.shard.grad = grad.div_(z.world)  # the mean: what `single` computes on the whole batch
-    z.sent["reduce_scatter"] += ring
-    t.optimizer.step()  # torch's update rule, on this rank's slice only (in place: the model's weights)
-    z.shard.grad = None  # stage 2 keeps no gradient between steps; stage 1's lives in the buffer
-    if not injected(t, NO_ALL_GATHER):
-        with record_function("all-gather parameters"):
-            _all_gather(z.flat, z.shard.detach().clone())  # every rank's slice into every rank's weights
-        z.sent["all_gather"] += ring
-    t.comm_bytes = sum(z.sent.values())
+    with z.counter.step():
+        if z.grads is not None:
+            z.grads.zero_()  # the parameters' .grad are views of it: zeroed in place, never set to None
+        loss = t.loss_fn(t.model(x), y)  # the mean over this rank's share
+        loss.backward()  # the hooks reduce-scatter each bucket as its last gradient lands
+        for b in z.buckets:  # one whose parameters got no gradient is reduced now: every rank runs the same
+            if not b.reduced:
+                _reduce(z, b)
+        t.optimizer.step()  # torch's update rule, on this rank's chunks only (in place: the model's weights)
+        for b in z.buckets:
+            b.shard.grad, b.ready, b.reduced = None, 0, False  # stage 1's gradients live in the buffer
+            if not injected(t, NO_ALL_GATHER):
+                with record_function(f"all-gather bucket {b.index}"):  # every rank's chunks into its weights
+                    wire.all_gather(z.flat[b.start:b.end], b.shard.detach().clone())
+    t.comm_bytes, t.comm_steps = z.counter.total, z.counter.counted
     return loss.detach()
 
 
@@ -151,11 +199,11 @@ def comm_bytes_predicted(model, config) -> float:
 
 
 def model_state_bytes(t: Trainable, config) -> list[int]:
-    """Each rank: all parameters, the gradients (stage 1: all; stage 2: its slice, as the optimizer's
-    input), and the optimizer state of its slice."""
+    """Each rank: all parameters, the gradients (stage 1: all; stage 2: its chunks, as the optimizer's
+    input), and the optimizer state of its chunks."""
     z = t.state
-    grads = tensor_bytes(z.grads) if z.grads is not None else tensor_bytes(z.shard)
-    return [tensor_bytes(z.flat) + grads + optimizer_state_bytes([z.shard], t.optimizer)] * config.world_size
+    grads = tensor_bytes(z.grads) if z.grads is not None else param_bytes(z.shards)
+    return [tensor_bytes(z.flat) + grads + optimizer_state_bytes(z.shards, t.optimizer)] * config.world_size
 
 
 def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
@@ -164,38 +212,35 @@ def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
 
 
 def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
-    z, steps = t.state, max(1, len(result.losses))
+    z = t.state
     n, psi = z.world, z.flat.numel() * z.flat.element_size()
-    return {"zero_stage": z.stage, "bytes_per_step_by_collective": {k: v / steps for k, v in z.sent.items()},
+    return {"zero_stage": z.stage, "bytes_per_step_by_collective": z.counter.per_step(),
+            "bucket_bytes": [(b.end - b.start) * z.flat.element_size() for b in z.buckets],
             "param_bytes_per_rank": tensor_bytes(z.flat),
             "grad_bytes_per_rank": tensor_bytes(z.grads) if z.grads is not None else psi // n,
-            "optimizer_state_bytes_per_rank": optimizer_state_bytes([z.shard], t.optimizer),
+            "optimizer_state_bytes_per_rank": optimizer_state_bytes(z.shards, t.optimizer),
             # ZeRO's model state per device for fp32 SGD with momentum (K = 4 bytes of optimizer state per
             # parameter): DDP 12 Psi; stage 1: 4 + 4 + 4/N; stage 2: 4 + (4 + 4)/N (Psi = parameter count).
-            "zero_formula_bytes": psi + (psi if z.stage == 1 else psi / n) + psi / n}
+            "zero_formula_bytes": psi + (psi if z.stage == 1 else psi / n) + psi / n,
+            "measured": wire.measured_collectives(t.device, z.flat.numel(), rounds=max(3, min(10, config.steps)))}
 
 
 def checkpoint_state(t: Trainable) -> dict:
     """The parameters under the model's names (every rank holds all of them: DCP writes them once), and this
-    rank's slice of the momentum under a key of its own, so each rank writes and reads only its slice. A
-    checkpoint resumes on the same number of ranks (another N slices differently: refused as not fitting)."""
+    rank's chunks of the momentum under keys of its own, so each rank writes and reads only its chunks. A
+    checkpoint resumes on the same number of ranks and buckets (else refused as not fitting)."""
     z, rank = t.state, td.get_rank() if td.is_initialized() else 0
-    opt = t.optimizer.state[z.shard]  # SGD creates its momentum at the first step: make it now, as zeros
-    opt.setdefault("momentum_buffer", torch.zeros_like(z.shard))
-    return {"model": t.model.state_dict(), f"momentum_of_slice_{rank}_of_{z.world}": opt["momentum_buffer"],
-            "step": torch.zeros((), dtype=torch.int64)}
+    momenta = {}
+    for b in z.buckets:
+        opt = t.optimizer.state[b.shard]  # SGD creates its momentum at the first step: make it now, as zeros
+        momenta[f"momentum_of_bucket_{b.index}_chunk_{rank}_of_{z.world}"] = opt.setdefault(
+            "momentum_buffer", torch.zeros_like(b.shard))
+    return {"model": t.model.state_dict(), **momenta, "step": torch.zeros((), dtype=torch.int64)}
 
 
 def predict_step_ms(cal, config, row) -> float | None:
-    """Each rank's share of the compute, then the reduce-scatter and the all-gather, neither hidden behind
-    backward (they come after it). A ring reduce-scatter and all-gather are each half an all-reduce's
-    traffic on nccl; gloo's reduce-scatter is a whole all-reduce followed by a chunk (PR #118911)."""
-    n = config.world_size
-    allreduce = cal.allreduce_ms(cal.grad_bytes, n)
-    if allreduce is None:
-        return None
-    reduce_scatter = allreduce / 2 if cal.overlaps else allreduce  # `overlaps`: real GPUs, nccl
-    return cal.compute_ms(config.batch_size // n) + reduce_scatter + allreduce / 2
+    """Each rank's share of the compute, then the reduce-scatter and the all-gather (base.predict_sharded_ms)."""
+    return predict_sharded_ms(cal, config, row, all_gathers=1)
 
 
 HOOKS = Hooks(check=check, comm_bytes_predicted=comm_bytes_predicted, model_state_bytes=model_state_bytes,

@@ -12,14 +12,12 @@ uneven), and keeps optimizer state for those only. What it does each step, read 
                                                                           (N-1)/N x P more
 
 About 3 P in all where the ZeRO paper's stage 1 needs 2 P (reduce-scatter + all-gather, `zero`): DDP's
-full all-reduce stays. Its overlap with DDP (`overlap_with_ddp=True`) refuses gloo (pytorch#62300). The
-broadcasts are counted by intercepting torch.distributed.broadcast during the step.
+full all-reduce stays. Its overlap with DDP (`overlap_with_ddp=True`) refuses gloo (pytorch#62300). Both
+are counted at the collectives (wire.Counter); DDP's all-reduce goes through a comm hook (torch's own
+allreduce_hook) so that it passes the dispatcher where the counter sees it.
 """
 
 from __future__ import annotations
-
-import contextlib
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as td
@@ -27,6 +25,7 @@ from torch.autograd.profiler import record_function
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from parallel.strategies import wire
 from parallel.strategies.base import (
     Hooks,
     Mutant,
@@ -34,7 +33,7 @@ from parallel.strategies.base import (
     injected,
     loaded_in_place,
     optimizer_state_bytes,
-    ring_allreduce_bytes,
+    predict_data_parallel_ms,
     tensor_bytes,
 )
 
@@ -48,40 +47,13 @@ LOCAL_STEP_ONLY = Mutant("zero_optimizer:local-step-only", "the wrapped optimize
 MUTANTS = (LOCAL_STEP_ONLY,)
 
 
-@dataclass
-class Sent:
-    """Bytes this rank sent, by collective, counted where they happen."""
-
-    world: int
-    by_kind: dict[str, float] = field(default_factory=lambda: {"all_reduce": 0.0, "broadcast": 0.0})
-
-
 def check(config) -> None:
     config.check_divisible(config.world_size, "world size")
 
 
-def _counting_allreduce(t: Trainable, bucket):  # no return annotation: DDP rejects a string one
-    buf = bucket.buffer()
-    t.state.by_kind["all_reduce"] += ring_allreduce_bytes(buf.numel() * buf.element_size(), t.state.world)
+def _labelled_allreduce(t: Trainable, bucket):  # no return annotation: DDP rejects a string one
     with record_function(f"all-reduce bucket {bucket.index()}"):
         return default_hooks.allreduce_hook(None, bucket)
-
-
-@contextlib.contextmanager
-def _counting_broadcasts(sent: Sent):
-    """torch.distributed.broadcast, counted while ZeroRedundancyOptimizer syncs the parameters. A
-    broadcast of b bytes over a ring (pipelined) has N-1 links each carry b: (N-1)/N x b per rank."""
-    real = td.broadcast
-
-    def counted(tensor, *args, **kwargs):
-        sent.by_kind["broadcast"] += (sent.world - 1) / sent.world * tensor.numel() * tensor.element_size()
-        return real(tensor, *args, **kwargs)
-
-    td.broadcast = counted  # the optimizer calls torch.distributed.broadcast through the module: seen here
-    try:
-        yield
-    finally:
-        td.broadcast = real
 
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
@@ -93,19 +65,20 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     ddp = DDP(model, device_ids=[dist.device] if dist.device.type == "cuda" else None, gradient_as_bucket_view=True)
     like = make_optimizer([torch.zeros(1, requires_grad=True)])  # the run's optimizer: its class and settings
     optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=type(like), **like.defaults)
-    t = Trainable(ddp, optimizer, loss_fn, dist.device, comm_bytes=0, state=Sent(dist.world_size))
-    ddp.register_comm_hook(t, _counting_allreduce)
+    t = Trainable(ddp, optimizer, loss_fn, dist.device, comm_bytes=0, state=wire.Counter(config.warmup))
+    ddp.register_comm_hook(t, _labelled_allreduce)
     return t
 
 
 def train_step(t: Trainable, batch, dist):
     x, y = (b.to(t.device, non_blocking=True) for b in batch)  # this rank's share, (B/N, ...)
-    t.optimizer.zero_grad(set_to_none=True)
-    loss = t.loss_fn(t.model(x), y)
-    loss.backward()  # DDP's all-reduce, bucket by bucket
-    with record_function("step owned parameters, broadcast them"), _counting_broadcasts(t.state):
-        (t.optimizer.optim if injected(t, LOCAL_STEP_ONLY) else t.optimizer).step()
-    t.comm_bytes = sum(t.state.by_kind.values())
+    with t.state.step():
+        t.optimizer.zero_grad(set_to_none=True)
+        loss = t.loss_fn(t.model(x), y)
+        loss.backward()  # DDP's all-reduce, bucket by bucket
+        with record_function("step owned parameters, broadcast them"):
+            (t.optimizer.optim if injected(t, LOCAL_STEP_ONLY) else t.optimizer).step()
+    t.comm_bytes, t.comm_steps = t.state.total, t.state.counted
     return loss.detach()
 
 
@@ -130,12 +103,24 @@ def comm_bytes_predicted(model, config) -> float:
 
 
 def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
-    steps = max(1, len(result.losses))
-    owned = [sum(tensor_bytes(p) for p in _owned(t, r)) for r in range(config.world_size)]
-    return {"bytes_per_step_by_collective": {k: v / steps for k, v in t.state.by_kind.items()},
+    """Every rank's optimizer state (gathered: a collective) beside the parameters each owns, and the
+    bytes per step by collective."""
+    n, full = config.world_size, sum(tensor_bytes(p) for p in t.model.parameters())
+    owned = [sum(tensor_bytes(p) for p in _owned(t, r)) for r in range(n)]
+    optimizer = [None] * n
+    td.all_gather_object(optimizer, optimizer_state_bytes(_owned(t, dist.rank), t.optimizer.optim))
+    return {"bytes_per_step_by_collective": t.state.per_step(),
             "owned_param_bytes_per_rank": owned,  # greedy by size: uneven
-            "optimizer_state_bytes_per_rank": [optimizer_state_bytes(_owned(t, r), t.optimizer.optim)
-                                               if r == dist.rank else None for r in range(config.world_size)]}
+            "param_bytes_per_rank": full, "grad_bytes_per_rank": full, "optimizer_state_bytes_per_rank": optimizer,
+            # ZeRO-1's model state for fp32 SGD with momentum: (4 + 4) Psi + 4 Psi / N (an even share)
+            "zero_formula_bytes": 2 * full + full / n}
+
+
+def predict_step_ms(cal, config, row) -> float | None:
+    """DDP's step (its all-reduce, base.predict_data_parallel_ms), then the broadcasts: (N-1)/N of the
+    parameters, half an all-reduce's traffic, after the step (nothing to hide behind)."""
+    ddp = predict_data_parallel_ms(cal, config, accum=1)
+    return None if ddp is None else ddp + cal.allreduce_ms(cal.grad_bytes, config.world_size) / 2
 
 
 def checkpoint_state(t: Trainable) -> dict:
@@ -152,4 +137,4 @@ def checkpoint_state(t: Trainable) -> dict:
 
 HOOKS = Hooks(check=check, state_dict=state_dict, model_state_bytes=model_state_bytes,
               comm_bytes_predicted=comm_bytes_predicted, extra_measurements=extra_measurements,
-              checkpoint_state=checkpoint_state, restore_checkpoint=loaded_in_place)
+              checkpoint_state=checkpoint_state, restore_checkpoint=loaded_in_place, predict_step_ms=predict_step_ms)

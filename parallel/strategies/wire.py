@@ -1,0 +1,176 @@
+"""Bytes on the wire, counted where the collectives happen, by kind.
+
+    with wire.counted(sent):   # sent: a dict, {"all_gather": bytes, "reduce_scatter": ..., ...}
+        loss = train_step(...)
+
+A TorchDispatchMode sees every operation torch dispatches, the collectives among them: torch.distributed's
+own calls (`c10d::_allgather_base_`, `c10d::allreduce_`, ...: DDP's comm hooks, ZeroRedundancyOptimizer's
+broadcasts, FSDP2's all-gathers and reduce-scatters) and DTensor's functional ones
+(`_c10d_functional::all_reduce`, ...). Each adds what this rank sends over a ring of the n ranks of its
+group (the nccl-tests "bus bandwidth" convention), from the sizes of the tensors it is given:
+
+    all-reduce       2 (n-1)/n x payload        reduce-scatter   (n-1)/n x its (whole) input
+    all-gather       (n-1) x its input (one shard: (n-1)/n of the gathered output)
+    broadcast        (n-1)/n x payload          all-to-all       (n-1)/n x its input
+    send             the payload                (a receive is counted at its sender)
+
+torch's `CommDebugMode` (torch.distributed.tensor.debug) counts the same calls but gives no bytes. DDP's
+reducer calls the process group from C++ when it has no comm hook, past the dispatcher: a strategy that
+wants those counted registers a hook (ddp, zero_optimizer do). The mode costs a Python call for every
+operation, about 3 microseconds each (measured on this 2-core machine against 0.9 us for a small add),
+so `Counter` counts the warm-up steps, off the clock, and not the timed ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed
+import torch.distributed as td
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from parallel.devices import synchronizer
+from parallel.results import Measured
+from parallel.timing import StepTimer, summarize
+
+# gloo has reduce_scatter_single / all_gather_single in torch 2.13; the pyproject allows 2.6+, where they
+# are reduce_scatter_tensor / all_gather_into_tensor (deprecated names in 2.13).
+reduce_scatter = getattr(td, "reduce_scatter_single", None) or td.reduce_scatter_tensor
+all_gather = getattr(td, "all_gather_single", None) or td.all_gather_into_tensor
+
+# Operation name (namespace and overload dropped) -> (kind, the argument holding what is sent,
+# the share of that argument's bytes a rank sends given the group's size n).
+_ALL_REDUCE = lambda n: 2 * (n - 1) / n  # noqa: E731 (a table of one-line formulas)
+_SHARE = lambda n: (n - 1) / n  # noqa: E731
+_ALL_GATHER = lambda n: n - 1  # noqa: E731
+_WHOLE = lambda n: 1.0  # noqa: E731
+OPS: dict[str, tuple[str, tuple[str, ...], object]] = {
+    **{op: ("all_reduce", ("tensors", "inputs", "input"), _ALL_REDUCE) for op in (
+        "allreduce_", "allreduce_coalesced_", "all_reduce", "all_reduce_", "all_reduce_coalesced",
+        "all_reduce_coalesced_")},
+    **{op: ("all_gather", ("input_tensor", "input_tensors", "input_list", "inputs", "input"), _ALL_GATHER)
+       for op in ("allgather_", "_allgather_base_", "allgather_coalesced_", "allgather_into_tensor_coalesced_",
+                  "all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced")},
+    **{op: ("reduce_scatter", ("input_tensor", "input_tensors", "inputs", "input"), _SHARE) for op in (
+        "reduce_scatter_", "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_", "reduce_scatter_tensor",
+        "reduce_scatter_tensor_out", "reduce_scatter_tensor_coalesced")},
+    **{op: ("broadcast", ("tensors", "input"), _SHARE) for op in ("broadcast_", "broadcast")},
+    **{op: ("all_to_all", ("input_tensors", "input"), _SHARE) for op in ("alltoall_", "alltoall_base_",
+                                                                          "all_to_all_single")},
+    **{op: ("send", ("tensors", "tensor"), _WHOLE) for op in ("send", "isend")},
+}
+NAMESPACES = ("c10d", "_c10d_functional")
+
+
+def _nbytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def _group_size(bound: dict) -> int:
+    if "process_group" in bound:  # the dispatcher's boxed (TorchScript) form of the group
+        return torch.distributed.ProcessGroup.unbox(bound["process_group"]).size()
+    if "group_size" in bound:
+        return int(bound["group_size"])
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(bound["group_name"]).size()
+
+
+def bytes_sent(func, args, kwargs) -> tuple[str, float] | None:
+    """(kind, bytes this rank sends) for a collective operation, None for any other operation."""
+    if func.namespace not in NAMESPACES:
+        return None
+    name = func._schema.name.split("::")[-1]
+    if name == "batch_p2p_ops":  # (ops, peers, tags, tensors, group): the sends among them
+        return "send", float(sum(_nbytes(t) for op, t in zip(args[0], args[3], strict=True) if op == "isend"))
+    if name not in OPS:
+        return None  # a receive, a barrier, wait_tensor: nothing sent
+    kind, inputs, share = OPS[name]
+    bound = {a.name: v for a, v in zip(func._schema.arguments, args, strict=False)} | (kwargs or {})
+    payload = next(_nbytes(bound[k]) for k in inputs if k in bound)
+    return kind, share(_group_size(bound)) * payload
+
+
+class _Counting(TorchDispatchMode):
+    def __init__(self, sent: dict[str, float]):
+        super().__init__()
+        self.sent = sent
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if (counted := bytes_sent(func, args, kwargs)) is not None:
+            kind, nbytes = counted
+            self.sent[kind] = self.sent.get(kind, 0.0) + nbytes
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def counted(sent: dict[str, float]):
+    """Add the bytes of every collective this rank runs inside the block to `sent`, by kind."""
+    with _Counting(sent):
+        yield sent
+
+
+class Counter:
+    """A strategy's count of its collectives, kept off the clock: the mode runs through the first `steps`
+    steps of the run (its warm-up steps, which the loop does not time) and the timed steps run without it;
+    the bytes per step are those of the counted steps. steps=0 (a run without warm-up) counts every step.
+
+        counter = wire.Counter(config.warmup)        # in setup
+        with counter.step(): ...                     # around each train_step's work
+        t.comm_bytes, t.comm_steps = counter.total, counter.counted
+    """
+
+    def __init__(self, steps: int):
+        self.steps = steps
+        self.sent: dict[str, float] = {}
+        self.counted = 0  # steps counted so far
+        self.seen = 0
+
+    @property
+    def total(self) -> float:
+        return sum(self.sent.values())
+
+    def per_step(self) -> dict[str, float]:
+        return {k: v / max(1, self.counted) for k, v in self.sent.items()}
+
+    @contextlib.contextmanager
+    def step(self):
+        self.seen += 1
+        if self.steps and self.seen > self.steps:
+            yield
+            return
+        with counted(self.sent):
+            yield
+        self.counted += 1
+
+
+def timed_collectives(device: torch.device, numel: int, rounds: int = 10) -> dict[str, float]:
+    """Median ms of one all-reduce, one reduce-scatter and one all-gather of `numel` fp32 elements (padded
+    to a multiple of N) over the world, timed in turns round by round (the first round dropped), so that a
+    drift of the machine's speed hits all three alike: what each costs here, in one run."""
+    n = td.get_world_size()
+    whole = torch.zeros(-(-numel // n) * n, device=device)
+    part = torch.zeros(whole.numel() // n, device=device)
+    work = {"all_reduce": lambda: td.all_reduce(whole), "reduce_scatter": lambda: reduce_scatter(part, whole),
+            "all_gather": lambda: all_gather(whole, part)}
+    timer, times = StepTimer(synchronizer(device)), {k: [] for k in work}
+    for i in range(rounds + 1):
+        for kind, run in work.items():
+            with timer:
+                run()
+            if i:
+                times[kind].append(timer.elapsed)
+    return {k: summarize(v)["p50_ms"] for k, v in times.items()}
+
+
+def measured_collectives(device: torch.device, numel: int, rounds: int) -> Measured:
+    """timed_collectives as the row's declared measurements (the report's CPU caveat and the cost model
+    read them)."""
+    ms = timed_collectives(device, numel, rounds)
+    return Measured(allreduce_all_grads_ms=ms["all_reduce"], reduce_scatter_all_grads_ms=ms["reduce_scatter"],
+                    all_gather_all_params_ms=ms["all_gather"])

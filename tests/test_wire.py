@@ -1,0 +1,55 @@
+"""wire: bytes counted at the collectives, by kind, on 3 gloo ranks spawned inside pytest: torch.distributed's
+calls, a functional (DTensor's) all-reduce, and a point-to-point send, each against the ring formula."""
+
+import pytest
+import torch
+import torch.distributed as td
+
+from parallel.strategies import wire
+from tests.multirank import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+N, ELEMS = 3, 600  # 600 fp32 elements: 2,400 bytes
+
+
+def _collectives(rank, world):
+    import torch.distributed._functional_collectives as funcol
+
+    t, sent = torch.ones(ELEMS), {}
+    with wire.counted(sent):
+        td.all_reduce(t)
+        td.broadcast(t, src=0)
+        td.all_gather_single(torch.empty(ELEMS * world), torch.ones(ELEMS))
+        td.reduce_scatter_single(torch.empty(ELEMS // world), torch.ones(ELEMS))
+        funcol.all_reduce(torch.ones(ELEMS), "sum", td.group.WORLD).wait()
+        if rank == 0:
+            td.send(torch.ones(ELEMS), dst=1)
+        elif rank == 1:
+            td.recv(torch.empty(ELEMS), src=0)
+        td.barrier()
+    counter = wire.Counter(steps=1)
+    for _ in range(3):  # counts the first step only: the warm-up, off the clock
+        with counter.step():
+            td.all_reduce(torch.ones(ELEMS))
+    return sent, counter.total, counter.counted, counter.per_step()
+
+
+def test_each_collective_is_counted_at_the_bytes_a_ring_sends():
+    payload = ELEMS * 4
+    ranks = run_ranks(_collectives, N)
+    for rank, (sent, total, counted, per_step) in enumerate(ranks):
+        assert sent == pytest.approx({
+            "all_reduce": 2 * 2 * (N - 1) / N * payload,  # torch.distributed's and the functional one
+            "broadcast": (N - 1) / N * payload,
+            "all_gather": (N - 1) * payload,  # its shard to each of the others: (N-1)/N of the output
+            "reduce_scatter": (N - 1) / N * payload,
+            **({"send": payload} if rank == 0 else {}),  # a receive is counted at its sender
+        }), rank
+        assert (total, counted) == (2 * (N - 1) / N * payload, 1) and per_step == {"all_reduce": total}
+
+
+def test_other_operations_count_nothing():
+    sent = {}
+    with wire.counted(sent):
+        torch.ones(3).add(1).sum()
+    assert sent == {}
