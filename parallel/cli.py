@@ -185,7 +185,7 @@ def cmd_scaling(config: RunConfig, names: list[str], sizes_text: str) -> int:
         raise ConfigError(f"--world-sizes {sizes_text!r}: device counts must be 1 or more")
     runs = []
     for mode, n, cfg in scaling.points(config, sizes):  # every point checked before the first one runs
-        run_names, _ = strategies.resolve(names, cfg.spec, cfg.workload)
+        run_names, _ = strategies.resolve(names, cfg.spec, cfg.workload, strict=False)
         runs.append((mode, n, cfg, plan(cfg, run_names, baseline=True)))
     prepare_out(Path(config.out))
     console = make_console()

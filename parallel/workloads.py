@@ -21,6 +21,30 @@ import torch.nn.functional as F
 from torch import nn
 
 
+@dataclass(frozen=True)
+class TPPlan:
+    """How a model is split for tensor parallelism (Megatron, Shoeybi et al. 2019), by module name.
+
+    colwise   Linear layers split by their outputs: each rank computes its columns of the output
+    rowwise   Linear layers split by their inputs: each rank's partial output, summed over the ranks
+    regions   modules whose input enters several colwise layers (attention's q, k, v): it is copied to
+              the ranks once, and its gradient summed once; a colwise layer outside a region is its own
+
+    Every other module is replicated: each rank holds all of it and computes the same thing. A colwise
+    layer feeds a rowwise one with nothing between them but element-wise functions (or attention over
+    whole heads), so a pair costs one all-reduce forward (the rowwise output) and one backward (the
+    region's input gradient)."""
+
+    colwise: tuple[str, ...]
+    rowwise: tuple[str, ...]
+    regions: tuple[str, ...] = ()
+
+    @classmethod
+    def joined(cls, plans) -> TPPlan:
+        plans = list(plans)
+        return cls(*(tuple(n for p in plans for n in getattr(p, f)) for f in ("colwise", "rowwise", "regions")))
+
+
 class MLP(nn.Module):
     """A few million parameters and little arithmetic per parameter: communication-heavy.
 
@@ -42,6 +66,10 @@ class MLP(nn.Module):
     def pipeline_layers(self) -> list[nn.Module]:
         """The layers forward() runs one after another: what model/pipeline parallelism split."""
         return list(self.layers)
+
+    def tp_plan(self) -> TPPlan:
+        """Megatron's pairs: layers 0 and 4 split by columns, 2 and 6 by rows; the last one replicated."""
+        return TPPlan(colwise=("layers.0", "layers.4"), rowwise=("layers.2", "layers.6"))
 
 
 class LeNet(nn.Module):
@@ -88,6 +116,10 @@ class TinyTransformer(nn.Module):
     def pipeline_layers(self) -> list[nn.Module]:
         return [self.embed, *self.blocks, self.head]
 
+    def tp_plan(self) -> TPPlan:
+        """Every block's plan (Block.tp_plan); the embeddings and the head replicated."""
+        return TPPlan.joined(b.tp_plan(f"blocks.{i}.") for i, b in enumerate(self.blocks))
+
 
 class Embed(nn.Module):
     def __init__(self, vocab: int, context: int, width: int):
@@ -99,21 +131,47 @@ class Embed(nn.Module):
 
 
 class Block(nn.Module):
-    """x + attention(norm(x)), then x + mlp(norm(x)); attention is causal (each token sees its past)."""
+    """x + attention(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, width: int, heads: int):
         super().__init__()
-        self.heads = heads
         self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)  # tensor parallel: colwise, rowwise
+        self.attn = Attention(width, heads)
         self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
 
     def forward(self, x):  # (B, T, C)
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, c // self.heads).unbind(2)  # (B, T, H, C/H)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        x = x + self.attn(self.norm1(x))
         return x + self.mlp(self.norm2(x))
+
+    def tp_plan(self, prefix: str = "") -> TPPlan:
+        """q, k, v split by heads (columns) in one region (their shared input copied once), proj by its
+        inputs (rows); the MLP's first layer by columns, its second by rows. Norms replicated."""
+        return TPPlan(colwise=tuple(prefix + n for n in ("attn.q", "attn.k", "attn.v", "mlp.0")),
+                      rowwise=(prefix + "attn.proj", prefix + "mlp.2"), regions=(prefix + "attn",))
+
+
+class Attention(nn.Module):
+    """Causal self-attention (each token sees its past), with separate q, k and v projections, so that
+    each can be split by heads for tensor parallelism; a fused [q | k | v] projection split contiguously
+    would give rank 0 all of q and half of k (pytorch#140069). The head count is read from the tensors
+    (width / head size), so a rank holding some of the heads computes with those."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.head_size = width // heads
+        fused = nn.Linear(width, 3 * width)  # drawn as one, as the fused projection was: the same weights
+        self.q, self.k, self.v = (nn.utils.skip_init(nn.Linear, width, width) for _ in range(3))  # no draws
+        with torch.no_grad():
+            for i, m in enumerate((self.q, self.k, self.v)):
+                m.weight.copy_(fused.weight[i * width:(i + 1) * width])
+                m.bias.copy_(fused.bias[i * width:(i + 1) * width])
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x):  # (B, T, C) -> (B, T, C)
+        b, t, _ = x.shape
+        q, k, v = (m(x).view(b, t, -1, self.head_size).transpose(1, 2) for m in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, heads here, T, head size)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 def gan_update(parts: dict, optimizers, real, z, unsynced=lambda name: contextlib.nullcontext()) -> torch.Tensor:
@@ -182,6 +240,7 @@ class Workload:
     dataset_size: int = 8192  # samples; batches wrap around it like epochs
     data: str = "teacher"  # "teacher": labelled by the nearest prototype; "tokens": a Markov chain; "images": GAN
     loss_names: tuple[str, ...] = ("loss",)
+    no_tp_plan: str = ""  # why its model has no tensor-parallel plan (tp_plan()), where it has none
 
     @property
     def multi_part(self) -> bool:
@@ -189,6 +248,11 @@ class Workload:
         model.update): only strategies with MULTI_PART = True train it. Otherwise training is one loss,
         one optimiser: loss(model(x), y)."""
         return hasattr(self.make_module, "parts")
+
+    @property
+    def tp_plan(self) -> bool:
+        """Its model says how to split it for tensor parallelism (model.tp_plan(), a TPPlan)."""
+        return hasattr(self.make_module, "tp_plan")
 
     def build_model(self, seed: int) -> nn.Module:
         """Same seed -> bitwise the same initial weights, whatever ran before in this process."""
@@ -216,11 +280,15 @@ WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in [
         Workload("mlp", "MLP 512-1024x4-10, 3.7M params (communication-heavy)", MLP, (512,)),
-        Workload("cnn", "LeNet-size CNN 28x28x1, 30k params (compute-heavy)", LeNet, (1, 28, 28)),
+        Workload("cnn", "LeNet-size CNN 28x28x1, 30k params (compute-heavy)", LeNet, (1, 28, 28),
+                 no_tp_plan="its work is convolutions, which Megatron's column/row split of Linear layers does "
+                            "not cover, and its Linear layers (120 and 60 wide, 0.03M parameters) are too "
+                            "small to be worth splitting"),
         Workload("transformer", "GPT-style transformer, 2 blocks, width 128, 64 tokens x 32, 0.42M params",
                  TinyTransformer, (32,), classes=64, data="tokens"),
         Workload("dcgan", "DCGAN 24x24x3: generator + discriminator, two optimisers", DCGAN, (3, 24, 24),
-                 classes=1, data="images", loss_names=("d_loss", "g_loss")),
+                 classes=1, data="images", loss_names=("d_loss", "g_loss"),
+                 no_tp_plan="a generator and a discriminator of convolutions"),
     ]
 }
 

@@ -83,7 +83,7 @@ def honest_jobs(runs: int, base: dict | None = None) -> list[Job]:
         fields = {"batch_size": 510 if devices == "cpu:3" else 512, **(base or {})}  # 510 divides by 2 and 3
         config = RunConfig(workload=workload, devices=devices, seed=seed, **fields).validate()
         for s in strategies.all_strategies():
-            if s.synchronous and s.name != "single" and not s.unsupported(workload):
+            if s.synchronous and s.name != "single" and not s.unsupported(workload) and not s.available(config.spec):
                 s.validate(config)
                 jobs.append(Job(s.name, config.to_json(), "honest"))
     return jobs

@@ -27,13 +27,14 @@ from parallel.strategies.base import options_of
 from parallel.workloads import WORKLOADS
 
 # The report lists strategies in this order; `single` is the baseline and always first.
-NAMES = ["single", "manual_dp", "data_parallel", "manual_ddp", "ddp", "zero", "zero_optimizer", "fsdp", "hogwild",
-         "model_parallel", "pipeline"]
+NAMES = ["single", "manual_dp", "data_parallel", "manual_ddp", "ddp", "zero", "zero_optimizer", "fsdp", "manual_tp",
+         "tensor_parallel", "fsdp_tp", "hogwild", "model_parallel", "pipeline"]
 
 
 # The constants a strategy module may set, with their defaults. Its functions beyond setup and
 # train_step are declared in `HOOKS = base.Hooks(...)` (see base.Hooks).
-CONSTANTS = {"Options": None, "NOT_EXPECTED_REASON": None, "CHECKPOINTS": True, "MULTI_PART": False, "MUTANTS": ()}
+CONSTANTS = {"Options": None, "NOT_EXPECTED_REASON": None, "CHECKPOINTS": True, "MULTI_PART": False, "MUTANTS": (),
+             "TENSOR_PARALLEL": False}
 
 
 def _hooks(module: ModuleType) -> base.Hooks:
@@ -71,6 +72,8 @@ class Strategy:
         if WORKLOADS[workload].multi_part and not self.MULTI_PART:
             runs = ", ".join(n for n in NAMES if get(n).MULTI_PART)
             return f"its update has two models and two optimisers (strategies that run it: {runs})"
+        if self.TENSOR_PARALLEL and not WORKLOADS[workload].tp_plan:
+            return f"it has no tensor-parallel plan: {WORKLOADS[workload].no_tp_plan}"
         return None
 
     def option_fields(self) -> list[dataclasses.Field]:
@@ -151,14 +154,15 @@ def parse_list(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def resolve(names: list[str], spec, workload: str = "cnn") -> tuple[list[str], dict[str, str]]:
+def resolve(names: list[str], spec, workload: str = "cnn", strict: bool = True) -> tuple[list[str], dict[str, str]]:
     """(strategies to run, {skipped: why}). `all` means every strategy that can run `workload` on `spec`;
-    one named explicitly that cannot is an error."""
+    one named explicitly that cannot is an error, unless not `strict` (a scaling sweep's point with too few
+    devices for it: skipped there, run at the others)."""
     run, skipped = [], {}
     for n in NAMES if "all" in names else names:
         s = get(n)
         device_why, workload_why = s.available(spec), s.unsupported(workload)
-        if (device_why or workload_why) and "all" not in names:
+        if (device_why or workload_why) and "all" not in names and (strict or workload_why):
             raise ConfigError(f"{n} cannot run on {spec}: {device_why}" if device_why
                               else f"{n} cannot train the {workload} workload: {workload_why}")
         if device_why or workload_why:

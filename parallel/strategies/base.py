@@ -152,6 +152,33 @@ def state_bytes(params, optimizer, allocated: bool = False) -> int:
     return total + (optimizer_state_bytes(params, optimizer, allocated) if optimizer is not None else 0)
 
 
+def every_rank(value) -> list:
+    """`value` from every rank of the process group, in rank order (a collective: every rank calls it);
+    [value] in a world of one."""
+    import torch.distributed as td
+
+    if not td.is_initialized() or td.get_world_size() == 1:
+        return [value]
+    out = [None] * td.get_world_size()
+    td.all_gather_object(out, value)
+    return out
+
+
+def full_state_dict(t: Trainable) -> dict[str, torch.Tensor]:
+    """A `state_dict` for models of DTensor shards (FSDP2, tensor parallel): the whole model under its plain
+    names, on CPU, by torch's get_model_state_dict(full_state_dict=True), a collective; rank 0 gets them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(t.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.detach().cpu().clone() for k, v in sd.items()}
+
+
+def model_state_every_rank(t: Trainable, config) -> list[int]:
+    """A `model_state_bytes` for strategies whose ranks hold different parts: parameters, gradients and
+    optimiser state counted from each rank's own tensors (local shards), gathered from every rank."""
+    return every_rank(state_bytes(list(t.model.parameters()), t.optimizer))
+
+
 def loaded_in_place(t: Trainable, sd: dict) -> None:
     """A `restore_checkpoint` for a `checkpoint_state` made of the live tensors themselves (the model's
     parameters, the optimiser's buffers): DCP has loaded into them, nothing is left to do."""

@@ -32,7 +32,6 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as td
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -44,7 +43,10 @@ from parallel.strategies.base import (
     Hooks,
     Mutant,
     Trainable,
+    every_rank,
+    full_state_dict,
     injected,
+    model_state_every_rank,
     optimizer_state_bytes,
     options_of,
     param_bytes,
@@ -75,6 +77,9 @@ class Options:
                                                                 "and step in fp32 (MixedPrecisionPolicy)"})
     offload: str = field(default="", metadata={"help": "cpu: parameter shards and optimizer on the host "
                                                         "(CPUOffloadPolicy; GPUs only)"})
+    replicate: int = field(default=1, metadata={"help": "R > 1: HSDP, R replicas each sharded over N/R ranks "
+                                                        "(a 2-D mesh: gradients reduce-scattered in a replica, "
+                                                        "then all-reduced across them)"})
 
     def __post_init__(self):
         if self.reshard not in (0, 1):
@@ -83,6 +88,8 @@ class Options:
             raise ConfigError(f"--mixed-precision must be bf16 (or empty), got {self.mixed_precision!r}")
         if self.offload not in ("", "cpu"):
             raise ConfigError(f"--offload must be cpu (or empty), got {self.offload!r}")
+        if self.replicate < 1:
+            raise ConfigError(f"--replicate must be at least 1, got {self.replicate}")
 
 
 @dataclass
@@ -94,12 +101,17 @@ class Sharded:
 
 
 def dims(config, dist) -> ParallelDims:
-    """One data-parallel axis whose ranks shard the model (each still takes its own share of the batch)."""
-    return ParallelDims(world=dist.world_size, dp_shard=dist.world_size)
+    """Data parallel whose ranks shard the model (each still takes its own share of the batch): one axis,
+    or with --replicate R, R replicas of N/R shards each (HSDP)."""
+    r = options_of(Options, config).replicate
+    return ParallelDims(world=dist.world_size, dp_replicate=r, dp_shard=dist.world_size // r)
 
 
 def check(config) -> None:
     config.check_divisible(config.world_size, "world size")
+    if (r := options_of(Options, config).replicate) > 1 and (config.world_size % r or r == config.world_size):
+        raise ConfigError(f"--replicate {r} must divide the {config.world_size} devices into replicas of at least "
+                          "2 shards each (replicas of 1 are plain data parallel: ddp)")
     if options_of(Options, config).offload and not config.spec.real:
         raise ConfigError("--offload cpu needs GPUs: FSDP2 pins the offloaded shards in page-locked memory, "
                           "which needs an accelerator (and on CPU devices everything is on the host already)")
@@ -162,14 +174,6 @@ def train_step(t: Trainable, batch, dist):
     return loss.detach()
 
 
-def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
-    """The full parameters under the plain names, gathered to rank 0 (every rank takes part)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    sd = get_model_state_dict(t.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k: v.detach().cpu().clone() for k, v in sd.items()}
-
-
 def _local_state(t: Trainable) -> dict[str, int]:
     params = list(t.model.parameters())
     return {"param_bytes": param_bytes(params),
@@ -177,26 +181,16 @@ def _local_state(t: Trainable) -> dict[str, int]:
             "optimizer_state_bytes": optimizer_state_bytes(params, t.optimizer)}
 
 
-def _per_rank(value, config) -> list:
-    out = [None] * config.world_size
-    td.all_gather_object(out, value)
-    return out
-
-
-def model_state_bytes(t: Trainable, config) -> list[int]:
-    """Each rank's shards of the parameters, of their gradients (as backward left them) and of the
-    optimizer state, gathered from every rank (a collective)."""
-    return _per_rank(sum(_local_state(t).values()), config)
-
-
 def comm_bytes_predicted(model, config) -> float:
     """All-gathers (two with reshard, one without) and one reduce-scatter, each (N-1)/N of the parameters'
     bytes; the all-gathers in bf16 under --mixed-precision bf16. (FSDP2 pads each parameter's first
     dimension to a multiple of N: a few rows more on the wire.)"""
-    o, n = options_of(Options, config), config.world_size
+    o = options_of(Options, config)
+    n, r = config.world_size // o.replicate, o.replicate  # shards per replica, replicas
     p = sum(q.numel() for q in model.parameters()) * 4
     gathered = p / 2 if o.mixed_precision else p
-    return (n - 1) / n * ((2 if o.reshard else 1) * gathered + p)
+    across = 2 * (r - 1) / r * p / n  # HSDP: each rank's reduced shard all-reduced across the replicas
+    return (n - 1) / n * ((2 if o.reshard else 1) * gathered + p) + across
 
 
 class _UnshardedPeak(TorchDispatchMode):
@@ -227,10 +221,11 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
     with peak:
         t.optimizer.zero_grad(set_to_none=True)
         t.loss_fn(t.model(x), y).backward()
-    n, psi = config.world_size, sum(math.prod(p.shape) for p in t.model.parameters()) * 4  # the global shapes
+    n = config.world_size // options_of(Options, config).replicate  # the ranks one copy is sharded over
+    psi = sum(math.prod(p.shape) for p in t.model.parameters()) * 4  # the global shapes
     return {"reshard": int(t.state.reshard), "bytes_per_step_by_collective": t.state.counter.per_step(),
-            **{f"{k}_per_rank": _per_rank(v, config) for k, v in local.items()},
-            "unsharded_peak_bytes_per_rank": _per_rank(peak.peak, config),
+            **{f"{k}_per_rank": every_rank(v) for k, v in local.items()},
+            "unsharded_peak_bytes_per_rank": every_rank(peak.peak),
             # ZeRO-3's model state per device for fp32 SGD with momentum (K = 4): (4 + 4 + 4) Psi / N.
             "zero_formula_bytes": 3 * psi / n, "groups": len(t.state.groups),
             "measured": wire.measured_collectives(t.device, psi // 4, rounds=max(3, min(10, config.steps)))}
@@ -252,9 +247,9 @@ def tolerance(config) -> Rule | None:
 def predict_step_ms(cal, config, row) -> float | None:
     """Each rank's share of the compute, the reduce-scatter and one all-gather (two with --reshard 1)
     (base.predict_sharded_ms; fp32 collectives: bf16 all-gathers take less)."""
-    return predict_sharded_ms(cal, config, row, all_gathers=1 + options_of(Options, config).reshard)
+    return predict_sharded_ms(cal, config, row, all_gathers=1 + options_of(Options, config).reshard)  # no HSDP term
 
 
-HOOKS = Hooks(dims=dims, check=check, state_dict=state_dict, model_state_bytes=model_state_bytes,
+HOOKS = Hooks(dims=dims, check=check, state_dict=full_state_dict, model_state_bytes=model_state_every_rank,
               comm_bytes_predicted=comm_bytes_predicted, extra_measurements=extra_measurements,
               tolerance=tolerance, predict_step_ms=predict_step_ms)

@@ -20,7 +20,7 @@ from torch.autograd.profiler import record_function
 from parallel.devices import IntervalClock, synchronizer_all
 from parallel.errors import ConfigError
 from parallel.results import Measured
-from parallel.strategies.base import param_bytes
+from parallel.strategies.base import local, param_bytes
 from parallel.timing import median_time
 
 
@@ -114,16 +114,17 @@ def split(model: nn.Module, devices: list[torch.device], balance: str, sample: t
 
 class ActivationMeter:
     """Bytes autograd saves for backward while a stage runs forward (its activation memory), leaving
-    out the parameters it also saves. Use: `with meter: y = stage(x)`."""
+    out the parameters it also saves; of a DTensor, what this device holds. Use: `with meter: y = stage(x)`."""
 
     def __init__(self, stage: nn.Module):
-        self.params = {p.data_ptr() for p in stage.parameters()}
+        self.params = {local(p).data_ptr() for p in stage.parameters()}
         self.bytes = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if t.data_ptr() not in self.params:
-            self.bytes += t.numel() * t.element_size()
+        held = local(t)
+        if held.data_ptr() not in self.params:
+            self.bytes += held.numel() * held.element_size()
         return t
 
     def __enter__(self):

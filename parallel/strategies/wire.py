@@ -14,7 +14,11 @@ group (the nccl-tests "bus bandwidth" convention), from the sizes of the tensors
     broadcast        (n-1)/n x payload          all-to-all       (n-1)/n x its input
     send             the payload                (a receive is counted at its sender)
 
-torch's `CommDebugMode` (torch.distributed.tensor.debug) counts the same calls but gives no bytes. DDP's
+An operation on a DTensor is handed to DTensor first (the mode returns NotImplemented for it), so that
+the collectives DTensor runs inside it (a Partial gradient made Replicate at the optimizer's step, say)
+come through the mode too; a mode that ran the operation itself would not see them (measured: the
+all-reduce of `replicated.add_(partial)` is missed). torch's `CommDebugMode`
+(torch.distributed.tensor.debug) counts collectives too but gives no bytes. DDP's
 reducer calls the process group from C++ when it has no comm hook, past the dispatcher: a strategy that
 wants those counted registers a hook (ddp, zero_optimizer do). The mode costs a Python call for every
 operation, about 3 microseconds each (measured on this 2-core machine against 0.9 us for a small add),
@@ -24,6 +28,8 @@ so `Counter` counts the warm-up steps, off the clock, and not the timed ones.
 from __future__ import annotations
 
 import contextlib
+import re
+import sys
 
 import torch
 import torch.distributed
@@ -97,46 +103,60 @@ def bytes_sent(func, args, kwargs) -> tuple[str, float] | None:
 
 
 class _Counting(TorchDispatchMode):
-    def __init__(self, sent: dict[str, float]):
+    def __init__(self, counter: Counter):
         super().__init__()
-        self.sent = sent
+        self.counter = counter
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        dtensor = sys.modules.get("torch.distributed.tensor")
+        if dtensor is not None and any(issubclass(t, dtensor.DTensor) for t in types):
+            return NotImplemented  # a DTensor first: the collectives its own dispatch runs then come through here
         if (counted := bytes_sent(func, args, kwargs)) is not None:
-            kind, nbytes = counted
-            self.sent[kind] = self.sent.get(kind, 0.0) + nbytes
+            self.counter.add(*counted)
         return func(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def counted(sent: dict[str, float]):
-    """Add the bytes of every collective this rank runs inside the block to `sent`, by kind."""
-    with _Counting(sent):
-        yield sent
 
 
 class Counter:
     """A strategy's count of its collectives, kept off the clock: the mode runs through the first `steps`
     steps of the run (its warm-up steps, which the loop does not time) and the timed steps run without it;
-    the bytes per step are those of the counted steps. steps=0 (a run without warm-up) counts every step.
+    the figures per step are those of the counted steps. steps=0 (a run without warm-up) counts every step.
 
         counter = wire.Counter(config.warmup)        # in setup
         with counter.step(): ...                     # around each train_step's work
         t.comm_bytes, t.comm_steps = counter.total, counter.counted
+
+    By kind: bytes sent (`sent`), collectives (`calls`), bytes sent inside backward (`backward`); with
+    blocks=True also the collectives run while one of the model's `blocks.<i>` runs, forward or backward
+    (torch's ModTracker), for counts per transformer block (`in_blocks`, and their bytes `in_blocks_bytes`).
     """
 
-    def __init__(self, steps: int):
-        self.steps = steps
+    def __init__(self, steps: int, blocks: bool = False):
+        self.steps, self.blocks = steps, blocks
         self.sent: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.backward: dict[str, float] = {}
+        self.in_blocks: dict[str, int] = {}
+        self.in_blocks_bytes: dict[str, float] = {}
         self.counted = 0  # steps counted so far
         self.seen = 0
+        self._tracker = None
+
+    def add(self, kind: str, nbytes: float) -> None:
+        self.sent[kind] = self.sent.get(kind, 0.0) + nbytes
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+        if torch._C._current_graph_task_id() != -1:  # inside autograd's backward
+            self.backward[kind] = self.backward.get(kind, 0.0) + nbytes
+        if self._tracker is not None and any(_BLOCK.search(name) for name in self._tracker.parents):
+            self.in_blocks[kind] = self.in_blocks.get(kind, 0) + 1
+            self.in_blocks_bytes[kind] = self.in_blocks_bytes.get(kind, 0.0) + nbytes
 
     @property
     def total(self) -> float:
         return sum(self.sent.values())
 
-    def per_step(self) -> dict[str, float]:
-        return {k: v / max(1, self.counted) for k, v in self.sent.items()}
+    def per_step(self, what: str = "sent") -> dict[str, float]:
+        """`what` ("sent", "calls", "backward", "in_blocks", "in_blocks_bytes") per counted step, by kind."""
+        return {k: v / max(1, self.counted) for k, v in getattr(self, what).items()}
 
     @contextlib.contextmanager
     def step(self):
@@ -144,9 +164,28 @@ class Counter:
         if self.steps and self.seen > self.steps:
             yield
             return
-        with counted(self.sent):
+        with contextlib.ExitStack() as stack:
+            if self.blocks:
+                from torch.distributed._tools.mod_tracker import ModTracker
+
+                self._tracker = stack.enter_context(ModTracker())
+            stack.enter_context(_Counting(self))
             yield
+        self._tracker = None
         self.counted += 1
+
+
+_BLOCK = re.compile(r"\.blocks\.\d+(\.|$)")  # ModTracker's names: "TinyTransformer.blocks.0.attn"
+
+
+@contextlib.contextmanager
+def counted(sent: dict[str, float]):
+    """Add the bytes of every collective this rank runs inside the block to `sent`, by kind."""
+    counter = Counter(0)
+    with _Counting(counter):
+        yield sent
+    for kind, nbytes in counter.sent.items():
+        sent[kind] = sent.get(kind, 0.0) + nbytes
 
 
 def timed_collectives(device: torch.device, numel: int, rounds: int = 10) -> dict[str, float]:

@@ -30,6 +30,7 @@ from parallel.strategies.base import (
     Hooks,
     Mutant,
     Trainable,
+    every_rank,
     injected,
     loaded_in_place,
     optimizer_state_bytes,
@@ -107,8 +108,7 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
     bytes per step by collective."""
     n, full = config.world_size, sum(tensor_bytes(p) for p in t.model.parameters())
     owned = [sum(tensor_bytes(p) for p in _owned(t, r)) for r in range(n)]
-    optimizer = [None] * n
-    td.all_gather_object(optimizer, optimizer_state_bytes(_owned(t, dist.rank), t.optimizer.optim))
+    optimizer = every_rank(optimizer_state_bytes(_owned(t, dist.rank), t.optimizer.optim))
     return {"bytes_per_step_by_collective": t.state.per_step(),
             "owned_param_bytes_per_rank": owned,  # greedy by size: uneven
             "param_bytes_per_rank": full, "grad_bytes_per_rank": full, "optimizer_state_bytes_per_rank": optimizer,

@@ -1,0 +1,273 @@
+"""manual_tp: Megatron tensor parallelism by hand (Shoeybi et al. 2019): the layers themselves split over the ranks.
+
+    torchrun --nproc_per_node=2 scripts/manual_tp.py --workload mlp|transformer
+
+Every rank trains on the whole batch; what it holds is its part of each split layer, as the model's
+TPPlan says (workloads.py), and all of every other layer:
+
+    colwise Linear   rows r/N of W and b: rank r computes its 1/N of the output's features
+    rowwise Linear   columns r/N of W: rank r computes a partial sum x_r W_r^T; g sums the partial
+                     sums over the ranks, then the bias is added, once
+    region input     f copies it to the split layers: identity forward; backward, each rank holds only
+                     its part of the input's gradient, and f sums them
+
+    MLP     f -> layers.0 (colwise) -> relu -> layers.2 (rowwise) -> g -> relu -> f -> layers.4 -> relu
+            -> layers.6 -> g -> relu -> layers.8 (replicated)
+    block   x + g(proj(attention(q, k, v of f(norm1 x))))   q, k, v colwise: each rank attends with
+            x + g(mlp.2(gelu(mlp.0(f(norm2 x)))))            its H/N heads (q, k, v split alike)
+
+f and g are conjugate, each one all-reduce of the activations (B x T x C) in one direction: a
+colwise/rowwise pair costs one forward and one backward, 4 all-reduces per transformer block per step.
+The replicated layers (embeddings, norms, the head) see the same inputs and the same output gradients
+on every rank (g and f make them so), so they get the same gradient everywhere and need no all-reduce
+of their own. Each rank holds 1/N of the split layers' parameters, gradients and optimizer state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as td
+import torch.nn.functional as F
+from torch import nn
+
+from parallel.errors import ConfigError
+from parallel.layout import ParallelDims
+from parallel.strategies import wire
+from parallel.strategies.base import (
+    Hooks,
+    Mutant,
+    Trainable,
+    injected,
+    model_state_every_rank,
+    ring_allreduce_bytes,
+)
+from parallel.workloads import WORKLOADS, Attention
+
+NAME = "manual_tp"
+LAUNCH = "torchrun"
+SYNCHRONOUS = True
+TENSOR_PARALLEL = True  # trains only workloads whose model has a tp_plan()
+
+# Bugs the oracle must catch (`--mutant NAME`; base.Mutant).
+FUSED_QKV_SPLIT = Mutant("manual_tp:fused-qkv-split", "q, k and v split as one fused [q | k | v] matrix cut into N "
+                         "contiguous pieces, not by heads: rank 0 gets all of q's heads and half of k's "
+                         "(pytorch#140069)", {"workload": "transformer"})
+BIAS_ON_EVERY_RANK = Mutant("manual_tp:bias-every-rank", "a rowwise layer's bias added before the all-reduce, on "
+                            "every rank: N times the bias", {"workload": "mlp"})
+MUTANTS = (FUSED_QKV_SPLIT, BIAS_ON_EVERY_RANK)
+
+
+class _Copy(torch.autograd.Function):
+    """f: identity forward; backward, the input's gradient summed over the ranks (each holds a part)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        td.all_reduce(grad)
+        return grad
+
+
+class _Sum(torch.autograd.Function):
+    """g: the ranks' partial outputs summed forward; backward, identity (every rank needs it whole)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x = x.contiguous()
+        td.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class ColumnLinear(nn.Module):
+    """This rank's rows of a Linear's weight and bias: its part of the output's features."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, copy_input: bool):
+        super().__init__()
+        self.weight = nn.Parameter(weight.clone())
+        self.bias = None if bias is None else nn.Parameter(bias.clone())
+        self.copy_input = copy_input  # outside a region: its own f
+
+    def forward(self, x):
+        return F.linear(_Copy.apply(x) if self.copy_input else x, self.weight, self.bias)
+
+
+class RowLinear(nn.Module):
+    """This rank's columns of a Linear's weight, and the whole bias: its partial output, summed by g."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bias_every_rank: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(weight.clone())
+        self.bias = None if bias is None else nn.Parameter(bias.clone())
+        self.bias_every_rank = bias_every_rank  # the manual_tp:bias-every-rank bug
+
+    def forward(self, x):
+        if self.bias_every_rank:
+            return _Sum.apply(F.linear(x, self.weight, self.bias))
+        y = _Sum.apply(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+@dataclass
+class Split:
+    """What the strategy keeps: which modules are split how, for the state dict and the counts."""
+
+    world: int
+    colwise: tuple[str, ...]
+    rowwise: tuple[str, ...]
+    counter: wire.Counter
+    blocks: int  # transformer blocks (Megatron's count is per block), 0 for the MLP
+
+
+def dims(config, dist) -> ParallelDims:
+    """One tensor-parallel group: every rank the whole batch; one loss counts (they are all the same)."""
+    return ParallelDims(world=dist.world_size, tp=dist.world_size)
+
+
+def plan_problems(model: nn.Module, tp: int) -> str | None:
+    """Why `model` cannot be split over `tp` ranks (a size that does not divide), or None."""
+    for name, m in model.named_modules():
+        if isinstance(m, Attention) and (heads := m.q.out_features // m.head_size) % tp:
+            return f"tp {tp} does not divide {name}'s {heads} heads"
+    plan = model.tp_plan()
+    for name in plan.colwise:
+        if (out := model.get_submodule(name).out_features) % tp:
+            return f"tp {tp} does not divide {name}'s {out} output features"
+    for name in plan.rowwise:
+        if (inp := model.get_submodule(name).in_features) % tp:
+            return f"tp {tp} does not divide {name}'s {inp} input features"
+    return None
+
+
+def check(config) -> None:
+    model = WORKLOADS[config.workload].build_model(config.seed)
+    if why := plan_problems(model, config.world_size):
+        raise ConfigError(f"cannot split the {config.workload} over {config.world_size} ranks: {why}")
+
+
+def _rows(t: torch.Tensor, rank: int, n: int, dim: int = 0) -> torch.Tensor:
+    return t.detach().chunk(n, dim=dim)[rank]
+
+
+def shard(model: nn.Module, rank: int, n: int, config) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Replace every split Linear of the model's plan by this rank's part of it; f on every region."""
+    plan = model.tp_plan()
+    in_region = {c for c in plan.colwise for r in plan.regions if c.startswith(r + ".")}
+    full = {name: model.get_submodule(name) for name in plan.colwise + plan.rowwise}  # before any is replaced
+    parts = {}
+    for name in plan.colwise:
+        weight, bias = _rows(full[name].weight, rank, n), _rows(full[name].bias, rank, n)
+        parent, _, attr = name.rpartition(".")
+        if injected(config, FUSED_QKV_SPLIT) and attr in ("q", "k", "v"):  # the bug: [q | k | v] cut in N pieces
+            stacked = [torch.cat([full[f"{parent}.{a}"].weight, full[f"{parent}.{a}"].bias[:, None]], dim=1)
+                       for a in "qkv"]
+            piece = _rows(_rows(torch.cat(stacked), rank, n), "qkv".index(attr), 3)
+            weight, bias = piece[:, :-1], piece[:, -1]
+        parts[name] = ColumnLinear(weight, bias, copy_input=name not in in_region)
+    for name in plan.rowwise:
+        parts[name] = RowLinear(_rows(full[name].weight, rank, n, dim=1), full[name].bias,
+                                injected(config, BIAS_ON_EVERY_RANK))
+    for name, part in parts.items():
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, part)
+    for name in plan.regions:
+        model.get_submodule(name).register_forward_pre_hook(lambda m, args: (_Copy.apply(args[0]), *args[1:]))
+    return plan.colwise, plan.rowwise
+
+
+def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
+    # Every rank built the same model from the seed (workloads.build_model): each keeps its part of it.
+    colwise, rowwise = shard(model, dist.rank, dist.world_size, config)
+    model = model.to(dist.device)
+    blocks = len(getattr(model, "blocks", ()))
+    counter = wire.Counter(config.warmup, blocks=blocks > 0)
+    return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device, comm_bytes=0,
+                     state=Split(dist.world_size, colwise, rowwise, counter, blocks))
+
+
+def train_step(t: Trainable, batch, dist):
+    x, y = (b.to(t.device, non_blocking=True) for b in batch)  # the whole batch, on every rank
+    with t.state.counter.step():
+        t.optimizer.zero_grad(set_to_none=True)
+        loss = t.loss_fn(t.model(x), y)
+        loss.backward()
+        t.optimizer.step()  # each rank its part of the split layers, and all of the replicated ones
+    t.comm_bytes, t.comm_steps = t.state.counter.total, t.state.counter.counted
+    return loss.detach()
+
+
+def _gathered(t: torch.Tensor, dim: int, world: int) -> torch.Tensor:
+    parts = [torch.empty_like(t) for _ in range(world)]
+    td.all_gather(parts, t.detach().contiguous())
+    return torch.cat(parts, dim=dim)
+
+
+def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
+    """The whole model under its own names: every split weight gathered from the ranks (a collective)."""
+    s, out = t.state, {}
+    for name, value in t.model.state_dict().items():
+        module, _, kind = name.rpartition(".")
+        if module in s.colwise:
+            value = _gathered(value, 0, s.world)
+        elif module in s.rowwise and kind == "weight":
+            value = _gathered(value, 1, s.world)
+        out[name] = value.detach().cpu().clone()
+    return out
+
+
+def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
+    c, s = t.state.counter, t.state
+    out = {"collectives_per_step": c.per_step("calls"), "bytes_per_step_by_collective": c.per_step(),
+           "backward_bytes_per_step": c.per_step("backward")}
+    if s.blocks:  # Megatron: per block and step, 4 all-reduces of B x T x C activations
+        out["collectives_per_block_per_step"] = {k: v / s.blocks for k, v in c.per_step("in_blocks").items()}
+        out["bytes_per_block_per_step"] = {k: v / s.blocks for k, v in c.per_step("in_blocks_bytes").items()}
+    return out
+
+
+def _payloads(model, config) -> list[float]:
+    """Bytes of every activation Megatron all-reduces per step: every rowwise layer's output forward (B x T
+    x its outputs), and every region's (or colwise layer outside one) input gradient backward (B x T x its
+    inputs); but not the gradient of the data itself, which nothing needs (the MLP's first layer)."""
+    plan, w = model.tp_plan(), WORKLOADS[config.workload]
+    positions = config.batch_size * (w.input_shape[0] if w.data == "tokens" else 1)  # tokens: T per sample
+    forward = [model.get_submodule(r).out_features for r in plan.rowwise]
+    first_layer = next(n for n, _ in model.named_parameters()).rpartition(".")[0]
+    entries = [*plan.regions, *(c for c in plan.colwise if not any(c.startswith(r + ".") for r in plan.regions))]
+    backward = [_in_features(model, e) for e in entries if e != first_layer]
+    return [positions * c * 4 for c in forward + backward]
+
+
+def _in_features(model: nn.Module, name: str) -> int:
+    """A region's (or a colwise layer's) input width: that of its first Linear."""
+    return next(m for m in model.get_submodule(name).modules() if isinstance(m, nn.Linear)).in_features
+
+
+def comm_bytes_predicted(model, config) -> float | None:
+    """Megatron's all-reduces (_payloads), 2(N-1)/N of each per rank (sequence parallel: an all-gather and
+    a reduce-scatter of the same activation, (N-1)/N each: the same bytes)."""
+    if not hasattr(model, "tp_plan"):
+        return None
+    return sum(ring_allreduce_bytes(p, config.world_size) for p in _payloads(model, config))
+
+
+def predict_step_ms(cal, config, row) -> float | None:
+    """`single`'s step on the whole batch split N ways (each rank computes 1/N of every split layer; the
+    replicated ones are small here), plus every all-reduce, none hidden (each blocks the next layer)."""
+    n, model = config.world_size, WORKLOADS[config.workload].build_model(config.seed)
+    if cal.allreduce_ms(1, n) is None:
+        return None
+    return cal.compute_ms(config.batch_size) / n + sum(cal.allreduce_ms(p, n) for p in _payloads(model, config))
+
+
+HOOKS = Hooks(dims=dims, check=check, state_dict=state_dict, model_state_bytes=model_state_every_rank,
+              extra_measurements=extra_measurements, comm_bytes_predicted=comm_bytes_predicted,
+              predict_step_ms=predict_step_ms)

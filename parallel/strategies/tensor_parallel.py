@@ -1,0 +1,165 @@
+"""tensor_parallel: the same Megatron split with torch's DTensor: parallelize_module on a DeviceMesh.
+
+    torchrun --nproc_per_node=2 scripts/tensor_parallel.py --workload mlp|transformer
+             [--sequence-parallel 1] [--loss-parallel 1]      (both: the transformer)
+
+The diff from `manual_tp`: the model's TPPlan (workloads.py) becomes a parallelize_module plan, and
+DTensor does what f and g did by hand. A colwise layer (ColwiseParallel) holds its weight as
+DTensor(Shard(0)), a rowwise one (RowwiseParallel) as DTensor(Shard(1)), whose output is Partial until it
+is redistributed to Replicate (g: an all-reduce). A region (PrepareModuleInput, Replicate in and out,
+DTensor passed on) hands its input to q, k and v as one replicated DTensor: their input gradients add up as
+Partial and become Replicate once (f: one all-reduce backward), not once for each of q, k and v.
+
+--sequence-parallel 1 (Korthikanti et al. 2022): between the split regions, activations stay split along
+the sequence (the norms run on their T/N positions, SequenceParallel), so each g becomes a reduce-scatter
+(RowwiseParallel(output_layouts=Shard(1))) and each f an all-gather (PrepareModuleInput from Shard(1)):
+the same bytes, and the norms' and residuals' activations are 1/N per rank. The norms' parameter
+gradients are then partial on every rank, and DTensor all-reduces them (small: 2 x C per norm).
+
+--loss-parallel 1: the head is split by vocabulary (ColwiseParallel, output Shard(-1)), and the
+cross-entropy runs on the split logits under loss_parallel(): no rank ever holds B x T x V logits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from parallel.errors import ConfigError
+from parallel.layout import ParallelDims
+from parallel.strategies import manual_tp, wire
+from parallel.strategies.base import (
+    Hooks,
+    Mutant,
+    Trainable,
+    full_state_dict,
+    injected,
+    local,
+    model_state_every_rank,
+    options_of,
+)
+from parallel.strategies.stages import ActivationMeter
+from parallel.workloads import WORKLOADS
+
+NAME = "tensor_parallel"
+LAUNCH = "torchrun"
+SYNCHRONOUS = True
+TENSOR_PARALLEL = True
+
+# A bug the oracle must catch (`--mutant NAME`; base.Mutant).
+NORM_UNSYNCED = Mutant("tensor_parallel:sp-norm-unsynced", "--sequence-parallel with the blocks' second norm left "
+                       "out of the plan: it runs on its rank's positions as a plain module, and its weight's "
+                       "gradient is never summed over the ranks", {"workload": "transformer",
+                                                                    "options": {"sequence_parallel": 1}})
+MUTANTS = (NORM_UNSYNCED,)
+
+
+@dataclass
+class Options:
+    sequence_parallel: int = field(default=0, metadata={"help": "1: activations between the split layers stay "
+                                                                "split along the sequence (the transformer)"})
+    loss_parallel: int = field(default=0, metadata={"help": "1: logits split by vocabulary into the loss "
+                                                            "(the transformer)"})
+
+    def __post_init__(self):
+        for name in ("sequence_parallel", "loss_parallel"):
+            if getattr(self, name) not in (0, 1):
+                raise ConfigError(f"--{name.replace('_', '-')} must be 0 or 1, got {getattr(self, name)}")
+
+
+@dataclass
+class State:
+    counter: wire.Counter
+    loss_parallel: bool
+    blocks: int
+    activation_bytes: int = 0  # saved for backward in one forward, this rank (measured in the warm-up)
+
+
+def dims(config, dist) -> ParallelDims:
+    return manual_tp.dims(config, dist)
+
+
+def check(config) -> None:
+    o = options_of(Options, config)
+    if (o.sequence_parallel or o.loss_parallel) and WORKLOADS[config.workload].data != "tokens":
+        flag = "--sequence-parallel" if o.sequence_parallel else "--loss-parallel"
+        raise ConfigError(f"{flag} needs a sequence model (the transformer): the {config.workload} has no "
+                          "sequence to split and 10 classes")
+    manual_tp.check(config)
+
+
+def plan(model: nn.Module, o: Options, config) -> dict:
+    """parallelize_module's plan from the model's TPPlan, with sequence and loss parallelism as asked."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    tp = model.tp_plan()
+    split_between = Shard(1) if o.sequence_parallel else Replicate()  # activations between the split layers
+    styles = {name: ColwiseParallel() for name in tp.colwise}
+    styles |= {name: RowwiseParallel(output_layouts=split_between) for name in tp.rowwise}
+    regions = [*tp.regions]
+    if o.sequence_parallel:  # every block's norms on their positions; the MLPs become regions (all-gather in)
+        regions += [name.rpartition(".")[0] for name in tp.colwise if name.endswith("mlp.0")]
+        styles |= {name: SequenceParallel() for name, m in model.named_modules() if isinstance(m, nn.LayerNorm)
+                   and not (injected(config, NORM_UNSYNCED) and name.endswith("norm2"))}
+        styles["embed"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
+    styles |= {name: PrepareModuleInput(input_layouts=(split_between,), desired_input_layouts=(Replicate(),))
+               for name in regions}
+    if o.loss_parallel or o.sequence_parallel:
+        styles["head.1"] = ColwiseParallel(input_layouts=split_between,
+                                           output_layouts=Shard(-1) if o.loss_parallel else Replicate(),
+                                           use_local_output=not o.loss_parallel)
+    return styles
+
+
+def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    o = options_of(Options, config)
+    mesh = dims(config, dist).mesh(dist.device.type)
+    model = parallelize_module(model.to(dist.device), mesh, plan(model, o, config))
+    blocks = len(getattr(model, "blocks", ()))
+    return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device, comm_bytes=0,
+                     state=State(wire.Counter(config.warmup, blocks=blocks > 0), bool(o.loss_parallel), blocks))
+
+
+def train_step(t: Trainable, batch, dist):
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    x, y = (b.to(t.device, non_blocking=True) for b in batch)  # the whole batch, on every rank
+    s = t.state
+    measure = ActivationMeter(t.model) if s.counter.counted == 0 and s.counter.seen == 0 else contextlib.nullcontext()
+    with s.counter.step(), loss_parallel() if s.loss_parallel else contextlib.nullcontext():
+        t.optimizer.zero_grad(set_to_none=True)
+        with measure:
+            out = t.model(x)
+        loss = t.loss_fn(out, y)
+        loss.backward()
+        t.optimizer.step()
+    if isinstance(measure, ActivationMeter):
+        s.activation_bytes = measure.bytes
+    t.comm_bytes, t.comm_steps = s.counter.total, s.counter.counted
+    return local(loss).detach()  # a replicated DTensor under loss parallelism: every rank's is the whole
+
+
+def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
+    c, s = t.state.counter, t.state
+    out = {"collectives_per_step": c.per_step("calls"), "bytes_per_step_by_collective": c.per_step(),
+           "backward_bytes_per_step": c.per_step("backward"), "activation_bytes_per_rank": s.activation_bytes}
+    if s.blocks:  # Megatron: 4 all-reduces of B x T x C per block and step; with SP 4 all-gather + reduce-scatter pairs
+        out["collectives_per_block_per_step"] = {k: v / s.blocks for k, v in c.per_step("in_blocks").items()}
+        out["bytes_per_block_per_step"] = {k: v / s.blocks for k, v in c.per_step("in_blocks_bytes").items()}
+    return out
+
+
+HOOKS = Hooks(dims=dims, check=check, state_dict=full_state_dict, model_state_bytes=model_state_every_rank,
+              extra_measurements=extra_measurements, comm_bytes_predicted=manual_tp.comm_bytes_predicted,
+              predict_step_ms=manual_tp.predict_step_ms)
