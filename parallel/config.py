@@ -41,6 +41,8 @@ class RunConfig:
     fail_rank: int = 0  # ... on this rank (or Hogwild worker); only in torchrun's first attempt
     hang_rank: int = -1  # for demos and tests: this rank stops responding at step 1
     mutant: str = ""  # for testing the oracle: run with this injected bug (`python -m parallel mutants --list`)
+    extras: bool = True  # the strategy's own measurements after training (exposed communication, collectives
+    #   timed, ...); the oracle's runs leave them out: they judge the parameters and losses only
     # Strategies' own knobs by flag name (e.g. {"accum": 2}); each strategy's Options types and checks
     # its own. A list is a sweep: one variant (one report row) per value.
     options: dict = field(default_factory=dict)

@@ -57,7 +57,7 @@ def execute(strategy, config: RunConfig, dist: Dist, data=None) -> tuple[Row, di
     peaks, peak_kind = peak_memory(local)
     peak = max(peaks)
     with precision(config, trainable.device):  # what it times is the run's own step
-        extra = strategy.extra_measurements(trainable, data, config, dist, result)  # after the state is saved
+        extra = strategy.extra_measurements(trainable, data, config, dist, result) if config.extras else {}
     measured = extra.pop("measured", Measured())
     details = {"model_state_bytes_per_device": strategy.model_state_bytes(trainable, config),
                **({f"{peak_kind}_per_device": peaks} if len(peaks) > 1 else {}),

@@ -113,9 +113,19 @@ def test_the_switch_reaches_a_strategy_run_by_the_harness_and_the_report_says_mi
 
 
 @pytest.fixture(scope="module")
-def mutant_results(tmp_path_factory):
+def mutant_results(tmp_path_factory, oracle_runs):
+    """`python -m parallel mutants` itself (its report, mutants.json, its exit code), over the catalogue's
+    outcomes from oracle_runs: the command must ask for exactly those jobs."""
+    jobs, outcomes = oracle_runs
     out = tmp_path_factory.mktemp("mutants")
-    code = cli.main(["mutants", "--out", str(out)])
+
+    def ran(asked, **kwargs):
+        assert asked == jobs["mutants"]
+        return outcomes["mutants"]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mutants, "run_jobs", ran)
+        code = cli.main(["mutants", "--out", str(out)])
     return code, {o["label"]: o for o in json.loads((out / "mutants.json").read_text())}
 
 
@@ -139,16 +149,38 @@ def test_unsynchronised_batchnorm_under_ddp_was_missed_by_the_old_rule_and_is_ca
 # Registry-driven parity: every synchronous strategy on every workload it trains, on cpu:2, 6 steps on a batch
 # of 48. A strategy is checked here the day it is registered. The verdict is the oracle's own; float noise
 # sits far below it. (cpu:3 and seeds: `python -m parallel mutants --honest 24`; the suite's time.)
-PARITY_RUN = {"batch_size": 48, "steps": 5, "warmup": 1}
+PARITY_RUN = {"batch_size": 48, "steps": 5, "warmup": 1, "extras": False}
 CPU2 = RunConfig(devices="cpu:2").spec  # fsdp_tp needs 4 devices: its parity is in test_tensor_parallel.py
 PARITY = [(s.name, w) for w in WORKLOADS for s in strategies.all_strategies()
           if s.synchronous and s.name != "single" and not s.unsupported(w) and not s.available(CPU2)]
 
 
+def _bf16_jobs() -> list:
+    """The MLP on cpu:2 under bf16 autocast, every strategy; ddp --compress bf16; a bug under each."""
+    bf16, catalogue = {"precision": "bf16", **PARITY_RUN}, strategies.mutants()
+    compressed = RunConfig(workload="mlp", devices="cpu:2", options={"compress": "bf16"}, **PARITY_RUN).validate()
+    return mutants.honest_jobs(1, bf16) + [
+        mutants.Job("ddp", compressed.to_json(), "honest"),
+        mutants.Job("ddp", mutants.mutant_config(catalogue["ddp:sum-not-mean"][1], "bf16").to_json(), "bug"),
+        mutants.Job("ddp", mutants.mutant_config(catalogue["ddp:compressed-sum"][1]).to_json(), "bug")]
+
+
 @pytest.fixture(scope="module")
-def parity_results():
-    jobs = mutants.honest_jobs(len(WORKLOADS), PARITY_RUN)  # seed 0, cpu:2: every workload once
-    return {(o.strategy, o.workload): o.equivalence for o in mutants.run_jobs(jobs)}
+def oracle_runs():
+    """Every run this module judges, in one call (one set of spawned ranks, not three): the injected bugs,
+    the registry's parity runs, the bf16 runs. -> ({group: jobs}, {group: outcomes})"""
+    jobs = {"mutants": mutants.mutant_jobs(), "parity": mutants.honest_jobs(len(WORKLOADS), PARITY_RUN),
+            "bf16": _bf16_jobs()}
+    outcomes, at = mutants.run_jobs([j for group in jobs.values() for j in group]), 0
+    split = {}
+    for group, its in jobs.items():
+        split[group], at = outcomes[at:at + len(its)], at + len(its)
+    return jobs, split
+
+
+@pytest.fixture(scope="module")
+def parity_results(oracle_runs):  # seed 0, cpu:2: every workload once
+    return {(o.strategy, o.workload): o.equivalence for o in oracle_runs[1]["parity"]}
 
 
 @pytest.mark.parametrize("name, workload", PARITY, ids=["-".join(p) for p in PARITY])
@@ -158,18 +190,12 @@ def test_every_synchronous_strategy_matches_single(parity_results, name, workloa
     assert verdict.ratio < 0.5, verdict  # a margin: noise measured at most 0.33 of the tolerance (DCGAN, DDP)
 
 
-def test_bf16_runs_are_judged_by_a_rule_that_says_so_and_still_catch_a_missing_average():
+def test_bf16_runs_are_judged_by_a_rule_that_says_so_and_still_catch_a_missing_average(oracle_runs):
     # --precision bf16: `single` under the same autocast, the bf16 rule (20% of each tensor's movement),
     # looser than fp32's because a split batch rounds its products to bf16 before summing. ddp --compress
     # bf16: fp32 training whose gradients travel in bf16, judged by ddp's own stated rule (harness/
     # equivalence.py, ddp.tolerance). Honest runs match under both; the bugs are still caught.
-    bf16, catalogue = {"precision": "bf16", **PARITY_RUN}, strategies.mutants()
-    compressed = RunConfig(workload="mlp", devices="cpu:2", options={"compress": "bf16"}, **PARITY_RUN).validate()
-    jobs = mutants.honest_jobs(1, bf16) + [  # the MLP on cpu:2, under bf16 autocast; then ddp --compress bf16
-        mutants.Job("ddp", compressed.to_json(), "honest"),
-        mutants.Job("ddp", mutants.mutant_config(catalogue["ddp:sum-not-mean"][1], "bf16").to_json(), "bug"),
-        mutants.Job("ddp", mutants.mutant_config(catalogue["ddp:compressed-sum"][1]).to_json(), "bug")]
-    *autocast, compress, bug_bf16, bug_compressed = mutants.run_jobs(jobs)
+    *autocast, compress, bug_bf16, bug_compressed = oracle_runs[1]["bf16"]  # _bf16_jobs
     assert autocast and all(o.equivalence.verdict == "match" and o.equivalence.basis.startswith("bf16 autocast")
                             for o in autocast), autocast
     assert compress.equivalence.verdict == "match" and compress.equivalence.basis.startswith("ddp's own rule")

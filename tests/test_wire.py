@@ -1,4 +1,4 @@
-"""wire: bytes counted at the collectives, by kind, on 3 gloo ranks spawned inside pytest: torch.distributed's
+"""wire: bytes counted at the collectives, by kind, on 2 gloo ranks spawned inside pytest: torch.distributed's
 calls, a functional (DTensor's) all-reduce, and a point-to-point send, each against the ring formula."""
 
 import pytest
@@ -9,7 +9,7 @@ from parallel.strategies import wire
 from tests.multirank import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
-N, ELEMS = 3, 600  # 600 fp32 elements: 2,400 bytes
+N, ELEMS = 2, 600  # 600 fp32 elements: 2,400 bytes
 
 
 def _collectives(rank, world):

@@ -35,7 +35,7 @@ from parallel.workloads import WORKLOADS
 
 # The run every mutant starts from (its Mutant.run overrides it): small, so the whole catalogue is quick,
 # with steps enough for a bug that starts at step 1 (a stale replica, detached gradients) to show.
-MUTANT_RUN = {"devices": "cpu:2", "batch_size": 64, "steps": 4, "warmup": 1, "workload": "mlp"}
+MUTANT_RUN = {"devices": "cpu:2", "batch_size": 64, "steps": 4, "warmup": 1, "workload": "mlp", "extras": False}
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,8 @@ def honest_jobs(runs: int, base: dict | None = None) -> list[Job]:
                                for w in WORKLOADS), runs)
     jobs = []
     for seed, devices, workload in combos:
-        fields = {"batch_size": 510 if devices == "cpu:3" else 512, **(base or {})}  # 510 divides by 2 and 3
+        fields = {"batch_size": 510 if devices == "cpu:3" else 512, "extras": False,  # the verdict only
+                  **(base or {})}  # 510 divides by 2 and 3
         config = RunConfig(workload=workload, devices=devices, seed=seed, **fields).validate()
         for s in strategies.all_strategies():
             if s.synchronous and s.name != "single" and not s.unsupported(workload) and not s.available(config.spec):
