@@ -112,17 +112,41 @@ def last_error_line(log: str) -> str | None:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the child's whole process group, then SIGKILL whatever is left after 5 s."""
+    """SIGTERM the child's whole process group, then SIGKILL whatever is left after 5 s; return once no
+    process of the group runs. (Waiting for the child alone returned while a grandchild that had been
+    signalled was still running, or one that ignores SIGTERM lived on: seen under load in the suite.)"""
     for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
             return
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            proc.poll()  # reap the child itself
+            if not _group_running(proc.pid):
+                return
+            time.sleep(0.02)
+
+
+def _group_running(pgid: int) -> bool:
+    """Whether any process of the group still runs; a zombie (dead, not yet reaped by its parent) does not."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    stats = list(Path("/proc").glob("[0-9]*/stat"))
+    if not stats:  # no /proc (not Linux): the signal reached someone
+        return True
+    for stat in stats:
         try:
-            proc.wait(grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+            state, _, group = stat.read_text().rsplit(")", 1)[1].split()[:3]  # after the command's name
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+        if int(group) == pgid and state != "Z":
+            return True
+    return False
 
 
 def torchrun_env() -> dict[str, str]:

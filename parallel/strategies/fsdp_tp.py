@@ -17,6 +17,7 @@ HSDP, the other 2-D data-parallel layout, is `fsdp --replicate R`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from parallel.errors import ConfigError
@@ -125,5 +126,22 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
     return out
 
 
+def predict_step_ms(cal, config, row) -> float | None:
+    """`single`'s step on a dp share split tp ways, Megatron's all-reduces of that share's activations over
+    tp, and FSDP's two all-gathers and one reduce-scatter of each rank's 1/tp of the parameters over dp,
+    none hidden (gloo's reduce-scatter costs an all-reduce; an all-gather half of one)."""
+    tp = options_of(Options, config).tp
+    dp = config.world_size // tp
+    if cal.allreduce_ms(1, tp) is None:
+        return None
+    share = dataclasses.replace(config, batch_size=config.batch_size // dp, world_size=tp)
+    model = WORKLOADS[config.workload].build_model(config.seed)
+    megatron = sum(cal.allreduce_ms(p, tp) for p in manual_tp.payloads(model, share))
+    allreduce = cal.allreduce_ms(cal.grad_bytes / tp, dp)  # of this rank's 1/tp of the parameters, over dp
+    fsdp_ms = (allreduce / 2 if cal.overlaps else allreduce) + 2 * allreduce / 2  # reduce-scatter, 2 all-gathers
+    return cal.compute_ms(config.batch_size // dp) / tp + megatron + fsdp_ms
+
+
 HOOKS = Hooks(dims=dims, available=available, check=check, state_dict=full_state_dict,
-              model_state_bytes=model_state_every_rank, extra_measurements=extra_measurements)
+              model_state_bytes=model_state_every_rank, extra_measurements=extra_measurements,
+              predict_step_ms=predict_step_ms)

@@ -233,7 +233,7 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
     return out
 
 
-def _payloads(model, config) -> list[float]:
+def payloads(model, config) -> list[float]:
     """Bytes of every activation Megatron all-reduces per step: every rowwise layer's output forward (B x T
     x its outputs), and every region's (or colwise layer outside one) input gradient backward (B x T x its
     inputs); but not the gradient of the data itself, which nothing needs (the MLP's first layer)."""
@@ -252,11 +252,11 @@ def _in_features(model: nn.Module, name: str) -> int:
 
 
 def comm_bytes_predicted(model, config) -> float | None:
-    """Megatron's all-reduces (_payloads), 2(N-1)/N of each per rank (sequence parallel: an all-gather and
+    """Megatron's all-reduces (payloads), 2(N-1)/N of each per rank (sequence parallel: an all-gather and
     a reduce-scatter of the same activation, (N-1)/N each: the same bytes)."""
     if not hasattr(model, "tp_plan"):
         return None
-    return sum(ring_allreduce_bytes(p, config.world_size) for p in _payloads(model, config))
+    return sum(ring_allreduce_bytes(p, config.world_size) for p in payloads(model, config))
 
 
 def predict_step_ms(cal, config, row) -> float | None:
@@ -265,7 +265,7 @@ def predict_step_ms(cal, config, row) -> float | None:
     n, model = config.world_size, WORKLOADS[config.workload].build_model(config.seed)
     if cal.allreduce_ms(1, n) is None:
         return None
-    return cal.compute_ms(config.batch_size) / n + sum(cal.allreduce_ms(p, n) for p in _payloads(model, config))
+    return cal.compute_ms(config.batch_size) / n + sum(cal.allreduce_ms(p, n) for p in payloads(model, config))
 
 
 HOOKS = Hooks(dims=dims, check=check, state_dict=state_dict, model_state_bytes=model_state_every_rank,
