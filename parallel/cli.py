@@ -185,15 +185,17 @@ def cmd_scaling(config: RunConfig, names: list[str], sizes_text: str) -> int:
         raise ConfigError(f"--world-sizes {sizes_text!r}: device counts must be 1 or more")
     runs = []
     for mode, n, cfg in scaling.points(config, sizes):  # every point checked before the first one runs
-        run_names, _ = strategies.resolve(names, cfg.spec, cfg.workload, strict=False)
-        runs.append((mode, n, cfg, plan(cfg, run_names, baseline=True)))
+        run_names, skipped = strategies.resolve(names, cfg.spec, cfg.workload, strict=False)
+        runs.append((mode, n, cfg, plan(cfg, run_names, baseline=True), skipped))
     prepare_out(Path(config.out))
     console = make_console()
     signal.signal(signal.SIGTERM, _interrupt)
     results = []
     try:
-        for mode, n, cfg, chosen in runs:
+        for mode, n, cfg, chosen, skipped in runs:
             console.print(f"[bold]{mode} scaling: {cfg.devices}, global batch {cfg.batch_size}[/]")
+            for name, why in skipped.items():
+                console.print(f"  {name} skipped here: {why}", style="dim", highlight=False)
             prepare_out(Path(cfg.out))
             env = environment(cfg.spec)
             save = lambda rows, cfg=cfg, env=env: write_results(Path(cfg.out), dataclasses.asdict(cfg), env, rows)  # noqa: E731
