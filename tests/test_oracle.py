@@ -212,3 +212,12 @@ def test_compressed_gradients_are_predicted_at_half_the_bytes():
     assert ddp.comm_bytes_predicted(model, half) == ddp.comm_bytes_predicted(model, full) / 2 == 3_684_362 * 2
     with pytest.raises(ConfigError, match="divide twice"):
         ddp.validate(RunConfig(devices="cpu:2", options={"compress": "bf16", "prescale": 1}).validate())
+
+
+def test_the_false_alarm_runs_leave_out_what_a_strategy_refuses_and_nothing_else():
+    # cpu:3: 3 does not divide the transformer's 4 heads nor the MLP's 1024 features, so the tensor-parallel
+    # strategies sit those runs out (a refusal would otherwise stop the whole run); the rest run.
+    jobs = [(j.strategy, json.loads(j.config)["devices"]) for j in mutants.honest_jobs(8)]
+    assert ("manual_tp", "cpu:2") in jobs and ("tensor_parallel", "cpu:2") in jobs
+    assert not [j for j in jobs if j[0] in ("manual_tp", "tensor_parallel") and j[1] == "cpu:3"]
+    assert ("ddp", "cpu:3") in jobs and ("fsdp", "cpu:3") in jobs
