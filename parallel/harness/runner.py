@@ -87,11 +87,11 @@ def plan(config: RunConfig, names: list[str], baseline: bool = True) -> list[tup
     if baseline:
         names = [BASELINE] + [n for n in names if n != BASELINE]
     chosen = [(s, label, cfg) for s in map(strategies.get, names) for label, cfg in s.variants(config)]
-    for option in config.options:  # a flag none of these strategies takes would be silently ignored
-        if not any(option in {f.name for f in s.option_fields()} for s, _, _ in chosen):
-            owners = [s.name for s in strategies.all_strategies() if option in {f.name for f in s.option_fields()}]
-            raise ConfigError(f"--{option.replace('_', '-')} is an option of {', '.join(owners)}, which is not "
-                              f"run here ({', '.join(n for n in names if n != BASELINE) or BASELINE})")
+    taken = {f.name for s, _, _ in chosen for f in s.option_fields()}
+    if untaken := [o for o in config.options if o not in taken]:  # a flag no strategy run here would read
+        owners = [s.name for s in strategies.all_strategies() if untaken[0] in {f.name for f in s.option_fields()}]
+        raise ConfigError(f"--{untaken[0].replace('_', '-')} is an option of {', '.join(owners)}, which is not "
+                          f"run here ({', '.join(n for n in names if n != BASELINE) or BASELINE})")
     for s, _, cfg in chosen:
         s.validate(cfg)
     if config.port:

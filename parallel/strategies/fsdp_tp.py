@@ -56,12 +56,6 @@ class Options:
             raise ConfigError(f"--tp must be at least 2 (tp 1 is `fsdp`), got {self.tp}")
 
 
-@dataclass
-class State:
-    counter: wire.Counter
-    blocks: int
-
-
 def _layout(config, dist) -> ParallelDims:
     tp = options_of(Options, config).tp
     return ParallelDims(world=dist.world_size, dp_shard=dist.world_size // tp, tp=tp)
@@ -100,30 +94,23 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     for block in fsdp.blocks(model):
         fully_shard(block, mesh=mesh["dp_shard"], reshard_after_forward=True)
     fully_shard(model, mesh=mesh["dp_shard"], reshard_after_forward=True)
-    blocks = len(getattr(model, "blocks", ()))
     return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device, comm_bytes=0,
-                     state=State(wire.Counter(config.warmup, blocks=blocks > 0), blocks))
+                     state=wire.Counter(config.warmup, model))
 
 
 def train_step(t: Trainable, batch, dist):
     x, y = (b.to(t.device, non_blocking=True) for b in batch)  # this dp coordinate's share, every tp rank alike
-    with t.state.counter.step():
+    with t.state.step():
         t.optimizer.zero_grad(set_to_none=True)
         loss = t.loss_fn(t.model(x), y)
         loss.backward()
         t.optimizer.step()
-    t.comm_bytes, t.comm_steps = t.state.counter.total, t.state.counter.counted
+    t.comm_bytes, t.comm_steps = t.state.total, t.state.counted
     return loss.detach()
 
 
 def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
-    c, s = t.state.counter, t.state
-    out = {"mesh": str(_layout(config, dist)), "collectives_per_step": c.per_step("calls"),
-           "bytes_per_step_by_collective": c.per_step()}
-    if s.blocks:
-        out["collectives_per_block_per_step"] = {k: v / s.blocks for k, v in c.per_step("in_blocks").items()}
-        out["bytes_per_block_per_step"] = {k: v / s.blocks for k, v in c.per_step("in_blocks_bytes").items()}
-    return out
+    return {"mesh": str(_layout(config, dist)), **t.state.measurements()}
 
 
 def predict_step_ms(cal, config, row) -> float | None:

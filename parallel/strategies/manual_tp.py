@@ -123,8 +123,7 @@ class Split:
     world: int
     colwise: tuple[str, ...]
     rowwise: tuple[str, ...]
-    counter: wire.Counter
-    blocks: int  # transformer blocks (Megatron's count is per block), 0 for the MLP
+    counter: wire.Counter  # per transformer block too: Megatron's count is per block
 
 
 def dims(config, dist) -> ParallelDims:
@@ -187,10 +186,8 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     # Every rank built the same model from the seed (workloads.build_model): each keeps its part of it.
     colwise, rowwise = shard(model, dist.rank, dist.world_size, config)
     model = model.to(dist.device)
-    blocks = len(getattr(model, "blocks", ()))
-    counter = wire.Counter(config.warmup, blocks=blocks > 0)
     return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device, comm_bytes=0,
-                     state=Split(dist.world_size, colwise, rowwise, counter, blocks))
+                     state=Split(dist.world_size, colwise, rowwise, wire.Counter(config.warmup, model)))
 
 
 def train_step(t: Trainable, batch, dist):
@@ -224,13 +221,7 @@ def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
 
 
 def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
-    c, s = t.state.counter, t.state
-    out = {"collectives_per_step": c.per_step("calls"), "bytes_per_step_by_collective": c.per_step(),
-           "backward_bytes_per_step": c.per_step("backward")}
-    if s.blocks:  # Megatron: per block and step, 4 all-reduces of B x T x C activations
-        out["collectives_per_block_per_step"] = {k: v / s.blocks for k, v in c.per_step("in_blocks").items()}
-        out["bytes_per_block_per_step"] = {k: v / s.blocks for k, v in c.per_step("in_blocks_bytes").items()}
-    return out
+    return t.state.counter.measurements()  # Megatron: per block and step, 4 all-reduces of B x T x C
 
 
 def payloads(model, config) -> list[float]:

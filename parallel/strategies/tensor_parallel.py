@@ -73,7 +73,6 @@ class Options:
 class State:
     counter: wire.Counter
     loss_parallel: bool
-    blocks: int
     activation_bytes: int = 0  # saved for backward in one forward, this rank (measured in the warm-up)
 
 
@@ -126,9 +125,8 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     o = options_of(Options, config)
     mesh = dims(config, dist).mesh(dist.device.type)
     model = parallelize_module(model.to(dist.device), mesh, plan(model, o, config))
-    blocks = len(getattr(model, "blocks", ()))
     return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device, comm_bytes=0,
-                     state=State(wire.Counter(config.warmup, blocks=blocks > 0), bool(o.loss_parallel), blocks))
+                     state=State(wire.Counter(config.warmup, model), bool(o.loss_parallel)))
 
 
 def train_step(t: Trainable, batch, dist):
@@ -136,7 +134,7 @@ def train_step(t: Trainable, batch, dist):
 
     x, y = (b.to(t.device, non_blocking=True) for b in batch)  # the whole batch, on every rank
     s = t.state
-    measure = ActivationMeter(t.model) if s.counter.counted == 0 and s.counter.seen == 0 else contextlib.nullcontext()
+    measure = ActivationMeter(t.model) if s.counter.seen == 0 else contextlib.nullcontext()  # the first step
     with s.counter.step(), loss_parallel() if s.loss_parallel else contextlib.nullcontext():
         t.optimizer.zero_grad(set_to_none=True)
         with measure:
@@ -151,13 +149,8 @@ def train_step(t: Trainable, batch, dist):
 
 
 def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
-    c, s = t.state.counter, t.state
-    out = {"collectives_per_step": c.per_step("calls"), "bytes_per_step_by_collective": c.per_step(),
-           "backward_bytes_per_step": c.per_step("backward"), "activation_bytes_per_rank": s.activation_bytes}
-    if s.blocks:  # Megatron: 4 all-reduces of B x T x C per block and step; with SP 4 all-gather + reduce-scatter pairs
-        out["collectives_per_block_per_step"] = {k: v / s.blocks for k, v in c.per_step("in_blocks").items()}
-        out["bytes_per_block_per_step"] = {k: v / s.blocks for k, v in c.per_step("in_blocks_bytes").items()}
-    return out
+    # Megatron: 4 all-reduces of B x T x C per block and step; with SP 4 all-gather + reduce-scatter pairs
+    return {**t.state.counter.measurements(), "activation_bytes_per_rank": t.state.activation_bytes}
 
 
 HOOKS = Hooks(dims=dims, check=check, state_dict=full_state_dict, model_state_bytes=model_state_every_rank,

@@ -125,13 +125,15 @@ class Counter:
         with counter.step(): ...                     # around each train_step's work
         t.comm_bytes, t.comm_steps = counter.total, counter.counted
 
-    By kind: bytes sent (`sent`), collectives (`calls`), bytes sent inside backward (`backward`); with
-    blocks=True also the collectives run while one of the model's `blocks.<i>` runs, forward or backward
-    (torch's ModTracker), for counts per transformer block (`in_blocks`, and their bytes `in_blocks_bytes`).
+    By kind: bytes sent (`sent`), collectives (`calls`), bytes sent inside backward (`backward`); given a
+    model with `blocks` (the transformer), also the collectives run while one of its `blocks.<i>` runs,
+    forward or backward (torch's ModTracker), for counts per block (`in_blocks`, their bytes
+    `in_blocks_bytes`).
     """
 
-    def __init__(self, steps: int, blocks: bool = False):
-        self.steps, self.blocks = steps, blocks
+    def __init__(self, steps: int, model: torch.nn.Module | None = None):
+        self.steps = steps
+        self.blocks = len(getattr(model, "blocks", ()))  # 0: no per-block counts
         self.sent: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self.backward: dict[str, float] = {}
@@ -157,6 +159,17 @@ class Counter:
     def per_step(self, what: str = "sent") -> dict[str, float]:
         """`what` ("sent", "calls", "backward", "in_blocks", "in_blocks_bytes") per counted step, by kind."""
         return {k: v / max(1, self.counted) for k, v in getattr(self, what).items()}
+
+    def measurements(self) -> dict:
+        """The row's details: per counted step, collectives and bytes by kind and the bytes sent inside
+        backward; with blocks, the collectives and bytes per block."""
+        out = {"collectives_per_step": self.per_step("calls"), "bytes_per_step_by_collective": self.per_step(),
+               "backward_bytes_per_step": self.per_step("backward")}
+        if self.blocks:
+            out["collectives_per_block_per_step"] = {k: v / self.blocks for k, v in self.per_step("in_blocks").items()}
+            out["bytes_per_block_per_step"] = {k: v / self.blocks
+                                               for k, v in self.per_step("in_blocks_bytes").items()}
+        return out
 
     @contextlib.contextmanager
     def step(self):
