@@ -29,10 +29,12 @@ class ParallelDims:
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
+    loss_pp: int = -1  # the pipeline coordinate whose rank computes the loss: -1, the last; 0 when the last
+    #   stage sits on the first rank (a V placement: rank r holds stages r and 2 pp - 1 - r)
 
     def __post_init__(self):
         for f in fields(self):
-            if getattr(self, f.name) < 1:
+            if f.name != "loss_pp" and getattr(self, f.name) < 1:
                 raise ConfigError(f"{f.name} must be at least 1, got {getattr(self, f.name)}")
         if self.dp * self.tp * self.pp != self.world:
             dp = f"dp {self.dp}" if self.dp_replicate == 1 or self.dp_shard == 1 else \
@@ -70,9 +72,9 @@ class ParallelDims:
 
     def counts_loss(self, rank: int) -> bool:
         """Whether `rank`'s loss is part of the step's loss: one tp rank per group (they all hold the same
-        loss) and the last pipeline stage (the only one that computes it)."""
+        loss) and the rank of the last pipeline stage (the only one that computes it)."""
         c = self.coords(rank)
-        return c["tp"] == 0 and c["pp"] == self.pp - 1
+        return c["tp"] == 0 and c["pp"] == self.loss_pp % self.pp
 
     def mesh(self, device_type: str):
         """torch's DeviceMesh over the dimensions larger than one (every rank joins: a collective).

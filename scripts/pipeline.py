@@ -1,6 +1,6 @@
-"""python scripts/pipeline.py --devices cpu:2 --microbatches 8 [--balance time|params] [--out DIR]
+"""python scripts/pipeline.py --devices cpu:2 [--microbatches 4] [--schedule 1f1b|gpipe] [--balance time|params]
 
-model_parallel's stages run as a GPipe schedule over m micro-batches, one thread per stage. Same options
+model_parallel's stages run as a 1F1B (or GPipe) schedule over m micro-batches, one thread per stage. Same options
 as `python -m parallel run pipeline`; with --out it writes the same results.json (measured bubble beside
 (p-1)/(m+p-1) in the row's details).
 """

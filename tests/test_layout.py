@@ -70,3 +70,10 @@ def test_a_device_counts_its_shard_of_a_dtensor_not_the_global_tensor():
 def test_plain_tensors_count_as_before():
     t = torch.zeros(10)
     assert tensor_bytes(t) == tensor_bytes(t, allocated=True) == 40
+
+
+def test_a_v_placed_pipeline_counts_the_loss_of_its_first_rank():
+    # zbv puts stages r and 2p-1-r on rank r: the last stage, and the loss, on pipeline rank 0
+    assert [r for r in range(4) if ParallelDims(world=4, pp=4, loss_pp=0).counts_loss(r)] == [0]
+    assert [r for r in range(4) if ParallelDims(world=4, pp=4).counts_loss(r)] == [3]
+    assert ParallelDims(world=4, pp=2, dp_shard=2).batch_share(3) == (1, 2)  # pp outermost: dp is rank % 2

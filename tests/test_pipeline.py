@@ -117,3 +117,21 @@ def test_balance_by_params_puts_the_convolutions_together():
     model = WORKLOADS["cnn"].build_model(0)
     sp = stages.split(model, [torch.device("cpu")] * 2, "params", torch.zeros(4, 1, 28, 28))
     assert sp.describe() == "0-7 | 8-11" and sp.balance == "params"
+
+
+def test_simulate_gives_the_textbook_time_for_equal_stages_and_waits_for_the_slowest():
+    from parallel.strategies.stages import simulate
+
+    for schedule in ("gpipe", "1f1b"):
+        for p, m in ((2, 4), (3, 8), (4, 1)):
+            ops = [pipeline.SCHEDULES[schedule](s, p, m) for s in range(p)]
+            # equal stages, F = 1, B = 2: (m + p - 1) slots of F and of B, whatever the order
+            assert simulate(ops, [1.0] * p, [2.0] * p) == pytest.approx((m + p - 1) * 3), (schedule, p, m)
+    # GPipe's forward phase runs at the slowest forward, its backward phase at the slowest backward:
+    # stage 0 forward-heavy (F 3, B 1), stage 1 backward-heavy (F 1, B 3), m = 4: stage 0's 4 forwards,
+    # stage 1's last forward, stage 1's 4 backwards, stage 0's last backward; equal stages of the same
+    # total work (F 2, B 2) would take (m + p - 1) x 4 = 20
+    ops = [pipeline.gpipe(s, 2, 4) for s in range(2)]
+    assert simulate(ops, [3.0, 1.0], [1.0, 3.0]) == pytest.approx(4 * 3 + 1 + 4 * 3 + 1)
+    # a transfer between stages delays every hand-off
+    assert simulate(ops, [1.0, 1.0], [1.0, 1.0], hop=0.5) > simulate(ops, [1.0, 1.0], [1.0, 1.0])

@@ -6,13 +6,9 @@ and the transformer is also the registry's test in test_oracle.py; their bugs ar
 
 import pytest
 
-from parallel import strategies
 from parallel.config import RunConfig
-from parallel.dist import Dist
-from parallel.harness import equivalence
-from parallel.worker import execute
 from parallel.workloads import WORKLOADS
-from tests.multirank import run_ranks
+from tests.multirank import judged_on_ranks
 
 pytestmark = pytest.mark.timeout(240)
 BATCH, T, C = 16, 32, 128  # the transformer's activations: B x T x C per block boundary
@@ -28,28 +24,8 @@ def _config(workload: str, world: int, options: dict) -> RunConfig:
                      options=options).validate()
 
 
-def _train(rank, world, runs):
-    dist = Dist(rank=rank, local_rank=rank, world_size=world, local_world_size=world)
-    out = []
-    for name, workload, options in runs:
-        row, state = execute(strategies.get(name), _config(workload, world, options), dist)
-        out.append((row, state if rank == 0 else None))
-    return out
-
-
 def _judged(world: int, runs: list) -> list:
-    refs, out = {}, []
-    for (name, workload, options), (row, state) in zip(runs, run_ranks(_train, world, (runs,), timeout=150)[0],
-                                                       strict=True):
-        config = _config(workload, world, options)
-        if workload not in refs:
-            refs[workload] = equivalence.reference_of(config, *execute(strategies.get("single"), config, Dist()))
-        # The oracle's own tolerance (harness/equivalence.py): a split layer sums its parts in another
-        # order than one device does, so the difference is float noise, far below it.
-        verdict = equivalence.judge(strategies.get(name), config, refs[workload], row, state)
-        assert verdict.verdict == "match" and verdict.ratio < 0.1, (name, workload, options, verdict)
-        out.append(row)
-    return out
+    return judged_on_ranks(world, runs, _config)
 
 
 def test_tensor_parallel_matches_single_and_counts_megatrons_collectives():

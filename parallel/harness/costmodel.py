@@ -40,6 +40,7 @@ class Calibration:
         self.model = self.workload.build_model(config.seed)
         self.grad_bytes = grad_bytes(self.model)
         self._compute: dict[int, float] = {}
+        self._stages: dict[tuple, tuple[list[float], list[float]]] = {}
 
     def compute_ms(self, batch: int) -> float:
         """Median ms of one `single` optimiser step on `batch` samples, on one device's threads."""
@@ -54,6 +55,19 @@ class Calibration:
             t = single.setup(model, make_optimizer(self.config), self.workload.loss, Dist(device=device), self.config)
             x, y = SyntheticData(self.workload, self.config.seed, batch).batch(0)
             return median_time(lambda: single.train_step(t, (x, y), None), 7, synchronizer(device)) * 1e3
+
+    def stage_ms(self, bounds: list[int], micro: int) -> tuple[list[float], list[float]]:
+        """(forward ms, backward ms) of each pipeline stage layers[bounds[i]:bounds[i+1]] on a micro-batch
+        of `micro` samples, on one device's threads."""
+        key = (tuple(bounds), micro)
+        if key not in self._stages:
+            from parallel.strategies.stages import layers_of, measure_stages
+
+            x = SyntheticData(self.workload, self.config.seed, micro).batch(0)[0]
+            with _threads(self.config.spec.threads_per_device()):
+                fwd, bwd = measure_stages(layers_of(self.model), bounds, x, self.config.spec.device(0))
+            self._stages[key] = ([f * 1e3 for f in fwd], [b * 1e3 for b in bwd])
+        return self._stages[key]
 
     @property
     def overlaps(self) -> bool:

@@ -76,7 +76,7 @@ def notes(rows: list[Row], environment: dict, skipped: dict | None = None) -> li
     out += [f"{r.label} losses, first -> last step: " + ", ".join(f"{k} {v[0]:.4f} -> {v[-1]:.4f}"
                                                                  for k, v in r.loss_parts.items())
             for r in rows if r.loss_parts]
-    out += _reduce_scatter_caveat(rows)
+    out += _reduce_scatter_caveat(rows) + pipeline_gaps(rows)
     if environment["device_kind"] == "virtual":
         cpu = environment["cpu"]
         out.append(f"Simulated: {environment['devices']} = virtual devices sharing {cpu['cores']} CPU core(s) "
@@ -109,13 +109,13 @@ def _largest(v):
 def sharding_table(rows: list[Row]) -> Table | None:
     """Model state per rank by kind and bytes per step by collective, for the sharded strategies (and
     DDP, the unsharded reference), beside the ZeRO paper's figures: rows whose details carry them."""
-    chosen = [r for r in rows if r.status == "ok" and ("bytes_per_step_by_collective" in r.details
-                                                        or r.strategy == "ddp")]
+    kinds = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+    chosen = [r for r in rows if r.status == "ok" and (r.strategy == "ddp" or set(kinds) & set(
+        r.details.get("bytes_per_step_by_collective", ())))]
     if not any("bytes_per_step_by_collective" in r.details for r in chosen):
         return None
     t = Table(title="Sharded data parallel: model state per rank (largest rank) and bytes sent per step",
               title_justify="left")
-    kinds = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
     for col in ["strategy", "params", "grads", "optimizer", "model state", "ZeRO formula",
                 *[k.replace("_", "-") for k in kinds], "sent (pred.)", "gathered peak"]:
         t.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=col == "strategy")
@@ -129,6 +129,49 @@ def sharding_table(rows: list[Row]) -> Table | None:
                   f"{_bytes(r.comm_bytes_per_step)} ({_bytes(r.comm_bytes_predicted)})",
                   _bytes(_largest(d.get("unsharded_peak_bytes_per_rank"))))
     return t
+
+
+def pipeline_table(rows: list[Row]) -> Table | None:
+    """Every pipeline row: its schedule and micro-batches, the cut, the idle fraction measured beside the
+    schedule's theory, the step predicted by playing the schedule out, what goes point to point, and the
+    activations each stage held at once."""
+    chosen = [r for r in rows if r.status == "ok" and r.measured.bubble_theory is not None and "stages" in r.details]
+    if not chosen:
+        return None
+    t = Table(title="Pipelines: idle time against theory, and what each stage holds", title_justify="left")
+    for col in ("strategy", "schedule", "m", "stages (layers)", "idle", "theory", "ms (pred.)", "sent / step",
+                "peak activations per stage", "model state per rank"):
+        t.add_column(col, justify="left" if col in ("strategy", "schedule", "stages (layers)") else "right",
+                     no_wrap=col == "strategy")
+    for r in chosen:
+        d, m = r.details, r.measured
+        idle = "-" if m.bubble_measured is None else f"{m.bubble_measured:.0%}"
+        pred = f"{r.step_ms_p50:.1f} ({r.step_ms_predicted:.1f})" if r.step_ms_predicted else f"{r.step_ms_p50:.1f}"
+        t.add_row(r.label, d.get("schedule", "-"), str(d.get("microbatches", 1)), d["stages"], idle,
+                  f"{m.bubble_theory:.0%}", pred, _bytes(r.comm_bytes_per_step),
+                  " / ".join(_bytes(b) for b in d.get("stage_peak_activation_bytes") or d.get("stage_activation_bytes")
+                             or []),
+                  " / ".join(_bytes(b) for b in d.get("model_state_bytes_per_device") or []))
+    return t
+
+
+def pipeline_gaps(rows: list[Row]) -> list[str]:
+    """Why a pipeline row idled more than its schedule's theory (by over a quarter of it): the theory
+    assumes equal stages and free hand-offs."""
+    out = []
+    for r in rows:
+        m, busy = r.measured, r.details.get("stage_busy_ms")
+        if r.status != "ok" or m.bubble_measured is None or not busy or len(busy) < 2:
+            continue
+        theory = m.bubble_theory or 0.0
+        if m.bubble_measured <= theory * 1.25 or m.bubble_measured - theory <= 0.02:
+            continue
+        why = (f"its stages were busy {' / '.join(f'{b:.1f}' for b in busy)} ms a step, and a faster stage waits for "
+               "a slower one, which the theory's equal stages leave out" if max(busy) > 1.1 * min(busy) else
+               f"its stages were equally busy ({' / '.join(f'{b:.1f}' for b in busy)} ms), so the rest is what each "
+               "of the m hand-offs costs (copies, queues, send/recv), which the theory leaves out")
+        out.append(f"{r.label}: idle {m.bubble_measured:.0%} of each step against {theory:.0%} in theory: {why}.")
+    return out
 
 
 def _reduce_scatter_caveat(rows: list[Row]) -> list[str]:
@@ -172,9 +215,6 @@ def advice(rows: list[Row]) -> list[str]:
         if m.exposed_comm_ms is not None and r.step_ms_p50:
             out.append(f"{r.label}: {m.exposed_comm_ms / r.step_ms_p50:.0%} of each step is communication not "
                        f"hidden behind compute ({m.exposed_over_allreduce:.2f}x one all-reduce of every gradient).")
-        if m.bubble_measured is not None and r.world_size > 1:
-            out.append(f"{r.label}: stages idle {m.bubble_measured:.0%} of each step "
-                       f"(theory {m.bubble_theory:.0%} for its micro-batches).")
     return out
 
 
@@ -209,8 +249,9 @@ def show(rows: list[Row], environment: dict, console: Console | None = None, ski
          cost_model: dict | None = None) -> None:
     console = console or make_console()
     console.print(table(rows, environment))
-    if (sharded := sharding_table(rows)) is not None:
-        console.print(sharded)
+    for extra in (sharding_table(rows), pipeline_table(rows)):
+        if extra is not None:
+            console.print(extra)
     for line in notes(rows, environment, skipped) + cost_lines(cost_model):
         console.print(f"- {line}", style="dim", highlight=False)
     lines = advice(rows)

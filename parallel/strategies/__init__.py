@@ -28,7 +28,7 @@ from parallel.workloads import WORKLOADS
 
 # The report lists strategies in this order; `single` is the baseline and always first.
 NAMES = ["single", "manual_dp", "data_parallel", "manual_ddp", "ddp", "zero", "zero_optimizer", "fsdp", "manual_tp",
-         "tensor_parallel", "fsdp_tp", "hogwild", "model_parallel", "pipeline"]
+         "tensor_parallel", "fsdp_tp", "hogwild", "model_parallel", "pipeline", "pipeline_dist", "fsdp_pp"]
 
 
 # The constants a strategy module may set, with their defaults. Its functions beyond setup and

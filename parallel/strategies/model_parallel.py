@@ -47,6 +47,18 @@ class Stages:
     split: Split  # the stages and their devices
     meters: list[ActivationMeter]  # activation bytes each stage saves for backward
     busy: Busy  # each stage's busy intervals, step by step
+    meter_steps: int = field(default=1, kw_only=True)  # the steps the meters count (the warm-up, off the
+    #   clock; at least the first)
+    seen: int = field(default=0, kw_only=True)  # steps begun
+
+    def start_step(self) -> None:
+        """Meters on for the first `meter_steps` steps only."""
+        for m in self.meters:
+            m.active = self.seen < self.meter_steps
+        self.seen += 1
+
+    def metered(self) -> int:
+        return max(1, min(self.seen, self.meter_steps))
 
 
 def setup_stages(model, make_optimizer, loss_fn, config, sample_size: int, balance: str) -> Trainable:
@@ -59,7 +71,9 @@ def setup_stages(model, make_optimizer, loss_fn, config, sample_size: int, balan
     sample = SyntheticData(WORKLOADS[config.workload], config.seed, sample_size).batch(0)[0]
     sp = split(model, devices, balance, sample)
     return Trainable(model, make_optimizer(model.parameters()), loss_fn, devices[0], comm_bytes=0,
-                     state=Stages(sp, [ActivationMeter(s) for s in sp.stages], Busy(devices)), devices=devices)
+                     state=Stages(sp, [ActivationMeter(s) for s in sp.stages], Busy(devices),
+                                  meter_steps=max(1, config.warmup)),
+                     devices=devices)
 
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
@@ -71,6 +85,7 @@ def train_step(t: Trainable, batch, dist):
     x, y = batch
     last = len(sp.stages) - 1
     t.optimizer.zero_grad(set_to_none=True)
+    t.state.start_step()
     busy.start_step()
     saved, h = [], x
     for s, (stage, device) in enumerate(zip(sp.stages, sp.devices, strict=True)):  # forward, stage by stage
@@ -96,9 +111,11 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
 
 
 def stage_details(t: Trainable, config, result, microbatches: int) -> dict:
-    sp, steps = t.state.split, max(1, len(result.losses))
-    return {"balance": sp.balance, "stages": sp.describe(), "stage_param_bytes": sp.param_bytes(),
+    sp, steps = t.state.split, t.state.metered()
+    return {"balance": sp.balance, "stages": sp.describe(), "stage_bounds": sp.bounds,
+            "stage_param_bytes": sp.param_bytes(),
             "stage_activation_bytes": [m.bytes // steps for m in t.state.meters],  # held at the end of forward
+
             **t.state.busy.summary(config.warmup, len(sp.stages), microbatches)}
 
 

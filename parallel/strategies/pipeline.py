@@ -1,6 +1,6 @@
 """pipeline: model_parallel's stages over m micro-batches, GPipe (Huang et al. 2019) or 1F1B (PipeDream).
 
-    python scripts/pipeline.py --devices cpu:2 --microbatches 8 [--schedule gpipe|1f1b]
+    python scripts/pipeline.py --devices cpu:2 [--microbatches 4] [--schedule 1f1b|gpipe]
 
     gpipe  stage 0:  F1 F2 F3 F4 .  .  .  .  B4 B3 B2 B1     p = 2 stages, m = 4 micro-batches
            stage 1:  .  F1 F2 F3 F4 B4 B3 B2 B1 .  .  .      idle ("bubble") = (p-1)/(m+p-1) = 1/5
@@ -18,6 +18,12 @@ The theory assumes every stage has the same forward:backward ratio. The CNN's fi
 forward-heavy and its second (conv2's backward) backward-heavy: GPipe then runs its forward phase at
 stage 0's pace and its backward phase at stage 1's, and idles more than (p-1)/(m+p-1); 1F1B's steady
 state pays F+B per micro-batch on every stage, which balances them.
+
+The defaults, 1F1B over m = 4, are what measured fastest on the default comparison (CNN, cpu:2, batch 512;
+speedup over `single` in the same run, two runs): 1f1b m=2 1.06/1.23x, m=4 1.34/1.35x, m=8 1.33/1.29x;
+gpipe m=2 1.10/0.96x, m=4 1.01/1.11x, m=8 1.09/1.13x. More micro-batches shrink the bubble but each pays
+the per-operation overhead on a smaller batch; GPipe loses to the forward/backward imbalance above. The
+cost model plays the chosen schedule out on each stage's own forward and backward times (stages.simulate).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from parallel.strategies.base import Hooks, Mutant, Trainable, injected, options
 from parallel.strategies.model_parallel import Options as SplitOptions
 from parallel.strategies.model_parallel import Stages, model_state_bytes, setup_stages, stage_details
 from parallel.strategies.primitives import DeviceThreads
-from parallel.strategies.stages import stage_backward, stage_forward
+from parallel.strategies.stages import simulate, stage_backward, stage_forward
 
 NAME = "pipeline"
 LAUNCH = "inprocess"
@@ -51,15 +57,19 @@ MUTANTS = (MICROBATCH_DROPPED, EQUAL_WEIGHTS)
 
 @dataclass
 class Options(SplitOptions):
-    microbatches: int = field(default=8, metadata={"help": "micro-batches per step (GPipe's m)"})
-    schedule: str = field(default="gpipe", metadata={"help": "gpipe (all F, then all B) or 1f1b"})
+    microbatches: int = field(default=4, metadata={"help": "micro-batches per step (GPipe's m)"})
+    schedule: str = field(default="1f1b", metadata={"help": "1f1b (PipeDream-Flush) or gpipe (all F, then all B)"})
 
     def __post_init__(self):
         super().__post_init__()
         if self.microbatches < 1:
             raise ConfigError(f"--microbatches must be at least 1, got {self.microbatches}")
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.schedule not in self.schedules():
+            raise ConfigError(f"--schedule must be one of {', '.join(self.schedules())}, got {self.schedule!r}")
+
+    def schedules(self) -> dict:
+        """The schedules this strategy runs, by name."""
+        return SCHEDULES
 
 
 def gpipe(s: int, p: int, m: int) -> list[tuple[str, int]]:
@@ -178,6 +188,7 @@ def train_step(t: Trainable, batch, dist):
     st = _Step(xs, ys, weights, [queue.SimpleQueue() for _ in range(p)],
                [queue.SimpleQueue() for _ in range(p)], [None] * len(xs), t.state.timeout, [0] * p, [0] * p)
     t.optimizer.zero_grad(set_to_none=True)
+    t.state.start_step()
     t.state.busy.start_step()
     try:
         t.state.pool.run([lambda s: _run_stage(t, st, s)] * p, list(range(p)))
@@ -191,15 +202,26 @@ def train_step(t: Trainable, batch, dist):
 
 
 def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
-    return {**stage_details(t, config, result, microbatches=t.state.m),
-            "stage_peak_activation_bytes": t.state.peak}
+    return {**stage_details(t, config, result, microbatches=t.state.m), "microbatches": t.state.m,
+            "schedule": options_of(Options, config).schedule, "stage_peak_activation_bytes": t.state.peak}
 
 
-def predict_step_ms(cal, config, row) -> float:
-    """p balanced stages, m micro-batches: (m + p - 1) slots of one stage's share of a micro-batch."""
-    m, p = options_of(Options, config).microbatches, config.world_size
-    per_slot = cal.compute_ms(-(-config.batch_size // m)) / p
-    return (m + p - 1) * per_slot + cal.copy_ms(row.comm_bytes_per_step or 0) / p
+def predict_step_ms(cal, config, row) -> float | None:
+    """The schedule played out on each stage's own forward and backward times, calibrated at the
+    micro-batch size (stages.simulate), plus the transfers between stages."""
+    o = options_of(Options, config)
+    return schedule_ms(cal, row, o.schedule, o.microbatches, config.batch_size)
+
+
+def schedule_ms(cal, row, schedule: str, m: int, batch: int) -> float | None:
+    """A gpipe or 1f1b step of the row's stages (details["stage_bounds"]) over m micro-batches of `batch`."""
+    bounds = row.details.get("stage_bounds")
+    if not bounds or schedule not in SCHEDULES:
+        return None
+    p = len(bounds) - 1
+    fwd, bwd = cal.stage_ms(bounds, -(-batch // m))
+    hop = cal.copy_ms((row.comm_bytes_per_step or 0) / (2 * m * (p - 1))) if p > 1 else 0.0  # one activation
+    return simulate([SCHEDULES[schedule](s, p, m) for s in range(p)], fwd, bwd, hop)
 
 
 HOOKS = Hooks(check=check, extra_measurements=extra_measurements, predict_step_ms=predict_step_ms,

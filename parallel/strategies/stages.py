@@ -112,14 +112,70 @@ def split(model: nn.Module, devices: list[torch.device], balance: str, sample: t
     return Split(stages, devices, bounds, balance)
 
 
+def measure_stages(layers: list[nn.Module], bounds: list[int], x: torch.Tensor, device: torch.device,
+                   reps: int = 5) -> tuple[list[float], list[float]]:
+    """(forward seconds, backward seconds) of each stage layers[bounds[i]:bounds[i+1]] on its real input,
+    medians of `reps`, on `device` (copies of the layers): what a schedule's F and B cost on that stage,
+    timed through the pipeline's own stage_forward and stage_backward (the copy between devices and the
+    activation meter cost 20-25% of a CNN stage's bare forward here)."""
+    sync = synchronizer_all([device])
+    fwd, bwd = [], []
+    for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        stage = copy.deepcopy(nn.Sequential(*layers[a:b])).to(device)
+        meter, last = ActivationMeter(stage), i == len(bounds) - 2
+
+        def forward(stage=stage, x=x, first=i == 0, meter=meter):
+            return stage_forward(stage, x, device, first, meter)
+
+        def both(forward=forward, last=last):
+            inp, out = forward()
+            stage_backward(inp, out.float().mean() if last else out, None if last else torch.ones_like(out))
+
+        f = median_time(forward, reps, sync)
+        fwd.append(f)
+        bwd.append(max(median_time(both, reps, sync) - f, 0.0))
+        x = forward()[1].detach()
+    return fwd, bwd
+
+
+def simulate(ops: list[list[tuple[str, int]]], fwd: list[float], bwd: list[float], hop: float = 0.0) -> float:
+    """How long a schedule takes: stage s runs ops[s] ("F" | "B", micro-batch) in order, each F taking
+    fwd[s] and each B bwd[s]; F(s, j) also waits for F(s-1, j) and B(s, j) for B(s+1, j), plus `hop` for
+    the transfer between stages. Unequal stages and unequal forward and backward times are what the
+    (p-1)/(m+p-1) formula leaves out (GPipe's forward phase runs at the slowest forward, its backward
+    phase at the slowest backward)."""
+    p, done, free, at = len(ops), {}, [0.0] * len(ops), [0] * len(ops)
+    left = sum(map(len, ops))
+    while left:
+        moved = False
+        for s in range(p):
+            while at[s] < len(ops[s]):
+                kind, j = ops[s][at[s]]
+                dep = ((s - 1, "F", j) if kind == "F" and s > 0 else
+                       (s + 1, "B", j) if kind == "B" and s < p - 1 else None)
+                if dep is not None and dep not in done:
+                    break
+                start = max(free[s], done[dep] + hop if dep is not None else 0.0)
+                free[s] = done[(s, kind, j)] = start + (fwd[s] if kind == "F" else bwd[s])
+                at[s], left, moved = at[s] + 1, left - 1, True
+        if not moved:
+            raise ValueError("the schedule waits on itself")
+    return max(free)
+
+
 class ActivationMeter:
     """Bytes autograd saves for backward while a stage runs forward (its activation memory), leaving
-    out the parameters it also saves; of a DTensor, what this device holds. Use: `with meter: y = stage(x)`."""
+    out the parameters it also saves; of a DTensor, what this device holds. Use: `with meter: y = stage(x)`.
+    Its hook costs a few percent of a stage's step (measured 1-4% on the CNN's pipeline), so the strategies
+    switch it off (`active = False`) after the warm-up steps, as wire.Counter does: the bytes saved are
+    the same at every step."""
 
     def __init__(self, stage: nn.Module):
         self.params = {local(p).data_ptr() for p in stage.parameters()}
         self.bytes = 0
+        self.active = True
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._entered = False
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         held = local(t)
@@ -128,11 +184,14 @@ class ActivationMeter:
         return t
 
     def __enter__(self):
-        self._hooks.__enter__()
+        self._entered = self.active
+        if self._entered:
+            self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
+        if self._entered:
+            self._hooks.__exit__(*exc)
 
 
 def stage_forward(stage: nn.Module, x: torch.Tensor, device: torch.device, first: bool, meter: ActivationMeter):
@@ -165,6 +224,7 @@ class Busy:
         self.stamps: list[list[tuple]] = [[] for _ in devices]
         self.bubbles: list[float] = []
         self.busy_ms: list[list[float]] = []
+        self.ends_ms: list[float] = []  # when the step's last piece of work ended, since the step started
 
     def start_step(self) -> None:
         self.clock.start_step()
@@ -185,6 +245,7 @@ class Busy:
         busy = [sum(e - b for b, e in stage) for stage in intervals]
         self.bubbles.append(sum(1 - b / span for b in busy) / len(busy))
         self.busy_ms.append([b * 1e3 for b in busy])
+        self.ends_ms.append(max(e for _, e in spans) * 1e3)
         self.stamps = [[] for _ in self.stamps]
 
     def summary(self, skip: int, p: int, m: int) -> dict:

@@ -1,0 +1,119 @@
+"""fsdp_pp: pipeline stages over pp ranks, each stage sharded by FSDP2 over dp ranks: a 2-D mesh pp x dp.
+
+    torchrun --nproc_per_node=4 scripts/fsdp_pp.py --workload transformer --pp 2 --schedule 1f1b
+
+On cpu:4 with --pp 2: ranks 0 and 1 hold stage 0, sharded between them, ranks 2 and 3 stage 1; the pipeline
+of ranks {0, 2} trains on the first half of the batch, that of {1, 3} on the second (ParallelDims: pp
+outermost, as torchtitan orders its mesh). Within a pipeline, activations go point to point as in
+`pipeline_dist` (the same stages, schedules and loss weighting); within a stage, FSDP2 gathers the
+parameters for each micro-batch's forward and backward and reduce-scatters the gradients once their
+last micro-batch is done (torch's schedules drive FSDP2: PipelineStage knows an FSDPModule).
+
+Data parallelism by replication (DDP) around a pipeline is refused: on torch 2.13 DDP's reducer asserts
+inside a pipeline's backward, and with static_graph=True it ran and was silently 1.7e-3 off one device in
+a prototype here (pytorch#144530). FSDP2 is what torchtitan composes with pipelining. The zero-bubble
+schedules are refused too: with FSDP2 the last stage's parameters never moved (measured: a 50x mismatch,
+on the MLP and the transformer, with the stages sharded whole or block by block); gpipe, 1f1b,
+interleaved1f1b and loopedbfs match one device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from parallel.errors import ConfigError
+from parallel.layout import ParallelDims
+from parallel.strategies import pipeline_dist
+from parallel.strategies.base import Hooks, Mutant, Trainable, injected, options_of
+from parallel.strategies.fsdp import blocks
+
+NAME = "fsdp_pp"
+LAUNCH = "torchrun"
+SYNCHRONOUS = True
+CHECKPOINTS = False  # as pipeline_dist: the stages depend on the split measured at start-up
+
+SHARE_BY_STAGE = Mutant("fsdp_pp:share-by-stage", "each rank's share of the batch taken from its place in the "
+                        "pipeline (rank // dp) instead of its data-parallel coordinate: a pipeline's first stage "
+                        "reads one half's inputs and its last stage the other half's targets",
+                        {"workload": "mlp", "devices": "cpu:4", "options": {"pp": 2}})
+MUTANTS = (SHARE_BY_STAGE,)
+
+
+@dataclass
+class Options(pipeline_dist.Options):
+    pp: int = field(default=2, metadata={"help": "pipeline stages (ranks per pipeline); the rest is FSDP2's dp"})
+    dp_mode: str = field(default="fsdp", metadata={"help": "how the dp ranks of a stage share it: fsdp (ddp is "
+                                                          "refused, with its reason)"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.pp < 2:
+            raise ConfigError(f"--pp must be at least 2, got {self.pp}")
+        if self.dp_mode == "ddp":
+            raise ConfigError("--dp-mode ddp: DDP around pipeline stages is refused: on torch 2.13 its reducer "
+                              "asserts in a pipeline's backward, and with static_graph=True it trains silently "
+                              "off one device (pytorch#144530); use fsdp")
+        if self.schedule in ("interleavedzb", "zbv"):
+            raise ConfigError(f"--schedule {self.schedule} with FSDP2 is refused: on torch 2.13 the weight gradients "
+                              "of the zero-bubble split backward never reach the last stage's sharded parameters "
+                              "(measured here: they did not move; the oracle's mismatch was 50x its tolerance)")
+        if self.dp_mode != "fsdp":
+            raise ConfigError(f"--dp-mode must be fsdp, got {self.dp_mode!r}")
+
+
+def available(spec) -> str | None:
+    return f"needs 4 devices or more (pp 2 x dp 2), {spec} has {spec.count}" if spec.count < 4 else None
+
+
+def _layout(config, dist) -> ParallelDims:
+    """pp x dp: stages outermost, so a stage's dp ranks are neighbours; the loss where the last stage is."""
+    o = options_of(Options, config)
+    v_placement = pipeline_dist.SCHEDULES[o.schedule][2] == "v"
+    return ParallelDims(world=dist.world_size, pp=o.pp, dp_shard=dist.world_size // o.pp,
+                        loss_pp=0 if v_placement else -1)
+
+
+def dims(config, dist) -> ParallelDims:
+    """What the loop asks for each rank's share of the batch and whose loss counts; with the
+    fsdp_pp:share-by-stage bug, ranks numbered as if the stage were the inner axis (dp_rank = rank // dp)."""
+    if injected(config, SHARE_BY_STAGE):
+        pp = options_of(Options, config).pp
+        return ParallelDims(world=dist.world_size, dp_shard=pp, tp=dist.world_size // pp)
+    return _layout(config, dist)
+
+
+def check(config) -> None:
+    pp, n = options_of(Options, config).pp, config.world_size
+    if n % pp or pp == n:
+        raise ConfigError(f"--pp {pp} must divide the {n} devices into data-parallel groups of at least 2 "
+                          f"(pp x dp = {n}; pp alone is `pipeline_dist`)")
+    config.check_divisible(n // pp, "data-parallel size")
+    pipeline_dist.check_pipeline(config, pp, config.batch_size // (n // pp))
+
+
+def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
+    from torch.distributed.fsdp import fully_shard
+
+    o = options_of(Options, config)
+    layout = _layout(config, dist)
+    mesh = layout.mesh(dist.device.type)  # ("pp", "dp_shard")
+    dp = mesh["dp_shard"]
+
+    def shard(stage):
+        for block in blocks(stage):
+            fully_shard(block, mesh=dp, reshard_after_forward=True)
+        fully_shard(stage, mesh=dp, reshard_after_forward=True)
+
+    return pipeline_dist.build(model, make_optimizer, loss_fn, dist, config, o, layout.coords(dist.rank)["pp"], o.pp,
+                               group=mesh["pp"].get_group(), shard=shard, batch=config.batch_size // layout.dp)
+
+
+train_step = pipeline_dist.train_step
+
+
+def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
+    return {"mesh": str(_layout(config, dist)), **pipeline_dist.extra_measurements(t, data, config, dist, result)}
+
+
+HOOKS = Hooks(available=available, dims=dims, check=check, state_dict=pipeline_dist.state_dict,
+              model_state_bytes=pipeline_dist.model_state_bytes, extra_measurements=extra_measurements)

@@ -1,0 +1,308 @@
+"""pipeline_dist: torch.distributed.pipelining: each stage in its own process, activations sent point to point.
+
+    torchrun --nproc_per_node=2 scripts/pipeline_dist.py --workload cnn --schedule 1f1b --microbatches 4
+
+`pipeline` runs its stages as threads of one process. Here every rank builds only its own stages (the
+model's pipeline_layers(), cut by the same partition as `pipeline`'s, decided on rank 0 and sent to the
+others), wraps each in torch's PipelineStage, and one of torch's schedules drives them: activations go
+forward and their gradients back with isend/irecv (gloo on CPU, nccl on GPUs).
+
+    schedule           stages per rank    idle fraction in theory (p ranks, m micro-batches)
+    gpipe, 1f1b        1                  (p-1)/(m+p-1)
+    interleaved1f1b    2, in a loop       (p-1)/(2m+p-1): rank r holds stages r and r+p, so each
+    loopedbfs          2, in a loop         fill and drain costs half a stage (Narayanan et al. 2021)
+    interleavedzb      2, in a loop       ~0 when forward, input-gradient and weight-gradient times are
+    zbv                2, in a V          equal: each backward is split into B (input) and W (weight) and
+                                          the W's fill the gaps (Qi et al. 2024). The V puts stages r
+                                          and 2p-1-r on rank r: rank 0 reads the inputs and computes the loss.
+
+Only the rank with the first stage uses the inputs and only the one with the last stage the targets
+and the loss (ParallelDims.loss_pp says which). torch's stages receive into buffers shaped like the first
+micro-batch, so m must divide the batch (checked before anything starts: unequal micro-batches fail with
+a shape error inside the schedule); with equal micro-batches the schedule's own scaling (scale_grads: the
+summed gradients divided by m) makes the mean of the micro-batch means the batch mean, as one device's.
+The final parameters go to rank 0 under the model's own names, for the oracle.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from parallel.errors import ConfigError
+from parallel.layout import ParallelDims
+from parallel.results import Measured
+from parallel.strategies import pipeline, wire
+from parallel.strategies.base import Hooks, Mutant, Trainable, every_rank, injected, options_of, state_bytes
+from parallel.strategies.stages import ActivationMeter, Busy, layers_of, measure_layers, partition
+from parallel.workloads import WORKLOADS, SyntheticData
+
+NAME = "pipeline_dist"
+LAUNCH = "torchrun"
+SYNCHRONOUS = True
+CHECKPOINTS = False  # each rank's stages depend on the split measured at start-up; not resumable across runs
+
+# name -> (torch's schedule class, stages per rank, placement of stage i: "loop" rank i % p, "v" see above)
+SCHEDULES = {"gpipe": ("ScheduleGPipe", 1, "loop"), "1f1b": ("Schedule1F1B", 1, "loop"),
+             "interleaved1f1b": ("ScheduleInterleaved1F1B", 2, "loop"), "loopedbfs": ("ScheduleLoopedBFS", 2, "loop"),
+             "interleavedzb": ("ScheduleInterleavedZeroBubble", 2, "loop"), "zbv": ("ScheduleZBVZeroBubble", 2, "v")}
+
+# A bug the oracle must catch (`--mutant NAME`; base.Mutant).
+SUMMED = Mutant("pipeline_dist:summed-microbatches", "scale_grads=False with the micro-batches' mean losses as they "
+                "are: the gradients of m micro-batches summed, m times one device's", {"workload": "mlp"})
+MUTANTS = (SUMMED,)
+
+
+@dataclass
+class Options(pipeline.Options):
+    schedule: str = field(default="1f1b", metadata={"help": "torch's schedule: " + ", ".join(SCHEDULES)})
+    stages_per_rank: int = field(default=0, metadata={"help": "stages each rank holds (0: the schedule's own, 1 "
+                                                              "or 2); the looped schedules take 2 or more"})
+
+    def schedules(self) -> dict:
+        return SCHEDULES
+
+    def __post_init__(self):
+        super().__post_init__()
+        _, v, placement = SCHEDULES[self.schedule]
+        if self.stages_per_rank < 0:
+            raise ConfigError(f"--stages-per-rank must be 0 (the schedule's own) or more, got {self.stages_per_rank}")
+        if v == 1 and self.stages_per_rank > 1:
+            raise ConfigError(f"--schedule {self.schedule} runs one stage per rank, not {self.stages_per_rank} (the "
+                              "looped schedules run several: interleaved1f1b, loopedbfs, interleavedzb)")
+        if v > 1 and self.stages_per_rank == 1:
+            raise ConfigError(f"--schedule {self.schedule} loops over several stages per rank: --stages-per-rank 1 "
+                              "is gpipe or 1f1b")
+        if placement == "v" and self.stages_per_rank not in (0, 2):
+            raise ConfigError(f"--schedule zbv places its stages in a V, exactly 2 per rank; --stages-per-rank "
+                              f"{self.stages_per_rank} would make {self.stages_per_rank} per rank")
+
+    @property
+    def v(self) -> int:
+        """Stages per rank."""
+        return self.stages_per_rank or SCHEDULES[self.schedule][1]
+
+
+def stage_ids(rank: int, p: int, v: int, placement: str) -> list[int]:
+    """The stages rank `rank` holds, of p x v: a loop (r, r + p, r + 2p, ...) or a V (r, 2p - 1 - r)."""
+    return [rank, 2 * p - 1 - rank] if placement == "v" else [rank + i * p for i in range(v)]
+
+
+def dims(config, dist) -> ParallelDims:
+    """Every rank a pipeline stage (or two) of the one model: each sees the whole batch; the loss is where
+    the last stage is."""
+    v_placement = SCHEDULES[options_of(Options, config).schedule][2] == "v"
+    return ParallelDims(world=dist.world_size, pp=dist.world_size, loss_pp=0 if v_placement else -1)
+
+
+def check(config) -> None:
+    check_pipeline(config, config.world_size, config.batch_size)
+
+
+def check_pipeline(config, p: int, batch: int) -> None:
+    """A pipeline of p ranks training on `batch` samples a step (fsdp_pp: one of several)."""
+    o = options_of(Options, config)
+    v, m = o.v, o.microbatches
+    if m > batch or batch % m:
+        raise ConfigError(f"--microbatches {m} must divide the {batch} samples each pipeline takes a step: torch's "
+                          "stages receive into buffers shaped like one micro-batch")
+    if p < 2:
+        raise ConfigError(f"{NAME} needs at least 2 processes (one stage each), got {p}")
+    n = len(layers_of(WORKLOADS[config.workload].build_model(config.seed)))
+    if p * v > n:
+        raise ConfigError(f"--schedule {o.schedule} runs {v} stage(s) on each of {p} ranks, {p * v} stages, but the "
+                          f"{config.workload} has {n} layers to split")
+    if o.schedule == "1f1b" and m < p:  # torch's conditions, checked here to fail before any process starts
+        raise ConfigError(f"--schedule 1f1b needs at least as many micro-batches as stages: {m} < {p}")
+    if o.schedule in ("interleaved1f1b", "interleavedzb") and m % (rounds := max(1, m // p)):
+        raise ConfigError(f"--schedule {o.schedule} runs micro-batches in rounds of {p}: --microbatches {m} is not a "
+                          f"multiple of its {rounds} rounds")
+
+
+class _Stage:
+    """torch's PipelineStage with its forward and backward pieces timed (busy intervals) and the
+    activations they keep for backward counted. The schedules call these three methods of a stage."""
+
+    @staticmethod
+    def make(module, index, count, device, group, busy: Busy, meter: ActivationMeter):
+        from torch.distributed.pipelining import PipelineStage
+
+        class Timed(PipelineStage):
+            def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+                before = meter.bytes
+                with busy(0, f"stage {index} F{fwd_chunk_id}"), meter:
+                    out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+                self.held[fwd_chunk_id] = meter.bytes - before
+                self.peak = max(self.peak, sum(self.held.values()))
+                return out
+
+            def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+                with busy(0, f"stage {index} {'B' if full_backward else 'I'}{bwd_chunk_id}"):
+                    out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                                     last_backward=last_backward)
+                if full_backward:
+                    self.held.pop(bwd_chunk_id, None)
+                return out
+
+            def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+                with busy(0, f"stage {index} W{bwd_chunk_id}"):
+                    out = super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+                self.held.pop(bwd_chunk_id, None)  # the weight gradient was the last to need them
+                return out
+
+        stage = Timed(module, index, count, device, group=group)
+        stage.held, stage.peak, stage.meter = {}, 0, meter  # micro-batch -> activation bytes kept; the most at once
+        return stage
+
+
+@dataclass
+class State:
+    schedule: object  # torch's schedule over this rank's stages
+    p: int  # ranks in this rank's pipeline
+    stages: list  # this rank's PipelineStages, in stage order
+    names: dict[int, list[str]]  # stage index -> the model's name of each of its layers
+    bounds: list[int]  # stage i = layers[bounds[i]:bounds[i+1]], every stage of the run
+    first: bool  # this rank holds stage 0 (reads the inputs)
+    last: bool  # this rank holds the last stage (computes the loss)
+    busy: Busy
+    counter: wire.Counter
+
+
+def _bounds(layers: list[nn.Module], k: int, o: Options, config, dist, batch: int) -> list[int]:
+    """The cut into k stages, the same rule as `pipeline`'s (time measured at the micro-batch size, or
+    parameters), decided on rank 0 and sent to every rank so that they all cut alike."""
+    import torch.distributed as td
+
+    decided = [None]
+    if dist.rank == 0:
+        if o.balance == "time":
+            micro = -(-batch // o.microbatches)
+            sample = SyntheticData(WORKLOADS[config.workload], config.seed, micro).batch(0)[0]
+            costs, moves = measure_layers(layers, sample, [dist.device, dist.device])
+            decided = [partition(costs, k, moves)]
+        else:
+            decided = [partition([float(sum(p.numel() for p in layer.parameters())) for layer in layers], k)]
+    td.broadcast_object_list(decided, src=0)
+    return decided[0]
+
+
+def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
+    return build(model, make_optimizer, loss_fn, dist, config, options_of(Options, config), dist.rank, dist.world_size)
+
+
+def build(model, make_optimizer, loss_fn, dist, config, o: Options, rank: int, p: int, group=None,
+          shard=None, batch: int | None = None) -> Trainable:
+    """This process's stages of a p-stage-rank pipeline: it is rank `rank` of the pipeline `group` (default:
+    every process). `shard(module)`: applied to each stage (fsdp_pp's FSDP2 over its data-parallel group);
+    `batch`: the batch this pipeline trains on per step (default: the global batch)."""
+    from torch.distributed import pipelining
+
+    torch_name, _, placement = SCHEDULES[o.schedule]
+    v = o.v
+    layers = layers_of(model)
+    layer_name = {id(m): n for n, m in model.named_modules()}
+    batch = batch or config.batch_size
+    bounds = _bounds(layers, p * v, o, config, dist, batch)
+    ids = stage_ids(rank, p, v, placement)
+    busy = Busy([dist.device])
+    stages, modules, names = [], [], {}
+    for i in ids:  # this rank's layers only: the rest of the model is dropped with `model`
+        part = layers[bounds[i]:bounds[i + 1]]
+        names[i] = [layer_name[id(m)] for m in part]
+        module = nn.Sequential(*part).to(dist.device)
+        if shard is not None:
+            shard(module)
+        modules.append(module)
+        stages.append(_Stage.make(module, i, p * v, dist.device, group, busy, ActivationMeter(module)))
+
+    schedule = getattr(pipelining.schedules, torch_name)(stages[0] if v == 1 else stages, n_microbatches=o.microbatches,
+                                                         loss_fn=loss_fn, scale_grads=not injected(config, SUMMED))
+    local = nn.ModuleList(modules)
+    state = State(schedule, p, stages, names, bounds, 0 in ids, p * v - 1 in ids, busy, wire.Counter(config.warmup))
+    return Trainable(local, make_optimizer(local.parameters()), loss_fn, dist.device, comm_bytes=0, state=state)
+
+
+def train_step(t: Trainable, batch, dist):
+    s = t.state
+    x, y = (b.to(t.device, non_blocking=True) for b in batch)  # the whole batch: stage 0 and the loss use it
+    losses: list[torch.Tensor] = []
+    t.optimizer.zero_grad(set_to_none=True)
+    for stage in s.stages:  # activations counted in the warm-up steps (off the clock), as the collectives
+        stage.meter.active = s.counter.seen < max(1, s.counter.steps)
+    s.busy.start_step()
+    with s.counter.step():
+        s.schedule.step(*([x] if s.first else []), **({"target": y, "losses": losses} if s.last else {}),
+                        return_outputs=False)
+    t.optimizer.step()
+    s.busy.end_step()
+    t.comm_bytes, t.comm_steps = s.counter.total, s.counter.counted
+    if not s.last:
+        return torch.zeros((), device=t.device)  # not counted (dims: loss_pp)
+    return torch.stack([v.detach() for v in losses]).mean()  # equal micro-batches: the batch mean
+
+
+def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
+    """Every rank's stages, under the model's own names, merged (a collective; rank 0 uses it)."""
+    mine = {}
+    for stage in t.state.stages:
+        for key, value in stage.submod.state_dict().items():
+            index, _, rest = key.partition(".")
+            whole = value.full_tensor() if hasattr(value, "full_tensor") else value  # FSDP2's shards: a collective
+            mine[f"{t.state.names[stage.stage_index][int(index)]}.{rest}"] = whole.detach().cpu().clone()
+    return {k: v for part in every_rank(mine) for k, v in part.items()}
+
+
+def model_state_bytes(t: Trainable, config) -> list[int]:
+    return every_rank(state_bytes(list(t.model.parameters()), t.optimizer))
+
+
+def theory(o: Options, p: int) -> float:
+    """The idle fraction each schedule's authors give for balanced stages (v stages per rank)."""
+    if o.schedule in ("interleavedzb", "zbv"):
+        return 0.0
+    return (p - 1) / (o.v * o.microbatches + p - 1)
+
+
+def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
+    """The bubble: per step, each rank idle for the part of the step's span (start to the last piece of
+    work on any rank, one host's clock) it was not computing; point-to-point bytes; activations held."""
+    s, o = t.state, options_of(Options, config)
+    skip = config.warmup
+    mine = {"busy": [b[0] for b in s.busy.busy_ms[skip:]], "end": s.busy.ends_ms[skip:],
+            "peak": {st.stage_index: st.peak for st in s.stages}}
+    ranks = every_rank(mine)
+    bubbles, per_rank = [], [[] for _ in ranks]
+    for step in range(len(mine["end"])):
+        span = max(r["end"][step] for r in ranks)
+        idle = [1 - r["busy"][step] / span for r in ranks]
+        bubbles.append(statistics.fmean(idle))
+        for i, f in enumerate(idle):
+            per_rank[i].append(f)
+    peaks = {k: v for r in ranks for k, v in r["peak"].items()}
+    out = {"schedule": o.schedule, "microbatches": o.microbatches, "balance": o.balance,
+           "stages": " | ".join(f"{a}-{b - 1}" for a, b in zip(s.bounds[:-1], s.bounds[1:], strict=True)),
+           "stage_bounds": s.bounds,
+           "stage_peak_activation_bytes": [peaks[i] for i in sorted(peaks)],
+           **s.counter.measurements()}
+    th = theory(o, s.p)
+    if bubbles:
+        out["rank_idle_fraction"] = [round(statistics.median(r), 3) for r in per_rank]
+        out["stage_busy_ms"] = [round(statistics.median(r["busy"]), 2) for r in ranks]  # per rank: its stages
+        out["measured"] = Measured(bubble_measured=statistics.median(bubbles), bubble_theory=th)
+    else:
+        out["measured"] = Measured(bubble_theory=th)
+    return out
+
+
+def predict_step_ms(cal, config, row) -> float | None:
+    """gpipe and 1f1b: the schedule played out on each stage's calibrated forward and backward times (as
+    `pipeline`'s); the looped and zero-bubble schedules are not modelled (None)."""
+    o = options_of(Options, config)
+    return pipeline.schedule_ms(cal, row, o.schedule, o.microbatches, config.batch_size) if o.v == 1 else None
+
+
+HOOKS = Hooks(dims=dims, check=check, state_dict=state_dict, model_state_bytes=model_state_bytes,
+              extra_measurements=extra_measurements, predict_step_ms=predict_step_ms)
