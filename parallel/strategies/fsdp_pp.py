@@ -5,16 +5,18 @@
 On cpu:4 with --pp 2: ranks 0 and 1 hold stage 0, sharded between them, ranks 2 and 3 stage 1; the pipeline
 of ranks {0, 2} trains on the first half of the batch, that of {1, 3} on the second (ParallelDims: pp
 outermost, as torchtitan orders its mesh). Within a pipeline, activations go point to point as in
-`pipeline_dist` (the same stages, schedules and loss weighting); within a stage, FSDP2 gathers the
+`pipeline_dist` (the same stages and schedules); within a stage, FSDP2 gathers the
 parameters for each micro-batch's forward and backward and reduce-scatters the gradients once their
 last micro-batch is done (torch's schedules drive FSDP2: PipelineStage knows an FSDPModule).
 
-Data parallelism by replication (DDP) around a pipeline is refused: on torch 2.13 DDP's reducer asserts
-inside a pipeline's backward, and with static_graph=True it ran and was silently 1.7e-3 off one device in
-a prototype here (pytorch#144530). FSDP2 is what torchtitan composes with pipelining. The zero-bubble
-schedules are refused too: with FSDP2 the last stage's parameters never moved (measured: a 50x mismatch,
-on the MLP and the transformer, with the stages sharded whole or block by block); gpipe, 1f1b,
-interleaved1f1b and loopedbfs match one device.
+Data parallelism by replication (DDP) around a pipeline is refused, from what it did here on torch 2.13
+(DDP around each stage, the MLP on cpu:4): under gpipe and interleaved1f1b its reducer fails an internal
+assert ("rebuilt parameter indices size is not same as original model parameters size"); with
+static_graph=True it runs and trains off one device, silently (60.9x the oracle's tolerance: kept as the
+mutant fsdp_pp:ddp-static-graph); under 1f1b plain DDP happened to match. FSDP2 is what torchtitan
+composes with pipelining. The zero-bubble schedules are refused too: with FSDP2 the last stage's
+parameters never moved (measured: a 50x mismatch, on the MLP and the transformer, with the stages
+sharded whole or block by block); gpipe, 1f1b, interleaved1f1b and loopedbfs match one device.
 """
 
 from __future__ import annotations
@@ -36,7 +38,10 @@ SHARE_BY_STAGE = Mutant("fsdp_pp:share-by-stage", "each rank's share of the batc
                         "pipeline (rank // dp) instead of its data-parallel coordinate: a pipeline's first stage "
                         "reads one half's inputs and its last stage the other half's targets",
                         {"workload": "mlp", "devices": "cpu:4", "options": {"pp": 2}})
-MUTANTS = (SHARE_BY_STAGE,)
+DDP_STATIC = Mutant("fsdp_pp:ddp-static-graph", "DDP (static_graph=True) instead of FSDP2 around each stage, the "
+                    "way round plain DDP's internal assert under a pipeline: it runs, and trains off one device",
+                    {"workload": "mlp", "devices": "cpu:4", "options": {"pp": 2}})
+MUTANTS = (SHARE_BY_STAGE, DDP_STATIC)
 
 
 @dataclass
@@ -50,9 +55,9 @@ class Options(pipeline_dist.Options):
         if self.pp < 2:
             raise ConfigError(f"--pp must be at least 2, got {self.pp}")
         if self.dp_mode == "ddp":
-            raise ConfigError("--dp-mode ddp: DDP around pipeline stages is refused: on torch 2.13 its reducer "
-                              "asserts in a pipeline's backward, and with static_graph=True it trains silently "
-                              "off one device (pytorch#144530); use fsdp")
+            raise ConfigError("--dp-mode ddp: DDP around pipeline stages is refused: on torch 2.13 its reducer fails "
+                              "an internal assert under gpipe and interleaved1f1b, and with static_graph=True it "
+                              "trains silently off one device (measured here; pytorch#144530); use fsdp")
         if self.schedule in ("interleavedzb", "zbv"):
             raise ConfigError(f"--schedule {self.schedule} with FSDP2 is refused: on torch 2.13 the weight gradients "
                               "of the zero-bubble split backward never reach the last stage's sharded parameters "
@@ -100,6 +105,10 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     dp = mesh["dp_shard"]
 
     def shard(stage):
+        if injected(config, DDP_STATIC):
+            from torch.nn.parallel import DistributedDataParallel
+
+            return DistributedDataParallel(stage, process_group=dp.get_group(), static_graph=True)
         for block in blocks(stage):
             fully_shard(block, mesh=dp, reshard_after_forward=True)
         fully_shard(stage, mesh=dp, reshard_after_forward=True)

@@ -214,7 +214,7 @@ def build(model, make_optimizer, loss_fn, dist, config, o: Options, rank: int, p
         names[i] = [layer_name[id(m)] for m in part]
         module = nn.Sequential(*part).to(dist.device)
         if shard is not None:
-            shard(module)
+            module = shard(module) or module  # in place (fully_shard), or a wrapper
         modules.append(module)
         stages.append(_Stage.make(module, i, p * v, dist.device, group, busy, ActivationMeter(module)))
 
@@ -249,7 +249,7 @@ def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
     mine = {}
     for stage in t.state.stages:
         for key, value in stage.submod.state_dict().items():
-            index, _, rest = key.partition(".")
+            index, _, rest = key.removeprefix("module.").partition(".")
             whole = value.full_tensor() if hasattr(value, "full_tensor") else value  # FSDP2's shards: a collective
             mine[f"{t.state.names[stage.stage_index][int(index)]}.{rest}"] = whole.detach().cpu().clone()
     return {k: v for part in every_rank(mine) for k, v in part.items()}
