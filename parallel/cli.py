@@ -57,6 +57,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default=d.precision, help="fp32, or bf16: every strategy's steps (and "
                                                             "`single`'s) under torch.autocast(bfloat16)")
     p.add_argument("--profile", action="store_true", help="write torch.profiler traces to OUT/tb/")
+    p.add_argument("--repeat", type=int, default=d.repeat, help="rounds of every strategy, interleaved; speedups "
+                   "are paired with each round's own `single`: median [min-max] (3: the benchmark mode)")
     p.add_argument("--out", default=d.out, help="results folder (default results/run-<time>)")
     p.add_argument("--timeout", type=float, default=d.timeout, help=f"seconds per strategy ({d.timeout:g})")
     p.add_argument("--pg-timeout", type=float, default=d.pg_timeout,

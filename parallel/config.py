@@ -29,6 +29,7 @@ class RunConfig:
     world_size: int = 0  # 0: one per device in `devices`
     precision: str = "fp32"  # "bf16": every strategy's steps under torch.autocast(bfloat16), `single`'s too
     profile: bool = False
+    repeat: int = 1  # rounds of the whole list, interleaved (single, a, b, ..., then again); speedups paired
     out: str = ""  # "" -> results/run-<time>
     timeout: float = 300.0  # seconds one strategy may take, start-up included
     pg_timeout: float = 60.0  # seconds a collective may wait before the process group gives up
@@ -72,6 +73,12 @@ class RunConfig:
             raise ConfigError(f"--port must be 0 (any free port) or 1..65535, got {self.port}")
         if self.checkpoint_every < 0:
             raise ConfigError(f"--checkpoint-every must be 0 (never) or more, got {self.checkpoint_every}")
+        if self.repeat < 1:
+            raise ConfigError(f"--repeat must be at least 1 (rounds of every strategy), got {self.repeat}")
+        if self.repeat > 1 and (self.checkpoint_every or self.resume or self.resume_from or self.fail_at_step >= 0
+                                or self.hang_rank >= 0):
+            raise ConfigError("--repeat times the same run again; it does not combine with checkpoints, --resume "
+                              "or injected faults")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
         spec = parse_devices(self.devices)

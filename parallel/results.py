@@ -73,6 +73,8 @@ class Row:
     samples_per_s: float | None = None
     speedup: float | None = None  # samples/s over `single` on ONE device of the same list, same run
     efficiency: float | None = None  # speedup / world_size
+    round_speedups: list = field(default_factory=list)  # --repeat: each round's samples/s over that round's single
+    round_step_ms: list = field(default_factory=list)  # --repeat: each round's median step
     peak_mem_bytes: int | None = None
     peak_mem_kind: str | None = None  # "cuda_max_allocated" | "process_peak_rss"
     comm_bytes_per_step: float | None = None  # bytes one rank sends per optimiser step (measured)

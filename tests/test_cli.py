@@ -48,6 +48,8 @@ def test_unknown_strategy_is_one_line_exit_2_and_writes_nothing(tmp_path):
         (["compare", "--strategies", "ddp", "--compress", "fp16"], "--compress must be bf16 or empty"),
         (["mutants", "--honest", "-1"], "--honest must be 0 or more, got -1"),
         (["compare", "--project-params=-7e9"], "--project-params must be a parameter count (0: off), got -7e+09"),
+        (["compare", "--repeat", "0"], "--repeat must be at least 1"),
+        (["compare", "--repeat", "3", "--resume"], "does not combine with checkpoints"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, message, refused):
@@ -88,6 +90,31 @@ def test_compare_writes_the_report_results_and_traces(tmp_path):
     traces = list((out / "tb" / "single").glob("single_rank0*.pt.trace.json"))
     assert len(traces) == 1 and "traceEvents" in json.loads(traces[0].read_text())
     assert not list(out.glob(".results.*"))  # no temporary files left behind
+
+
+def test_repeat_interleaves_rounds_and_pairs_each_with_its_own_single(tmp_path):
+    from parallel.cli import main
+
+    out = tmp_path / "rounds"
+    assert main(["compare", "--strategies", "manual_dp", "--workload", "mlp", "--steps", "2", "--warmup", "1",
+                 "--batch-size", "64", "--repeat", "2", "--out", str(out)]) == 0
+    single, manual = json.loads((out / "results.json").read_text())["rows"]
+    assert len(single["round_speedups"]) == 2 and single["speedup"] == 1.0
+    assert len(manual["round_speedups"]) == 2 and len(manual["round_step_ms"]) == 2
+    assert manual["equivalence"]["verdict"] == "match"  # judged once, on the first round
+    assert (out / "logs" / "round-2" / "manual_dp.log").exists()
+
+
+def test_paired_rounds_cancel_drift_that_hits_every_strategy_of_a_round():
+    from parallel.harness.runner import pair_rounds
+    from parallel.results import Row
+
+    rows = [Row(n, "", "x", "cpu:2", "virtual", w, 64, step_ms_p50=1.0) for n, w in (("single", 1), ("ddp", 2))]
+    # the machine runs twice as slow in round 2, for both: the paired speedup stays 1.5 every round
+    timings = [[(100.0, 10.0), (50.0, 20.0), (100.0, 10.0)], [(150.0, 6.7), (75.0, 13.3), (150.0, 6.7)]]
+    pair_rounds(rows, timings, baseline=True)
+    assert rows[1].round_speedups == [1.5, 1.5, 1.5] and rows[1].speedup == 1.5 and rows[1].efficiency == 0.75
+    assert rows[1].step_ms_p50 == 6.7 and rows[1].samples_per_s == 150.0  # medians of the rounds
 
 
 @pytest.mark.slow

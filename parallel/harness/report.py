@@ -50,8 +50,11 @@ def table(rows: list[Row], environment: dict) -> Table:
         if eq.ratio is not None:
             verdict += f" {eq.ratio:.2g}"
         p50 = "-" if r.step_ms_p50 is None else f"{r.step_ms_p50:.1f} ({r.step_ms_p95:.1f})"
+        speedup = _num(r.speedup, ".2f")
+        if len(r.round_speedups) > 1:  # --repeat: the median of the paired rounds, and their range
+            speedup += f" [{min(r.round_speedups):.2f}-{max(r.round_speedups):.2f}]"
         t.add_row(r.label, r.launcher, f"{r.world_size} {r.device_kind}", p50, _num(r.step_ms_predicted, ".1f"),
-                  _num(r.samples_per_s, ",.0f"), _num(r.speedup, ".2f"), _num(r.efficiency, ".0%"),
+                  _num(r.samples_per_s, ",.0f"), speedup, _num(r.efficiency, ".0%"),
                   _bytes(r.peak_mem_bytes), f"{_bytes(r.comm_bytes_per_step)} ({_bytes(r.comm_bytes_predicted)})",
                   _num(r.final_loss, ".4f"), _num(r.eval_loss, ".4f"), verdict,
                   r.status if r.status == "ok" else f"[bold red]{r.status}[/]")
@@ -95,6 +98,10 @@ def notes(rows: list[Row], environment: dict, skipped: dict | None = None) -> li
                    "every rank's and worker's is in the details, with the model state each device holds.")
     out.append("speedup: samples/s over `single` on one device of the same list, measured in this run; "
                "eff. = speedup / devices.")
+    if rounds := max((len(r.round_speedups) for r in rows), default=0):
+        out.append(f"--repeat {rounds}: every strategy ran {rounds} times, in interleaved rounds; speedup is the "
+                   "median of each round's samples/s over that round's `single` [min-max over the rounds], ms "
+                   "p50 the median of the rounds' (p95: the first round's); equivalence judged on the first round.")
     return out
 
 

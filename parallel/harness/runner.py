@@ -1,13 +1,19 @@
 """Run a list of strategies, each in its own child, and turn their results into report rows.
 
 `single` runs first when a baseline is wanted: its parameters are the reference for equivalence and its
-samples/s the denominator of every speedup, measured in the same run.
+samples/s the denominator of every speedup, measured in the same run. With --repeat K the whole list runs
+K times in turn (single, a, b, ..., single, a, b, ...), so that the machine's drift falls on every strategy
+alike: each round's speedup is that round's samples/s over that round's `single`, and a row reports the
+median of its K paired speedups and their range. Equivalence is judged on the first round only (later
+rounds train the same thing again), so the verdict does not depend on K.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
+import statistics
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -81,6 +87,29 @@ def add_relative(rows: list[Row], baseline: Row | None) -> None:
             r.efficiency = r.speedup / r.world_size
 
 
+def _folder(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def pair_rounds(rows: list[Row], timings: list[list[tuple]], baseline: bool) -> None:
+    """--repeat: each row's speedup is the median over rounds of its samples/s over the same round's
+    `single` (a paired ratio: drift between rounds cancels), its step time the median of the rounds'."""
+    base = timings[0] if baseline and rows and rows[0].status == "ok" else None
+    for row, mine in zip(rows, timings, strict=True):
+        if row.status != "ok":
+            continue
+        row.round_step_ms = [ms for _, ms in mine if ms]
+        if row.round_step_ms:
+            row.step_ms_p50 = statistics.median(row.round_step_ms)
+            row.samples_per_s = statistics.median(sps for sps, _ in mine if sps)
+        if base is not None:
+            row.round_speedups = [sps / b for (sps, _), (b, _) in zip(mine, base, strict=True) if sps and b]
+            if row.round_speedups:
+                row.speedup = statistics.median(row.round_speedups)
+                row.efficiency = row.speedup / row.world_size
+
+
 def plan(config: RunConfig, names: list[str], baseline: bool = True) -> list[tuple]:
     """Every (strategy, variant label, config) to run, `single` first when it is the baseline. Every bad
     combination raises ConfigError here, before anything is started or written."""
@@ -113,10 +142,12 @@ def run_strategies(config: RunConfig, chosen: list[tuple], baseline: bool = True
     ref = None
     workload = WORKLOADS[config.workload]
     initial = workload.build_model(config.seed).state_dict()
+    rounds = max(1, config.repeat)
+    timings: list[list[tuple]] = [[] for _ in chosen]  # per plan entry: (samples/s, median step ms) per round
     try:
         with make_progress() as progress:
-            task = progress.add_task("strategies", total=len(chosen))
-            for s, variant, cfg in chosen:
+            task = progress.add_task("strategies", total=len(chosen) * rounds)
+            for i, (s, variant, cfg) in enumerate(chosen):
                 progress.update(task, description=f"{s.name} {variant} ({s.launch}, {s.world_size(cfg)} dev)")
                 row, state = run_one(s, variant, cfg, work, logs)
                 if state is not None:
@@ -131,10 +162,21 @@ def run_strategies(config: RunConfig, chosen: list[tuple], baseline: bool = True
                         row.equivalence.reason += (f"; converged instead: eval loss {row.eval_loss:.4f} vs "
                                                    f"single {rows[0].eval_loss:.4f} ({ratio:.2f}x), same samples")
                 rows.append(row)
+                timings[i].append((row.samples_per_s, row.step_ms_p50))
                 write_scalars(out / "tb", row)
                 add_relative(rows, rows[0] if baseline and rows[0].status == "ok" else None)
                 on_row(rows)
                 progress.advance(task)
+            for k in range(1, rounds):  # the same list again: timing only, no profile, logs per round
+                for i, (s, variant, cfg) in enumerate(chosen):
+                    progress.update(task, description=f"round {k + 1}/{rounds}: {s.name} {variant}")
+                    again, _ = run_one(s, variant, dataclasses.replace(cfg, profile=False), work,
+                                       _folder(logs / f"round-{k + 1}"))
+                    timings[i].append((again.samples_per_s, again.step_ms_p50) if again.status == "ok" else
+                                      (None, None))
+                    progress.advance(task)
+                pair_rounds(rows, timings, baseline)
+                on_row(rows)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return rows
