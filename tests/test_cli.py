@@ -111,10 +111,11 @@ def test_paired_rounds_cancel_drift_that_hits_every_strategy_of_a_round():
 
     rows = [Row(n, "", "x", "cpu:2", "virtual", w, 64, step_ms_p50=1.0) for n, w in (("single", 1), ("ddp", 2))]
     # the machine runs twice as slow in round 2, for both: the paired speedup stays 1.5 every round
-    timings = [[(100.0, 10.0), (50.0, 20.0), (100.0, 10.0)], [(150.0, 6.7), (75.0, 13.3), (150.0, 6.7)]]
+    timings = [[(100.0, 10.0, 11.0), (50.0, 20.0, 22.0), (100.0, 10.0, 11.0)],
+               [(150.0, 6.7, 7.0), (75.0, 13.3, 14.0), (150.0, 6.7, 7.0)]]
     pair_rounds(rows, timings, baseline=True)
     assert rows[1].round_speedups == [1.5, 1.5, 1.5] and rows[1].speedup == 1.5 and rows[1].efficiency == 0.75
-    assert rows[1].step_ms_p50 == 6.7 and rows[1].samples_per_s == 150.0  # medians of the rounds
+    assert (rows[1].step_ms_p50, rows[1].step_ms_p95, rows[1].samples_per_s) == (6.7, 7.0, 150.0)  # medians
 
 
 @pytest.mark.slow

@@ -94,17 +94,19 @@ def _folder(path: Path) -> Path:
 
 def pair_rounds(rows: list[Row], timings: list[list[tuple]], baseline: bool) -> None:
     """--repeat: each row's speedup is the median over rounds of its samples/s over the same round's
-    `single` (a paired ratio: drift between rounds cancels), its step time the median of the rounds'."""
+    `single` (a paired ratio: drift between rounds cancels), its step times the medians of the rounds'."""
     base = timings[0] if baseline and rows and rows[0].status == "ok" else None
     for row, mine in zip(rows, timings, strict=True):
         if row.status != "ok":
             continue
-        row.round_step_ms = [ms for _, ms in mine if ms]
-        if row.round_step_ms:
+        ran = [t for t in mine if t[0]]
+        row.round_step_ms = [p50 for _, p50, _ in ran]
+        if ran:
+            row.samples_per_s = statistics.median(sps for sps, _, _ in ran)
             row.step_ms_p50 = statistics.median(row.round_step_ms)
-            row.samples_per_s = statistics.median(sps for sps, _ in mine if sps)
+            row.step_ms_p95 = statistics.median(p95 for _, _, p95 in ran)
         if base is not None:
-            row.round_speedups = [sps / b for (sps, _), (b, _) in zip(mine, base, strict=True) if sps and b]
+            row.round_speedups = [sps / b[0] for (sps, _, _), b in zip(mine, base, strict=True) if sps and b[0]]
             if row.round_speedups:
                 row.speedup = statistics.median(row.round_speedups)
                 row.efficiency = row.speedup / row.world_size
@@ -143,7 +145,7 @@ def run_strategies(config: RunConfig, chosen: list[tuple], baseline: bool = True
     workload = WORKLOADS[config.workload]
     initial = workload.build_model(config.seed).state_dict()
     rounds = max(1, config.repeat)
-    timings: list[list[tuple]] = [[] for _ in chosen]  # per plan entry: (samples/s, median step ms) per round
+    timings: list[list[tuple]] = [[] for _ in chosen]  # per plan entry, per round: samples/s, step ms p50, p95
     try:
         with make_progress() as progress:
             task = progress.add_task("strategies", total=len(chosen) * rounds)
@@ -162,7 +164,7 @@ def run_strategies(config: RunConfig, chosen: list[tuple], baseline: bool = True
                         row.equivalence.reason += (f"; converged instead: eval loss {row.eval_loss:.4f} vs "
                                                    f"single {rows[0].eval_loss:.4f} ({ratio:.2f}x), same samples")
                 rows.append(row)
-                timings[i].append((row.samples_per_s, row.step_ms_p50))
+                timings[i].append((row.samples_per_s, row.step_ms_p50, row.step_ms_p95))
                 write_scalars(out / "tb", row)
                 add_relative(rows, rows[0] if baseline and rows[0].status == "ok" else None)
                 on_row(rows)
@@ -172,8 +174,8 @@ def run_strategies(config: RunConfig, chosen: list[tuple], baseline: bool = True
                     progress.update(task, description=f"round {k + 1}/{rounds}: {s.name} {variant}")
                     again, _ = run_one(s, variant, dataclasses.replace(cfg, profile=False), work,
                                        _folder(logs / f"round-{k + 1}"))
-                    timings[i].append((again.samples_per_s, again.step_ms_p50) if again.status == "ok" else
-                                      (None, None))
+                    timings[i].append((again.samples_per_s, again.step_ms_p50, again.step_ms_p95)
+                                      if again.status == "ok" else (None, None, None))
                     progress.advance(task)
                 pair_rounds(rows, timings, baseline)
                 on_row(rows)
