@@ -92,3 +92,16 @@ def test_the_report_explains_a_bubble_well_over_its_theory_and_shows_every_pipel
     assert len(lines) == 2  # 22% against 20% is within a quarter of the theory: nothing to explain
     assert "faster stage waits" in lines[0] and "hand-offs" in lines[1]
     assert report.pipeline_table([near, unequal, equal]).row_count == 3
+
+
+def test_an_older_torch_without_scale_grads_is_refused_not_run(monkeypatch):
+    import torch.distributed.pipelining.schedules as schedules
+
+    class Old:  # a schedule as older releases wrote it: no scale_grads switch
+        def __init__(self, stage, n_microbatches, loss_fn=None):
+            pass
+
+    monkeypatch.setattr(schedules, "Schedule1F1B", Old)
+    assert "scale_grads" in pipeline_dist._torch_lacks("Schedule1F1B")
+    assert pipeline_dist._torch_lacks("ScheduleGPipe") is None
+    assert "lacks" in pipeline_dist._torch_lacks("ScheduleNotInThisTorch")

@@ -102,6 +102,20 @@ def check(config) -> None:
     check_pipeline(config, config.world_size, config.batch_size)
 
 
+def _torch_lacks(name: str) -> str | None:
+    """Why this torch cannot run schedule `name` as written here (older releases lack a schedule, or the
+    scale_grads switch the batch mean relies on), or None. pyproject allows torch 2.6; 2.13 is tested."""
+    import inspect
+
+    import torch.distributed.pipelining.schedules as schedules
+
+    cls = getattr(schedules, name, None)
+    if cls is None or "scale_grads" not in inspect.signature(cls.__init__).parameters:
+        return (f"{NAME} needs torch.distributed.pipelining's {name} with scale_grads, which torch "
+                f"{torch.__version__} lacks (tested on 2.13)")
+    return None
+
+
 def check_pipeline(config, p: int, batch: int) -> None:
     """A pipeline of p ranks training on `batch` samples a step (fsdp_pp: one of several)."""
     o = options_of(Options, config)
@@ -111,6 +125,8 @@ def check_pipeline(config, p: int, batch: int) -> None:
                           "stages receive into buffers shaped like one micro-batch")
     if p < 2:
         raise ConfigError(f"{NAME} needs at least 2 processes (one stage each), got {p}")
+    if why := _torch_lacks(SCHEDULES[o.schedule][0]):
+        raise ConfigError(why)
     n = len(layers_of(WORKLOADS[config.workload].build_model(config.seed)))
     if p * v > n:
         raise ConfigError(f"--schedule {o.schedule} runs {v} stage(s) on each of {p} ranks, {p * v} stages, but the "
