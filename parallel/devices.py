@@ -303,6 +303,27 @@ def _nvml_info() -> list[dict] | None:
         pynvml.nvmlShutdown()
 
 
+def gpu_process_ids(indices: list[int]) -> set[int] | None:
+    """The pids of every process computing on the GPUs CUDA numbers `indices` (any user's), through NVML;
+    None where NVML does not answer (no driver library, no GPU): the caller then knows nothing."""
+    if not indices or not gpu_count():
+        return None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - not installed, or no driver library
+        return None
+    try:
+        handles = _visible_nvml_handles(pynvml)
+        return {p.pid for i in indices if i < len(handles)
+                for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handles[i])}
+    except Exception:  # noqa: BLE001 - MIG, permissions: unknown rather than wrong
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+
+
 def _visible_nvml_handles(pynvml) -> list:
     """NVML handles of the GPUs CUDA sees, in CUDA's order, from CUDA_VISIBLE_DEVICES (indices or GPU-
     UUIDs). NVML numbers GPUs by PCI bus; CUDA does too under CUDA_DEVICE_ORDER=PCI_BUS_ID, and on the

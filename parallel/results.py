@@ -75,6 +75,10 @@ class Row:
     efficiency: float | None = None  # speedup / world_size
     round_speedups: list = field(default_factory=list)  # --repeat: each round's samples/s over that round's single
     round_step_ms: list = field(default_factory=list)  # --repeat: each round's median step
+    foreign_cpu: float | None = None  # share of the machine's CPU other processes used while it ran (the
+    #   most of any round: harness/load.py); above load.NOISY the row is "noisy"
+    foreign_gpu_pids: list = field(default_factory=list)  # other processes computing on its GPUs
+    flags: list = field(default_factory=list)  # results that cannot be right as measured, and what to do
     peak_mem_bytes: int | None = None
     peak_mem_kind: str | None = None  # "cuda_max_allocated" | "process_peak_rss"
     comm_bytes_per_step: float | None = None  # bytes one rank sends per optimiser step (measured)

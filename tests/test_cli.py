@@ -118,6 +118,45 @@ def test_paired_rounds_cancel_drift_that_hits_every_strategy_of_a_round():
     assert (rows[1].step_ms_p50, rows[1].step_ms_p95, rows[1].samples_per_s) == (6.7, 7.0, 150.0)  # medians
 
 
+def test_what_cannot_be_right_is_flagged_with_what_to_do():
+    from parallel.harness.runner import flag
+    from parallel.results import Row
+
+    def row(name, world, speedups, foreign=0.0, ms=(10.0,)):
+        r = Row(name, "", "x", "cpu:2", "virtual", world, 64, speedup=speedups[0], efficiency=speedups[0] / world,
+                round_speedups=list(speedups) if len(speedups) > 1 else [], round_step_ms=list(ms), foreign_cpu=foreign)
+        return r
+
+    rows = [row("single", 1, [1.0, 1.0, 1.0], ms=(10.0, 13.0, 10.5)), row("ddp", 2, [2.1]),
+            row("manual_dp", 2, [2.1, 2.05, 2.2]), row("zero", 2, [2.1, 1.8, 2.3]), row("fsdp", 2, [1.5], foreign=0.4)]
+    flag(rows)
+    single, one, every, spread, loaded = (r.flags for r in rows)
+    assert "moved 30% between rounds" in single[0]
+    assert "from one measurement" in one[0] and "--repeat 3" in one[0]
+    assert "every one of 3 paired rounds" in every[0] and "within its spread" in spread[0]
+    assert loaded == [loaded[0]] and loaded[0].startswith("noisy: other processes used 40%")
+
+
+@pytest.mark.slow
+def test_rows_measured_beside_a_cpu_hog_are_marked_noisy(tmp_path):
+    from parallel.cli import main
+
+    hog = "import time\nend = time.time() + 60\nwhile time.time() < end: pass"  # bounded, killed below anyway
+    hogs = [subprocess.Popen([sys.executable, "-c", hog]) for _ in range(2)]
+    try:
+        code = main(["compare", "--strategies", "manual_dp", "--workload", "mlp", "--steps", "3", "--warmup", "1",
+                     "--batch-size", "64", "--repeat", "3", "--out", str(tmp_path / "hog")])
+    finally:
+        for h in hogs:
+            h.kill()
+    assert code == 0
+    rows = json.loads((tmp_path / "hog" / "results.json").read_text())["rows"]
+    for r in rows:
+        assert r["foreign_cpu"] > 0.10 and r["flags"][0].startswith("noisy"), r
+        if r["efficiency"] > 1:  # never above 100% without saying so
+            assert any("efficiency" in f for f in r["flags"]), r
+
+
 @pytest.mark.slow
 def test_script_writes_the_same_results(tmp_path):
     out = tmp_path / "script"

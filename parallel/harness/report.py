@@ -57,13 +57,16 @@ def table(rows: list[Row], environment: dict) -> Table:
                   _num(r.samples_per_s, ",.0f"), speedup, _num(r.efficiency, ".0%"),
                   _bytes(r.peak_mem_bytes), f"{_bytes(r.comm_bytes_per_step)} ({_bytes(r.comm_bytes_predicted)})",
                   _num(r.final_loss, ".4f"), _num(r.eval_loss, ".4f"), verdict,
-                  r.status if r.status == "ok" else f"[bold red]{r.status}[/]")
+                  (r.status if r.status == "ok" else f"[bold red]{r.status}[/]")
+                  + (" [yellow]noisy[/]" if any(f.startswith("noisy") for f in r.flags) else "")
+                  + (" [yellow]flag[/]" if any(not f.startswith("noisy") for f in r.flags) else ""))
     return t
 
 
 def notes(rows: list[Row], environment: dict, skipped: dict | None = None) -> list[str]:
     """What a reader must know to read the numbers right on this hardware."""
     out = [f"[red]{r.label} {r.status}: {r.error}[/]" for r in rows if r.error]
+    out += [f"[yellow]{r.label}: {f}[/]" for r in rows for f in r.flags]
     out += [f"{name} skipped: {why}" for name, why in (skipped or {}).items()]
     out += [f"{r.label}: {r.equivalence.reason}" for r in rows if r.equivalence.verdict == "not-expected"]
     out += [f"[red]{r.label} mismatch: {r.equivalence.reason}[/]" for r in rows
@@ -87,9 +90,6 @@ def notes(rows: list[Row], environment: dict, skipped: dict | None = None) -> li
                    "the work costs and saves on this CPU, not what GPUs would do.")
         if environment.get("oversubscribed"):
             out.append("Oversubscribed: more virtual devices than cores; times include contention.")
-    if any((r.efficiency or 0) > 1.0 and r.world_size > 1 for r in rows):
-        out.append("eff. above 100%: a device's share of the batch runs faster per sample than the whole batch "
-                   "on one device (it fits the cache better); a real effect of strong scaling on this CPU.")
     if any(r.device_kind == "pass-through" for r in rows):
         out.append("pass-through: the strategy cannot split work on this hardware and just runs the module.")
     kinds = {r.peak_mem_kind for r in rows if r.peak_mem_kind}

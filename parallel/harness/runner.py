@@ -23,7 +23,7 @@ import torch
 from parallel import checkpoint, strategies
 from parallel.config import RunConfig
 from parallel.errors import ConfigError
-from parallel.harness import equivalence, launch
+from parallel.harness import equivalence, launch, load
 from parallel.harness.report import make_progress
 from parallel.results import Equivalence, Row
 from parallel.workloads import WORKLOADS, eval_loss
@@ -42,6 +42,8 @@ def run_one(strategy, variant: str, config: RunConfig, work: Path, logs: Path) -
     paths = {"config": work / f"{stem}.config.json", "result": work / f"{stem}.json", "state": work / f"{stem}.pt"}
     paths["config"].write_text(config.to_json())
     store = launch.LoopbackStore(config.port, config.timeout) if strategy.launch == "torchrun" else None
+    gpus = [d.index for d in map(config.spec.device, range(strategy.world_size(config))) if d.type == "cuda"]
+    watch = load.ForeignLoad(gpus)
     try:
         cmd = launch.command(strategy, config, paths, store.port if store else 0)
         outcome = launch.run_child(cmd, config.timeout, logs / f"{stem}.log",
@@ -49,11 +51,13 @@ def run_one(strategy, variant: str, config: RunConfig, work: Path, logs: Path) -
     finally:
         if store:
             store.close()
+    foreign_cpu, foreign_gpu = watch.stop()
     if outcome.returncode != 0 or not paths["result"].exists():
         outcome.error = outcome.error or "the child wrote no result"
         return _failed_row(strategy, variant, config, outcome), None
     row = Row.from_dict(json.loads(paths["result"].read_text()))
     row.variant = variant
+    row.foreign_cpu, row.foreign_gpu_pids = foreign_cpu, foreign_gpu
     if config.mutant.startswith(f"{strategy.name}:"):  # the row that carries an injected bug says so
         row.variant = ",".join(filter(None, [variant, f"mutant={config.mutant.split(':', 1)[1]}"]))
     return row, torch.load(paths["state"], weights_only=True)
@@ -110,6 +114,45 @@ def pair_rounds(rows: list[Row], timings: list[list[tuple]], baseline: bool) -> 
             if row.round_speedups:
                 row.speedup = statistics.median(row.round_speedups)
                 row.efficiency = row.speedup / row.world_size
+
+
+BASELINE_DRIFT = 0.15  # `single`'s step moving more than this between rounds is flagged
+
+
+def flag(rows: list[Row], baseline: bool = True) -> None:
+    """Mark what cannot be right as measured, with what to do: a row measured while other processes
+    loaded the machine; an efficiency above 100% (more than the devices can give: a slow baseline, or a
+    cache effect, told apart by the spread of paired rounds); a baseline whose speed moved between rounds."""
+    again = "re-run with --repeat 3, or on a quiet machine"
+    for r in rows:
+        r.flags = []
+        if r.status != "ok":
+            continue
+        if (r.foreign_cpu or 0.0) > load.NOISY:
+            r.flags.append(f"noisy: other processes used {r.foreign_cpu:.0%} of the machine's CPU while it ran "
+                           f"(more than {load.NOISY:.0%}); {again}")
+        if r.foreign_gpu_pids:
+            r.flags.append(f"noisy: other processes ({', '.join(map(str, r.foreign_gpu_pids))}) computed on its "
+                           f"GPUs; {again}")
+        if r.efficiency is not None and r.efficiency > 1.0 and r.strategy != BASELINE:
+            low = min(r.round_speedups) / r.world_size if len(r.round_speedups) > 1 else None
+            if low is None:
+                r.flags.append(f"{r.efficiency:.0%} efficiency, more than {r.world_size} device(s) can give, from one "
+                               f"measurement: noise or a slow baseline until paired rounds say otherwise; {again}")
+            elif low > 1.0:
+                r.flags.append(f"{r.efficiency:.0%} efficiency in every one of {len(r.round_speedups)} paired rounds "
+                               f"(lowest {low:.0%}): a real effect of splitting the batch on this hardware (a share "
+                               "that fits the cache), not noise")
+            else:
+                r.flags.append(f"{r.efficiency:.0%} efficiency, but its paired rounds go down to {low:.0%}: within "
+                               "its spread, noise")
+    base = rows[0] if baseline and rows and rows[0].strategy == BASELINE else None
+    if base is not None and len(base.round_step_ms) > 1:
+        moved = max(base.round_step_ms) / min(base.round_step_ms) - 1
+        if moved > BASELINE_DRIFT:
+            base.flags.append(f"its step moved {moved:.0%} between rounds (more than {BASELINE_DRIFT:.0%}): the "
+                              "machine's speed changed during the run; each speedup is paired with its own "
+                              "round's, but if rows disagree, re-run on a quiet machine")
 
 
 def plan(config: RunConfig, names: list[str], baseline: bool = True) -> list[tuple]:
@@ -176,9 +219,14 @@ def run_strategies(config: RunConfig, chosen: list[tuple], baseline: bool = True
                                        _folder(logs / f"round-{k + 1}"))
                     timings[i].append((again.samples_per_s, again.step_ms_p50, again.step_ms_p95)
                                       if again.status == "ok" else (None, None, None))
+                    if again.foreign_cpu is not None:  # the worst round is what the row was measured under
+                        rows[i].foreign_cpu = max(rows[i].foreign_cpu or 0.0, again.foreign_cpu)
+                        rows[i].foreign_gpu_pids = sorted({*rows[i].foreign_gpu_pids, *again.foreign_gpu_pids})
                     progress.advance(task)
                 pair_rounds(rows, timings, baseline)
                 on_row(rows)
+            flag(rows, baseline)
+            on_row(rows)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return rows
