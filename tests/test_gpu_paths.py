@@ -279,3 +279,25 @@ def test_harness_launches_keep_nccl_on_loopback_unless_told_otherwise(monkeypatc
     assert launch.torchrun_env() == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "NCCL_SOCKET_IFNAME": "lo"}
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
     assert launch.torchrun_env()["NCCL_SOCKET_IFNAME"] == "ib0"
+
+
+def test_other_processes_on_the_runs_gpus_are_found_through_nvml_and_ours_left_out(monkeypatch):
+    # NVML stand-in: GPU 0 runs a stranger (pid 999999) and this process; GPU 1 nobody
+    import os
+    import sys
+    import types
+
+    from parallel import devices
+    from parallel.harness import load
+
+    procs = {0: [999999, os.getpid()], 1: []}
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetCount=lambda: 2,
+        nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetComputeRunningProcesses=lambda h: [types.SimpleNamespace(pid=p) for p in procs[h]])
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(devices, "gpu_count", lambda: 2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert devices.gpu_process_ids([0, 1]) == {999999, os.getpid()}
+    assert load.ForeignLoad([0, 1]).stop()[1] == [999999]
+    assert load.ForeignLoad([1]).stop()[1] == []
