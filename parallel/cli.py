@@ -24,7 +24,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from parallel import devices, preflight, strategies, sweep
+from parallel import devices, preflight, profiling, strategies, sweep
 from parallel.basics import cli as basics_cli
 from parallel.basics.cli import show_memory
 from parallel.checkpoint import atomic_save
@@ -174,7 +174,11 @@ def cmd_compare(args, names: list[str], baseline: bool) -> int:
     model = costmodel.apply(rows, chosen, config)
     if getattr(args, "project_params", 0):
         model["memory_projection"] = costmodel.memory_projection(args.project_params)
-    return _finish(config, rows, console, skipped, env, model)
+    code = _finish(config, rows, console, skipped, env, model)
+    if config.profile and (tracks := profiling.merge(Path(config.out) / "tb", Path(config.out) / "timeline.json")):
+        console.print(f"timeline: {config.out}/timeline.json, {tracks} tracks (every rank of every strategy) on one "
+                      "clock: open it in https://ui.perfetto.dev or chrome://tracing", highlight=False)
+    return code
 
 
 def cmd_scaling(config: RunConfig, names: list[str], sizes_text: str) -> int:

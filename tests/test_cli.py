@@ -89,7 +89,36 @@ def test_compare_writes_the_report_results_and_traces(tmp_path):
         assert next(csv.DictReader(f))["strategy"] == "single"
     traces = list((out / "tb" / "single").glob("single_rank0*.pt.trace.json"))
     assert len(traces) == 1 and "traceEvents" in json.loads(traces[0].read_text())
+    assert_one_timeline(out / "timeline.json", {"single rank 0"})
     assert not list(out.glob(".results.*"))  # no temporary files left behind
+
+
+def assert_one_timeline(path, tracks: set[str]) -> dict:
+    """The merged trace is Chrome's trace-event format (what Perfetto and chrome://tracing read): a
+    traceEvents list; metadata names every process track; every other event has a phase, a time on the
+    common clock (microseconds from the run's first event), a pid that is a named track, a tid."""
+    doc = json.loads(path.read_text())
+    events = doc["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "process_name"}
+    assert set(names.values()) == tracks
+    timed = [e for e in events if e.get("ph") != "M"]
+    assert timed and all(isinstance(e["ts"], (int, float)) and e["ts"] >= 0 and e["pid"] in names and "tid" in e
+                         and e["ph"] in "XBEisfCbenN" for e in timed)
+    assert min(e["ts"] for e in timed) == 0
+    return {"names": names, "events": events}
+
+
+def test_the_merged_timeline_has_a_track_per_rank_and_per_device_thread(tmp_path):
+    from parallel.cli import main
+
+    out = tmp_path / "timeline"
+    assert main(["compare", "--strategies", "pipeline", "--workload", "mlp", "--steps", "6", "--warmup", "1",
+                 "--batch-size", "64", "--profile", "--out", str(out)]) == 0
+    doc = assert_one_timeline(out / "timeline.json", {"single rank 0", "pipeline rank 0"})
+    threads = {e["args"]["name"] for e in doc["events"] if e.get("name") == "thread_name"}
+    assert {"device cpu:0", "device cpu:1"} <= {t.split("(")[-1].rstrip(")") for t in threads}
+    labels = {e["name"] for e in doc["events"] if e.get("ph") == "X"}
+    assert {"step 2", "stage 0 F0", "stage 1 B0"} <= labels  # the phase labels
 
 
 def test_repeat_interleaves_rounds_and_pairs_each_with_its_own_single(tmp_path):

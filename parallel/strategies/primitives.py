@@ -79,8 +79,9 @@ class DeviceThreads:
         self.devices = list(devices)
         self._inbox = [queue.SimpleQueue() for _ in self.devices]
         self._done: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=_serve, args=(inbox, self._done, threads_per_device), daemon=True,
-                                          name=f"device-{device_label(self.devices[i], i)}")
+        self._threads = [threading.Thread(target=_serve, daemon=True, name=f"device-{device_label(self.devices[i], i)}",
+                                          args=(inbox, self._done, threads_per_device,
+                                                f"device {device_label(self.devices[i], i).split()[0]}"))
                          for i, inbox in enumerate(self._inbox)]
         for t in self._threads:
             t.start()
@@ -107,7 +108,10 @@ class DeviceThreads:
         return results
 
 
-def _serve(inbox: queue.SimpleQueue, done: queue.SimpleQueue, threads_per_device: int) -> None:
+def _serve(inbox: queue.SimpleQueue, done: queue.SimpleQueue, threads_per_device: int, name: str) -> None:
+    from parallel.profiling import name_this_thread
+
+    name_this_thread(name)  # its track in a profile: "device cpu:0", not "python"
     torch.set_num_threads(threads_per_device)
     while (job := inbox.get()) is not None:
         i, device, fn, x, (grad_enabled, autocast) = job
