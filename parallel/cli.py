@@ -209,6 +209,11 @@ def cmd_scaling(config: RunConfig, names: list[str], sizes_text: str) -> int:
     except KeyboardInterrupt:
         console.print(f"[bold red]interrupted[/]: finished comparisons are in {config.out}/scaling/")
         return 130
+    scaling.flag_baselines(results)
+    for _, _, rows in results:
+        for r in rows:
+            for f in r.flags:
+                console.print(f"[yellow]{r.label} ({r.devices}): {f}[/]", highlight=False)
     table = scaling.summarize(results)
     files = scaling.write(Path(config.out), table, results, virtual=not config.spec.real)
     t = Table(title="samples/s (efficiency) against devices", title_justify="left")

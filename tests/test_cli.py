@@ -272,3 +272,22 @@ def test_scaling_sweep_writes_its_table_and_plots(tmp_path):
                                             ("two", "expected device counts like 1,2,4")])
 def test_bad_world_sizes_are_refused(sizes, message, refused):
     refused(["compare", "--world-sizes", sizes], message)
+
+
+def test_a_sweep_flags_a_baseline_that_ran_slow_and_keeps_the_rounds_spread(tmp_path):
+    from parallel.harness import scaling
+
+    def single(sps):
+        return Row("single", "", "x", "cpu:1", "virtual", 1, 64, samples_per_s=sps, speedup=1.0, efficiency=1.0)
+
+    ddp = Row("ddp", "", "x", "cpu:2", "virtual", 2, 64, samples_per_s=300.0, speedup=1.5, efficiency=0.75,
+              round_speedups=[1.4, 1.5, 1.6])
+    # strong scaling: `single` trains the same batch at every point; at 4 devices it ran during a burst
+    results = [("strong", 1, [single(200.0)]), ("strong", 2, [single(205.0), ddp]), ("strong", 4, [single(100.0)])]
+    scaling.flag_baselines(results)
+    assert [bool(rows[0].flags) for _, _, rows in results] == [False, False, True]
+    assert "50% of its median" in results[2][2][0].flags[0]
+    table = scaling.summarize(results)
+    (d,) = [r for r in table if r["strategy"] == "ddp"]
+    assert (d["speedup_lo"], d["speedup_hi"], d["efficiency_lo"], d["efficiency_hi"]) == (1.4, 1.6, 0.7, 0.8)
+    assert scaling.plot(tmp_path, table, results, virtual=True)  # the error bars draw

@@ -15,6 +15,7 @@ import csv
 import dataclasses
 import io
 import json
+import statistics
 from pathlib import Path
 
 from parallel.results import Row, atomic_write
@@ -36,10 +37,38 @@ def points(config, world_sizes: list[int]) -> list[tuple[str, int, object]]:
     return out
 
 
+BASELINE_SPREAD = 0.15  # `single` in strong scaling trains the same batch at every point: it must agree
+
+
+def flag_baselines(results: list[tuple[str, int, list[Row]]]) -> None:
+    """In strong scaling `single` runs the same global batch on one device at every point of the sweep, so
+    its samples/s must agree; a point whose baseline is more than BASELINE_SPREAD off the sweep's median
+    (a burst of foreign load, say) would scale every speedup of its column, and is flagged."""
+    base = {n: rows[0] for mode, n, rows in results if mode == "strong" and rows and rows[0].strategy == "single"
+            and rows[0].samples_per_s}
+    if len(base) < 2:
+        return
+    typical = statistics.median(r.samples_per_s for r in base.values())
+    for n, r in base.items():
+        if abs(r.samples_per_s / typical - 1) > BASELINE_SPREAD:
+            r.flags.append(f"the baseline at {n} device(s) ran at {r.samples_per_s / typical:.0%} of its median over "
+                           f"the sweep: every speedup of that column is off by as much; re-run with --repeat 3, "
+                           "or on a quiet machine")
+
+
 def summarize(results: list[tuple[str, int, list[Row]]]) -> list[dict]:
+    """A row per (mode, devices, strategy); with --repeat, the paired rounds' range of speedup and
+    efficiency (lo, hi), which the plots draw as error bars."""
+    def spread(r: Row, scale: float) -> tuple:
+        return (min(r.round_speedups) / scale, max(r.round_speedups) / scale) if len(r.round_speedups) > 1 else \
+            (None, None)
+
     return [{"mode": mode, "devices": n, "strategy": r.label, "world_size": r.world_size,
              "global_batch": r.global_batch, "samples_per_s": r.samples_per_s, "speedup": r.speedup,
-             "efficiency": r.efficiency, "status": r.status, "equivalence": r.equivalence.verdict}
+             "speedup_lo": spread(r, 1)[0], "speedup_hi": spread(r, 1)[1],
+             "efficiency": r.efficiency, "efficiency_lo": spread(r, r.world_size)[0],
+             "efficiency_hi": spread(r, r.world_size)[1], "foreign_cpu": r.foreign_cpu,
+             "flags": " | ".join(r.flags), "status": r.status, "equivalence": r.equivalence.verdict}
             for mode, n, rows in results for r in rows]
 
 
@@ -67,10 +96,17 @@ def plot(out: Path, table: list[dict], results, virtual: bool) -> list[Path]:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
         for ax, mode in zip(axes, MODES, strict=True):
             for s in strategies:
-                pts = [(r["devices"], r[metric]) for r in table if r["mode"] == mode and r["strategy"] == s
-                       and r[metric] is not None]
-                if pts:
-                    ax.plot(*zip(*pts, strict=True), marker="o", label=s)
+                pts = [r for r in table if r["mode"] == mode and r["strategy"] == s and r[metric] is not None]
+                if not pts:
+                    continue
+                x, y = [r["devices"] for r in pts], [r[metric] for r in pts]
+                lo, hi = metric.split("_")[0] + "_lo", metric.split("_")[0] + "_hi"  # efficiency's paired range
+                if all(r.get(lo) is not None for r in pts):  # --repeat: the rounds' range as error bars
+                    err = [[v - r[lo] for v, r in zip(y, pts, strict=True)], [r[hi] - v for v, r in zip(y, pts,
+                                                                                                       strict=True)]]
+                    ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=s)
+                else:
+                    ax.plot(x, y, marker="o", label=s)
             ax.set_title(f"{mode} scaling")
             ax.set_xticks(sorted({r["devices"] for r in table}))
             ax.set_xlabel("devices")
