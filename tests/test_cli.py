@@ -291,3 +291,12 @@ def test_a_sweep_flags_a_baseline_that_ran_slow_and_keeps_the_rounds_spread(tmp_
     (d,) = [r for r in table if r["strategy"] == "ddp"]
     assert (d["speedup_lo"], d["speedup_hi"], d["efficiency_lo"], d["efficiency_hi"]) == (1.4, 1.6, 0.7, 0.8)
     assert scaling.plot(tmp_path, table, results, virtual=True)  # the error bars draw
+
+
+def test_the_overhead_tool_times_each_strategy_against_its_own_bare_loop(capsys):
+    from parallel.harness import overhead
+
+    assert overhead.main(["--strategy", "single,ddp", "--workload", "mlp", "--batch-size", "64", "--steps", "3",
+                          "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "single" in out and "ddp" in out and "harness adds" in out and "hand-written" in out
