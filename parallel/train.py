@@ -107,11 +107,6 @@ def _watchdog(config, dist) -> None:
     """Before each step of a multi-process run on gloo, all ranks meet at a monitored barrier: a rank
     that does not arrive within --pg-timeout is named in the error ("Rank 1 failed to pass
     monitoredBarrier in 5000 ms") instead of a collective failing anonymously (or, without a timeout,
-    hanging for gloo's default 30 minutes). Off the clock; nccl has no monitored_barrier. The monitored
-    barrier lets rank 0 go first (it acknowledges the others one by one), so a plain barrier follows: the
-    ranks then start the step together, and rank 0's clock no longer holds the others' release (measured
-    with parallel.harness.overhead: manual_ddp's step through the harness went from +17% over its bare
-    loop to -1%)."""
+    hanging for gloo's default 30 minutes). Off the clock; nccl has no monitored_barrier."""
     if dist.world_size > 1 and td.is_initialized() and td.get_backend() == "gloo":
         td.monitored_barrier(timeout=timedelta(seconds=config.pg_timeout), wait_all_ranks=True)
-        td.barrier()
