@@ -37,7 +37,7 @@ from parallel.layout import ParallelDims
 from parallel.results import Measured
 from parallel.strategies import pipeline, wire
 from parallel.strategies.base import Hooks, Mutant, Trainable, every_rank, injected, options_of, state_bytes
-from parallel.strategies.stages import ActivationMeter, Busy, layers_of, measure_layers, partition
+from parallel.strategies.stages import ActivationMeter, Busy, cut, layers_of, timed_stage
 from parallel.workloads import WORKLOADS, SyntheticData
 
 NAME = "pipeline_dist"
@@ -138,42 +138,6 @@ def check_pipeline(config, p: int, batch: int) -> None:
                           f"multiple of its {rounds} rounds")
 
 
-class _Stage:
-    """torch's PipelineStage with its forward and backward pieces timed (busy intervals) and the
-    activations they keep for backward counted. The schedules call these three methods of a stage."""
-
-    @staticmethod
-    def make(module, index, count, device, group, busy: Busy, meter: ActivationMeter):
-        from torch.distributed.pipelining import PipelineStage
-
-        class Timed(PipelineStage):
-            def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
-                before = meter.bytes
-                with busy(0, f"stage {index} F{fwd_chunk_id}"), meter:
-                    out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-                self.held[fwd_chunk_id] = meter.bytes - before
-                self.peak = max(self.peak, sum(self.held.values()))
-                return out
-
-            def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
-                with busy(0, f"stage {index} {'B' if full_backward else 'I'}{bwd_chunk_id}"):
-                    out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
-                                                     last_backward=last_backward)
-                if full_backward:
-                    self.held.pop(bwd_chunk_id, None)
-                return out
-
-            def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
-                with busy(0, f"stage {index} W{bwd_chunk_id}"):
-                    out = super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
-                self.held.pop(bwd_chunk_id, None)  # the weight gradient was the last to need them
-                return out
-
-        stage = Timed(module, index, count, device, group=group)
-        stage.held, stage.peak, stage.meter = {}, 0, meter  # micro-batch -> activation bytes kept; the most at once
-        return stage
-
-
 @dataclass
 class State:
     schedule: object  # torch's schedule over this rank's stages
@@ -194,13 +158,8 @@ def _bounds(layers: list[nn.Module], k: int, o: Options, config, dist, batch: in
 
     decided = [None]
     if dist.rank == 0:
-        if o.balance == "time":
-            micro = -(-batch // o.microbatches)
-            sample = SyntheticData(WORKLOADS[config.workload], config.seed, micro).batch(0)[0]
-            costs, moves = measure_layers(layers, sample, [dist.device, dist.device])
-            decided = [partition(costs, k, moves)]
-        else:
-            decided = [partition([float(sum(p.numel() for p in layer.parameters())) for layer in layers], k)]
+        sample = SyntheticData(WORKLOADS[config.workload], config.seed, -(-batch // o.microbatches)).batch(0)[0]
+        decided = [cut(layers, k, o.balance, sample, [dist.device, dist.device])]
     td.broadcast_object_list(decided, src=0)
     return decided[0]
 
@@ -232,7 +191,7 @@ def build(model, make_optimizer, loss_fn, dist, config, o: Options, rank: int, p
         if shard is not None:
             module = shard(module) or module  # in place (fully_shard), or a wrapper
         modules.append(module)
-        stages.append(_Stage.make(module, i, p * v, dist.device, group, busy, ActivationMeter(module)))
+        stages.append(timed_stage(module, i, p * v, dist.device, group, busy, ActivationMeter(module)))
 
     schedule = getattr(pipelining.schedules, torch_name)(stages[0] if v == 1 else stages, n_microbatches=o.microbatches,
                                                          loss_fn=loss_fn, scale_grads=not injected(config, SUMMED))

@@ -99,15 +99,20 @@ class Split:
         return [param_bytes(s.parameters()) for s in self.stages]
 
 
+def cut(layers: list[nn.Module], k: int, balance: str, sample: torch.Tensor, devices: list[torch.device]) -> list[int]:
+    """Bounds of the best contiguous cut of `layers` into k stages: by their forward + backward time on
+    `sample` and the transfers between `devices` ("time"), or by parameter count ("params")."""
+    if balance == "time":
+        costs, moves = measure_layers(layers, sample, devices)
+        return partition(costs, k, moves)
+    return partition([float(sum(p.numel() for p in layer.parameters())) for layer in layers], k)
+
+
 def split(model: nn.Module, devices: list[torch.device], balance: str, sample: torch.Tensor) -> Split:
     """Cut `model` into len(devices) stages and move each to its device (parameters stay the model's own,
     so model.state_dict() still names and holds them)."""
     layers = layers_of(model)
-    if balance == "time":
-        costs, moves = measure_layers(layers, sample, devices)
-        bounds = partition(costs, len(devices), moves)
-    else:
-        bounds = partition([float(sum(p.numel() for p in layer.parameters())) for layer in layers], len(devices))
+    bounds = cut(layers, len(devices), balance, sample, devices)
     stages = [nn.Sequential(*layers[a:b]).to(d) for a, b, d in zip(bounds[:-1], bounds[1:], devices, strict=True)]
     return Split(stages, devices, bounds, balance)
 
@@ -256,3 +261,37 @@ class Busy:
         per_stage = list(zip(*(self.busy_ms[skip:] or self.busy_ms), strict=True))
         return {"measured": Measured(bubble_measured=statistics.median(kept), bubble_theory=theory),
                 "stage_busy_ms": [round(statistics.median(s), 2) for s in per_stage]}
+
+
+def timed_stage(module, index, count, device, group, busy: Busy, meter: ActivationMeter):
+    """torch's PipelineStage (pipeline_dist, fsdp_pp) with its forward and backward pieces timed on `busy`
+    and the activations they keep for backward counted by `meter`: torch's schedules call these three
+    methods of a stage. `stage.peak`: the most activation bytes it held at once."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class Timed(PipelineStage):
+        def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+            before = meter.bytes
+            with busy(0, f"stage {index} F{fwd_chunk_id}"), meter:
+                out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+            self.held[fwd_chunk_id] = meter.bytes - before
+            self.peak = max(self.peak, sum(self.held.values()))
+            return out
+
+        def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+            with busy(0, f"stage {index} {'B' if full_backward else 'I'}{bwd_chunk_id}"):
+                out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                                 last_backward=last_backward)
+            if full_backward:
+                self.held.pop(bwd_chunk_id, None)
+            return out
+
+        def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+            with busy(0, f"stage {index} W{bwd_chunk_id}"):
+                out = super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+            self.held.pop(bwd_chunk_id, None)  # the weight gradient was the last to need them
+            return out
+
+    stage = Timed(module, index, count, device, group=group)
+    stage.held, stage.peak, stage.meter = {}, 0, meter  # micro-batch -> activation bytes kept; the most at once
+    return stage
