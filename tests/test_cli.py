@@ -157,9 +157,11 @@ def test_what_cannot_be_right_is_flagged_with_what_to_do():
         return r
 
     rows = [row("single", 1, [1.0, 1.0, 1.0], ms=(10.0, 13.0, 10.5)), row("ddp", 2, [2.1]),
-            row("manual_dp", 2, [2.1, 2.05, 2.2]), row("zero", 2, [2.1, 1.8, 2.3]), row("fsdp", 2, [1.5], foreign=0.4)]
+            row("manual_dp", 2, [2.1, 2.05, 2.2]), row("zero", 2, [2.1, 1.8, 2.3]), row("fsdp", 2, [1.5], foreign=0.4),
+            row("data_parallel", 1, [1.02, 1.01, 1.03])]
     flag(rows)
-    single, one, every, spread, loaded = (r.flags for r in rows)
+    single, one, every, spread, loaded, passthrough = (r.flags for r in rows)
+    assert "doing what `single` does: noise" in passthrough[0]
     assert "moved 30% between rounds" in single[0]
     assert "from one measurement" in one[0] and "--repeat 3" in one[0]
     assert "every one of 3 paired rounds" in every[0] and "within its spread" in spread[0]

@@ -139,6 +139,9 @@ def flag(rows: list[Row], baseline: bool = True) -> None:
             if low is None:
                 r.flags.append(f"{r.efficiency:.0%} efficiency, more than {r.world_size} device(s) can give, from one "
                                f"measurement: noise or a slow baseline until paired rounds say otherwise; {again}")
+            elif r.world_size == 1:  # one device doing single's work (a pass-through): above single is noise
+                r.flags.append(f"{r.efficiency:.0%} efficiency on one device, doing what `single` does: noise "
+                               f"between its runs and single's (paired rounds {low:.0%} and up)")
             elif low > 1.0:
                 r.flags.append(f"{r.efficiency:.0%} efficiency in every one of {len(r.round_speedups)} paired rounds "
                                f"(lowest {low:.0%}): a real effect of splitting the batch on this hardware (a share "
