@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from parallel.errors import ConfigError
 from parallel.layout import ParallelDims
 from parallel.strategies import pipeline_dist
-from parallel.strategies.base import Hooks, Mutant, Trainable, injected, options_of
+from parallel.strategies.base import Hooks, Mutant, Trainable, injected, model_state_every_rank, options_of
 from parallel.strategies.fsdp import blocks
 
 NAME = "fsdp_pp"
@@ -73,9 +73,7 @@ def available(spec) -> str | None:
 def _layout(config, dist) -> ParallelDims:
     """pp x dp: stages outermost, so a stage's dp ranks are neighbours; the loss where the last stage is."""
     o = options_of(Options, config)
-    v_placement = pipeline_dist.SCHEDULES[o.schedule][2] == "v"
-    return ParallelDims(world=dist.world_size, pp=o.pp, dp_shard=dist.world_size // o.pp,
-                        loss_pp=0 if v_placement else -1)
+    return ParallelDims(world=dist.world_size, pp=o.pp, dp_shard=dist.world_size // o.pp, loss_pp=o.loss_pp)
 
 
 def dims(config, dist) -> ParallelDims:
@@ -125,4 +123,4 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
 
 
 HOOKS = Hooks(available=available, dims=dims, check=check, state_dict=pipeline_dist.state_dict,
-              model_state_bytes=pipeline_dist.model_state_bytes, extra_measurements=extra_measurements)
+              model_state_bytes=model_state_every_rank, extra_measurements=extra_measurements)

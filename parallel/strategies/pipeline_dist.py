@@ -36,8 +36,8 @@ from parallel.errors import ConfigError
 from parallel.layout import ParallelDims
 from parallel.results import Measured
 from parallel.strategies import pipeline, wire
-from parallel.strategies.base import Hooks, Mutant, Trainable, every_rank, injected, options_of, state_bytes
-from parallel.strategies.stages import ActivationMeter, Busy, cut, layers_of, timed_stage
+from parallel.strategies.base import Hooks, Mutant, Trainable, every_rank, injected, model_state_every_rank, options_of
+from parallel.strategies.stages import ActivationMeter, Busy, cut, describe, layers_of, timed_stage
 from parallel.workloads import WORKLOADS, SyntheticData
 
 NAME = "pipeline_dist"
@@ -85,6 +85,11 @@ class Options(pipeline.Options):
         """Stages per rank."""
         return self.stages_per_rank or SCHEDULES[self.schedule][1]
 
+    @property
+    def loss_pp(self) -> int:
+        """The pipeline coordinate of the last stage, whose rank computes the loss (ParallelDims.loss_pp)."""
+        return 0 if SCHEDULES[self.schedule][2] == "v" else -1
+
 
 def stage_ids(rank: int, p: int, v: int, placement: str) -> list[int]:
     """The stages rank `rank` holds, of p x v: a loop (r, r + p, r + 2p, ...) or a V (r, 2p - 1 - r)."""
@@ -94,8 +99,7 @@ def stage_ids(rank: int, p: int, v: int, placement: str) -> list[int]:
 def dims(config, dist) -> ParallelDims:
     """Every rank a pipeline stage (or two) of the one model: each sees the whole batch; the loss is where
     the last stage is."""
-    v_placement = SCHEDULES[options_of(Options, config).schedule][2] == "v"
-    return ParallelDims(world=dist.world_size, pp=dist.world_size, loss_pp=0 if v_placement else -1)
+    return ParallelDims(world=dist.world_size, pp=dist.world_size, loss_pp=options_of(Options, config).loss_pp)
 
 
 def check(config) -> None:
@@ -230,10 +234,6 @@ def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
     return {k: v for part in every_rank(mine) for k, v in part.items()}
 
 
-def model_state_bytes(t: Trainable, config) -> list[int]:
-    return every_rank(state_bytes(list(t.model.parameters()), t.optimizer))
-
-
 def theory(o: Options, p: int) -> float:
     """The idle fraction each schedule's authors give for balanced stages (v stages per rank)."""
     if o.schedule in ("interleavedzb", "zbv"):
@@ -258,7 +258,7 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
             per_rank[i].append(f)
     peaks = {k: v for r in ranks for k, v in r["peak"].items()}
     out = {"schedule": o.schedule, "microbatches": o.microbatches, "balance": o.balance,
-           "stages": " | ".join(f"{a}-{b - 1}" for a, b in zip(s.bounds[:-1], s.bounds[1:], strict=True)),
+           "stages": describe(s.bounds),
            "stage_bounds": s.bounds,
            "stage_peak_activation_bytes": [peaks[i] for i in sorted(peaks)],
            **s.counter.measurements()}
@@ -279,5 +279,5 @@ def predict_step_ms(cal, config, row) -> float | None:
     return pipeline.schedule_ms(cal, row, o.schedule, o.microbatches, config.batch_size) if o.v == 1 else None
 
 
-HOOKS = Hooks(dims=dims, check=check, state_dict=state_dict, model_state_bytes=model_state_bytes,
+HOOKS = Hooks(dims=dims, check=check, state_dict=state_dict, model_state_bytes=model_state_every_rank,
               extra_measurements=extra_measurements, predict_step_ms=predict_step_ms)

@@ -93,10 +93,15 @@ class Split:
     balance: str
 
     def describe(self) -> str:
-        return " | ".join(f"{a}-{b - 1}" for a, b in zip(self.bounds[:-1], self.bounds[1:], strict=True))
+        return describe(self.bounds)
 
     def param_bytes(self) -> list[int]:
         return [param_bytes(s.parameters()) for s in self.stages]
+
+
+def describe(bounds: list[int]) -> str:
+    """Stage bounds as the report shows them: [0, 3, 12] -> "0-2 | 3-11" (layer indices)."""
+    return " | ".join(f"{a}-{b - 1}" for a, b in zip(bounds[:-1], bounds[1:], strict=True))
 
 
 def cut(layers: list[nn.Module], k: int, balance: str, sample: torch.Tensor, devices: list[torch.device]) -> list[int]:
