@@ -98,10 +98,10 @@ case "$cmd" in
         exec "$VENV/bin/python" -m parallel "$cmd" "$@" ;;
     test)
         setup
-        "$VENV/bin/python" -m ruff check parallel scripts tests
+        "$VENV/bin/python" -m ruff check parallel scripts tests examples
         # Bytecode compiled once: the suite starts a few hundred Python processes, and where
         # PYTHONDONTWRITEBYTECODE is set each would compile the package again (~0.07 s apiece).
-        "$VENV/bin/python" -m compileall -q parallel scripts tests >/dev/null
+        "$VENV/bin/python" -m compileall -q parallel scripts tests examples >/dev/null
         # Two test processes, each test file whole in one of them (its module fixtures run once): most
         # tests wait on spawned ranks and child processes, so two overlap well on two cores.
         exec "$VENV/bin/python" -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadfile "$@" ;;

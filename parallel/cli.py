@@ -24,7 +24,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from parallel import devices, preflight, profiling, strategies, sweep
+from parallel import devices, preflight, profiling, strategies, sweep, usermodel
 from parallel.basics import cli as basics_cli
 from parallel.basics.cli import show_memory
 from parallel.checkpoint import atomic_save
@@ -35,6 +35,7 @@ from parallel.harness import costmodel, mutants, report, scaling
 from parallel.harness.report import make_console
 from parallel.harness.runner import plan, run_strategies
 from parallel.results import Equivalence, Row, prepare_out, write_results
+from parallel.usermodel import workload_of
 from parallel.worker import leave, run_here
 
 
@@ -47,6 +48,7 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     d = RunConfig()
     p.add_argument("--workload", default=d.workload,
                    help=f"model and data: mlp, cnn, transformer or dcgan (default {d.workload})")
+    usermodel.add_arguments(p)
     p.add_argument("--devices", default=d.devices, help="auto | cpu:N (N virtual devices) | cuda:0,1,...")
     p.add_argument("--world-size", type=int, default=d.world_size, help="devices to use (default: all listed)")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help=f"GLOBAL batch per step ({d.batch_size})")
@@ -158,10 +160,12 @@ def cmd_compare(args, names: list[str], baseline: bool) -> int:
         raise ConfigError(f"--project-params must be a parameter count (0: off), got {params:g}")
     if getattr(args, "world_sizes", ""):
         return cmd_scaling(config, names, args.world_sizes)
-    names, skipped = strategies.resolve(names, config.spec, config.workload)
+    names, skipped = strategies.resolve(names, config.spec, workload_of(config))
     chosen = plan(config, names, baseline)  # every check before the first file is written
     prepare_out(Path(config.out))
     console = make_console()
+    if found := usermodel.describe(workload_of(config)):  # what the harness found in the user's model
+        console.print(found, highlight=False)
     env = environment(config.spec)
     save = lambda rows: write_results(Path(config.out), dataclasses.asdict(config), env, rows, skipped)  # noqa: E731
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM (a scheduler, `kill`) stops the run like Ctrl-C
@@ -191,7 +195,7 @@ def cmd_scaling(config: RunConfig, names: list[str], sizes_text: str) -> int:
         raise ConfigError(f"--world-sizes {sizes_text!r}: device counts must be 1 or more")
     runs = []
     for mode, n, cfg in scaling.points(config, sizes):  # every point checked before the first one runs
-        run_names, skipped = strategies.resolve(names, cfg.spec, cfg.workload, strict=False)
+        run_names, skipped = strategies.resolve(names, cfg.spec, workload_of(cfg), strict=False)
         runs.append((mode, n, cfg, plan(cfg, run_names, baseline=True), skipped))
     prepare_out(Path(config.out))
     console = make_console()

@@ -6,7 +6,9 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from parallel import usermodel
 from parallel.devices import parse_devices
 from parallel.errors import ConfigError
 from parallel.workloads import WORKLOADS
@@ -18,7 +20,15 @@ PRECISIONS = ("fp32", "bf16")
 
 @dataclass
 class RunConfig:
-    workload: str = "cnn"
+    workload: str = "cnn"  # a built-in one; with `model`, the model's label (set by validate)
+    # Your own model (parallel/usermodel.py): FILE.py:FACTORY or module:FACTORY, and its data: input_shape
+    # ("3,32,32") and classes, vocab and seq_len (tokens), or data (a .pt or .npz file of x and y).
+    model: str = ""
+    input_shape: str = ""
+    classes: int = 0
+    vocab: int = 0
+    seq_len: int = 0
+    data: str = ""
     batch_size: int = 512  # the GLOBAL batch: every strategy takes one optimiser step on this many samples
     steps: int = 20  # timed optimiser steps
     warmup: int = 3  # optimiser steps before the timed ones (they train too, they are just not timed)
@@ -50,8 +60,18 @@ class RunConfig:
 
     def validate(self) -> RunConfig:
         """Check every field and resolve `devices` and `world_size`; returns the resolved copy."""
-        if self.workload not in WORKLOADS:
+        user = {}
+        if self.data and not Path(self.data).expanduser().is_file():
+            raise ConfigError(f"--data {self.data}: no such file")
+        if self.model:  # imported, built twice, one forward on a sample: every mistake found here
+            user = {"model": usermodel.resolve_spec(self.model),
+                    "data": str(Path(self.data).expanduser().resolve()) if self.data else ""}
+            user["workload"] = usermodel.workload_of(dataclasses.replace(self, **user)).name
+        elif self.workload not in WORKLOADS:
             raise ConfigError(f"unknown workload {self.workload!r}; choose from {', '.join(WORKLOADS)}")
+        elif self.input_shape or self.classes or self.vocab or self.seq_len or self.data:
+            raise ConfigError("--input-shape, --classes, --vocab, --seq-len and --data describe the data of your "
+                              "own model: give --model FILE.py:FACTORY too")
         for name in ("batch_size", "steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
@@ -87,7 +107,7 @@ class RunConfig:
             raise ConfigError(f"--world-size must be at least 1, got {self.world_size}")
         if world > spec.count:
             raise ConfigError(f"--world-size {world} is more than the {spec.count} device(s) of {spec}")
-        return dataclasses.replace(self, devices=str(spec), world_size=world)
+        return dataclasses.replace(self, devices=str(spec), world_size=world, **user)
 
     @property
     def spec(self):

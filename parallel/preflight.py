@@ -25,7 +25,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from parallel import strategies
+from parallel import strategies, usermodel
 from parallel.config import RunConfig
 from parallel.devices import gpu_count
 from parallel.harness import launch
@@ -49,6 +49,7 @@ def add_parser(sub) -> None:
     p.add_argument("--devices", default="auto", help="auto | cpu:N | cuda:0,1,... (auto: every GPU, else cpu:2)")
     p.add_argument("--strategies", default="all", help=f"comma list or all ({', '.join(strategies.NAMES)})")
     p.add_argument("--workload", default="cnn", help="the model the strategies train (cnn)")
+    usermodel.add_arguments(p)
     p.add_argument("--out", default="", help="results folder (default results/preflight-<time>)")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per check (180)")
 
@@ -57,7 +58,8 @@ def _config(args) -> RunConfig:
     import time
 
     out = args.out or str(Path("results") / time.strftime("preflight-%Y%m%d-%H%M%S"))
-    return RunConfig(workload=args.workload, devices=args.devices, batch_size=64, steps=2, warmup=1,
+    model = {k: getattr(args, k) for k in ("model", "input_shape", "classes", "vocab", "seq_len", "data")}
+    return RunConfig(workload=args.workload, **model, devices=args.devices, batch_size=64, steps=2, warmup=1,
                      timeout=args.timeout, pg_timeout=min(60.0, args.timeout), out=out).validate()
 
 
@@ -94,7 +96,7 @@ def restart_check(config: RunConfig) -> Check:
     n = 2 if config.spec.count >= 2 else 1
     out = Path(config.out) / "restart"
     argv = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "--max-restarts=1",
-            str(ROOT / "scripts" / "ddp.py"), "--workload", config.workload, "--steps", "4", "--warmup", "0",
+            str(ROOT / "scripts" / "ddp.py"), *usermodel.argv(config), "--steps", "4", "--warmup", "0",
             "--batch-size", "64", "--fail-at-step", "2", "--fail-rank", str(n - 1), "--out", str(out)]
     return _child("torchrun restart after a failed rank", f"torchrun --max-restarts=1 re-forms a group of {n} "
                   f"({'nccl' if config.spec.real else 'gloo'}) and finishes", argv, config)
@@ -147,7 +149,8 @@ def table(checks: list[Check]) -> Table:
 
 def main(args, console) -> int:
     config = _config(args)
-    names, skipped = strategies.resolve(strategies.parse_list(args.strategies), config.spec, config.workload)
+    workload = usermodel.workload_of(config)
+    names, skipped = strategies.resolve(strategies.parse_list(args.strategies), config.spec, workload)
     chosen = plan(config, names, baseline=True)  # bad input is refused here, before anything is written
     prepare_out(Path(config.out))
     checks = strategy_checks(config, chosen, skipped)  # makes OUT/logs/, with its own progress bar

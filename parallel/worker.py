@@ -29,7 +29,7 @@ from parallel.profiling import make_profiler
 from parallel.results import Measured, Row, atomic_write
 from parallel.timing import summarize
 from parallel.train import make_optimizer, precision
-from parallel.workloads import WORKLOADS, SyntheticData
+from parallel.usermodel import workload_of
 
 
 def execute(strategy, config: RunConfig, dist: Dist, data=None) -> tuple[Row, dict]:
@@ -43,9 +43,9 @@ def execute(strategy, config: RunConfig, dist: Dist, data=None) -> tuple[Row, di
     torch.set_num_threads(threads)
     activate(local)  # CUDA initialised (and the rank's device current) before any memory statistic
 
-    workload = WORKLOADS[config.workload]
+    workload = workload_of(config)
     model = workload.build_model(config.seed)
-    data = data or SyntheticData(workload, config.seed, config.batch_size)
+    data = data or workload.dataset(config.seed, config.batch_size)
     predicted = strategy.comm_bytes_predicted(model, config)
     reset_peak_memory(local)
     trainable = strategy.setup(model, make_optimizer(config), workload.loss, dist, config)

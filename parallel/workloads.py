@@ -241,6 +241,7 @@ class Workload:
     data: str = "teacher"  # "teacher": labelled by the nearest prototype; "tokens": a Markov chain; "images": GAN
     loss_names: tuple[str, ...] = ("loss",)
     no_tp_plan: str = ""  # why its model has no tensor-parallel plan (tp_plan()), where it has none
+    no_layers: str = ""  # why its model has no pipeline_layers(), where it has none
 
     @property
     def multi_part(self) -> bool:
@@ -248,6 +249,11 @@ class Workload:
         model.update): only strategies with MULTI_PART = True train it. Otherwise training is one loss,
         one optimiser: loss(model(x), y)."""
         return hasattr(self.make_module, "parts")
+
+    @property
+    def layers(self) -> bool:
+        """Its model says which layers forward() runs one after another (model.pipeline_layers())."""
+        return hasattr(self.make_module, "pipeline_layers")
 
     @property
     def tp_plan(self) -> bool:
@@ -259,6 +265,10 @@ class Workload:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             return self.make_module()
+
+    def dataset(self, seed: int, batch_size: int) -> SyntheticData:
+        """Where its batches come from: the synthetic data (a user's model may bring a file instead)."""
+        return SyntheticData(self, seed, batch_size)
 
     @staticmethod
     def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -324,7 +334,9 @@ class SyntheticData:
             self.teacher = torch.full((v, v), 0.2 / v).scatter_(1, likely, 0.2)
             self.teacher /= self.teacher.sum(dim=1, keepdim=True)
         else:
-            self.teacher = _prototypes(workload.input_shape, max(workload.classes, 10), g)  # (classes, d)
+            # (classes, d); the GAN's images come from 10 prototypes whatever its 1 "class"
+            protos = workload.classes if workload.data == "teacher" else max(workload.classes, 10)
+            self.teacher = _prototypes(workload.input_shape, protos, g)
         self.x, self.y = self._samples(max(workload.dataset_size, batch_size), g)
 
     def _samples(self, n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -359,9 +371,9 @@ class SyntheticData:
 
 
 @functools.lru_cache(maxsize=4)
-def _heldout(workload_name: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _heldout(workload: Workload, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     # The teacher depends on the seed only (not on the batch size), so one held-out set serves every row.
-    return SyntheticData(WORKLOADS[workload_name], seed, 1).heldout()
+    return workload.dataset(seed, 1).heldout()
 
 
 def _trained(workload: Workload, state: dict[str, torch.Tensor], seed: int) -> nn.Module:
@@ -372,7 +384,7 @@ def _trained(workload: Workload, state: dict[str, torch.Tensor], seed: int) -> n
 
 def eval_loss(workload: Workload, state: dict[str, torch.Tensor], seed: int) -> float:
     """The held-out loss of parameters `state` (Workload.evaluate): where a strategy's training ended up."""
-    return workload.evaluate(_trained(workload, state, seed), *_heldout(workload.name, seed))
+    return workload.evaluate(_trained(workload, state, seed), *_heldout(workload, seed))
 
 
 @torch.no_grad()
@@ -380,5 +392,5 @@ def accuracy(workload: Workload, state: dict[str, torch.Tensor], seed: int) -> f
     """Share of held-out predictions (samples, or tokens) that are right; None for the GAN."""
     if workload.data == "images":
         return None
-    x, y = _heldout(workload.name, seed)
+    x, y = _heldout(workload, seed)
     return (_trained(workload, state, seed)(x).argmax(dim=-1) == y).float().mean().item()

@@ -61,10 +61,10 @@ def test_a_crashed_worker_fails_the_run_and_leaves_no_process():
 def test_cuda_is_refused_with_a_reason_and_skipped_under_all():
     cuda = DeviceSpec("cuda", (0, 1))
     assert "CUDA is not supported" in HOGWILD.available(cuda)
-    names, skipped = strategies.resolve(["all"], cuda)
+    names, skipped = strategies.resolve(["all"], cuda, WORKLOADS["cnn"])
     assert "hogwild" not in names and "hogwild" in skipped
     with pytest.raises(ConfigError, match="hogwild cannot run on cuda:0,1"):
-        strategies.resolve(["hogwild"], cuda)
+        strategies.resolve(["hogwild"], cuda, WORKLOADS["cnn"])
 
 
 @pytest.mark.slow

@@ -152,7 +152,7 @@ def test_unsynchronised_batchnorm_under_ddp_was_missed_by_the_old_rule_and_is_ca
 PARITY_RUN = {"batch_size": 48, "steps": 5, "warmup": 1, "extras": False}
 CPU2 = RunConfig(devices="cpu:2").spec  # fsdp_tp needs 4 devices: its parity is in test_tensor_parallel.py
 PARITY = [(s.name, w) for w in WORKLOADS for s in strategies.all_strategies()
-          if s.synchronous and s.name != "single" and not s.unsupported(w) and not s.available(CPU2)]
+          if s.synchronous and s.name != "single" and not s.unsupported(WORKLOADS[w]) and not s.available(CPU2)]
 
 
 def _bf16_jobs() -> list:

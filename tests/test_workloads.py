@@ -45,7 +45,7 @@ def test_single_loss_strategies_refuse_the_dcgan_by_name(name, small):
 
 
 def test_all_skips_what_cannot_train_the_dcgan(refused):
-    run, skipped = strategies.resolve(["all"], RunConfig(devices="cpu:2").validate().spec, "dcgan")
+    run, skipped = strategies.resolve(["all"], RunConfig(devices="cpu:2").validate().spec, WORKLOADS["dcgan"])
     assert run == ["single", "ddp"] and "pipeline" in skipped
     refused(["run", "pipeline", "--workload", "dcgan"], "pipeline cannot train the dcgan workload")
 

@@ -28,7 +28,7 @@ from parallel.dist import Dist
 from parallel.strategies.base import grad_bytes
 from parallel.timing import median_time
 from parallel.train import make_optimizer
-from parallel.workloads import WORKLOADS, SyntheticData
+from parallel.usermodel import workload_of
 
 PUBLISHED_BUSBW = 346e9  # bytes/s, NCCL all-reduce on 8xH200 at 64 MiB (stas00/ml-engineering)
 
@@ -36,7 +36,7 @@ PUBLISHED_BUSBW = 346e9  # bytes/s, NCCL all-reduce on 8xH200 at 64 MiB (stas00/
 class Calibration:
     def __init__(self, config, alpha_s: float | None = None, beta_s_per_byte: float | None = None):
         self.config, self.alpha, self.beta = config, alpha_s, beta_s_per_byte
-        self.workload = WORKLOADS[config.workload]
+        self.workload = workload_of(config)
         self.model = self.workload.build_model(config.seed)
         self.grad_bytes = grad_bytes(self.model)
         self._compute: dict[int, float] = {}
@@ -53,7 +53,7 @@ class Calibration:
         with _threads(self.config.spec.threads_per_device()):
             model = self.workload.build_model(self.config.seed)
             t = single.setup(model, make_optimizer(self.config), self.workload.loss, Dist(device=device), self.config)
-            x, y = SyntheticData(self.workload, self.config.seed, batch).batch(0)
+            x, y = self.workload.dataset(self.config.seed, batch).batch(0)
             return median_time(lambda: single.train_step(t, (x, y), None), 7, synchronizer(device)) * 1e3
 
     def stage_ms(self, bounds: list[int], micro: int) -> tuple[list[float], list[float]]:
@@ -63,7 +63,7 @@ class Calibration:
         if key not in self._stages:
             from parallel.strategies.stages import layers_of, measure_stages
 
-            x = SyntheticData(self.workload, self.config.seed, micro).batch(0)[0]
+            x = self.workload.dataset(self.config.seed, micro).batch(0)[0]
             with _threads(self.config.spec.threads_per_device()):
                 fwd, bwd = measure_stages(layers_of(self.model), bounds, x, self.config.spec.device(0))
             self._stages[key] = ([f * 1e3 for f in fwd], [b * 1e3 for b in bwd])

@@ -86,7 +86,8 @@ def honest_jobs(runs: int, base: dict | None = None) -> list[Job]:
                   **(base or {})}  # 510 divides by 2 and 3
         config = RunConfig(workload=workload, devices=devices, seed=seed, **fields).validate()
         for s in strategies.all_strategies():
-            if s.synchronous and s.name != "single" and not s.unsupported(workload) and not s.available(config.spec):
+            runs_here = not s.unsupported(WORKLOADS[workload]) and not s.available(config.spec)
+            if s.synchronous and s.name != "single" and runs_here:
                 try:
                     s.validate(config)
                 except ConfigError:

@@ -28,17 +28,17 @@ from parallel.dist import Dist
 from parallel.harness.ranks import run_ranks
 from parallel.harness.report import make_console
 from parallel.train import make_optimizer
+from parallel.usermodel import workload_of
 from parallel.worker import devices_driven, execute
-from parallel.workloads import WORKLOADS, SyntheticData
 
 
 def bare_loop_ms(config: RunConfig) -> float:
     """Median ms per timed step of the plainest training loop (CPU: no synchronize needed)."""
     torch.set_num_threads(config.spec.threads_per_device())
-    workload = WORKLOADS[config.workload]
+    workload = workload_of(config)
     model = workload.build_model(config.seed)
     opt = make_optimizer(config)(model.parameters())
-    data = SyntheticData(workload, config.seed, config.batch_size)
+    data = workload.dataset(config.seed, config.batch_size)
     times = []
     for step in range(config.warmup + config.steps):
         x, y = data.batch(step)
@@ -54,9 +54,9 @@ def bare_loop_ms(config: RunConfig) -> float:
 def strategy_loop_ms(strategy, config: RunConfig, dist: Dist) -> float:
     """Median ms per timed step of the strategy's own setup and train_step in a plain loop, this rank."""
     torch.set_num_threads(config.spec.threads_per_device() * len(devices_driven(strategy, config, dist)))
-    workload = WORKLOADS[config.workload]
+    workload = workload_of(config)
     t = strategy.setup(workload.build_model(config.seed), make_optimizer(config), workload.loss, dist, config)
-    data = SyntheticData(workload, config.seed, config.batch_size)
+    data = workload.dataset(config.seed, config.batch_size)
     share = strategy.dims(config, dist).batch_share(dist.rank)
     sync = synchronizer_all(t.all_devices())
     times = []
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                        extras=False).validate()
     names = strategies.NAMES if args.strategy == "all" else args.strategy.split(",")
     runnable = [n for n in names if not strategies.get(n).unsupported(
-        config.workload) and not strategies.get(n).available(config.spec) and strategies.get(n).synchronous]
+        workload_of(config)) and not strategies.get(n).available(config.spec) and strategies.get(n).synchronous]
     table = Table(title=f"The harness against a bare loop of each strategy: {args.workload}, batch "
                         f"{args.batch_size}, {args.devices}, {args.rounds} alternating rounds of {args.steps} steps",
                   title_justify="left")

@@ -75,8 +75,11 @@ def notes(rows: list[Row], environment: dict, skipped: dict | None = None) -> li
         out.append("equivalence: every tensor and every step's loss against `single`'s, each within its own "
                    "tolerance; the number is the largest difference over its tolerance (above 1: mismatch). "
                    "Evidence that it catches real bugs: python -m parallel mutants")
-    out += [f"{r.label}: judged by {r.equivalence.basis}" for r in rows
-            if r.equivalence.basis and r.equivalence.basis != "fp32 rule" and r.equivalence.verdict != "baseline"]
+    judged: dict[str, list[str]] = {}  # rows judged by one looser rule are named together
+    for r in rows:
+        if r.equivalence.basis and r.equivalence.basis != "fp32 rule" and r.equivalence.verdict != "baseline":
+            judged.setdefault(r.equivalence.basis, []).append(r.label)
+    out += [f"{', '.join(labels)}: judged by {basis}" for basis, labels in judged.items()]
     out += [f"{r.label}: " + ", ".join(f"{k} {_fmt(v)}" for k, v in {**r.details, **_set(r.measured)}.items())
             for r in rows if r.details]
     out += [f"{r.label} losses, first -> last step: " + ", ".join(f"{k} {v[0]:.4f} -> {v[-1]:.4f}"
@@ -207,7 +210,9 @@ def advice(rows: list[Row]) -> list[str]:
     out = []
     if exact:
         best = max(exact, key=lambda r: r.speedup)
-        out.append(f"Fastest that trains exactly like one device: {best.label}, {best.speedup:.2f}x on "
+        noisy = best.equivalence.basis.startswith("this model's own")  # equivalence.own_noise's rule
+        like = "like one device, within the model's own rounding noise" if noisy else "exactly like one device"
+        out.append(f"Fastest that trains {like}: {best.label}, {best.speedup:.2f}x on "
                    f"{best.world_size} device(s) ({best.efficiency:.0%} efficiency).")
         for r in ok:
             if r.equivalence.verdict == "not-expected" and r.speedup > best.speedup:

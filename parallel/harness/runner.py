@@ -26,7 +26,8 @@ from parallel.errors import ConfigError
 from parallel.harness import equivalence, launch, load
 from parallel.harness.report import make_progress
 from parallel.results import Equivalence, Row
-from parallel.workloads import WORKLOADS, eval_loss
+from parallel.usermodel import workload_of
+from parallel.workloads import eval_loss
 
 BASELINE = "single"
 
@@ -174,7 +175,7 @@ def plan(config: RunConfig, names: list[str], baseline: bool = True) -> list[tup
     if config.port:
         launch.loopback_socket(config.port).close()  # a taken rendezvous port is bad input, found now
     if config.resume_from:  # missing, corrupt or for another model: refused now, not in a child
-        checkpoint.check_fits(Path(config.resume_from), WORKLOADS[config.workload].build_model(config.seed),
+        checkpoint.check_fits(Path(config.resume_from), workload_of(config).build_model(config.seed),
                               f"the {config.workload} model")
     return chosen
 
@@ -188,7 +189,7 @@ def run_strategies(config: RunConfig, chosen: list[tuple], baseline: bool = True
     work = Path(tempfile.mkdtemp(prefix="parallel-"))
     rows: list[Row] = []
     ref = None
-    workload = WORKLOADS[config.workload]
+    workload = workload_of(config)
     initial = workload.build_model(config.seed).state_dict()
     rounds = max(1, config.repeat)
     timings: list[list[tuple]] = [[] for _ in chosen]  # per plan entry, per round: samples/s, step ms p50, p95
@@ -202,6 +203,8 @@ def run_strategies(config: RunConfig, chosen: list[tuple], baseline: bool = True
                     row.eval_loss = eval_loss(workload, state, config.seed)
                 if baseline and s.name == BASELINE and state is not None:
                     ref = equivalence.Reference(initial, state, equivalence.curves(row))
+                    if config.model:  # a model the tolerances were not measured on: its own noise, measured
+                        ref.noise = equivalence.own_noise(cfg, ref)
                     row.equivalence = Equivalence("baseline", 0.0, basis=equivalence.rule_for(s, cfg).basis)
                 elif row.status == "ok":
                     row.equivalence = equivalence.judge(s, cfg, ref, row, state)

@@ -24,7 +24,8 @@ from parallel import train
 from parallel.errors import ConfigError
 from parallel.strategies import base
 from parallel.strategies.base import options_of
-from parallel.workloads import WORKLOADS
+from parallel.usermodel import workload_of
+from parallel.workloads import Workload
 
 # The report lists strategies in this order; `single` is the baseline and always first.
 NAMES = ["single", "manual_dp", "data_parallel", "manual_ddp", "ddp", "zero", "zero_optimizer", "fsdp", "manual_tp",
@@ -34,7 +35,7 @@ NAMES = ["single", "manual_dp", "data_parallel", "manual_ddp", "ddp", "zero", "z
 # The constants a strategy module may set, with their defaults. Its functions beyond setup and
 # train_step are declared in `HOOKS = base.Hooks(...)` (see base.Hooks).
 CONSTANTS = {"Options": None, "NOT_EXPECTED_REASON": None, "CHECKPOINTS": True, "MULTI_PART": False, "MUTANTS": (),
-             "TENSOR_PARALLEL": False}
+             "TENSOR_PARALLEL": False, "LAYERED": False}  # LAYERED: it cuts the model's pipeline_layers()
 
 
 def _hooks(module: ModuleType) -> base.Hooks:
@@ -67,13 +68,15 @@ class Strategy:
         self.setup = module.setup
         self.train_step = module.train_step
 
-    def unsupported(self, workload: str) -> str | None:
-        """Why this strategy cannot train `workload`, or None."""
-        if WORKLOADS[workload].multi_part and not self.MULTI_PART:
+    def unsupported(self, workload: Workload) -> str | None:
+        """Why this strategy cannot train `workload` (workload_of(config)), or None."""
+        if workload.multi_part and not self.MULTI_PART:
             runs = ", ".join(n for n in NAMES if get(n).MULTI_PART)
             return f"its update has two models and two optimisers (strategies that run it: {runs})"
-        if self.TENSOR_PARALLEL and not WORKLOADS[workload].tp_plan:
-            return f"it has no tensor-parallel plan: {WORKLOADS[workload].no_tp_plan}"
+        if self.TENSOR_PARALLEL and not workload.tp_plan:
+            return f"it has no tensor-parallel plan: {workload.no_tp_plan}"
+        if self.LAYERED and not workload.layers:
+            return f"it has no layers to cut into stages: {workload.no_layers}"
         return None
 
     def option_fields(self) -> list[dataclasses.Field]:
@@ -96,7 +99,7 @@ class Strategy:
         spec = config.spec
         if why := self.available(spec):  # here, not only in `compare`: scripts and `run` come through validate too
             raise ConfigError(f"{self.name} cannot run on {spec}: {why}")
-        if why := self.unsupported(config.workload):
+        if why := self.unsupported(workload_of(config)):
             raise ConfigError(f"{self.name} cannot train the {config.workload} workload: {why}")
         if config.mutant and config.mutant not in mutants():
             raise ConfigError(f"unknown mutant {config.mutant!r}; `python -m parallel mutants --list` lists them")
@@ -154,7 +157,7 @@ def parse_list(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def resolve(names: list[str], spec, workload: str = "cnn", strict: bool = True) -> tuple[list[str], dict[str, str]]:
+def resolve(names: list[str], spec, workload: Workload, strict: bool = True) -> tuple[list[str], dict[str, str]]:
     """(strategies to run, {skipped: why}). `all` means every strategy that can run `workload` on `spec`;
     one named explicitly that cannot is an error, unless not `strict` (a scaling sweep's point with too few
     devices for it: skipped there, run at the others)."""
@@ -164,7 +167,7 @@ def resolve(names: list[str], spec, workload: str = "cnn", strict: bool = True) 
         device_why, workload_why = s.available(spec), s.unsupported(workload)
         if (device_why or workload_why) and "all" not in names and (strict or workload_why):
             raise ConfigError(f"{n} cannot run on {spec}: {device_why}" if device_why
-                              else f"{n} cannot train the {workload} workload: {workload_why}")
+                              else f"{n} cannot train the {workload.name} workload: {workload_why}")
         if device_why or workload_why:
             skipped[n] = device_why or workload_why
         else:

@@ -50,7 +50,7 @@ from parallel.strategies.base import (
     state_bytes,
 )
 from parallel.timing import StepTimer, summarize
-from parallel.workloads import WORKLOADS
+from parallel.usermodel import workload_of
 
 NAME = "ddp"
 LAUNCH = "torchrun"
@@ -111,7 +111,7 @@ class State:
 
 def check(config) -> None:
     opts = options_of(Options, config)
-    if WORKLOADS[config.workload].multi_part and (opts.accum > 1 or opts.prescale):
+    if workload_of(config).multi_part and (opts.accum > 1 or opts.prescale):
         raise ConfigError(f"--accum and --prescale apply to one loss; the {config.workload} workload has several")
     config.check_divisible(config.world_size * opts.accum, f"world size {config.world_size} x accum {opts.accum} =")
 

@@ -212,6 +212,12 @@ def _gathered_buffers(t: Trainable) -> list[torch.Tensor]:
             for p in group.fsdp_params for b in p.all_gather_outputs]
 
 
+def group_names(t: Trainable) -> list[str]:
+    """Which modules became FSDP groups, by name (the root last, as "(root)"): what blocks() found."""
+    names = {id(m): n for n, m in t.model.named_modules()}
+    return [names.get(id(g)) or "(root)" for g in t.state.groups]
+
+
 def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
     """Every rank's shards by kind, the bytes per step by collective, and the transient peak of gathered
     parameters, sampled at every operation of one more step (a step the loop did not time)."""
@@ -227,7 +233,7 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
             **{f"{k}_per_rank": every_rank(v) for k, v in local.items()},
             "unsharded_peak_bytes_per_rank": every_rank(peak.peak),
             # ZeRO-3's model state per device for fp32 SGD with momentum (K = 4): (4 + 4 + 4) Psi / N.
-            "zero_formula_bytes": 3 * psi / n, "groups": len(t.state.groups),
+            "zero_formula_bytes": 3 * psi / n, "groups": len(t.state.groups), "fsdp_groups": group_names(t),
             "measured": wire.measured_collectives(t.device, psi // 4, rounds=max(3, min(10, config.steps)))}
 
 

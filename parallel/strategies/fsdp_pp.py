@@ -30,6 +30,7 @@ from parallel.strategies.base import Hooks, Mutant, Trainable, injected, model_s
 from parallel.strategies.fsdp import blocks
 
 NAME = "fsdp_pp"
+LAYERED = True  # cuts the model's pipeline_layers() into stages
 LAUNCH = "torchrun"
 SYNCHRONOUS = True
 CHECKPOINTS = False  # as pipeline_dist: the stages depend on the split measured at start-up

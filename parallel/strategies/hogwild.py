@@ -33,7 +33,7 @@ from parallel.strategies.base import Hooks, Trainable, options_of, param_bytes
 from parallel.strategies.base import dims as base_dims
 from parallel.train import TrainResult, make_optimizer
 from parallel.train import train as the_loop
-from parallel.workloads import WORKLOADS, SyntheticData
+from parallel.usermodel import workload_of
 
 NAME = "hogwild"
 LAUNCH = "hogwild"
@@ -132,11 +132,11 @@ def _worker(rank, model, config, counter, results, start) -> None:
         workers = world_size(config)
         torch.manual_seed(config.seed + rank)
         torch.set_num_threads(max(1, cpu_cores() // workers))
-        workload = WORKLOADS[config.workload]
+        workload = workload_of(config)
         t = Trainable(model, make_optimizer(config)(model.parameters()), workload.loss, torch.device("cpu"),
                       state=State(workers, counter))
         me = Dist(rank=rank, local_rank=rank, world_size=workers, local_world_size=workers)
-        data = SyntheticData(workload, config.seed, config.batch_size)
+        data = workload.dataset(config.seed, config.batch_size)
         start.wait()
         with make_profiler(config.profile, config.out, NAME, rank, me.device) as prof:
             result = the_loop(_Me, t, data, config, me, prof)

@@ -29,7 +29,7 @@ from parallel.devices import IntervalClock
 from parallel.strategies.base import Hooks, Mutant, Trainable, grad_bytes, injected, param_bytes, state_bytes
 from parallel.strategies.primitives import DeviceThreads, gather, parallel_apply, replicate, scatter
 from parallel.timing import PhaseTimer
-from parallel.workloads import WORKLOADS
+from parallel.usermodel import workload_of
 
 NAME = "manual_dp"
 LAUNCH = "inprocess"
@@ -46,7 +46,7 @@ MUTANTS = (STALE_REPLICA, REPLICA_GRAD_DROPPED)
 def comm_bytes_predicted(model, config) -> float:
     """Bytes between the first device and the others per step: parameters out and gradients back
     (2 x params x (N-1)); inputs out, outputs back and their gradients out ((N-1)/N of each), fp32."""
-    workload, n = WORKLOADS[config.workload], config.world_size
+    workload, n = workload_of(config), config.world_size
     x_bytes = config.batch_size * 4 * math.prod(workload.input_shape)
     out_bytes = config.batch_size * 4 * workload.classes
     return 2 * (n - 1) * grad_bytes(model) + (n - 1) / n * (x_bytes + 2 * out_bytes)

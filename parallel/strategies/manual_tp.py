@@ -43,7 +43,8 @@ from parallel.strategies.base import (
     model_state_every_rank,
     ring_allreduce_bytes,
 )
-from parallel.workloads import WORKLOADS, Attention
+from parallel.usermodel import workload_of
+from parallel.workloads import Attention
 
 NAME = "manual_tp"
 LAUNCH = "torchrun"
@@ -147,7 +148,7 @@ def plan_problems(model: nn.Module, tp: int) -> str | None:
 
 
 def check(config) -> None:
-    model = WORKLOADS[config.workload].build_model(config.seed)
+    model = workload_of(config).build_model(config.seed)
     if why := plan_problems(model, config.world_size):
         raise ConfigError(f"cannot split the {config.workload} over {config.world_size} ranks: {why}")
 
@@ -228,7 +229,7 @@ def payloads(model, config) -> list[float]:
     """Bytes of every activation Megatron all-reduces per step: every rowwise layer's output forward (B x T
     x its outputs), and every region's (or colwise layer outside one) input gradient backward (B x T x its
     inputs); but not the gradient of the data itself, which nothing needs (the MLP's first layer)."""
-    plan, w = model.tp_plan(), WORKLOADS[config.workload]
+    plan, w = model.tp_plan(), workload_of(config)
     positions = config.batch_size * (w.input_shape[0] if w.data == "tokens" else 1)  # tokens: T per sample
     forward = [model.get_submodule(r).out_features for r in plan.rowwise]
     first_layer = next(n for n, _ in model.named_parameters()).rpartition(".")[0]
@@ -253,7 +254,7 @@ def comm_bytes_predicted(model, config) -> float | None:
 def predict_step_ms(cal, config, row) -> float | None:
     """`single`'s step on the whole batch split N ways (each rank computes 1/N of every split layer; the
     replicated ones are small here), plus every all-reduce, none hidden (each blocks the next layer)."""
-    n, model = config.world_size, WORKLOADS[config.workload].build_model(config.seed)
+    n, model = config.world_size, workload_of(config).build_model(config.seed)
     if cal.allreduce_ms(1, n) is None:
         return None
     return cal.compute_ms(config.batch_size) / n + sum(cal.allreduce_ms(p, n) for p in payloads(model, config))

@@ -21,9 +21,10 @@ import torch
 from parallel.errors import ConfigError
 from parallel.strategies.base import Hooks, Mutant, Trainable, injected, options_of, state_bytes
 from parallel.strategies.stages import ActivationMeter, Busy, Split, split, stage_backward, stage_forward
-from parallel.workloads import WORKLOADS, SyntheticData
+from parallel.usermodel import workload_of
 
 NAME = "model_parallel"
+LAYERED = True  # cuts the model's pipeline_layers() into stages
 LAUNCH = "inprocess"
 SYNCHRONOUS = True
 
@@ -68,7 +69,7 @@ def setup_stages(model, make_optimizer, loss_fn, config, sample_size: int, balan
     devices = [spec.device(i) for i in range(config.world_size)]
     torch.set_num_threads(spec.threads_per_device())
     # The timing input: a batch of the workload's own data (images, or token ids for the transformer).
-    sample = SyntheticData(WORKLOADS[config.workload], config.seed, sample_size).batch(0)[0]
+    sample = workload_of(config).dataset(config.seed, sample_size).batch(0)[0]
     sp = split(model, devices, balance, sample)
     return Trainable(model, make_optimizer(model.parameters()), loss_fn, devices[0], comm_bytes=0,
                      state=Stages(sp, [ActivationMeter(s) for s in sp.stages], Busy(devices),

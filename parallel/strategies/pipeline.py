@@ -43,6 +43,7 @@ from parallel.strategies.primitives import DeviceThreads
 from parallel.strategies.stages import simulate, stage_backward, stage_forward
 
 NAME = "pipeline"
+LAYERED = True  # cuts the model's pipeline_layers() into stages
 LAUNCH = "inprocess"
 SYNCHRONOUS = True
 

@@ -38,9 +38,10 @@ from parallel.results import Measured
 from parallel.strategies import pipeline, wire
 from parallel.strategies.base import Hooks, Mutant, Trainable, every_rank, injected, model_state_every_rank, options_of
 from parallel.strategies.stages import ActivationMeter, Busy, cut, describe, layers_of, timed_stage
-from parallel.workloads import WORKLOADS, SyntheticData
+from parallel.usermodel import workload_of
 
 NAME = "pipeline_dist"
+LAYERED = True  # cuts the model's pipeline_layers() into stages
 LAUNCH = "torchrun"
 SYNCHRONOUS = True
 CHECKPOINTS = False  # each rank's stages depend on the split measured at start-up; not resumable across runs
@@ -131,7 +132,7 @@ def check_pipeline(config, p: int, batch: int) -> None:
         raise ConfigError(f"{NAME} needs at least 2 processes (one stage each), got {p}")
     if why := _torch_lacks(SCHEDULES[o.schedule][0]):
         raise ConfigError(why)
-    n = len(layers_of(WORKLOADS[config.workload].build_model(config.seed)))
+    n = len(layers_of(workload_of(config).build_model(config.seed)))
     if p * v > n:
         raise ConfigError(f"--schedule {o.schedule} runs {v} stage(s) on each of {p} ranks, {p * v} stages, but the "
                           f"{config.workload} has {n} layers to split")
@@ -162,7 +163,7 @@ def _bounds(layers: list[nn.Module], k: int, o: Options, config, dist, batch: in
 
     decided = [None]
     if dist.rank == 0:
-        sample = SyntheticData(WORKLOADS[config.workload], config.seed, -(-batch // o.microbatches)).batch(0)[0]
+        sample = workload_of(config).dataset(config.seed, -(-batch // o.microbatches)).batch(0)[0]
         decided = [cut(layers, k, o.balance, sample, [dist.device, dist.device])]
     td.broadcast_object_list(decided, src=0)
     return decided[0]

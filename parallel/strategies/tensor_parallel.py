@@ -41,7 +41,7 @@ from parallel.strategies.base import (
     options_of,
 )
 from parallel.strategies.stages import ActivationMeter
-from parallel.workloads import WORKLOADS
+from parallel.usermodel import workload_of
 
 NAME = "tensor_parallel"
 LAUNCH = "torchrun"
@@ -82,7 +82,7 @@ def dims(config, dist) -> ParallelDims:
 
 def check(config) -> None:
     o = options_of(Options, config)
-    if (o.sequence_parallel or o.loss_parallel) and WORKLOADS[config.workload].data != "tokens":
+    if (o.sequence_parallel or o.loss_parallel) and workload_of(config).data != "tokens":
         flag = "--sequence-parallel" if o.sequence_parallel else "--loss-parallel"
         raise ConfigError(f"{flag} needs a sequence model (the transformer): the {config.workload} has no "
                           "sequence to split and 10 classes")

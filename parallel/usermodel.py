@@ -1,0 +1,390 @@
+"""Your own model through the same comparison: `--model FILE.py:FACTORY` (or `package.module:FACTORY`).
+
+    python -m parallel compare --model examples/resnet.py:resnet18 --input-shape 3,32,32 --classes 10
+    python -m parallel compare --model my_model.py:build --data batches.pt
+
+The protocol. FACTORY(seed), or FACTORY() if it takes no argument, is called with torch already seeded
+from the seed, so that every strategy, in every process, starts from bitwise the same weights (checked:
+two calls must give the same weights). It returns
+
+    an nn.Module                                trained with cross-entropy on (output, target), or
+    {"model": module,                           the same, and any of
+     "loss": fn(output, target) -> scalar,      the loss instead of cross-entropy
+     "layers": [modules forward runs in order], the pipeline's cut points (model_parallel, pipeline, ...)
+     "tp_plan": TPPlan(colwise, rowwise)}       the tensor-parallel plan (manual_tp, tensor_parallel, ...)
+
+A model may instead define pipeline_layers() and tp_plan() methods, as the built-in models do.
+
+The data: `--input-shape C,H,W --classes K` (the built-in synthetic teacher: each sample a noisy copy
+of one of K prototypes, labelled by the nearest), `--vocab V --seq-len T` (token sequences from a fixed
+random Markov chain, next-token targets), or `--data FILE`: a .pt (loaded with weights_only=True) or .npz
+holding `x` and `y` (inputs and targets, one row per sample). Of a file, the last eighth (at most 2048
+samples) is held out for the eval loss and never trained on; every strategy takes the same batches from
+the rest, by the same rule as the built-in data.
+
+Structure, found where it is safe and never guessed:
+    pipeline layers  "layers", or pipeline_layers(), or found: an nn.Sequential's children, or a model
+                     whose children (a ModuleList's expanded) run one after another, which one forward on
+                     a sample must confirm exactly; otherwise the pipelines skip it and say why
+    tensor parallel  only from "tp_plan" or tp_plan()
+    FSDP2 groups     fsdp's rule, the parameter-holding elements of the model's containers (a ResNet's
+                     blocks, a GPT's layers); the row's details list them
+
+Every way this can go wrong is a ConfigError naming it, before anything starts.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import inspect
+import math
+import sys
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallel.errors import ConfigError
+from parallel.workloads import WORKLOADS, SyntheticData, TPPlan, Workload
+
+HELD_OUT = 8  # a data file's last 1/HELD_OUT (at most 2048 samples) is the held-out set
+PROTOCOL = ("model", "loss", "layers", "tp_plan")
+
+
+def workload_of(config) -> Workload:
+    """The workload a config names: one of the built-in ones, or the user's model (config.model)."""
+    if not config.model:
+        return WORKLOADS[config.workload]
+    return _user(config.model, config.input_shape, config.classes, config.vocab, config.seq_len, config.data,
+                 config.batch_size)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def resolve_spec(spec: str) -> str:
+    """`path.py:factory` with the path made absolute (children may start elsewhere), or `module:factory`."""
+    where, sep, factory = spec.rpartition(":")
+    if not sep or not where or not factory.isidentifier():
+        raise ConfigError(f"--model {spec!r}: expected FILE.py:FACTORY or package.module:FACTORY")
+    if where.endswith(".py") or "/" in where:
+        path = Path(where).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"--model {spec}: no such file {where}")
+        return f"{path.resolve()}:{factory}"
+    return spec
+
+
+@functools.lru_cache(maxsize=8)
+def _import(spec: str):
+    where, _, factory_name = spec.rpartition(":")
+    try:
+        if where.endswith(".py") or "/" in where:
+            # Imported under its own name, its folder at the end of sys.path, so that a spawned process
+            # (Hogwild's workers unpickle the model) can import it again; a name already taken gets a prefix.
+            path = Path(where)
+            if str(path.parent) not in sys.path:
+                sys.path.append(str(path.parent))
+            found = importlib.util.find_spec(path.stem) if path.stem.isidentifier() else None
+            plain = path.stem not in sys.modules and found is not None and found.origin == str(path)
+            name = path.stem if plain else f"user_{zlib.crc32(str(path).encode()):08x}_{path.stem}"
+            loader = importlib.util.spec_from_file_location(name, where)
+            module = importlib.util.module_from_spec(loader)
+            sys.modules[name] = module  # dataclasses and pickling look a module up by name
+            loader.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except Exception as e:  # noqa: BLE001 - the user's module: its first line, not our traceback
+        raise ConfigError(f"--model {spec}: importing it raised {_first_line(e)}") from None
+    factory = getattr(module, factory_name, None)
+    if not callable(factory):
+        raise ConfigError(f"--model {spec}: {where} has no function {factory_name!r}")
+    return factory
+
+
+def _call(factory, seed: int, spec: str) -> dict:
+    """The factory's result as the protocol's dict, checked."""
+    takes_seed = any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+                     for p in inspect.signature(factory).parameters.values())
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            out = factory(seed) if takes_seed else factory()
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError(f"--model {spec}: the factory raised {_first_line(e)}") from None
+    if isinstance(out, nn.Module):
+        out = {"model": out}
+    if not isinstance(out, dict) or not isinstance(out.get("model"), nn.Module):
+        got = type(out.get("model") if isinstance(out, dict) else out).__name__
+        raise ConfigError(f"--model {spec}: the factory returned {got}, not an nn.Module (or a dict with "
+                          f"'model': an nn.Module)")
+    if unknown := sorted(set(out) - set(PROTOCOL)):
+        raise ConfigError(f"--model {spec}: the factory returned unknown key {unknown[0]!r} (known: "
+                          f"{', '.join(PROTOCOL)})")
+    if out.get("loss") is not None and not callable(out["loss"]):
+        raise ConfigError(f"--model {spec}: 'loss' must be a function (output, target) -> scalar")
+    if (plan := out.get("tp_plan")) is not None and not isinstance(plan, TPPlan):
+        raise ConfigError(f"--model {spec}: 'tp_plan' must be a parallel.workloads.TPPlan")
+    return out
+
+
+def _shape(text: str, what: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(x) for x in text.replace("x", ",").split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"{what} {text!r}: expected sizes like 3,32,32") from None
+    if not shape or min(shape) < 1:
+        raise ConfigError(f"{what} {text!r}: expected sizes like 3,32,32, each at least 1")
+    return shape
+
+
+def _load_data(path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--data {path}: no such file")
+    try:
+        if p.suffix == ".npz":
+            import numpy as np
+
+            with np.load(p, allow_pickle=False) as f:
+                x, y = torch.from_numpy(f["x"]), torch.from_numpy(f["y"])
+        elif p.suffix == ".pt":
+            obj = torch.load(p, weights_only=True, map_location="cpu")
+            x, y = (obj["x"], obj["y"]) if isinstance(obj, dict) else obj
+        else:
+            raise ConfigError(f"--data {path}: expected a .pt or .npz file")
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a corrupt file, missing keys, or something not two tensors
+        raise ConfigError(f"--data {path}: cannot read x and y from it ({_first_line(e)})") from None
+    if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)) or x.shape[:1] != y.shape[:1] or not len(x):
+        raise ConfigError(f"--data {path}: x and y must be tensors with one row per sample, the same number of rows")
+    if len(x) < 2 * HELD_OUT:
+        raise ConfigError(f"--data {path}: {len(x)} samples; at least {2 * HELD_OUT} are needed (1/{HELD_OUT} is "
+                          "held out)")
+    x = x.float() if x.is_floating_point() else x.long()  # numpy's float64 -> the models' float32
+    y = y.float() if y.is_floating_point() else y.long()
+    return x.contiguous(), y.contiguous()
+
+
+class FileData(SyntheticData):
+    """SyntheticData's interface over the user's tensors: training batches from the first part, the
+    held-out set from the last eighth."""
+
+    def __init__(self, workload: UserWorkload, seed: int, batch_size: int):
+        x, y = _file(workload.data_file)
+        self.workload, self.seed, self.batch_size = workload, seed, batch_size
+        keep = training_samples(len(x))
+        self.x, self.y, self._held = x[:keep], y[:keep], (x[keep:], y[keep:])
+
+    def heldout(self, n: int = 2048):
+        return self._held
+
+
+def training_samples(n: int) -> int:
+    """Of a file's n samples, those trained on: all but the held-out last eighth (at most 2048)."""
+    return n - min(2048, n // HELD_OUT)
+
+
+@functools.lru_cache(maxsize=2)
+def _file(path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _load_data(path)
+
+
+@dataclass(frozen=True, eq=False)
+class UserWorkload(Workload):
+    """A Workload around the user's factory: same seed, same weights; the protocol's extras attached."""
+
+    spec: str = ""
+    factory: object = None
+    loss_fn: object = None
+    layer_names: tuple[str, ...] | None = None  # where the pipelines cut, by module name; None: they cannot
+    has_plan: bool = False
+    parts_model: bool = False
+    data_file: str = ""
+
+    @property
+    def multi_part(self) -> bool:
+        return self.parts_model
+
+    @property
+    def tp_plan(self) -> bool:
+        return self.has_plan
+
+    @property
+    def layers(self) -> bool:
+        return self.layer_names is not None
+
+    def build_model(self, seed: int) -> nn.Module:
+        out = _call(self.factory, seed, self.spec)
+        model = out["model"]
+        # Attached to the instance as partials of module-level functions: Hogwild pickles the model.
+        if out.get("tp_plan") is not None:
+            model.tp_plan = functools.partial(_given, out["tp_plan"])
+        if self.layer_names is not None and not hasattr(type(model), "pipeline_layers"):
+            model.pipeline_layers = functools.partial(_submodules, model, self.layer_names)
+        return model
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.loss_fn is not None:
+            return self.loss_fn(output, target)
+        return F.cross_entropy(output.flatten(0, -2), target.flatten())
+
+    def dataset(self, seed: int, batch_size: int) -> SyntheticData:
+        return FileData(self, seed, batch_size) if self.data_file else SyntheticData(self, seed, batch_size)
+
+
+def _given(value):
+    return value
+
+
+def _submodules(model: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
+    return [model.get_submodule(n) for n in names]
+
+
+def _in_order(model: nn.Module, given, sample: torch.Tensor) -> tuple[tuple[str, ...] | None, str]:
+    """(the module names the pipelines cut at, "") or (None, why not)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    if given is not None:
+        if not given or not all(isinstance(m, nn.Module) and id(m) in names for m in given):
+            return None, "its 'layers' must be modules of the model"
+        return tuple(names[id(m)] for m in given), ""
+    if hasattr(model, "pipeline_layers"):
+        return tuple(names[id(m)] for m in model.pipeline_layers()), ""
+    found = []
+    for name, child in model.named_children():
+        found += [f"{name}.{n}" for n, _ in child.named_children()] if isinstance(child, nn.ModuleList) else [name]
+    if len(found) < 2:
+        return None, "it has fewer than two children to cut between; return 'layers' from the factory"
+    if isinstance(model, nn.Sequential):
+        return tuple(found), ""
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            model.eval()
+            h = sample
+            for n in found:
+                h = model.get_submodule(n)(h)
+            same = torch.equal(h, model(sample))
+    except Exception:  # noqa: BLE001 - a child that does not take the previous one's output
+        same = False
+    finally:
+        model.train()
+    if not same:
+        return None, ("its forward() is not its children run one after another (checked on a sample); return "
+                      "'layers' from the factory")
+    return tuple(found), ""
+
+
+def _check_data(spec: str, model: nn.Module, loss, x: torch.Tensor, y: torch.Tensor, source: str) -> None:
+    """One forward and the loss on a sample, before any strategy starts."""
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            out = model(x)
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(f"--model {spec} cannot take {source} (inputs {tuple(x.shape[1:])} a sample): "
+                          f"{_first_line(e)}") from None
+    if loss is None:
+        if not isinstance(out, torch.Tensor) or out.dim() < 2:
+            raise ConfigError(f"--model {spec}: its output {getattr(out, 'shape', type(out).__name__)} is not "
+                              "(batch, ..., classes) logits for cross-entropy; return 'loss' from the factory")
+        if y.is_floating_point():
+            raise ConfigError(f"--model {spec}: {source} has float targets; cross-entropy needs class indices "
+                              "(return 'loss' from the factory for anything else)")
+        if out.shape[:-1] != y.shape:
+            raise ConfigError(f"--model {spec}: its output {tuple(out.shape)} does not fit targets "
+                              f"{tuple(y.shape)} of {source} (cross-entropy wants (..., classes) against (...))")
+        if y.numel() and (int(y.min()) < 0 or int(y.max()) >= out.shape[-1]):
+            raise ConfigError(f"--model {spec}: {source} has targets from {int(y.min())} to {int(y.max())}, out of "
+                              f"range for its {out.shape[-1]} classes")
+        return
+    try:
+        value = loss(out, y)
+        ok = isinstance(value, torch.Tensor) and value.numel() == 1 and bool(torch.isfinite(value))
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(f"--model {spec}: its loss raised {_first_line(e)} on a sample of {source}") from None
+    if not ok:
+        raise ConfigError(f"--model {spec}: its loss must return one finite number, got {value!r:.60}")
+
+
+@functools.lru_cache(maxsize=4)
+def _user(spec: str, input_shape: str, classes: int, vocab: int, seq_len: int, data: str,
+          batch_size: int) -> UserWorkload:
+    factory = _import(spec)
+    out, again = _call(factory, 0, spec), _call(factory, 0, spec)
+    model = out["model"]
+    a, b = model.state_dict(), again["model"].state_dict()
+    if a.keys() != b.keys() or not all(torch.equal(a[k], b[k]) for k in a):
+        raise ConfigError(f"--model {spec}: two calls with the same seed gave different weights; draw them "
+                          "from torch's generator (seeded by the harness) or from the seed it is given")
+    label = spec.rpartition(":")[0]
+    label = f"{Path(label).name}:{spec.rpartition(':')[2]}" if label.endswith(".py") else spec
+    if sum(bool(v) for v in (data, input_shape or classes, vocab or seq_len)) != 1:
+        raise ConfigError(f"--model {label} needs its data: --input-shape and --classes, --vocab and --seq-len, "
+                          "or --data FILE (one of them)")
+    if data:
+        x, y = _file(data)
+        if batch_size > (n := training_samples(len(x))):
+            raise ConfigError(f"--batch-size {batch_size} is more than the {n} samples of --data {data} that are "
+                              f"trained on (the last 1/{HELD_OUT} is held out)")
+        kind, shape, n_classes, source = "file", tuple(x.shape[1:]), 0, f"--data {data}"
+        sample_x, sample_y = x[:4], y[:4]
+    elif vocab or seq_len:
+        if vocab < 2 or seq_len < 1:
+            raise ConfigError("--vocab needs at least 2 tokens and --seq-len at least 1")
+        kind, shape, n_classes, source = "tokens", (seq_len,), vocab, f"tokens of {vocab} x {seq_len}"
+    else:
+        if not input_shape or classes < 2:
+            raise ConfigError("--input-shape and --classes go together (--classes at least 2)")
+        shape = _shape(input_shape, "--input-shape")
+        kind, n_classes, source = "teacher", classes, f"inputs {shape}, {classes} classes"
+    params = sum(p.numel() for p in model.parameters())
+    # Synthetic samples: at most 64 MB of inputs (batches wrap around them); a file: all of its samples.
+    size = len(_file(data)[0]) if data else max(1024, min(8192, 2**24 // math.prod(shape)))
+    base = dict(name=label, description=f"{type(model).__name__} from {label}, {params / 1e6:.2f}M params",
+                make_module=factory, input_shape=shape, classes=n_classes or 10, data=kind, dataset_size=size,
+                no_tp_plan="the factory returned no 'tp_plan', and the model defines no tp_plan()")
+    probe = UserWorkload(**base, spec=spec, factory=factory, loss_fn=out.get("loss"), data_file=data)
+    if not data:
+        sample_x, sample_y = SyntheticData(probe, 0, 4).batch(0)
+    _check_data(label, model, out.get("loss"), sample_x, sample_y, source)
+    names, why = _in_order(model, out.get("layers"), sample_x)
+    has_plan = out.get("tp_plan") is not None or hasattr(model, "tp_plan")
+    return UserWorkload(**base, spec=spec, factory=factory, loss_fn=out.get("loss"), layer_names=names,
+                        no_layers=why, has_plan=has_plan, parts_model=hasattr(model, "parts"), data_file=data)
+
+
+def describe(workload: Workload) -> str:
+    """One line on what the harness found in a user's model (empty for the built-in ones)."""
+    if not isinstance(workload, UserWorkload):
+        return ""
+    layers = (f"pipeline layers {', '.join(workload.layer_names)}" if workload.layer_names
+              else f"no pipeline layers: {workload.no_layers}")
+    return f"{workload.description}; {layers}; tensor-parallel plan: {'yes' if workload.has_plan else 'no'}"
+
+
+def add_arguments(p) -> None:
+    """--model and its data's flags, for every command that trains (compare, run, preflight, the scripts)."""
+    g = p.add_argument_group("your own model (parallel/usermodel.py, examples/)")
+    g.add_argument("--model", default="", help="FILE.py:FACTORY or package.module:FACTORY, a function of the seed "
+                                               "returning an nn.Module (or a dict: model, loss, layers, tp_plan)")
+    g.add_argument("--input-shape", default="", help="one sample's shape for synthetic data, e.g. 3,32,32")
+    g.add_argument("--classes", type=int, default=0, help="classes of the synthetic data (with --input-shape)")
+    g.add_argument("--vocab", type=int, default=0, help="tokens of synthetic sequences (with --seq-len)")
+    g.add_argument("--seq-len", type=int, default=0, help="length of synthetic token sequences (with --vocab)")
+    g.add_argument("--data", default="", help=".pt or .npz file with x and y, one row per sample")
+
+
+def argv(config) -> list[str]:
+    """The flags that name the config's model and data again, for a command started from it."""
+    if not config.model:
+        return ["--workload", config.workload]
+    flags = {"--model": config.model, "--input-shape": config.input_shape, "--classes": config.classes,
+             "--vocab": config.vocab, "--seq-len": config.seq_len, "--data": config.data}
+    return [x for k, v in flags.items() if v for x in (k, str(v))]
