@@ -35,6 +35,7 @@ Every way this can go wrong is a ConfigError naming it, before anything starts.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import importlib.util
@@ -350,14 +351,14 @@ def _user(spec: str, input_shape: str, classes: int, vocab: int, seq_len: int, d
     base = dict(name=label, description=f"{type(model).__name__} from {label}, {params / 1e6:.2f}M params",
                 make_module=factory, input_shape=shape, classes=n_classes or 10, data=kind, dataset_size=size,
                 no_tp_plan="the factory returned no 'tp_plan', and the model defines no tp_plan()")
-    probe = UserWorkload(**base, spec=spec, factory=factory, loss_fn=out.get("loss"), data_file=data)
+    workload = UserWorkload(**base, spec=spec, factory=factory, loss_fn=out.get("loss"), data_file=data,
+                            has_plan=out.get("tp_plan") is not None or hasattr(model, "tp_plan"),
+                            parts_model=hasattr(model, "parts"))
     if not data:
-        sample_x, sample_y = SyntheticData(probe, 0, 4).batch(0)
+        sample_x, sample_y = SyntheticData(workload, 0, 4).batch(0)
     _check_data(label, model, out.get("loss"), sample_x, sample_y, source)
     names, why = _in_order(model, out.get("layers"), sample_x)
-    has_plan = out.get("tp_plan") is not None or hasattr(model, "tp_plan")
-    return UserWorkload(**base, spec=spec, factory=factory, loss_fn=out.get("loss"), layer_names=names,
-                        no_layers=why, has_plan=has_plan, parts_model=hasattr(model, "parts"), data_file=data)
+    return dataclasses.replace(workload, layer_names=names, no_layers=why)
 
 
 def describe(workload: Workload) -> str:
