@@ -66,6 +66,8 @@ class RunConfig:
         if self.model:  # imported, built twice, one forward on a sample: every mistake found here
             user = {"model": usermodel.resolve_spec(self.model),
                     "data": str(Path(self.data).expanduser().resolve()) if self.data else ""}
+            if user["data"]:  # before the model is tried on it
+                usermodel.check_batch(user["data"], self.batch_size)
             user["workload"] = usermodel.workload_of(dataclasses.replace(self, **user)).name
         elif self.workload not in WORKLOADS:
             raise ConfigError(f"unknown workload {self.workload!r}; choose from {', '.join(WORKLOADS)}")

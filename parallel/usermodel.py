@@ -61,8 +61,7 @@ def workload_of(config) -> Workload:
     """The workload a config names: one of the built-in ones, or the user's model (config.model)."""
     if not config.model:
         return WORKLOADS[config.workload]
-    return _user(config.model, config.input_shape, config.classes, config.vocab, config.seq_len, config.data,
-                 config.batch_size)
+    return _user(config.model, config.input_shape, config.classes, config.vocab, config.seq_len, config.data)
 
 
 def _first_line(e: BaseException) -> str:
@@ -147,9 +146,7 @@ def _shape(text: str, what: str) -> tuple[int, ...]:
 
 
 def _load_data(path: str) -> tuple[torch.Tensor, torch.Tensor]:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"--data {path}: no such file")
+    p = Path(path)  # it exists: RunConfig.validate checked, with the path as given
     try:
         if p.suffix == ".npz":
             import numpy as np
@@ -192,6 +189,13 @@ class FileData(SyntheticData):
 def training_samples(n: int) -> int:
     """Of a file's n samples, those trained on: all but the held-out last eighth (at most 2048)."""
     return n - min(2048, n // HELD_OUT)
+
+
+def check_batch(data: str, batch_size: int) -> None:
+    """A global batch must fit in the file's training samples (batches would repeat samples otherwise)."""
+    if batch_size > (n := training_samples(len(_file(data)[0]))):
+        raise ConfigError(f"--batch-size {batch_size} is more than the {n} samples of --data {data} that are "
+                          f"trained on (the last 1/{HELD_OUT} is held out)")
 
 
 @functools.lru_cache(maxsize=2)
@@ -315,8 +319,7 @@ def _check_data(spec: str, model: nn.Module, loss, x: torch.Tensor, y: torch.Ten
 
 
 @functools.lru_cache(maxsize=4)
-def _user(spec: str, input_shape: str, classes: int, vocab: int, seq_len: int, data: str,
-          batch_size: int) -> UserWorkload:
+def _user(spec: str, input_shape: str, classes: int, vocab: int, seq_len: int, data: str) -> UserWorkload:
     factory = _import(spec)
     out, again = _call(factory, 0, spec), _call(factory, 0, spec)
     model = out["model"]
@@ -331,9 +334,6 @@ def _user(spec: str, input_shape: str, classes: int, vocab: int, seq_len: int, d
                           "or --data FILE (one of them)")
     if data:
         x, y = _file(data)
-        if batch_size > (n := training_samples(len(x))):
-            raise ConfigError(f"--batch-size {batch_size} is more than the {n} samples of --data {data} that are "
-                              f"trained on (the last 1/{HELD_OUT} is held out)")
         kind, shape, n_classes, source = "file", tuple(x.shape[1:]), 0, f"--data {data}"
         sample_x, sample_y = x[:4], y[:4]
     elif vocab or seq_len:

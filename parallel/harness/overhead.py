@@ -108,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     config = RunConfig(workload=args.workload, batch_size=args.batch_size, steps=args.steps, devices=args.devices,
                        extras=False).validate()
     names = strategies.NAMES if args.strategy == "all" else args.strategy.split(",")
-    runnable = [n for n in names if not strategies.get(n).unsupported(
-        workload_of(config)) and not strategies.get(n).available(config.spec) and strategies.get(n).synchronous]
+    workload = workload_of(config)
+    runnable = [s.name for s in map(strategies.get, names)
+                if s.synchronous and not s.unsupported(workload) and not s.available(config.spec)]
     table = Table(title=f"The harness against a bare loop of each strategy: {args.workload}, batch "
                         f"{args.batch_size}, {args.devices}, {args.rounds} alternating rounds of {args.steps} steps",
                   title_justify="left")
