@@ -14,6 +14,7 @@ mismatched (the table says which and why); 2 bad input (one line on stderr, noth
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import os
@@ -28,7 +29,7 @@ from parallel import devices, preflight, profiling, strategies, sweep, usermodel
 from parallel.basics import cli as basics_cli
 from parallel.basics.cli import show_memory
 from parallel.checkpoint import atomic_save
-from parallel.config import ConfigError, RunConfig
+from parallel.config import ConfigError, RunConfig, nearest_multiple
 from parallel.devices import environment
 from parallel.dist import Dist, script_devices
 from parallel.harness import costmodel, mutants, report, scaling
@@ -40,8 +41,25 @@ from parallel.worker import leave, run_here
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line and exit 2, not a usage dump
-        self.exit(2, f"{self.prog}: error: {message}\n")
+    def error(self, message: str):  # one line and exit 2, not a usage dump (once, under torchrun: refuse)
+        raise SystemExit(refuse(f"{self.prog}: error: {message}"))
+
+
+def refuse(line: str, env=None) -> int:
+    """Bad input: `line` on stderr, once, and exit code 2. Under torchrun every rank meets the same mistake:
+    rank 0 alone prints it, and every rank writes it to its torchrun error file (TORCHELASTIC_ERROR_FILE,
+    the JSON that @record would fill with a Python call stack), so that torchrun's failure summary shows
+    the reason ("traceback : error: global batch ...") instead of "To enable traceback see ..."."""
+    env = os.environ if env is None else env
+    if env.get("RANK", "0") == "0":
+        print(line, file=sys.stderr)
+    if path := env.get("TORCHELASTIC_ERROR_FILE"):
+        import json
+
+        with contextlib.suppress(OSError):  # the summary then says less; the line above still said it
+            Path(path).write_text(json.dumps({"message": {"message": line, "extraInfo": {
+                "timestamp": str(int(time.time()))}}}))
+    return 2
 
 
 def add_run_options(p: argparse.ArgumentParser) -> None:
@@ -51,7 +69,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     usermodel.add_arguments(p)
     p.add_argument("--devices", default=d.devices, help="auto | cpu:N (N virtual devices) | cuda:0,1,...")
     p.add_argument("--world-size", type=int, default=d.world_size, help="devices to use (default: all listed)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help=f"GLOBAL batch per step ({d.batch_size})")
+    p.add_argument("--batch-size", type=int, default=None, help=f"GLOBAL batch per step (default {d.batch_size}, "
+                   "rounded to the nearest multiple of the devices: 513 on 3)")
     p.add_argument("--steps", type=int, default=d.steps, help=f"timed optimiser steps ({d.steps})")
     p.add_argument("--warmup", type=int, default=d.warmup, help=f"untimed optimiser steps first ({d.warmup})")
     p.add_argument("--lr", type=float, default=d.lr, help=f"SGD learning rate ({d.lr})")
@@ -110,7 +129,10 @@ def config_from_args(args: argparse.Namespace, default_out: bool = True) -> RunC
     """The validated RunConfig; the results folder is named but not created (see prepare_out)."""
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     options = {k.removeprefix("option_"): v for k, v in vars(args).items() if k.startswith("option_") and v is not None}
-    config = RunConfig(**{k: v for k, v in vars(args).items() if k in fields}, options=options).validate()
+    given = {k: v for k, v in vars(args).items() if k in fields}
+    if given.get("batch_size") is None:  # not given: the default, rounded to the world by validate
+        given.update(batch_size=RunConfig.batch_size, batch_auto=True)
+    config = RunConfig(**given, options=options).validate()
     if not config.out and default_out:
         config.out = str(Path("results") / time.strftime("run-%Y%m%d-%H%M%S"))
     return config
@@ -160,13 +182,14 @@ def cmd_compare(args, names: list[str], baseline: bool) -> int:
         raise ConfigError(f"--project-params must be a parameter count (0: off), got {params:g}")
     if getattr(args, "world_sizes", ""):
         return cmd_scaling(config, names, args.world_sizes)
-    names, skipped = strategies.resolve(names, config.spec, workload_of(config))
-    chosen = plan(config, names, baseline)  # every check before the first file is written
+    chosen, skipped = plan(config, names, baseline)  # every check before the first file is written
     prepare_out(Path(config.out))
     console = make_console()
     if found := usermodel.describe(workload_of(config)):  # what the harness found in the user's model
         console.print(found, highlight=False)
     env = environment(config.spec)
+    if why := env.get("gpus_unusable"):  # `auto` fell back to the CPU although GPUs are here: say so first
+        console.print(f"[yellow]GPUs not used: {why}[/]", highlight=False)
     save = lambda rows: write_results(Path(config.out), dataclasses.asdict(config), env, rows, skipped)  # noqa: E731
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM (a scheduler, `kill`) stops the run like Ctrl-C
     try:
@@ -195,8 +218,7 @@ def cmd_scaling(config: RunConfig, names: list[str], sizes_text: str) -> int:
         raise ConfigError(f"--world-sizes {sizes_text!r}: device counts must be 1 or more")
     runs = []
     for mode, n, cfg in scaling.points(config, sizes):  # every point checked before the first one runs
-        run_names, skipped = strategies.resolve(names, cfg.spec, workload_of(cfg), strict=False)
-        runs.append((mode, n, cfg, plan(cfg, run_names, baseline=True), skipped))
+        runs.append((mode, n, cfg, *plan(cfg, names, baseline=True, strict=False)))
     prepare_out(Path(config.out))
     console = make_console()
     signal.signal(signal.SIGTERM, _interrupt)
@@ -251,15 +273,23 @@ def cmd_devices() -> int:
     console.print(f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}")
     console.print("backends: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in devices.backends().items()))
     spec = devices.parse_devices("auto")
-    config = RunConfig().validate()
-    console.print(f"--devices auto = {spec} ({'real' if spec.real else 'virtual'}), "
+    config = RunConfig(batch_auto=True).validate()
+    console.print(f"--devices auto = {spec} ({spec.kind_label}, {spec.backend}), "
                   f"{spec.threads_per_device()} thread(s) per device")
-    s = Table(title="what each strategy would use with --devices auto", title_justify="left")
+    if why := devices.unusable_gpus():
+        console.print(f"[yellow]GPUs not used: {why}[/]", highlight=False)
+    chosen, skipped = plan(config, ["all"])  # what `compare` would run here, by the same planning
+    s = Table(title=f"what `compare` runs with --devices auto ({config.batch_size} samples a step)",
+              title_justify="left")
     for c in ("strategy", "launcher", "devices", "kind", "about"):
-        s.add_column(c)
+        s.add_column(c, overflow="fold")
+    runs = {st.name: (st, cfg) for st, _, cfg in chosen}
     for name in strategies.NAMES:
         st = strategies.get(name)
-        s.add_row(name, st.launch, str(st.world_size(config)), st.device_kind(spec), st.description)
+        if name in runs:
+            s.add_row(name, st.launch, str(st.world_size(runs[name][1])), st.kind(runs[name][1]), st.description)
+        else:
+            s.add_row(name, st.launch, "-", "skipped", skipped.get(name, ""), style="dim")
     console.print(s)
 
     show_memory(console)
@@ -307,13 +337,14 @@ def script_main(name: str, argv: list[str] | None = None) -> int:
         config = config_from_args(args, default_out=False)
         dist = Dist.from_env(config.spec)
         if strategy.launch == "torchrun":  # the world is torchrun's (several nodes included), not the device list
-            config = dataclasses.replace(config, world_size=dist.world_size)
+            batch = nearest_multiple(config.batch_size, dist.world_size) if config.batch_auto else config.batch_size
+            config = dataclasses.replace(config, world_size=dist.world_size, batch_size=batch)
+        config = strategy.adapted(config)
         if config.out and dist.is_main:
             prepare_out(Path(config.out))
         result = run_here(strategy, config, dist)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return refuse(f"error: {e}")
     code = 0 if result is None else _report_script(name, config, *result)  # rank 0 reports
     if dist.launched:  # a torchrun worker: no interpreter teardown, which can abort it (worker.leave)
         leave(code)

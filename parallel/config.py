@@ -18,6 +18,11 @@ __all__ = ["ConfigError", "RunConfig"]
 PRECISIONS = ("fp32", "bf16")
 
 
+def nearest_multiple(value: int, of: int) -> int:
+    """The multiple of `of` nearest to `value` (the larger one on a tie), at least `of`."""
+    return max(of, (value + of // 2) // of * of)
+
+
 @dataclass
 class RunConfig:
     workload: str = "cnn"  # a built-in one; with `model`, the model's label (set by validate)
@@ -30,6 +35,8 @@ class RunConfig:
     seq_len: int = 0
     data: str = ""
     batch_size: int = 512  # the GLOBAL batch: every strategy takes one optimiser step on this many samples
+    batch_auto: bool = False  # batch_size is a default, not the user's: validate rounds it to the nearest
+    #   multiple of the world size (3 devices: 513), so that every rank takes an equal share
     steps: int = 20  # timed optimiser steps
     warmup: int = 3  # optimiser steps before the timed ones (they train too, they are just not timed)
     lr: float = 0.02
@@ -109,7 +116,10 @@ class RunConfig:
             raise ConfigError(f"--world-size must be at least 1, got {self.world_size}")
         if world > spec.count:
             raise ConfigError(f"--world-size {world} is more than the {spec.count} device(s) of {spec}")
-        return dataclasses.replace(self, devices=str(spec), world_size=world, **user)
+        batch = nearest_multiple(self.batch_size, world) if self.batch_auto else self.batch_size
+        if user.get("data") and batch != self.batch_size:
+            usermodel.check_batch(user["data"], batch)
+        return dataclasses.replace(self, devices=str(spec), world_size=world, batch_size=batch, **user)
 
     @property
     def spec(self):

@@ -1,8 +1,12 @@
 """Device discovery, the `--devices` grammar, and the CPU/GPU substitutions made once at set-up.
 
-    auto         every visible CUDA device, else cpu:2
+    auto         every visible CUDA device (one GPU: cuda:0x2, shared), else cpu:2
     cpu:N        N virtual devices on this CPU; the cores are split between them
     cuda:0,1,..  real GPUs (indices into what CUDA_VISIBLE_DEVICES leaves visible)
+    cuda:IxK     K ranks (or replicas) sharing the one GPU I, the way cpu:K shares the CPU: every CUDA path
+                 runs on a real GPU, the parallel speed does not. nccl refuses two ranks on one GPU (NCCL
+                 2.28.9: "invalid usage" at init, measured on an H200), so these ranks talk over gloo,
+                 which takes CUDA tensors in its collectives but not in send/recv (see SHARED_GLOO).
 """
 
 from __future__ import annotations
@@ -31,11 +35,39 @@ class DeviceSpec:
 
     @property
     def real(self) -> bool:
+        """Runs on GPUs (shared or not), as opposed to virtual devices on the CPU."""
         return self.kind == "cuda"
+
+    @property
+    def shared(self) -> bool:
+        """Several ranks on one GPU (cuda:0x2): real devices, but not parallel ones."""
+        return self.real and len(set(self.ids)) < len(self.ids)
+
+    @property
+    def kind_label(self) -> str:
+        """What the devices are, for rows and notes: real GPUs, one GPU shared, or virtual CPU devices."""
+        return "shared" if self.shared else "real" if self.real else "virtual"
+
+    @property
+    def backend(self) -> str:
+        """The process group's backend: nccl on GPUs of their own, gloo on the CPU and on a shared GPU."""
+        return "nccl" if self.real and not self.shared else "gloo"
 
     def device(self, i: int) -> torch.device:
         """The torch device that the i-th device of the list runs on."""
         return torch.device("cuda", self.ids[i]) if self.real else torch.device("cpu")
+
+    def first(self, n: int) -> DeviceSpec:
+        """n devices of the same kind, taken from this list: its first n GPUs (the user's own, cuda:4,5,...),
+        n ranks on the shared GPU, or n virtual CPU devices (any n: they are made, not found)."""
+        if self.kind == "cpu":
+            return DeviceSpec("cpu", tuple(range(n)))
+        if self.shared:
+            return DeviceSpec("cuda", (self.ids[0],) * n)
+        if n > self.count:
+            raise ConfigError(f"{n} devices asked of {self}, which has {self.count} (to share a GPU: "
+                              f"cuda:{self.ids[0]}x{n})")
+        return DeviceSpec("cuda", self.ids[:n])
 
     def threads_per_device(self) -> int:
         """CPU threads each device (thread or process) may use: the cores split, never oversubscribed
@@ -43,9 +75,26 @@ class DeviceSpec:
         return max(1, cpu_cores() // self.count)
 
     def __str__(self) -> str:
+        if self.shared:
+            return f"cuda:{self.ids[0]}x{self.count}"
         if self.real:
             return "cuda:" + ",".join(map(str, self.ids))
         return f"cpu:{self.count}"
+
+
+# What gloo does with CUDA tensors, measured on an H200 (torch 2.11, two ranks on cuda:0): all_reduce
+# (SUM, AVG), broadcast, reduce, all_gather(_into_tensor), reduce_scatter(_tensor), all_to_all_single,
+# gather, scatter, barrier, monitored_barrier, DDP and FSDP2's fully_shard work; all_to_all of a list is
+# refused ("Backend gloo does not support alltoall"); send/recv of a CUDA tensor aborts the sending
+# process ("writev ... Bad address": gloo hands the device pointer to the socket). So torch's pipelining
+# (isend/irecv of activations) cannot run on a shared GPU, and the strategies built on it say so.
+SHARED_GLOO_NO_P2P = ("gloo, the only backend for ranks sharing one GPU, cannot send CUDA tensors point to point "
+                      "(measured: send/recv aborts the process)")
+
+SHARED_GLOO_NO_DTENSOR = ("DTensor's redistributions (torch's functional collectives) crash on gloo with CUDA "
+                          "tensors, the only backend for ranks sharing one GPU (measured: SIGSEGV)")
+
+SHARE_DEFAULT = 2  # ranks sharing the GPU when `auto` finds exactly one
 
 
 def cpu_cores() -> int:
@@ -58,6 +107,8 @@ def parse_devices(text: str) -> DeviceSpec:
     text = text.strip()
     if text == "auto":
         n = gpu_count()
+        if n == 1:  # one GPU: every CUDA path still runs, on ranks that share it (the row says so)
+            return DeviceSpec("cuda", (0,) * SHARE_DEFAULT)
         return DeviceSpec("cuda", tuple(range(n))) if n else DeviceSpec("cpu", (0, 1))
     kind, sep, rest = text.partition(":")
     if kind == "cpu":
@@ -69,18 +120,26 @@ def parse_devices(text: str) -> DeviceSpec:
         return DeviceSpec("cpu", tuple(range(n)))
     if kind == "cuda":
         parts = rest.split(",") if sep and rest else []
-        if not parts or not all(p.isdigit() for p in parts):
-            raise ConfigError(f"--devices {text!r}: expected cuda:0 or cuda:0,1,...")
+        index, x, share = rest.partition("x")
+        if x and index.isdigit() and share.isdigit():  # cuda:IxK, one GPU shared by K ranks
+            if not 1 <= int(share) <= 16:
+                raise ConfigError(f"--devices {text!r}: ranks sharing one GPU must be 1..16, got {share}")
+            parts = [index] * int(share)
+        elif not parts or not all(p.isdigit() for p in parts):
+            raise ConfigError(f"--devices {text!r}: expected cuda:0, cuda:0,1,... or cuda:0x2 (2 ranks sharing "
+                              "GPU 0)")
         ids = tuple(int(p) for p in parts)
-        if len(set(ids)) != len(ids):
-            raise ConfigError(f"--devices {text!r}: a device is listed twice")
+        if len(set(ids)) != len(ids) and not x:
+            raise ConfigError(f"--devices {text!r}: a device is listed twice (to share one GPU between ranks, "
+                              f"cuda:{ids[0]}x2)")
         visible = gpu_count()
         if visible == 0:
-            raise ConfigError(f"--devices {text!r}: CUDA is not available here (torch {torch.__version__})")
+            raise ConfigError(f"--devices {text!r}: " + (unusable_gpus() or f"CUDA is not available here (torch "
+                                                                           f"{torch.__version__}, no NVIDIA GPU)"))
         if max(ids) >= visible:
             raise ConfigError(f"--devices {text!r}: only {visible} CUDA device(s) are visible")
         return DeviceSpec("cuda", ids)
-    raise ConfigError(f"--devices {text!r}: expected auto, cpu:N or cuda:0,1,...")
+    raise ConfigError(f"--devices {text!r}: expected auto, cpu:N, cuda:0,1,... or cuda:IxK")
 
 
 # ---- every CUDA call the package makes, in one place
@@ -114,6 +173,22 @@ class Cuda:
     def synchronize(self, device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
+    def exact_fp32(self) -> None:
+        """fp32 matrix products and convolutions in IEEE fp32, not TF32 (10-bit mantissa). cuDNN
+        convolutions default to TF32 on Ampere and later (torch.backends.cudnn.conv.fp32_precision is
+        "tf32"); the oracle's tolerances were measured in fp32, and TF32 alone moves a CNN's loss by more
+        than they allow. torch 2.9+ has the fp32_precision settings (mixing them with the old allow_tf32
+        flags is deprecated: once the new ones are set, reading `cudnn.allow_tf32` raises, measured on 2.13);
+        older releases only the flags. cuDNN's RNNs too, for a user's model that has them."""
+        cudnn = torch.backends.cudnn
+        if hasattr(cudnn, "conv") and hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+            torch.backends.cuda.matmul.fp32_precision = "ieee"
+            cudnn.conv.fp32_precision = "ieee"
+            cudnn.rnn.fp32_precision = "ieee"
+        else:
+            torch.backends.cuda.matmul.allow_tf32 = False
+            cudnn.allow_tf32 = False
+
     def reset_peak(self, device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -142,6 +217,43 @@ CUDA = Cuda()
 def gpu_count() -> int:
     """CUDA devices visible to this process (0 without CUDA)."""
     return CUDA.device_count()
+
+
+def unusable_gpus() -> str | None:
+    """Why GPUs that are here cannot be used by this torch, or None (none here, or CUDA works). A driver
+    older than the CUDA the wheel was built for, or a CPU-only torch (a venv made on another machine),
+    leaves torch.cuda.is_available() False with GPUs in the machine: `auto` then runs on the CPU, and says
+    so with this reason instead of "no CUDA device here"."""
+    if gpu_count():
+        return None
+    present, driver = _nvidia_present()
+    if not present:
+        return None
+    if torch.version.cuda is None:
+        return (f"{present} NVIDIA GPU(s) here, but this torch ({torch.__version__}) is a CPU-only build: install "
+                "a CUDA build (e.g. TORCH_SPEC='torch==2.13.0' in a fresh venv: ./launch.sh setup)")
+    return (f"{present} NVIDIA GPU(s) here, but torch {torch.__version__} (built for CUDA {torch.version.cuda}) "
+            f"cannot use them: torch.cuda.is_available() is False" +
+            (f"; the driver supports CUDA {driver}: a driver older than the build's CUDA is the usual cause"
+             if driver else ""))
+
+
+def _nvidia_present() -> tuple[int, str]:
+    """(GPUs the NVIDIA driver shows, the CUDA version its driver supports, or ""): NVML where it loads,
+    else the device files."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            version = pynvml.nvmlSystemGetCudaDriverVersion()
+            return pynvml.nvmlDeviceGetCount(), f"{version // 1000}.{version % 1000 // 10}"
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no library, no driver: the device files say whether GPUs are here
+        import glob
+
+        return len(glob.glob("/dev/nvidia[0-9]*")), ""
 
 
 def cuda_memory(device: torch.device) -> dict[str, int]:
@@ -184,6 +296,16 @@ def activate(devices) -> None:
     cuda = [d for d in dict.fromkeys(devices) if d.type == "cuda"]
     if cuda:
         CUDA.activate(cuda[0])
+
+
+def exact_fp32(devices) -> None:
+    """TF32 off for every run on GPUs (Cuda.exact_fp32): strategies are checked against `single` with
+    tolerances measured in fp32. A no-op for CPU devices, whose fp32 is IEEE already."""
+    if any(d.type == "cuda" for d in devices):
+        CUDA.exact_fp32()
+
+
+TF32 = "off: matrix products and cuDNN convolutions in IEEE fp32 (devices.exact_fp32), as the tolerances assume"
 
 
 def reset_peak_memory(devices) -> None:
@@ -391,10 +513,13 @@ def environment(spec: DeviceSpec) -> dict:
         "hostname": socket.gethostname(),
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "devices": str(spec),
-        "device_kind": "real" if spec.real else "virtual",
+        "device_kind": spec.kind_label,
+        "backend": spec.backend,
+        **({"tf32": TF32} if spec.real else {}),
         "cpu": cpu_info(),
         "gpus": cuda_info(),
         "threads_per_device": spec.threads_per_device(),
         "oversubscribed": (not spec.real) and spec.count > cores,
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        **({"gpus_unusable": why} if not spec.real and (why := unusable_gpus()) else {}),
     }

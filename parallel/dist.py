@@ -24,7 +24,8 @@ def backend_for(device: torch.device) -> str:
 def script_devices(text: str, launch: str, env: Mapping[str, str] | None = None) -> str:
     """What `--devices auto` means for a strategy's own script (scripts/<name>.py). A torchrun strategy's
     world is torchrun's: one device per process of this node, cuda:0..L-1 where there are GPUs, else
-    cpu:L (L = --nproc_per_node; 1 for a plain `python scripts/ddp.py`, a world of one). The in-process
+    cpu:L (L = --nproc_per_node; 1 for a plain `python scripts/ddp.py`, a world of one); on a machine with one
+    GPU, cuda:0xL, the L ranks sharing it. The in-process
     strategies drive every device from one process, so for them `auto` keeps its usual meaning."""
     env = os.environ if env is None else env
     if text != "auto" or launch != "torchrun":
@@ -33,9 +34,30 @@ def script_devices(text: str, launch: str, env: Mapping[str, str] | None = None)
     gpus = gpu_count()
     if not gpus:
         return f"cpu:{local_world}"
+    if gpus == 1 and local_world > 1:  # one GPU: the ranks share it, over gloo (devices.py: cuda:0xK)
+        return f"cuda:0x{local_world}"
     if gpus < local_world:
-        raise ConfigError(f"{local_world} processes on this node but only {gpus} CUDA device(s) visible")
+        raise ConfigError(f"{local_world} processes on this node but only {gpus} CUDA device(s) visible (one GPU "
+                          f"is shared by all its ranks; several are not)")
     return "cuda:" + ",".join(map(str, range(local_world)))
+
+
+_WATCH: dict[str, object] = {}  # the gloo group the watchdog's monitored barrier runs on, once made
+
+
+def watch_group(timeout_s: float):
+    """The group of every rank that the training loop's watchdog meets in before each step
+    (train._watchdog): the default group where it is gloo; under nccl, which has no monitored_barrier, a
+    gloo group of the same ranks, made once here (every rank calls this right after joining: a collective).
+    With it a rank that stops responding is named by the others ("Rank 1 failed to pass monitoredBarrier")
+    on nccl too, rather than the NCCL watchdog aborting a healthy rank 0 over a collective that timed out."""
+    if not td.is_initialized() or td.get_world_size() == 1:
+        return None
+    if td.get_backend() == "gloo":
+        return td.GroupMember.WORLD
+    if "group" not in _WATCH:
+        _WATCH["group"] = td.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    return _WATCH["group"]
 
 
 @dataclass(frozen=True)
@@ -49,10 +71,11 @@ class Dist:
     master: tuple[str, int] = ("", 0)  # where the workers' store is (MASTER_ADDR, MASTER_PORT)
     agent_store: bool = False  # torchrun's agent already hosts that store (TORCHELASTIC_USE_AGENT_STORE)
     restart: int = 0  # how many times torchrun restarted this group (TORCHELASTIC_RESTART_COUNT)
+    shared: bool = False  # ranks share one GPU (cuda:0x2): gloo, since nccl refuses two ranks on a device
 
     @property
     def backend(self) -> str:
-        return backend_for(self.device)
+        return "gloo" if self.shared else backend_for(self.device)
 
     @property
     def is_main(self) -> bool:
@@ -68,7 +91,8 @@ class Dist:
             raise ConfigError(f"{local_world} processes on this node but only {spec.count} device(s) in {spec}")
         return cls(rank, local_rank, world, local_world, spec.device(local_rank), "MASTER_ADDR" in env,
                    (env.get("MASTER_ADDR", ""), int(env.get("MASTER_PORT", 0))),
-                   env.get("TORCHELASTIC_USE_AGENT_STORE") == "True", int(env.get("TORCHELASTIC_RESTART_COUNT", 0)))
+                   env.get("TORCHELASTIC_USE_AGENT_STORE") == "True", int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+                   spec.shared)
 
     def init(self, timeout_s: float) -> None:
         """Join the process group (torchrun's env:// rendezvous), with a timeout on every collective."""
@@ -77,6 +101,7 @@ class Dist:
         activate([self.device])  # nccl binds the rank to the current device
         td.init_process_group(self.backend, timeout=timedelta(seconds=timeout_s), store=self._store(timeout_s),
                               rank=self.rank, world_size=self.world_size)
+        watch_group(timeout_s)
 
     def _store(self, timeout_s: float):
         """The store the process group meets in.
@@ -113,7 +138,8 @@ class Dist:
     def cleanup() -> None:
         # Explicit tear-down: process groups left to the interpreter's exit have aborted it (FIELD-NOTES).
         if td.is_initialized():
-            td.destroy_process_group()
+            td.destroy_process_group()  # every group, the watchdog's too
+        _WATCH.clear()
 
     def all_reduce_mean(self, t: torch.Tensor, counts: bool = True) -> torch.Tensor:
         """Mean over the ranks that pass counts=True (a no-op in a world of one): for reporting losses,

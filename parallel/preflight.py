@@ -26,8 +26,8 @@ from pathlib import Path
 from rich.table import Table
 
 from parallel import strategies, usermodel
-from parallel.config import RunConfig
-from parallel.devices import gpu_count
+from parallel.config import RunConfig, nearest_multiple
+from parallel.devices import gpu_count, unusable_gpus
 from parallel.harness import launch
 from parallel.harness.report import make_progress
 from parallel.harness.runner import plan, run_strategies
@@ -59,8 +59,8 @@ def _config(args) -> RunConfig:
 
     out = args.out or str(Path("results") / time.strftime("preflight-%Y%m%d-%H%M%S"))
     model = {k: getattr(args, k) for k in ("model", "input_shape", "classes", "vocab", "seq_len", "data")}
-    return RunConfig(workload=args.workload, **model, devices=args.devices, batch_size=64, steps=2, warmup=1,
-                     timeout=args.timeout, pg_timeout=min(60.0, args.timeout), out=out).validate()
+    return RunConfig(workload=args.workload, **model, devices=args.devices, batch_size=64, batch_auto=True,
+                     steps=2, warmup=1, timeout=args.timeout, pg_timeout=min(60.0, args.timeout), out=out).validate()
 
 
 def strategy_checks(config: RunConfig, chosen: list[tuple], skipped: dict[str, str]) -> list[Check]:
@@ -91,15 +91,23 @@ def _child(name: str, proves: str, argv: list[str], config: RunConfig, env: dict
 
 
 def restart_check(config: RunConfig) -> Check:
-    """torchrun as a user types it: rank 1 fails at step 2, torchrun restarts the group once, and the
-    group must meet again (in a fresh store: see Dist._store) and finish."""
-    n = 2 if config.spec.count >= 2 else 1
+    """torchrun as a user types it, launched the harness's way (a rendezvous store on 127.0.0.1 that this
+    process hosts, every socket on loopback: launch.py): rank 1 fails at step 2, torchrun restarts the
+    group once, and the group must meet again (in a fresh store: see Dist._store) and finish."""
+    n = min(2, config.spec.count)
+    devices = str(config.spec.first(n))
     out = Path(config.out) / "restart"
-    argv = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "--max-restarts=1",
-            str(ROOT / "scripts" / "ddp.py"), *usermodel.argv(config), "--steps", "4", "--warmup", "0",
-            "--batch-size", "64", "--fail-at-step", "2", "--fail-rank", str(n - 1), "--out", str(out)]
-    return _child("torchrun restart after a failed rank", f"torchrun --max-restarts=1 re-forms a group of {n} "
-                  f"({'nccl' if config.spec.real else 'gloo'}) and finishes", argv, config)
+    store = launch.LoopbackStore(0, config.timeout)
+    argv = ["-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={n}", "--max-restarts=1",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{store.port}", "--rdzv-conf=is_host=false",
+            "--local-addr=127.0.0.1", str(ROOT / "scripts" / "ddp.py"), *usermodel.argv(config),
+            "--devices", devices, "--steps", "4", "--warmup", "0", "--batch-size", str(nearest_multiple(64, n)),
+            "--fail-at-step", "2", "--fail-rank", str(n - 1), "--out", str(out)]
+    try:
+        return _child("torchrun restart after a failed rank", f"torchrun --max-restarts=1 re-forms a group of {n} "
+                      f"({config.spec.backend}, on 127.0.0.1) and finishes", argv, config, env=launch.torchrun_env())
+    finally:
+        store.close()
 
 
 def basics_checks(config: RunConfig) -> list[Check]:
@@ -124,10 +132,22 @@ def basics_checks(config: RunConfig) -> list[Check]:
 
 
 def cuda_only(config: RunConfig) -> list[Check]:
-    """What only GPUs can show, listed as not run where there are none."""
+    """What only GPUs can show, listed as not run where there are none; on one shared GPU, what needs two
+    or more GPUs of their own."""
+    if config.spec.shared:
+        why = f"needs 2+ GPUs of their own; {config.devices} is one GPU shared by {config.spec.count} ranks"
+        return [Check(name, proves, "not run", why) for name, proves in [
+            ("strategies over nccl", "nccl's collectives between GPUs (ranks sharing a GPU talk over gloo), their "
+                                     "real speed, and overlap of communication with compute"),
+            ("pipeline_dist, fsdp_pp", "torch's pipelining sending activations GPU to GPU (gloo cannot send CUDA "
+                                       "tensors point to point)"),
+            ("tensor_parallel, fsdp_tp", "DTensor's collectives on GPUs (they crash on gloo with CUDA tensors)"),
+            ("speedup on GPUs", "what splitting the work gains: ranks sharing one GPU take turns on it"),
+        ]]
     if config.spec.real:
         return []
-    why = "no CUDA device here" if not gpu_count() else f"--devices {config.devices} is not a GPU list"
+    why = (unusable_gpus() or "no CUDA device here") if not gpu_count() else \
+        f"--devices {config.devices} is not a GPU list"
     return [Check(name, proves, "not run", why) for name, proves in [
         ("strategies on GPUs (nccl)", "every strategy on cuda:0..N-1, peak memory of every device, CUDA events "
                                       "inside the step"),
@@ -149,9 +169,7 @@ def table(checks: list[Check]) -> Table:
 
 def main(args, console) -> int:
     config = _config(args)
-    workload = usermodel.workload_of(config)
-    names, skipped = strategies.resolve(strategies.parse_list(args.strategies), config.spec, workload)
-    chosen = plan(config, names, baseline=True)  # bad input is refused here, before anything is written
+    chosen, skipped = plan(config, strategies.parse_list(args.strategies))  # bad input refused before any write
     prepare_out(Path(config.out))
     checks = strategy_checks(config, chosen, skipped)  # makes OUT/logs/, with its own progress bar
     with make_progress(console) as progress:

@@ -63,30 +63,49 @@ def name_this_thread(name: str) -> None:
 
 
 _TRACE = re.compile(r"^(?P<strategy>.+)_rank(?P<rank>\d+)\.(?P<stamp>\d+)\.pt\.trace\.json$")
+_GPU = re.compile(r"^GPU (?P<index>\d+)$")  # Kineto's "process_labels" of a device's process
+_PROCESS_META = ("process_name", "process_sort_index", "process_labels")
+_IDS = ("id", "bind_id")  # flow ids (v1 "s"/"t"/"f" events, Perfetto's v2 "bind_id"); async and object ids too
 
 
 def merge(tb: Path, out: Path) -> int:
     """Every <tb>/<strategy>/<strategy>_rank<R>.*.pt.trace.json in one Chrome trace at `out`, each file
     its own process track named "<strategy> rank <R>" (in run order), every time on one clock (each
-    trace's times are microseconds after its baseTimeNanoseconds; one host's clock). Returns the number
-    of tracks; writes nothing when there is no trace."""
+    trace's times are microseconds after its baseTimeNanoseconds; one host's clock). Its host threads
+    keep their tracks, and each GPU stream gets its own, "<strategy> rank <R> cuda:<D> stream <S>":
+    Kineto writes each device as its own pid and each stream as a tid, so an in-process strategy's
+    cuda:0 and cuda:1 both hold a "stream 7". Flow ids (the launch -> kernel and forward -> backward
+    arrows) are correlation or sequence numbers that restart in every process: each file's are
+    renumbered, so no arrow joins two ranks. Returns the number of tracks; writes nothing when there is
+    no trace."""
     from parallel.results import atomic_write
 
     files = sorted((int(m["stamp"]), m["strategy"], int(m["rank"]), f) for f in Path(tb).glob("*/*.pt.trace.json")
                    if (m := _TRACE.match(f.name)))
     if not files:
         return 0
-    events, start = [], None
+    events, start, ids = [], None, {}
     for track, (_, strategy, rank, f) in enumerate(files, start=1):
         doc = json.loads(f.read_text())
         shift = doc.get("baseTimeNanoseconds", 0) / 1e3  # -> microseconds on the host's clock
+        raw = doc.get("traceEvents", [])
+        devices, streams = _streams(raw, f"{strategy} rank {rank}")
         events.append({"ph": "M", "name": "process_name", "pid": track, "tid": 0,
                        "args": {"name": f"{strategy} rank {rank}"}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": track, "tid": 0, "args": {"sort_index": track}})
-        for e in doc.get("traceEvents", []):
-            if e.get("ph") == "M" and e.get("name") in ("process_name", "process_sort_index", "process_labels"):
-                continue  # ours replace the profiler's ("python", its pid)
-            e = {**e, "pid": track}
+        for tid, label in streams.values():  # below the host threads, by device then stream
+            events.append({"ph": "M", "name": "thread_name", "pid": track, "tid": tid, "args": {"name": label}})
+            events.append({"ph": "M", "name": "thread_sort_index", "pid": track, "tid": tid,
+                           "args": {"sort_index": tid}})
+        for e in raw:
+            if e.get("ph") == "M" and (e.get("name") in _PROCESS_META or e.get("pid") in devices):
+                continue  # ours replace the profiler's ("python", its pid; "stream 7" on every device)
+            stream = streams.get((e.get("pid"), e.get("tid")))
+            e = {**e, "pid": track, **({"tid": stream[0]} if stream else {})}
+            if e.get("ph") != "M":
+                for key in _IDS:
+                    if isinstance(e.get(key), (int, str)):  # unique to this file, the same within it
+                        e[key] = ids.setdefault((track, e[key]), len(ids) + 1)
             if "ts" in e:
                 e["ts"] = float(e["ts"]) + shift
                 if e.get("ph") != "M":
@@ -97,3 +116,28 @@ def merge(tb: Path, out: Path) -> int:
             e["ts"] = round(e["ts"] - (start or 0.0), 3)
     atomic_write(out, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
     return len(files)
+
+
+def _streams(raw: list[dict], name: str) -> tuple[dict, dict]:
+    """A Kineto trace's devices ({its pid: device index}, from the "GPU <D>" labels, or a kernel's or copy's
+    args.device) and, for every (pid, tid) of a device that holds events, its track in the merged trace:
+    (a tid above every host thread's, "<name> cuda:<D> <the profiler's name for it: stream <S>>")."""
+    devices, host, names = {}, set(), {}
+    for e in raw:
+        args = e.get("args") if isinstance(e.get("args"), dict) else {}
+        if e.get("ph") == "M" and e.get("name") == "process_labels":
+            if m := _GPU.match(str(args.get("labels", ""))):
+                devices[e.get("pid")] = int(m["index"])
+            elif args.get("labels") == "CPU":
+                host.add(e.get("pid"))
+        elif e.get("ph") == "M" and e.get("name") == "thread_name":
+            names[e.get("pid"), e.get("tid")] = str(args.get("name", "")).strip()
+        elif isinstance(args.get("device"), int) and "stream" in args:
+            devices.setdefault(e.get("pid"), args["device"])
+    for pid in host:  # the host's own pid, should it equal a device index: its threads stay as they are
+        devices.pop(pid, None)
+    used = {(e.get("pid"), e.get("tid")) for e in raw if e.get("ph") != "M" and e.get("pid") in devices}
+    first = 1 + max((t for e in raw if e.get("pid") not in devices and isinstance(t := e.get("tid"), int)), default=0)
+    order = sorted(used, key=lambda k: (devices[k[0]], k[1] if isinstance(k[1], int) else -1, str(k[1])))
+    return devices, {k: (first + i, f"{name} cuda:{devices[k[0]]} {names.get(k) or f'stream {k[1]}'}")
+                     for i, k in enumerate(order)}

@@ -22,6 +22,7 @@ from torch.autograd.profiler import record_function
 
 from parallel import checkpoint
 from parallel.devices import synchronizer_all
+from parallel.dist import watch_group
 from parallel.timing import StepTimer
 
 
@@ -104,9 +105,10 @@ def _faults(step: int, config, dist) -> None:
 
 
 def _watchdog(config, dist) -> None:
-    """Before each step of a multi-process run on gloo, all ranks meet at a monitored barrier: a rank
-    that does not arrive within --pg-timeout is named in the error ("Rank 1 failed to pass
-    monitoredBarrier in 5000 ms") instead of a collective failing anonymously (or, without a timeout,
-    hanging for gloo's default 30 minutes). Off the clock; nccl has no monitored_barrier."""
-    if dist.world_size > 1 and td.is_initialized() and td.get_backend() == "gloo":
-        td.monitored_barrier(timeout=timedelta(seconds=config.pg_timeout), wait_all_ranks=True)
+    """Before each step of a multi-process run, all ranks meet at a monitored barrier: a rank that does not
+    arrive within --pg-timeout is named in the error ("Rank 1 failed to pass monitoredBarrier in 5000 ms")
+    instead of a collective failing anonymously (or, without a timeout, hanging for gloo's default 30
+    minutes). Off the clock. nccl has no monitored_barrier: there it runs on a gloo group of the same ranks
+    (dist.watch_group)."""
+    if dist.world_size > 1 and (group := watch_group(config.pg_timeout)) is not None:
+        td.monitored_barrier(group=group, timeout=timedelta(seconds=config.pg_timeout), wait_all_ranks=True)

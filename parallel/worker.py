@@ -23,7 +23,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from parallel import strategies
 from parallel.config import RunConfig
-from parallel.devices import activate, peak_memory, reset_peak_memory
+from parallel.devices import activate, exact_fp32, peak_memory, reset_peak_memory
 from parallel.dist import Dist
 from parallel.profiling import make_profiler
 from parallel.results import Measured, Row, atomic_write
@@ -42,6 +42,7 @@ def execute(strategy, config: RunConfig, dist: Dist, data=None) -> tuple[Row, di
     threads = spec.threads_per_device() * len(local)
     torch.set_num_threads(threads)
     activate(local)  # CUDA initialised (and the rank's device current) before any memory statistic
+    exact_fp32(local)  # no TF32 on GPUs: every run is checked against `single` at fp32's tolerances
 
     workload = workload_of(config)
     model = workload.build_model(config.seed)
@@ -70,7 +71,7 @@ def execute(strategy, config: RunConfig, dist: Dist, data=None) -> tuple[Row, di
         variant="",
         launcher=strategy.launch,
         devices=str(spec),
-        device_kind=strategy.device_kind(spec),
+        device_kind=strategy.kind(config),
         world_size=strategy.world_size(config),
         global_batch=config.batch_size,
         step_ms_p50=stats["p50_ms"],

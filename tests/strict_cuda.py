@@ -75,6 +75,9 @@ class StrictCuda(Cuda):
     def synchronize(self, device: torch.device) -> None:
         self.note("sync", self._index(device))  # torch.cuda.synchronize lazy-initialises by itself
 
+    def exact_fp32(self) -> None:  # process-wide settings in torch.backends: logged, not applied here
+        self.note("exact_fp32")
+
     def reset_peak(self, device: torch.device) -> None:
         self._stats(device, "reset")
 

@@ -83,6 +83,7 @@ def test_largest_batch_search_finds_the_boundary():
     assert savers.largest_batch(out_of_memory, budget=10**12)[0] in range(97, 101)
 
 
+@pytest.mark.slow
 def test_memory_savers_save_memory_and_checkpointing_changes_nothing_else():
     # The transformer: activations dominate its memory. (On the MLP at batch 256 the 3.7M parameters do,
     # and autocast *adds* memory there: it keeps bf16 copies of the weights.)

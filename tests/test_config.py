@@ -22,8 +22,8 @@ from parallel.dist import Dist, backend_for
         ({"devices": "cpu:2", "world_size": 3}, "--world-size 3 is more than the 2 device(s) of cpu:2"),
         ({"devices": "cpu:two"}, "cpu takes a count"),
         ({"devices": "cpu:0"}, "must be 1..64, got 0"),
-        ({"devices": "tpu:0"}, "expected auto, cpu:N or cuda:0,1,..."),
-        ({"devices": "cuda:"}, "expected cuda:0 or cuda:0,1,..."),
+        ({"devices": "tpu:0"}, "expected auto, cpu:N, cuda:0,1,... or cuda:IxK"),
+        ({"devices": "cuda:"}, "expected cuda:0, cuda:0,1,... or cuda:0x2"),
     ],
 )
 def test_bad_values_are_refused_with_the_number(kw, message):

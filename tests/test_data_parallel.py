@@ -48,6 +48,52 @@ def test_data_parallel_on_cpu_is_a_labelled_pass_through():
     assert all(torch.equal(state[k], ref[k]) for k in ref)  # it IS single on one virtual device
 
 
+def _torch_like_parallel_apply(modules, inputs, kwargs, devices):
+    # torch/nn/parallel/parallel_apply.py `_worker`, on the CPU: one new thread per replica, which re-enters
+    # autocast as `torch.amp.autocast(device_type, enabled=autocast_enabled)`, with no dtype
+    enabled, results = torch.is_autocast_enabled("cpu"), [None] * len(modules)
+
+    def worker(i):
+        with torch.amp.autocast("cpu", enabled=enabled):
+            results[i] = modules[i](*inputs[i], **kwargs[i])
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(modules))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with GPUs a CPU device list is passed through explicitly")
+def test_data_parallel_replicas_compute_in_the_callers_autocast_dtype(monkeypatch):
+    # A fresh thread's autocast dtype is the device type's default (thread-local): float16 on CUDA, so a bf16
+    # step ran fp16 in nn.DataParallel's replicas. On the CPU the default is bfloat16, so the mirror image is
+    # tested: a caller in fp16 must not get bf16 replicas.
+    monkeypatch.setattr(sys.modules["torch.nn.parallel.data_parallel"], "parallel_apply", _torch_like_parallel_apply)
+    config = RunConfig(workload="mlp", devices="cpu:2", batch_size=8, steps=1, warmup=0).validate()
+    t = strategies.get("data_parallel").setup(nn.Linear(4, 4), lambda p: torch.optim.SGD(p, lr=0.1), None, Dist(),
+                                              config)
+    dp = t.model
+    dp.device_ids, dp.src_device_obj = [0, 1], torch.device("cpu")  # what it holds on 2 GPUs, CPU standing in
+    ins, kws = [(torch.randn(2, 4),)] * 2, [{}] * 2
+    with torch.autocast("cpu", dtype=torch.float16):
+        outs = dp.parallel_apply([dp.module] * 2, ins, kws)
+    assert [o.dtype for o in outs] == [torch.float16] * 2
+    assert [o.dtype for o in dp.parallel_apply([dp.module] * 2, ins, kws)] == [torch.float32] * 2  # fp32: no-op
+    assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and not torch.is_autocast_enabled("cpu")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_data_parallel_replicas_compute_in_bf16_on_cuda():
+    from parallel.strategies import data_parallel
+
+    dp = data_parallel.in_callers_autocast(nn.DataParallel(nn.Linear(4, 4).cuda(0), device_ids=[0, 1]))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = dp(torch.randn(8, 4, device="cuda:0"))
+    assert out.dtype == torch.bfloat16
+
+
 def test_scatter_chunks_like_torch_chunk():
     x = torch.arange(32).reshape(32, 1)
     assert [c.shape[0] for c in scatter(x, CPU3)] == [11, 11, 10]

@@ -118,7 +118,7 @@ def test_a_torchrun_script_run_alone_is_a_world_of_one(tmp_path, monkeypatch, ca
     (row,) = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert (row["world_size"], row["devices"]) == (1, "cpu:1")
     assert row["comm_bytes_predicted"] == 0 and row["comm_bytes_per_step"] == 0
-    assert "1 virtual" in capsys.readouterr().out
+    assert "1 serial" in capsys.readouterr().out  # one device: its machinery runs, nothing in parallel
 
 
 # 5. nn.DataParallel is given its devices, never None
@@ -301,3 +301,27 @@ def test_other_processes_on_the_runs_gpus_are_found_through_nvml_and_ours_left_o
     assert devices.gpu_process_ids([0, 1]) == {999999, os.getpid()}
     assert load.ForeignLoad([0, 1]).stop()[1] == [999999]
     assert load.ForeignLoad([1]).stop()[1] == []
+
+
+def test_gpus_that_this_torch_cannot_use_are_named_not_hidden(monkeypatch):
+    # Before: with a driver too old for the wheel (or a CPU-only torch), `auto` quietly became cpu:2 and
+    # preflight said "no CUDA device here". Now the reason is stated, in the report and in preflight.
+    from parallel import devices, preflight
+
+    monkeypatch.setattr(devices, "gpu_count", lambda: 0)
+    monkeypatch.setattr(devices, "_nvidia_present", lambda: (8, "12.2"))
+    monkeypatch.setattr(devices.torch.version, "cuda", "13.0")
+    why = devices.unusable_gpus()
+    assert why.startswith("8 NVIDIA GPU(s) here, but torch") and "built for CUDA 13.0" in why and "12.2" in why
+    assert devices.parse_devices("auto").kind == "cpu"  # still runs, on the CPU ...
+    assert devices.environment(devices.parse_devices("auto"))["gpus_unusable"] == why  # ... and says why
+    monkeypatch.setattr(preflight, "gpu_count", lambda: 0)
+    monkeypatch.setattr(preflight, "unusable_gpus", devices.unusable_gpus)
+    checks = preflight.cuda_only(_config("cpu:2"))
+    assert checks and all(c.status == "not run" and c.detail == why for c in checks)
+    with pytest.raises(ConfigError, match="8 NVIDIA GPU"):
+        devices.parse_devices("cuda:0")
+    monkeypatch.setattr(devices.torch.version, "cuda", None)
+    assert "CPU-only build" in devices.unusable_gpus()
+    monkeypatch.setattr(devices, "_nvidia_present", lambda: (0, ""))
+    assert devices.unusable_gpus() is None  # no GPU at all: nothing to say

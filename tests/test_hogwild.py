@@ -20,6 +20,7 @@ pytestmark = pytest.mark.timeout(240)
 HOGWILD = strategies.get("hogwild")
 
 
+@pytest.mark.slow
 def test_updates_made_in_the_workers_are_visible_in_the_parent():
     # The parent never trains: if the parameters were not shared, its copy would still be the initial one.
     config = RunConfig(workload="cnn", devices="cpu:2", batch_size=32, steps=2, warmup=0).validate()
@@ -50,6 +51,7 @@ def test_hogwild_converges_like_sgd_on_the_same_samples():
     assert initial - hogwild >= 0.5 * (initial - single), (initial, hogwild, single)
 
 
+@pytest.mark.slow
 def test_a_crashed_worker_fails_the_run_and_leaves_no_process():
     config = RunConfig(workload="cnn", devices="cpu:2", batch_size=32, steps=3, warmup=0, fail_at_step=1,
                        fail_rank=1).validate()

@@ -60,6 +60,7 @@ def _shard_bytes(rank, world):
     return p.numel(), param_bytes([p]), tensor_bytes(p, allocated=True), state_bytes([p], None)
 
 
+@pytest.mark.slow
 def test_a_device_counts_its_shard_of_a_dtensor_not_the_global_tensor():
     (n0, b0, a0, s0), (n1, b1, a1, s1) = run_ranks(_shard_bytes, world=2)
     assert n0 == n1 == 20  # numel() of a DTensor is the global size ...

@@ -38,6 +38,7 @@ def _train_every_variant(rank, world):
 
 
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.slow
 def test_manual_ddp_trains_what_one_device_trains_and_counts_ring_bytes(world):
     results = run_ranks(_train_every_variant, world)[0]  # rank 0's
     for workload, options, row, state in results:

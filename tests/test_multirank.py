@@ -39,6 +39,7 @@ def test_a_failing_rank_is_named_with_its_error():
         run_ranks(_rank_one_fails, world=2, timeout=10)
 
 
+@pytest.mark.slow
 def test_a_rank_that_never_arrives_ends_in_the_timeout():
     start = time.monotonic()
     with pytest.raises((RankError, TimeoutError)):

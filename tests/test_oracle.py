@@ -129,17 +129,20 @@ def mutant_results(tmp_path_factory, oracle_runs):
     return code, {o["label"]: o for o in json.loads((out / "mutants.json").read_text())}
 
 
+@pytest.mark.slow
 def test_the_mutants_command_exits_0_when_every_bug_is_caught(mutant_results):
     code, results = mutant_results
     assert code == 0 and results.keys() == strategies.mutants().keys()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(strategies.mutants()))
 def test_the_oracle_catches_the_injected_bug(mutant_results, name):
     verdict = mutant_results[1][name]["equivalence"]
     assert verdict["verdict"] == "mismatch" and verdict["ratio"] > 1 and verdict["reason"], verdict
 
 
+@pytest.mark.slow
 def test_unsynchronised_batchnorm_under_ddp_was_missed_by_the_old_rule_and_is_caught_now(mutant_results):
     result = mutant_results[1]["ddp:unsynced-batchnorm"]
     assert result["old_rule_match"] and result["equivalence"]["verdict"] == "mismatch"
@@ -149,10 +152,36 @@ def test_unsynchronised_batchnorm_under_ddp_was_missed_by_the_old_rule_and_is_ca
 # Registry-driven parity: every synchronous strategy on every workload it trains, on cpu:2, 6 steps on a batch
 # of 48. A strategy is checked here the day it is registered. The verdict is the oracle's own; float noise
 # sits far below it. (cpu:3 and seeds: `python -m parallel mutants --honest 24`; the suite's time.)
+# The fast tier (-m "not slow") runs each strategy on its cheapest workload (the CNN, else the MLP; the
+# 4-device ones on cpu:4); the slow tier every other workload, so nothing is run twice.
 PARITY_RUN = {"batch_size": 48, "steps": 5, "warmup": 1, "extras": False}
-CPU2 = RunConfig(devices="cpu:2").spec  # fsdp_tp needs 4 devices: its parity is in test_tensor_parallel.py
+CPU2 = RunConfig(devices="cpu:2").spec
+
+
+def _cheapest(s) -> tuple[str, str]:
+    workload = "cnn" if not s.unsupported(WORKLOADS["cnn"]) else "mlp"
+    return workload, "cpu:2" if not s.available(CPU2) else "cpu:4"
+
+
+FAST_PARITY = [(s.name, *_cheapest(s)) for s in strategies.all_strategies() if s.synchronous and s.name != "single"]
 PARITY = [(s.name, w) for w in WORKLOADS for s in strategies.all_strategies()
-          if s.synchronous and s.name != "single" and not s.unsupported(WORKLOADS[w]) and not s.available(CPU2)]
+          if s.synchronous and s.name != "single" and not s.unsupported(WORKLOADS[w]) and not s.available(CPU2)
+          and (s.name, w, "cpu:2") not in FAST_PARITY]
+
+
+@pytest.fixture(scope="module")
+def fast_parity():
+    """Every synchronous strategy on its cheapest workload, judged: one set of spawned ranks per world size."""
+    configs = [RunConfig(workload=w, devices=d, **PARITY_RUN).validate() for _, w, d in FAST_PARITY]
+    jobs = [mutants.Job(name, c.to_json(), "honest") for (name, _, _), c in zip(FAST_PARITY, configs, strict=True)]
+    return dict(zip(FAST_PARITY, (o.equivalence for o in mutants.run_jobs(jobs)), strict=True))
+
+
+@pytest.mark.parametrize("name, workload, devices", FAST_PARITY, ids=["-".join(p) for p in FAST_PARITY])
+def test_every_synchronous_strategy_matches_single_on_its_cheapest_workload(fast_parity, name, workload, devices):
+    verdict = fast_parity[(name, workload, devices)]
+    assert verdict.verdict == "match", verdict
+    assert verdict.ratio < 0.5, verdict  # a margin: noise measured at most 0.33 of the tolerance (DCGAN, DDP)
 
 
 def _bf16_jobs() -> list:
@@ -169,8 +198,9 @@ def _bf16_jobs() -> list:
 def oracle_runs():
     """Every run this module judges, in one call (one set of spawned ranks, not three): the injected bugs,
     the registry's parity runs, the bf16 runs. -> ({group: jobs}, {group: outcomes})"""
-    jobs = {"mutants": mutants.mutant_jobs(), "parity": mutants.honest_jobs(len(WORKLOADS), PARITY_RUN),
-            "bf16": _bf16_jobs()}
+    parity = [j for j in mutants.honest_jobs(len(WORKLOADS), PARITY_RUN)
+              if (j.strategy, json.loads(j.config)["workload"]) in PARITY]  # the fast tier ran the others
+    jobs = {"mutants": mutants.mutant_jobs(), "parity": parity, "bf16": _bf16_jobs()}
     outcomes, at = mutants.run_jobs([j for group in jobs.values() for j in group]), 0
     split = {}
     for group, its in jobs.items():
@@ -183,6 +213,7 @@ def parity_results(oracle_runs):  # seed 0, cpu:2: every workload once
     return {(o.strategy, o.workload): o.equivalence for o in oracle_runs[1]["parity"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, workload", PARITY, ids=["-".join(p) for p in PARITY])
 def test_every_synchronous_strategy_matches_single(parity_results, name, workload):
     verdict = parity_results[(name, workload)]
@@ -190,6 +221,7 @@ def test_every_synchronous_strategy_matches_single(parity_results, name, workloa
     assert verdict.ratio < 0.5, verdict  # a margin: noise measured at most 0.33 of the tolerance (DCGAN, DDP)
 
 
+@pytest.mark.slow
 def test_bf16_runs_are_judged_by_a_rule_that_says_so_and_still_catch_a_missing_average(oracle_runs):
     # --precision bf16: `single` under the same autocast, the bf16 rule (20% of each tensor's movement),
     # looser than fp32's because a split batch rounds its products to bf16 before summing. ddp --compress

@@ -28,6 +28,7 @@ def _judged(world: int, runs: list) -> list:
     return judged_on_ranks(world, runs, _config)
 
 
+@pytest.mark.slow
 def test_every_torch_schedule_matches_single_on_every_workload():
     rows = _judged(2, TWO)
     for (_, _, options), row in zip(TWO, rows, strict=True):
@@ -50,6 +51,7 @@ def test_every_torch_schedule_matches_single_on_every_workload():
             < by[("cnn", "gpipe")].details["stage_peak_activation_bytes"][0])
 
 
+@pytest.mark.slow
 def test_fsdp_x_pipelining_matches_single_on_four_ranks():
     rows = _judged(4, FOUR)
     for row in rows:
@@ -105,3 +107,50 @@ def test_an_older_torch_without_scale_grads_is_refused_not_run(monkeypatch):
     assert "scale_grads" in pipeline_dist._torch_lacks("Schedule1F1B")
     assert pipeline_dist._torch_lacks("ScheduleGPipe") is None
     assert "lacks" in pipeline_dist._torch_lacks("ScheduleNotInThisTorch")
+
+
+def _bounds_by_time(rank, world):
+    """pipeline_dist's cut by time on a rank, with every point-to-point send recorded and the same-device
+    copy that priced the hop before made to fail."""
+    import torch
+    import torch.distributed as td
+
+    from parallel.dist import Dist
+    from parallel.strategies import stages
+    from parallel.strategies.base import options_of
+    from parallel.usermodel import workload_of
+
+    sent, send = [], td.send
+
+    def spied(tensor, *args, **kwargs):
+        if tensor.dtype == torch.uint8:
+            sent.append(tensor.numel())
+        return send(tensor, *args, **kwargs)
+
+    def copied(*args):
+        raise AssertionError("the hop between ranks priced as a copy on one device")
+
+    td.send, stages._copy_there_and_back = spied, copied
+    config = _config("cnn", world, {"balance": "time", "microbatches": 4})
+    layers = stages.layers_of(workload_of(config).build_model(config.seed))
+    dist = Dist(rank=rank, local_rank=rank, world_size=world, local_world_size=world)
+    return pipeline_dist._bounds(layers, world, options_of(pipeline_dist.Options, config), config, dist, BATCH), sent
+
+
+def test_the_cut_by_time_prices_the_hop_as_a_send_between_ranks():
+    import torch
+
+    from parallel.strategies.stages import layers_of
+    from parallel.usermodel import workload_of
+    from tests.multirank import run_ranks
+
+    (bounds, sent0), (same, sent1) = run_ranks(_bounds_by_time, 2, timeout=60)
+    assert bounds == same and bounds[0] == 0 and bounds[-1] == 12  # rank 0 decides, every rank cuts alike
+    config = _config("cnn", 2, {"balance": "time", "microbatches": 4})
+    x, outputs = workload_of(config).dataset(config.seed, BATCH // 4).batch(0)[0], []
+    with torch.no_grad():
+        for layer in layers_of(workload_of(config).build_model(config.seed)):
+            x = layer(x)
+            outputs.append(x.numel() * x.element_size())
+    # each layer's output goes to rank 1 and comes back (its gradient): a warm-up and 5 timed round trips
+    assert sent0 == [n for n in outputs for _ in range(6)] and sent1 == sent0

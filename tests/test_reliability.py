@@ -236,3 +236,31 @@ def test_resuming_a_finished_run_does_nothing_and_keeps_its_parameters(tmp_path)
     row, state = execute(strategies.get("single"), again, Dist())
     assert row.losses == [] and row.final_loss is None and row.samples_per_s is None
     assert all(torch.equal(state[k], final[k]) for k in final)
+
+
+def _watchdog_as_under_nccl(rank, world):
+    """The loop's watchdog in a group whose default backend reads as nccl (which has no monitored_barrier):
+    rank 1 stops responding, rank 0 must name it."""
+    import torch.distributed as td
+
+    from parallel import dist as dist_module
+    from parallel import train
+
+    real = td.get_backend
+    td.get_backend = lambda group=None: "nccl" if group is None else real(group)  # the default group's alone
+    config = RunConfig(pg_timeout=3.0)
+    made = dist_module.watch_group(3.0)  # as Dist.init does for every rank, right after joining
+    if rank == 1:
+        time.sleep(60)  # hung: never reaches the barrier (the test ends once rank 0 has raised)
+    train._watchdog(config, Dist(rank=rank, world_size=world))
+    return made is not td.GroupMember.WORLD
+
+
+@pytest.mark.slow
+def test_a_hung_rank_is_named_under_nccl_too():
+    # Before: the watchdog ran on gloo only, so under nccl rank 0 walked on into the step's collectives and
+    # the NCCL watchdog aborted it, naming rank 0. Now a gloo group of the same ranks carries the barrier.
+    from tests.multirank import RankError, run_ranks
+
+    with pytest.raises(RankError, match="Ranks? 1 failed to pass monitoredBarrier"):
+        run_ranks(_watchdog_as_under_nccl, world=2, timeout=20)

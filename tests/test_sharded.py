@@ -74,6 +74,7 @@ def _check_fsdp(d: dict, reshard: int, world: int) -> None:
 
 
 @pytest.mark.parametrize("world, workloads", [(2, ["mlp"]), (4, ["mlp", "cnn", "transformer"])])
+@pytest.mark.slow
 def test_sharded_strategies_match_single_and_shard_what_the_paper_says(world, workloads):
     runs = RUNS + MIXED
     refs = {}
@@ -148,6 +149,7 @@ def _checkpointed(rank, world, folder):
 NAMES = ["zero", "zero_optimizer", "fsdp"]
 
 
+@pytest.mark.slow
 def test_a_resume_after_a_fault_ends_bitwise_like_an_uninterrupted_run(tmp_path):
     # Checkpoints after steps 1, 3, 5 (every 2, torch.distributed.checkpoint, one file per rank: zero's
     # parameters once and each rank's momentum chunks under keys of its own; ZeroRedundancyOptimizer's

@@ -28,6 +28,7 @@ def _judged(world: int, runs: list) -> list:
     return judged_on_ranks(world, runs, _config)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_matches_single_and_counts_megatrons_collectives():
     rows = dict(zip([(n, w, tuple(o)) for n, w, o in TWO], _judged(2, TWO), strict=True))
     share = (2 - 1) / 2 * BATCH * T * C * 4  # a ring's (N-1)/N of one B x T x C fp32 activation
@@ -49,6 +50,7 @@ def test_tensor_parallel_matches_single_and_counts_megatrons_collectives():
     assert sp["activation_bytes_per_rank"] < plain["activation_bytes_per_rank"]
 
 
+@pytest.mark.slow
 def test_fsdp_x_tp_and_hsdp_match_single_on_four_ranks():
     rows = _judged(4, FOUR)
     hsdp = rows[2].details["bytes_per_step_by_collective"]  # 2 replicas of 2 shards: their all-reduce is there

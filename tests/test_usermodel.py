@@ -136,6 +136,7 @@ def test_a_data_file_is_split_into_training_and_held_out_samples(tmp_path, model
         assert torch.equal(data.batch(1, 1, 2)[1], y[48:64])  # rank 1's half of batch 1, as for built-in data
 
 
+@pytest.mark.slow
 def test_the_examples_say_what_the_harness_finds_in_them():
     resnet = RunConfig(model=str(ROOT / "examples/resnet.py:resnet18"), input_shape="3,16,16", classes=10).validate()
     gpt = RunConfig(model=str(ROOT / "examples/gpt2.py:gpt2"), vocab=256, seq_len=64).validate()
@@ -222,3 +223,18 @@ def test_the_oracle_catches_a_bug_in_a_users_model_and_widens_only_for_measured_
     ref.state = {k: v + 0.1 * (v - ref.initial[k]) if v.is_floating_point() else v for k, v in ref.state.items()}
     rule = equivalence.own_noise(c, ref)
     assert rule is not None and 0.25 < rule.rtol < 0.35 and "own rounding noise" in rule.basis
+
+
+def test_the_noise_of_a_users_model_is_measured_on_gpus_too(model_file, strict_cuda):
+    # Before: own_noise returned None on GPUs, so a chaotic model's honest rows could read `mismatch` there.
+    # Now the GPU's baseline is set against `single` on the CPU (this process holds no CUDA context).
+    from parallel.harness import equivalence
+
+    c = dataclasses.replace(config(model_file), devices="cuda:0,1").validate()
+    assert c.spec.real
+    row, state = execute(strategies.get("single"), dataclasses.replace(c, devices="cpu:1"), Dist())
+    ref = equivalence.reference_of(c, row, state)  # as if the GPU had trained it: the same numbers
+    ref.state = {k: v + 0.1 * (v - ref.initial[k]) if v.is_floating_point() else v for k, v in ref.state.items()}
+    rule = equivalence.own_noise(c, ref)
+    assert rule is not None and 0.25 < rule.rtol < 0.35 and "on the CPU against the GPU (cuda:0)" in rule.basis
+    assert not strict_cuda.entries("init")  # measured without touching CUDA here

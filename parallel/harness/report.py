@@ -93,8 +93,18 @@ def notes(rows: list[Row], environment: dict, skipped: dict | None = None) -> li
                    "the work costs and saves on this CPU, not what GPUs would do.")
         if environment.get("oversubscribed"):
             out.append("Oversubscribed: more virtual devices than cores; times include contention.")
+    if why := environment.get("gpus_unusable"):
+        out.append(f"GPUs not used: {why}.")
+    if environment["device_kind"] == "shared":
+        out.append(f"Shared: {environment['devices']} = {environment['devices'].rpartition('x')[2]} ranks on one GPU, "
+                   "talking over gloo (nccl refuses two ranks on one device): every CUDA path runs on a real GPU and "
+                   "the oracle checks it there, but the ranks take turns on it, so speedups show the cost of "
+                   "splitting the work, not what several GPUs would do.")
     if any(r.device_kind == "pass-through" for r in rows):
         out.append("pass-through: the strategy cannot split work on this hardware and just runs the module.")
+    if any(r.device_kind == "serial" for r in rows):
+        out.append("serial: one device, so nothing runs in parallel: the row costs the strategy's machinery "
+                   "(replicas, hooks, collectives of one) against `single`, and its speedup cannot pass 1.")
     kinds = {r.peak_mem_kind for r in rows if r.peak_mem_kind}
     if "process_peak_rss" in kinds:
         out.append("peak mem on CPU is the peak resident memory of rank 0's process (torch itself included); "
@@ -195,7 +205,7 @@ def _reduce_scatter_caveat(rows: list[Row]) -> list[str]:
     line = (f"reduce-scatter vs all-reduce, timed by {r.label}'s ranks: {m.reduce_scatter_all_grads_ms:.1f} ms "
             f"against {m.allreduce_all_grads_ms:.1f} ms for every gradient ({ratio:.2f}x; all-gather "
             f"{m.all_gather_all_params_ms:.1f} ms)")
-    if r.device_kind == "virtual":
+    if r.device_kind in ("virtual", "shared"):  # gloo either way
         return [line + ", though a ring reduce-scatter sends half an all-reduce's bytes: gloo reduce-scatters by "
                 "all-reducing and keeping a chunk (PR #118911), so on CPU the sharded strategies pay more time "
                 "than DDP for their memory saving. On NCCL a reduce-scatter moves half the bytes and takes about "
@@ -204,10 +214,16 @@ def _reduce_scatter_caveat(rows: list[Row]) -> list[str]:
 
 
 def advice(rows: list[Row]) -> list[str]:
-    """Which strategy when, on this hardware, from this run's numbers (no sentence is fixed in advance)."""
-    ok = [r for r in rows if r.status == "ok" and r.speedup is not None]
+    """Which strategy when, on this hardware, from this run's numbers (no sentence is fixed in advance).
+    Rows on one device (serial, pass-through) say what a strategy's machinery costs, not which layout to
+    choose: they are left out, and a run with nothing else says so."""
+    ok = [r for r in rows if r.status == "ok" and r.speedup is not None
+          and (r.world_size > 1 or r.strategy == "single")]
     exact = [r for r in ok if r.equivalence.verdict in ("match", "baseline")]
     out = []
+    if ok and all(r.world_size == 1 for r in ok):
+        return ["One device: nothing here runs in parallel, so there is no layout to choose; the rows show what "
+                "each strategy's machinery costs against `single` (cuda:0x2 shares one GPU between 2 ranks)."]
     if exact:
         best = max(exact, key=lambda r: r.speedup)
         noisy = best.equivalence.basis.startswith("this model's own")  # equivalence.own_noise's rule

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import statistics
 import tempfile
@@ -33,7 +34,7 @@ BASELINE = "single"
 
 
 def _failed_row(strategy, variant: str, config: RunConfig, outcome: launch.Outcome) -> Row:
-    return Row(strategy.name, variant, strategy.launch, config.devices, strategy.device_kind(config.spec),
+    return Row(strategy.name, variant, strategy.launch, config.devices, strategy.kind(config),
                strategy.world_size(config), config.batch_size,
                status="timed-out" if outcome.timed_out else "failed", error=outcome.error)
 
@@ -159,25 +160,42 @@ def flag(rows: list[Row], baseline: bool = True) -> None:
                               "round's, but if rows disagree, re-run on a quiet machine")
 
 
-def plan(config: RunConfig, names: list[str], baseline: bool = True) -> list[tuple]:
-    """Every (strategy, variant label, config) to run, `single` first when it is the baseline. Every bad
-    combination raises ConfigError here, before anything is started or written."""
+def plan(config: RunConfig, names: list[str], baseline: bool = True,
+         strict: bool = True) -> tuple[list[tuple], dict[str, str]]:
+    """Every (strategy, variant label, config) to run, `single` first when it is the baseline, and the
+    strategies left out with the one-line reason of each. Under `all` (or, not `strict`, a scaling
+    sweep's point) a strategy that cannot run this config (these devices, this batch, this model, its
+    options) is left out and the rest run; a strategy the user named is refused with its reason
+    (ConfigError, exit 2), as is every bad combination, before anything is started or written."""
+    workload = workload_of(config)
+    everything = "all" in names
+    runnable, skipped = strategies.resolve(names, config.spec, workload, strict=strict)
     if baseline:
-        names = [BASELINE] + [n for n in names if n != BASELINE]
-    chosen = [(s, label, cfg) for s in map(strategies.get, names) for label, cfg in s.variants(config)]
-    taken = {f.name for s, _, _ in chosen for f in s.option_fields()}
+        runnable = [BASELINE] + [n for n in runnable if n != BASELINE]
+    chosen = []
+    for s in map(strategies.get, runnable):
+        try:
+            variants = s.variants(config)
+            for _, cfg in variants:
+                s.validate(cfg)
+        except ConfigError as e:
+            if s.name == BASELINE or not (everything or not strict) or s.name in names:
+                raise
+            skipped[s.name] = re.sub(rf"^{s.name} cannot (run on \S+|train the .*? workload): ", "", str(e))
+            continue
+        chosen += [(s, label, cfg) for label, cfg in variants]
+    considered = [s for s, _, _ in chosen] + [strategies.get(n) for n in skipped]
+    taken = {f.name for s in considered for f in s.option_fields()}
     if untaken := [o for o in config.options if o not in taken]:  # a flag no strategy run here would read
         owners = [s.name for s in strategies.all_strategies() if untaken[0] in {f.name for f in s.option_fields()}]
         raise ConfigError(f"--{untaken[0].replace('_', '-')} is an option of {', '.join(owners)}, which is not "
-                          f"run here ({', '.join(n for n in names if n != BASELINE) or BASELINE})")
-    for s, _, cfg in chosen:
-        s.validate(cfg)
+                          f"run here ({', '.join(n for n in runnable if n != BASELINE) or BASELINE})")
     if config.port:
         launch.loopback_socket(config.port).close()  # a taken rendezvous port is bad input, found now
     if config.resume_from:  # missing, corrupt or for another model: refused now, not in a child
-        checkpoint.check_fits(Path(config.resume_from), workload_of(config).build_model(config.seed),
+        checkpoint.check_fits(Path(config.resume_from), workload.build_model(config.seed),
                               f"the {config.workload} model")
-    return chosen
+    return chosen, skipped
 
 
 def run_strategies(config: RunConfig, chosen: list[tuple], baseline: bool = True,

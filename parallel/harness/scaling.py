@@ -15,9 +15,11 @@ import csv
 import dataclasses
 import io
 import json
+import math
 import statistics
 from pathlib import Path
 
+from parallel.config import nearest_multiple
 from parallel.results import Row, atomic_write
 
 MODES = ("strong", "weak")
@@ -25,14 +27,16 @@ MODES = ("strong", "weak")
 
 def points(config, world_sizes: list[int]) -> list[tuple[str, int, object]]:
     """(mode, devices, config) of every comparison in the sweep."""
-    kind = config.spec.kind
     out = []
     for mode in MODES:
         for n in world_sizes:
-            devices = f"cpu:{n}" if kind == "cpu" else "cuda:" + ",".join(map(str, range(n)))
+            devices = str(config.spec.first(n))  # the user's GPUs (cuda:4,5,6,7: cuda:4 first), not cuda:0..n-1
             batch = config.batch_size * (n if mode == "weak" else 1)
+            if config.batch_auto and mode == "strong":  # one batch that every count divides (1,2,3,4: 516)
+                batch = nearest_multiple(type(config).batch_size, math.lcm(*world_sizes))
             sub = str(Path(config.out) / "scaling" / f"{mode}-{n}")
             out.append((mode, n, dataclasses.replace(config, devices=devices, world_size=0, batch_size=batch,
+                                                      batch_auto=False,
                                                       out=sub).validate()))
     return out
 

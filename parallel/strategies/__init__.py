@@ -79,6 +79,16 @@ class Strategy:
             return f"it has no layers to cut into stages: {workload.no_layers}"
         return None
 
+    def kind(self, config) -> str:
+        """What the row's devices are (its `device_kind`), and "serial" where a strategy other than `single`
+        runs on one device: its machinery runs (hooks, replicas, collectives of one), nothing in parallel."""
+        kind = self.device_kind(config.spec)
+        if self.world_size(config) > 1 or kind == "pass-through":
+            return kind
+        if self.name == "single":  # one device of the list, alone: a GPU of a shared list is a real one
+            return "real" if config.spec.real else "virtual"
+        return "serial"
+
     def option_fields(self) -> list[dataclasses.Field]:
         return list(dataclasses.fields(self.Options)) if self.Options else []
 
@@ -118,8 +128,14 @@ class Strategy:
             chosen = dict(zip(lists, combo, strict=True))
             label = ",".join(f"{k}={chosen[k]:g}" if isinstance(chosen[k], float) else f"{k}={chosen[k]}"
                              for k in swept)
-            out.append((label, dataclasses.replace(config, options=chosen)))
+            out.append((label, self.adapted(dataclasses.replace(config, options=chosen))))
         return out
+
+    def adapted(self, config):
+        """`config` with this strategy's own defaults fitted to it where the user gave no value (the
+        pipelines' micro-batches to the stages and the batch: the `defaults` hook)."""
+        fitted = {k: v for k, v in self.defaults(config).items() if k not in config.options}
+        return dataclasses.replace(config, options={**config.options, **fitted}) if fitted else config
 
     def __repr__(self) -> str:
         return f"Strategy({self.name})"

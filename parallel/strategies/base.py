@@ -103,9 +103,16 @@ def check(config) -> None:
     """Raise ConfigError when the strategy cannot run this config (e.g. an indivisible batch)."""
 
 
+def defaults(config) -> dict:
+    """Option values fitted to this config, for the options the user did not give (a pipeline's
+    micro-batches: at least one per stage, dividing the batch); {}: the Options' own defaults."""
+    return {}
+
+
 def device_kind(spec) -> str:
-    """What the row's numbers mean: "real" GPUs, "virtual" CPU devices, or a "pass-through"."""
-    return "real" if spec.real else "virtual"
+    """What the row's numbers mean: "real" GPUs, one GPU "shared" by several ranks, "virtual" CPU devices,
+    or a "pass-through"."""
+    return spec.kind_label
 
 
 def state_dict(trainable: Trainable) -> dict[str, torch.Tensor]:
@@ -167,10 +174,34 @@ def every_rank(value) -> list:
 def full_state_dict(t: Trainable) -> dict[str, torch.Tensor]:
     """A `state_dict` for models of DTensor shards (FSDP2, tensor parallel): the whole model under its plain
     names, on CPU, by torch's get_model_state_dict(full_state_dict=True), a collective; rank 0 gets them."""
+    import torch.distributed as td
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    if t.device.type == "cuda" and td.get_backend() == "gloo":  # ranks sharing one GPU (cuda:0x2)
+        return gathered_on_cpu(t.model)
     sd = get_model_state_dict(t.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return {k: v.detach().cpu().clone() for k, v in sd.items()}
+
+
+def gathered_on_cpu(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state on CPU, each DTensor's local shard moved to the CPU first and gathered there
+    (a collective, every rank in the same order). For gloo with CUDA tensors, where DTensor's own gather
+    (torch's functional collectives) crashes the process: SIGSEGV in redistribute, seen on an H200 with
+    two ranks sharing it (torch 2.11); gloo gathers CPU tensors the way every CPU run does."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+    meshes: dict = {}
+    out = {}
+    for name, v in model.state_dict().items():
+        if isinstance(v, DTensor):
+            mesh = v.device_mesh
+            if mesh not in meshes:  # the same ranks, on the CPU (a 1-D mesh of the world uses the default group)
+                meshes[mesh] = DeviceMesh("cpu", mesh.mesh, mesh_dim_names=mesh.mesh_dim_names)
+            v = DTensor.from_local(v.to_local().detach().cpu(), meshes[mesh], v.placements, run_check=False,
+                                   shape=v.shape, stride=v.stride()).full_tensor()
+        out[name] = v.detach().cpu().clone()
+    return out
 
 
 def model_state_every_rank(t: Trainable, config) -> list[int]:
@@ -277,6 +308,7 @@ class Hooks:
     world_size: Callable = world_size
     dims: Callable = dims
     check: Callable = check
+    defaults: Callable = defaults
     device_kind: Callable = device_kind
     state_dict: Callable = state_dict
     comm_bytes_predicted: Callable = comm_bytes_predicted

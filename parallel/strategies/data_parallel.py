@@ -32,7 +32,7 @@ def world_size(config) -> int:
 
 
 def device_kind(spec) -> str:
-    return "real" if spec.real else "pass-through"
+    return spec.kind_label if spec.real else "pass-through"
 
 
 class PassThrough(nn.Module):
@@ -47,15 +47,44 @@ class PassThrough(nn.Module):
         return self.module(*inputs, **kwargs)
 
 
+def in_callers_autocast(dp: nn.Module) -> nn.Module:
+    """Make nn.DataParallel's replicas compute in the caller's autocast dtype, not CUDA's default fp16.
+
+    torch's parallel_apply (torch/nn/parallel/parallel_apply.py, `_worker`) re-enters autocast in each new
+    thread as `torch.amp.autocast(device_type, enabled=autocast_enabled)`: no dtype, so it takes
+    `torch.get_autocast_dtype(device_type)`, which is per thread and float16 on CUDA in a fresh thread. Under
+    `--precision bf16` the replicas would run fp16 (with no loss scaling). Here each replica enters
+    `torch.autocast` with the dtype read in the calling thread. Without autocast (fp32), or when
+    nn.DataParallel just calls the module (no CUDA, one device), nothing changes; no global state is touched."""
+
+    def parallel_apply(replicas, inputs, kwargs):
+        device_type = dp.src_device_obj.type  # set by nn.DataParallel whenever it has device_ids
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            replicas = [_under_autocast(r, device_type, dtype) for r in replicas]
+        return type(dp).parallel_apply(dp, replicas, inputs, kwargs)
+
+    dp.parallel_apply = parallel_apply
+    return dp
+
+
+def _under_autocast(module: nn.Module, device_type: str, dtype: torch.dtype):
+    def run(*args, **kwargs):
+        with torch.autocast(device_type, dtype=dtype):
+            return module(*args, **kwargs)
+
+    return run
+
+
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     spec = config.spec
     devices = [spec.device(i) for i in range(world_size(config))]
     model = model.to(devices[0])
     if spec.real:
         ids = [d.index for d in devices]
-        dp = nn.DataParallel(model, device_ids=ids, output_device=ids[0])
+        dp = in_callers_autocast(nn.DataParallel(model, device_ids=ids, output_device=ids[0]))
     elif not gpu_count():  # no CUDA here: torch's own class, which then passes through
-        dp = nn.DataParallel(model)
+        dp = in_callers_autocast(nn.DataParallel(model))
     else:  # a CPU device list on a machine with GPUs: pass through explicitly
         dp = PassThrough(model)
     return Trainable(dp, make_optimizer(dp.parameters()), loss_fn, devices[0], devices=devices)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from parallel.devices import SHARED_GLOO_NO_P2P
 from parallel.errors import ConfigError
 from parallel.layout import ParallelDims
 from parallel.strategies import pipeline_dist
@@ -68,7 +69,15 @@ class Options(pipeline_dist.Options):
 
 
 def available(spec) -> str | None:
-    return f"needs 4 devices or more (pp 2 x dp 2), {spec} has {spec.count}" if spec.count < 4 else None
+    if spec.count < 4:
+        return f"needs 4 devices or more (pp 2 x dp 2), {spec} has {spec.count}"
+    return SHARED_GLOO_NO_P2P if spec.shared else None
+
+
+def defaults(config) -> dict:
+    """Micro-batches fitted to each pipeline's share of the batch (pipeline_dist.fit_microbatches)."""
+    pp, n = options_of(Options, config).pp, config.world_size
+    return pipeline_dist.fit_microbatches(config, pp, config.batch_size // max(1, n // pp)) if n % pp == 0 else {}
 
 
 def _layout(config, dist) -> ParallelDims:
@@ -123,5 +132,5 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
     return {"mesh": str(_layout(config, dist)), **pipeline_dist.extra_measurements(t, data, config, dist, result)}
 
 
-HOOKS = Hooks(available=available, dims=dims, check=check, state_dict=pipeline_dist.state_dict,
+HOOKS = Hooks(available=available, dims=dims, check=check, defaults=defaults, state_dict=pipeline_dist.state_dict,
               model_state_bytes=model_state_every_rank, extra_measurements=extra_measurements)

@@ -70,7 +70,9 @@ def dims(config, dist) -> ParallelDims:
 
 
 def available(spec) -> str | None:
-    return f"needs 4 devices or more (dp 2 x tp 2), {spec} has {spec.count}" if spec.count < 4 else None
+    if spec.count < 4:
+        return f"needs 4 devices or more (dp 2 x tp 2), {spec} has {spec.count}"
+    return tensor_parallel.available(spec)
 
 
 def check(config) -> None:
@@ -94,7 +96,8 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     for block in fsdp.blocks(model):
         fully_shard(block, mesh=mesh["dp_shard"], reshard_after_forward=True)
     fully_shard(model, mesh=mesh["dp_shard"], reshard_after_forward=True)
-    return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device, comm_bytes=0,
+    params = tensor_parallel.by_kind(model.parameters())
+    return Trainable(model, make_optimizer(params), loss_fn, dist.device, comm_bytes=0,
                      state=wire.Counter(config.warmup, model))
 
 

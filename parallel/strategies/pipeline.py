@@ -90,6 +90,13 @@ def one_f_one_b(s: int, p: int, m: int) -> list[tuple[str, int]]:
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
 
 
+def defaults(config) -> dict:
+    """At least one micro-batch per stage where the user gave no count (fewer leave a stage idle all
+    step), up to the batch; the threads' own schedules need nothing more (unequal micro-batches are fine)."""
+    m = max(Options.microbatches, config.world_size)
+    return {"microbatches": m} if m <= config.batch_size and m != Options.microbatches else {}
+
+
 def check(config) -> None:
     m = options_of(Options, config).microbatches
     if m > config.batch_size:
@@ -225,5 +232,5 @@ def schedule_ms(cal, row, schedule: str, m: int, batch: int) -> float | None:
     return simulate([SCHEDULES[schedule](s, p, m) for s in range(p)], fwd, bwd, hop)
 
 
-HOOKS = Hooks(check=check, extra_measurements=extra_measurements, predict_step_ms=predict_step_ms,
+HOOKS = Hooks(check=check, defaults=defaults, extra_measurements=extra_measurements, predict_step_ms=predict_step_ms,
               model_state_bytes=model_state_bytes)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from parallel.devices import SHARED_GLOO_NO_P2P
 from parallel.errors import ConfigError
 from parallel.layout import ParallelDims
 from parallel.results import Measured
@@ -103,8 +104,31 @@ def dims(config, dist) -> ParallelDims:
     return ParallelDims(world=dist.world_size, pp=dist.world_size, loss_pp=options_of(Options, config).loss_pp)
 
 
+def available(spec) -> str | None:
+    if spec.count < 2:
+        return f"needs 2 devices or more (one stage each), {spec} has {spec.count}"
+    return SHARED_GLOO_NO_P2P if spec.shared else None
+
+
 def check(config) -> None:
     check_pipeline(config, config.world_size, config.batch_size)
+
+
+def fit_microbatches(config, p: int, batch: int) -> dict:
+    """The micro-batches a pipeline of p ranks gets where the user gave none: the fewest of at least the
+    Options' default and p (fewer leave a stage idle for the whole step; 1f1b refuses them) that divide the
+    `batch` samples it takes a step (torch's stages receive into buffers of one micro-batch's shape) and,
+    for the looped schedules, come in whole rounds of p. None fits: the default stays, and check says why."""
+    o = options_of(Options, config)
+    least = max(Options.microbatches, p)
+    for m in range(least, batch + 1):
+        if batch % m == 0 and (o.v == 1 or m % p == 0):
+            return {"microbatches": m}
+    return {}
+
+
+def defaults(config) -> dict:
+    return fit_microbatches(config, config.world_size, config.batch_size)
 
 
 def _torch_lacks(name: str) -> str | None:
@@ -158,13 +182,22 @@ class State:
 
 def _bounds(layers: list[nn.Module], k: int, o: Options, config, dist, batch: int) -> list[int]:
     """The cut into k stages, the same rule as `pipeline`'s (time measured at the micro-batch size, or
-    parameters), decided on rank 0 and sent to every rank so that they all cut alike."""
+    parameters), decided on rank 0 and sent to every rank so that they all cut alike. By time, the hop
+    between stages is priced as what this strategy does, not as a copy on rank 0's device: rank 0 sends
+    each layer's output to rank 1 and receives it back, point to point (stages.SentHop; rank 1 echoes)."""
     import torch.distributed as td
 
-    decided = [None]
+    from parallel.strategies.stages import SentHop
+
+    decided, timed = [None], o.balance == "time"
     if dist.rank == 0:
         sample = workload_of(config).dataset(config.seed, -(-batch // o.microbatches)).batch(0)[0]
-        decided = [cut(layers, k, o.balance, sample, [dist.device, dist.device])]
+        hop = SentHop(1, dist.device) if timed else None
+        decided = [cut(layers, k, o.balance, sample, [dist.device, dist.device], hop=hop)]
+        if hop is not None:
+            hop.close()
+    elif dist.rank == 1 and timed:
+        SentHop.echo(0, dist.device)
     td.broadcast_object_list(decided, src=0)
     return decided[0]
 
@@ -280,5 +313,6 @@ def predict_step_ms(cal, config, row) -> float | None:
     return pipeline.schedule_ms(cal, row, o.schedule, o.microbatches, config.batch_size) if o.v == 1 else None
 
 
-HOOKS = Hooks(dims=dims, check=check, state_dict=state_dict, model_state_bytes=model_state_every_rank,
+HOOKS = Hooks(available=available, dims=dims, check=check, defaults=defaults, state_dict=state_dict,
+              model_state_bytes=model_state_every_rank,
               extra_measurements=extra_measurements, predict_step_ms=predict_step_ms)

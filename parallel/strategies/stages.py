@@ -11,6 +11,7 @@ import contextlib
 import copy
 import functools
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,14 +31,14 @@ def layers_of(model: nn.Module) -> list[nn.Module]:
     return model.pipeline_layers()
 
 
-def measure_layers(layers: list[nn.Module], x: torch.Tensor, devices: list[torch.device],
-                   reps: int = 5) -> tuple[list[float], list[float]]:
+def measure_layers(layers: list[nn.Module], x: torch.Tensor, devices: list[torch.device], reps: int = 5,
+                   hop: Callable[[torch.Tensor], float] | None = None) -> tuple[list[float], list[float]]:
     """(seconds of forward + backward of each layer alone on its real input, seconds to move its output to
     the next device and the gradient back), medians of `reps`, measured where the stages will run: each
     layer on devices[0] (a node's devices are alike; a copy of the layer, so the model stays where it is
     and no device needs to hold all of it), and the move as the real copy devices[0] -> devices[1] and
-    back. The first layer's input needs no gradient, as in training (for conv1 that gradient would be most
-    of the cost)."""
+    back, or as `hop(output)` says where the stages move it otherwise (pipeline_dist: SentHop). The first
+    layer's input needs no gradient, as in training (for conv1 that gradient would be most of the cost)."""
     home, other = devices[0], devices[1 % len(devices)]
     sync = synchronizer_all([home, other])
     x = x.to(home)
@@ -47,7 +48,8 @@ def measure_layers(layers: list[nn.Module], x: torch.Tensor, devices: list[torch
         a = x.detach().requires_grad_(i > 0)
         costs.append(median_time(functools.partial(_fwd_bwd, here, a), reps, sync))  # synchronized clocks
         x = here(a).detach()
-        moves.append(median_time(functools.partial(_copy_there_and_back, x, other, home), reps, sync))
+        moves.append(hop(x) if hop is not None else
+                     median_time(functools.partial(_copy_there_and_back, x, other, home), reps, sync))
         del here
     return costs, moves
 
@@ -59,6 +61,46 @@ def _fwd_bwd(layer: nn.Module, a: torch.Tensor) -> None:
 
 def _copy_there_and_back(x: torch.Tensor, there: torch.device, back: torch.device) -> None:
     x.to(there, copy=True).to(back, copy=True)  # the activation to the next stage, and (same size) its gradient back
+
+
+class SentHop:
+    """measure_layers' `hop` where the stages are processes (pipeline_dist): seconds to send an output's
+    bytes to rank `peer` and receive as many back (its gradient), point to point over the default group as
+    the schedules' isend/irecv, median of `reps` after a warm-up. `peer` runs SentHop.echo meanwhile, until
+    this rank calls close()."""
+
+    def __init__(self, peer: int, device: torch.device, reps: int = 5):
+        self.peer, self.device, self.reps = peer, device, reps
+        self.sync = synchronizer_all([device])
+
+    def __call__(self, x: torch.Tensor) -> float:
+        import torch.distributed as td
+
+        there = x.detach().contiguous().reshape(-1).view(torch.uint8)
+        back = torch.empty_like(there)
+        td.send(torch.tensor([there.numel(), self.reps + 1], device=self.device), self.peer)  # what comes, how often
+        return median_time(lambda: (td.send(there, self.peer), td.recv(back, self.peer)), self.reps, self.sync)
+
+    def close(self) -> None:
+        import torch.distributed as td
+
+        td.send(torch.zeros(2, dtype=torch.int64, device=self.device), self.peer)  # no more: the echo returns
+
+    @staticmethod
+    def echo(peer: int, device: torch.device) -> None:
+        """The other end: receive what rank `peer`'s SentHop sends and send it back, until it says no more."""
+        import torch.distributed as td
+
+        while True:
+            header = torch.zeros(2, dtype=torch.int64, device=device)
+            td.recv(header, peer)
+            nbytes, times = header.tolist()
+            if not nbytes:
+                return
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            for _ in range(times):
+                td.recv(buf, peer)
+                td.send(buf, peer)
 
 
 def partition(costs: list[float], k: int, moves: list[float] | None = None) -> list[int]:
@@ -104,11 +146,13 @@ def describe(bounds: list[int]) -> str:
     return " | ".join(f"{a}-{b - 1}" for a, b in zip(bounds[:-1], bounds[1:], strict=True))
 
 
-def cut(layers: list[nn.Module], k: int, balance: str, sample: torch.Tensor, devices: list[torch.device]) -> list[int]:
+def cut(layers: list[nn.Module], k: int, balance: str, sample: torch.Tensor, devices: list[torch.device],
+        hop: Callable[[torch.Tensor], float] | None = None) -> list[int]:
     """Bounds of the best contiguous cut of `layers` into k stages: by their forward + backward time on
-    `sample` and the transfers between `devices` ("time"), or by parameter count ("params")."""
+    `sample` and the transfers between `devices` (or `hop`'s, measure_layers) ("time"), or by parameter
+    count ("params")."""
     if balance == "time":
-        costs, moves = measure_layers(layers, sample, devices)
+        costs, moves = measure_layers(layers, sample, devices, hop=hop)
         return partition(costs, k, moves)
     return partition([float(sum(p.numel() for p in layer.parameters())) for layer in layers], k)
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from parallel.devices import SHARED_GLOO_NO_DTENSOR
 from parallel.errors import ConfigError
 from parallel.layout import ParallelDims
 from parallel.strategies import manual_tp, wire
@@ -119,13 +120,27 @@ def plan(model: nn.Module, o: Options, config) -> dict:
     return styles
 
 
+def by_kind(params) -> list[dict]:
+    """The parameters as optimiser groups, each of one kind: plain tensors (what a plan leaves whole:
+    embeddings, norms), or DTensors of one mesh. On CUDA torch's optimisers default to their foreach
+    kernels, one call over a group's tensors, and a call that mixes DTensors with plain tensors fails ("got
+    mixed torch.Tensor and DTensor", seen on an H200; on CPU the default is the per-tensor loop), as does
+    one over DTensors of different meshes (fsdp_tp: a split layer's on dp x tp, the rest on dp alone)."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict = {}
+    for p in params:
+        groups.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+    return [{"params": group} for group in groups.values()]
+
+
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     from torch.distributed.tensor.parallel import parallelize_module
 
     o = options_of(Options, config)
     mesh = dims(config, dist).mesh(dist.device.type)
     model = parallelize_module(model.to(dist.device), mesh, plan(model, o, config))
-    return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device, comm_bytes=0,
+    return Trainable(model, make_optimizer(by_kind(model.parameters())), loss_fn, dist.device, comm_bytes=0,
                      state=State(wire.Counter(config.warmup, model), bool(o.loss_parallel)))
 
 
@@ -153,6 +168,11 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
     return {**t.state.counter.measurements(), "activation_bytes_per_rank": t.state.activation_bytes}
 
 
-HOOKS = Hooks(dims=dims, check=check, state_dict=full_state_dict, model_state_bytes=model_state_every_rank,
+def available(spec) -> str | None:
+    return SHARED_GLOO_NO_DTENSOR if spec.shared else None
+
+
+HOOKS = Hooks(available=available, dims=dims, check=check, state_dict=full_state_dict,
+              model_state_bytes=model_state_every_rank,
               extra_measurements=extra_measurements, comm_bytes_predicted=manual_tp.comm_bytes_predicted,
               predict_step_ms=manual_tp.predict_step_ms)
