@@ -178,7 +178,7 @@ def test_rows_measured_beside_a_cpu_hog_are_marked_noisy(tmp_path):
     hogs = [subprocess.Popen([sys.executable, "-c", hog]) for _ in range(2)]
     try:
         code = main(["compare", "--strategies", "manual_dp", "--workload", "mlp", "--steps", "3", "--warmup", "1",
-                     "--batch-size", "64", "--repeat", "3", "--out", str(tmp_path / "hog")])
+                     "--batch-size", "64", "--repeat", "2", "--out", str(tmp_path / "hog")])
     finally:
         for h in hogs:
             h.kill()
