@@ -6,7 +6,8 @@ fsdp_pp's are in the mutants.)"""
 
 import pytest
 
-from parallel.config import RunConfig
+from parallel import strategies
+from parallel.config import ConfigError, RunConfig
 from parallel.strategies import pipeline_dist
 from tests.multirank import judged_on_ranks
 
@@ -154,3 +155,19 @@ def test_the_cut_by_time_prices_the_hop_as_a_send_between_ranks():
             outputs.append(x.numel() * x.element_size())
     # each layer's output goes to rank 1 and comes back (its gradient): a warm-up and 5 timed round trips
     assert sent0 == [n for n in outputs for _ in range(6)] and sent1 == sent0
+
+
+def test_every_stage_holds_parameters_where_the_model_allows():
+    # Seen on cpu:3: the CNN cut by measured time once gave rank 1 only a ReLU and a pooling layer, whose
+    # process then had no parameters for its optimiser ("optimizer got an empty parameter list").
+    from parallel.strategies import stages
+
+    holds = [True, False, False, True, False, False, False, True, False, True, False, True]  # the CNN's layers
+    costs = [9.0, 0.1, 5.0, 3.0, 0.1, 0.1, 0.1, 0.2, 0.1, 0.1, 0.1, 0.1]  # a slow ReLU-and-pool pair after conv1
+    alone = stages.partition(costs, 3)  # by time alone, a stage of ReLU and pooling
+    assert not all(any(holds[a:b]) for a, b in zip(alone, alone[1:], strict=False)), alone
+    bounds = stages.partition(costs, 3, holds=holds)
+    assert all(any(holds[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)), bounds
+    config = RunConfig(workload="cnn", devices="cpu:8").validate()
+    with pytest.raises(ConfigError, match="only 5 of the cnn's layers have parameters"):
+        strategies.get("pipeline_dist").validate(config)

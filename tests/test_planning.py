@@ -2,6 +2,7 @@
 that cannot run left out with their reason, defaults fitted to the device count. In-process and fast: the
 plan is made, nothing is trained (the end-to-end runs are in the slow tier at the end)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -37,11 +38,13 @@ def test_every_device_count_from_1_to_8_runs_what_can_run_and_names_the_rest(n):
     assert all(why.strip() for why in skipped.values())
     assert {"ddp", "manual_ddp", "zero", "zero_optimizer", "fsdp", "manual_dp", "hogwild", "model_parallel",
             "pipeline"} <= set(runs)  # data parallel at every count: the batch divides
-    if n >= 2:
+    if 2 <= n <= 5:
         m = runs["pipeline_dist"].options["microbatches"]
         assert m >= n and config.batch_size % m == 0  # 1f1b's need, whole micro-batches
-    else:
+    elif n == 1:
         assert skipped["pipeline_dist"].startswith("needs 2 devices or more")
+    else:  # the CNN has 5 layers with parameters: a sixth stage would have nothing to train
+        assert "only 5 of the cnn's layers have parameters" in skipped["pipeline_dist"]
     assert ("fsdp_pp" in runs) == (n in (4, 6, 8))  # pp 2 x dp >= 2
     assert "tensor_parallel" in skipped and "no tensor-parallel plan" in skipped["tensor_parallel"]  # the CNN
 
@@ -57,15 +60,20 @@ def test_preflights_batch_is_a_multiple_of_the_world(n, tmp_path):
 
 
 def test_the_interleaved_schedules_get_whole_rounds_of_micro_batches():
-    _, runs, _ = planned("cpu:3", options={"schedule": "interleaved1f1b"})
-    m = runs["pipeline_dist"].options["microbatches"]
-    assert m % 3 == 0 and runs["pipeline_dist"].batch_size % m == 0
+    from parallel.strategies import pipeline_dist
+
+    config = RunConfig(devices="cpu:3", batch_auto=True, options={"schedule": "interleaved1f1b"}).validate()
+    assert pipeline_dist.fit_microbatches(config, 3, 513) == {"microbatches": 9}  # 6 does not divide 513
+    assert pipeline_dist.fit_microbatches(dataclasses.replace(config, options={}), 3, 513) == {"microbatches": 9}
+    assert pipeline_dist.fit_microbatches(dataclasses.replace(config, options={}), 2, 512) == {"microbatches": 4}
+    _, runs, _ = planned("cpu:2", workload="mlp", options={"schedule": "interleaved1f1b"})
+    assert runs["pipeline_dist"].options["microbatches"] == 4  # whole rounds of 2
 
 
 def test_a_users_own_values_are_kept_and_checked():
-    _, runs, skipped = planned("cpu:8", options={"microbatches": 4})  # 4 < 8 stages: 1f1b refuses it
-    assert "pipeline_dist" not in runs and "at least as many micro-batches as stages: 4 < 8" in skipped["pipeline_dist"]
-    assert runs["pipeline"].options["microbatches"] == 4
+    _, runs, skipped = planned("cpu:4", options={"microbatches": 2})  # 2 < 4 stages: 1f1b refuses it
+    assert "pipeline_dist" not in runs and "at least as many micro-batches as stages: 2 < 4" in skipped["pipeline_dist"]
+    assert runs["pipeline"].options["microbatches"] == 2
     config = RunConfig(devices="cpu:3", batch_size=512).validate()
     assert config.batch_size == 512  # given, so not rounded: the data-parallel ones say why they cannot
     _, skipped = plan(config, ["all"])

@@ -156,10 +156,13 @@ def check_pipeline(config, p: int, batch: int) -> None:
         raise ConfigError(f"{NAME} needs at least 2 processes (one stage each), got {p}")
     if why := _torch_lacks(SCHEDULES[o.schedule][0]):
         raise ConfigError(why)
-    n = len(layers_of(workload_of(config).build_model(config.seed)))
-    if p * v > n:
+    layers = layers_of(workload_of(config).build_model(config.seed))
+    if p * v > len(layers):
         raise ConfigError(f"--schedule {o.schedule} runs {v} stage(s) on each of {p} ranks, {p * v} stages, but the "
-                          f"{config.workload} has {n} layers to split")
+                          f"{config.workload} has {len(layers)} layers to split")
+    if p * v > (holding := sum(any(True for _ in layer.parameters()) for layer in layers)):
+        raise ConfigError(f"{p * v} stages, but only {holding} of the {config.workload}'s layers have parameters: a "
+                          "stage without any has nothing to train (fewer ranks, or --stages-per-rank 1)")
     if o.schedule == "1f1b" and m < p:  # torch's conditions, checked here to fail before any process starts
         raise ConfigError(f"--schedule 1f1b needs at least as many micro-batches as stages: {m} < {p}")
     if o.schedule in ("interleaved1f1b", "interleavedzb") and m % (rounds := max(1, m // p)):

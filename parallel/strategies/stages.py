@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -103,19 +104,27 @@ class SentHop:
                 td.send(buf, peer)
 
 
-def partition(costs: list[float], k: int, moves: list[float] | None = None) -> list[int]:
+def partition(costs: list[float], k: int, moves: list[float] | None = None,
+              holds: list[bool] | None = None) -> list[int]:
     """Bounds [0, ..., n] of the contiguous split into k parts with the smallest largest part (exact, by
     dynamic programming over prefix sums): part i is costs[bounds[i]:bounds[i+1]], plus, for a part that
-    starts at layer a > 0, moves[a-1]: what bringing its input over (and the gradient back) costs."""
+    starts at layer a > 0, moves[a-1]: what bringing its input over (and the gradient back) costs.
+    `holds[i]`: layer i has parameters; where at least k layers do, every part gets one (a stage of
+    ReLUs and pooling alone has nothing to train, and its process no optimiser: pipeline_dist failed so
+    on the CNN over 3 ranks, when the measured times happened to put one there)."""
     n = len(costs)
     if not 1 <= k <= n:
         raise ConfigError(f"cannot split {n} layers into {k} stages")
     moves = moves or [0.0] * n
-    prefix = [0.0]
-    for c in costs:
+    prefix, held = [0.0], [0]
+    for c, h in zip(costs, holds or [True] * n, strict=True):
         prefix.append(prefix[-1] + c)
+        held.append(held[-1] + bool(h))
+    need = held[-1] >= k  # otherwise some part cannot hold any: cut by cost alone
 
     def part(a: int, b: int) -> float:
+        if need and held[b] == held[a]:
+            return math.inf
         return prefix[b] - prefix[a] + (moves[a - 1] if a else 0.0)
 
     best = {(0, 0): (0.0, [])}  # (parts, layers used) -> (largest part, cut points)
@@ -151,10 +160,11 @@ def cut(layers: list[nn.Module], k: int, balance: str, sample: torch.Tensor, dev
     """Bounds of the best contiguous cut of `layers` into k stages: by their forward + backward time on
     `sample` and the transfers between `devices` (or `hop`'s, measure_layers) ("time"), or by parameter
     count ("params")."""
+    holds = [any(True for _ in layer.parameters()) for layer in layers]
     if balance == "time":
         costs, moves = measure_layers(layers, sample, devices, hop=hop)
-        return partition(costs, k, moves)
-    return partition([float(sum(p.numel() for p in layer.parameters())) for layer in layers], k)
+        return partition(costs, k, moves, holds)
+    return partition([float(sum(p.numel() for p in layer.parameters())) for layer in layers], k, holds=holds)
 
 
 def split(model: nn.Module, devices: list[torch.device], balance: str, sample: torch.Tensor) -> Split:
