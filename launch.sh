@@ -102,10 +102,9 @@ case "$cmd" in
         # Bytecode compiled once: the suite starts a few hundred Python processes, and where
         # PYTHONDONTWRITEBYTECODE is set each would compile the package again (~0.07 s apiece).
         "$VENV/bin/python" -m compileall -q parallel scripts tests examples >/dev/null
-        # Two test processes, tests handed out one at a time, except a file with module fixtures
-        # (test_oracle.py: marked xdist_group), which runs whole in one of them so they run once: most
+        # Two test processes, each test file whole in one of them (its module fixtures run once): most
         # tests wait on spawned ranks and child processes, so two overlap well on two cores.
-        exec "$VENV/bin/python" -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadgroup "$@" ;;
+        exec "$VENV/bin/python" -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadfile "$@" ;;
     tensorboard)
         setup
         out=${1:?usage: ./launch.sh tensorboard RESULTS_DIR [tensorboard options]}

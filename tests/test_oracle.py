@@ -16,7 +16,7 @@ from parallel.harness import equivalence, mutants
 from parallel.workloads import WORKLOADS
 from tests.conftest import ROOT
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("oracle")]  # its module fixtures: one worker
+pytestmark = pytest.mark.timeout(300)
 SYNC = SimpleNamespace(synchronous=True, name="fake", tolerance=lambda config: None)  # no rule of its own
 FP32 = SimpleNamespace(precision="fp32")  # the config a verdict reads
 
