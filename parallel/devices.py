@@ -241,19 +241,33 @@ def unusable_gpus() -> str | None:
 def _nvidia_present() -> tuple[int, str]:
     """(GPUs the NVIDIA driver shows, the CUDA version its driver supports, or ""): NVML where it loads,
     else the device files."""
+    import glob
+
+    with _nvml() as nvml:
+        if nvml is not None:
+            try:
+                version = nvml.nvmlSystemGetCudaDriverVersion()
+                return nvml.nvmlDeviceGetCount(), f"{version // 1000}.{version % 1000 // 10}"
+            except Exception:  # noqa: BLE001 - NVML loads but does not answer: the device files say
+                pass
+    return len(glob.glob("/dev/nvidia[0-9]*")), ""
+
+
+@contextlib.contextmanager
+def _nvml():
+    """pynvml, initialised for the block and shut down after it; None where NVML does not load (not
+    installed, or no driver library)."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
-        try:
-            version = pynvml.nvmlSystemGetCudaDriverVersion()
-            return pynvml.nvmlDeviceGetCount(), f"{version // 1000}.{version % 1000 // 10}"
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # noqa: BLE001 - no library, no driver: the device files say whether GPUs are here
-        import glob
-
-        return len(glob.glob("/dev/nvidia[0-9]*")), ""
+    except Exception:  # noqa: BLE001 - not installed, or no driver library
+        yield None
+        return
+    try:
+        yield pynvml
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def cuda_memory(device: torch.device) -> dict[str, int]:
@@ -403,26 +417,21 @@ def cuda_info() -> list[dict]:
 
 
 def _nvml_info() -> list[dict] | None:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001 - not installed, or no driver library: the child process answers
-        return None
-    try:
-        rows = []
-        for i, handle in enumerate(_visible_nvml_handles(pynvml)):
-            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
-            name = pynvml.nvmlDeviceGetName(handle)
-            rows.append({"index": i, "name": name.decode() if isinstance(name, bytes) else name,
-                         "total_bytes": memory.total, "free_bytes": memory.free, "capability": f"{major}.{minor}",
-                         "source": "nvml"})
-        return rows or None
-    except Exception:  # noqa: BLE001 - e.g. MIG instances, which NVML names differently: ask CUDA
-        return None
-    finally:
-        pynvml.nvmlShutdown()
+    with _nvml() as pynvml:
+        if pynvml is None:  # the child process answers
+            return None
+        try:
+            rows = []
+            for i, handle in enumerate(_visible_nvml_handles(pynvml)):
+                memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+                major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+                name = pynvml.nvmlDeviceGetName(handle)
+                rows.append({"index": i, "name": name.decode() if isinstance(name, bytes) else name,
+                             "total_bytes": memory.total, "free_bytes": memory.free,
+                             "capability": f"{major}.{minor}", "source": "nvml"})
+            return rows or None
+        except Exception:  # noqa: BLE001 - e.g. MIG instances, which NVML names differently: ask CUDA
+            return None
 
 
 def gpu_process_ids(indices: list[int]) -> set[int] | None:
@@ -430,20 +439,15 @@ def gpu_process_ids(indices: list[int]) -> set[int] | None:
     None where NVML does not answer (no driver library, no GPU): the caller then knows nothing."""
     if not indices or not gpu_count():
         return None
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001 - not installed, or no driver library
-        return None
-    try:
-        handles = _visible_nvml_handles(pynvml)
-        return {p.pid for i in indices if i < len(handles)
-                for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handles[i])}
-    except Exception:  # noqa: BLE001 - MIG, permissions: unknown rather than wrong
-        return None
-    finally:
-        pynvml.nvmlShutdown()
+    with _nvml() as pynvml:
+        if pynvml is None:
+            return None
+        try:
+            handles = _visible_nvml_handles(pynvml)
+            return {p.pid for i in indices if i < len(handles)
+                    for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handles[i])}
+        except Exception:  # noqa: BLE001 - MIG, permissions: unknown rather than wrong
+            return None
 
 
 def _visible_nvml_handles(pynvml) -> list:
