@@ -196,3 +196,13 @@ def test_torchrun_with_a_batch_that_does_not_divide_says_why_once(tmp_path):
     assert p.returncode != 0 and out.count(f"\n{line}\n") + out.startswith(f"{line}\n") == 1, out
     assert f"traceback : {line}" in out  # torchrun's root cause names it
     assert "parallel/" not in out.replace("scripts/ddp.py", "")  # no traceback of the project's
+
+
+def test_a_sweep_leaves_a_named_strategy_out_of_a_point_it_cannot_run():
+    # A named strategy at a count whose share does not divide its batch sits that point out (the sweep's
+    # strict=False), as one without enough devices always did; a plain comparison still refuses it.
+    config = RunConfig(devices="cpu:3", batch_size=32).validate()
+    chosen, skipped = plan(config, ["ddp"], strict=False)
+    assert [s.name for s, _, _ in chosen] == ["single"] and "not divisible by world size 3" in skipped["ddp"]
+    with pytest.raises(ConfigError, match="not divisible by world size 3"):
+        plan(config, ["ddp"])

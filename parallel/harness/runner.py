@@ -168,7 +168,9 @@ def plan(config: RunConfig, names: list[str], baseline: bool = True,
     options) is left out and the rest run; a strategy the user named is refused with its reason
     (ConfigError, exit 2), as is every bad combination, before anything is started or written."""
     workload = workload_of(config)
-    everything = "all" in names
+    def may_skip(name: str) -> bool:  # a sweep's point, or one `all` took in; one the user named: refused
+        return not strict or ("all" in names and name not in names)
+
     runnable, skipped = strategies.resolve(names, config.spec, workload, strict=strict)
     if baseline:
         runnable = [BASELINE] + [n for n in runnable if n != BASELINE]
@@ -179,7 +181,7 @@ def plan(config: RunConfig, names: list[str], baseline: bool = True,
             for _, cfg in variants:
                 s.validate(cfg)
         except ConfigError as e:
-            if s.name == BASELINE or not (everything or not strict) or s.name in names:
+            if s.name == BASELINE or not may_skip(s.name):
                 raise
             skipped[s.name] = re.sub(rf"^{s.name} cannot (run on \S+|train the .*? workload): ", "", str(e))
             continue
