@@ -283,11 +283,11 @@ def cmd_devices() -> int:
               title_justify="left")
     for c in ("strategy", "launcher", "devices", "kind", "about"):
         s.add_column(c, overflow="fold")
-    runs = {st.name: (st, cfg) for st, _, cfg in chosen}
+    runs = {st.name: cfg for st, _, cfg in chosen}
     for name in strategies.NAMES:
         st = strategies.get(name)
         if name in runs:
-            s.add_row(name, st.launch, str(st.world_size(runs[name][1])), st.kind(runs[name][1]), st.description)
+            s.add_row(name, st.launch, str(st.world_size(runs[name])), st.kind(runs[name]), st.description)
         else:
             s.add_row(name, st.launch, "-", "skipped", skipped.get(name, ""), style="dim")
     console.print(s)
