@@ -260,38 +260,10 @@ def _interrupt(signum, frame):
 
 
 def cmd_devices() -> int:
-    console = make_console()
-    cpu = devices.cpu_info()
-    t = Table(title="devices", title_justify="left")
-    for c in ("device", "name", "memory total / free", "capability", "threads"):
-        t.add_column(c)
-    t.add_row("cpu", cpu["model"], "-", "-", f"{cpu['cores']} cores")
-    for g in devices.cuda_info():
-        memory = f"{g['total_bytes'] / 2**30:.1f} / {g['free_bytes'] / 2**30:.1f} GiB"
-        t.add_row(f"cuda:{g['index']}", g["name"], memory, g["capability"], "-")
-    console.print(t)
-    console.print(f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}")
-    console.print("backends: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in devices.backends().items()))
-    spec = devices.parse_devices("auto")
-    config = RunConfig(batch_auto=True).validate()
-    console.print(f"--devices auto = {spec} ({spec.kind_label}, {spec.backend}), "
-                  f"{spec.threads_per_device()} thread(s) per device")
-    if why := devices.unusable_gpus():
-        console.print(f"[yellow]GPUs not used: {why}[/]", highlight=False)
-    chosen, skipped = plan(config, ["all"])  # what `compare` would run here, by the same planning
-    s = Table(title=f"what `compare` runs with --devices auto ({config.batch_size} samples a step)",
-              title_justify="left")
-    for c in ("strategy", "launcher", "devices", "kind", "about"):
-        s.add_column(c, overflow="fold")
-    runs = {st.name: cfg for st, _, cfg in chosen}
-    for name in strategies.NAMES:
-        st = strategies.get(name)
-        if name in runs:
-            s.add_row(name, st.launch, str(st.world_size(runs[name])), st.kind(runs[name]), st.description)
-        else:
-            s.add_row(name, st.launch, "-", "skipped", skipped.get(name, ""), style="dim")
-    console.print(s)
+    from parallel import envinfo  # the block to paste into an issue, the hardware, what `compare` runs (#29)
 
+    console = make_console()
+    envinfo.show(console, gpus=devices.cuda_info())  # GPUs read once: cuda_info may start a child process
     show_memory(console)
     return 0
 

@@ -93,6 +93,34 @@ def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult
                        loss_parts=global_losses if several else None)
 
 
+def step_lines(losses: list[float], step_ms: list[float], warmup: int, steps: int,
+               loss_parts: dict[str, list[float]] | None = None) -> list[str]:
+    """One log line per optimiser step, in torchtitan's manner, from what the loop recorded (after it, so
+    that nothing is printed, read or synchronized inside a timed step):
+
+        warmup 1/3  loss 2.3026
+        step 3/20  loss 2.2750  ms 33.2
+
+    `losses`: the global loss of every step run (warm-up first; fewer after a resume: the last ones);
+    `step_ms`: the timed steps' milliseconds, or several workers' runs of them one after another (Hogwild:
+    its workers' steps, worker-major), shown as their mean a step; `loss_parts`: each loss of a step
+    that has several, by name (the DCGAN's d_loss, g_loss)."""
+    total = warmup + steps
+    first = total - len(losses)  # the step a resumed run started at
+    timed = total - max(first, warmup)
+    per_step = [step_ms] if timed and len(step_ms) == timed else \
+        [step_ms[i:i + timed] for i in range(0, len(step_ms), timed)] if timed and len(step_ms) % timed == 0 else []
+    lines = []
+    for i, loss in enumerate(losses):
+        step = first + i
+        head = f"warmup {step + 1}/{warmup}" if step < warmup else f"step {step - warmup + 1}/{steps}"
+        parts = "".join(f"  {name} {values[i]:.4f}" for name, values in (loss_parts or {}).items() if i < len(values))
+        j = step - max(first, warmup)
+        ms = f"  ms {sum(w[j] for w in per_step) / len(per_step):.1f}" if step >= warmup and per_step else ""
+        lines.append(f"{head}  loss {loss:.4f}{parts}{ms}")
+    return lines
+
+
 def _faults(step: int, config, dist) -> None:
     """--fail-at-step / --hang-rank, for demos and tests; only in torchrun's first attempt, so that a
     restarted group can show that it recovers."""

@@ -25,10 +25,11 @@ from parallel import strategies
 from parallel.config import RunConfig
 from parallel.devices import activate, exact_fp32, peak_memory, reset_peak_memory
 from parallel.dist import Dist
+from parallel.errors import ConfigError
 from parallel.profiling import make_profiler
 from parallel.results import Measured, Row, atomic_write
 from parallel.timing import summarize
-from parallel.train import make_optimizer, precision
+from parallel.train import make_optimizer, precision, step_lines
 from parallel.usermodel import workload_of
 
 
@@ -136,14 +137,46 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     config = RunConfig.from_json(args.config.read_text()).validate()
     strategy = strategies.get(args.strategy)
-    out = run_here(strategy, config)
+    dist = Dist.from_env(config.spec)
+    if dist.is_main:  # stdout, which the harness writes to OUT/logs/<strategy>.log (launch.run_child)
+        say(start_line(strategy, config, dist))
+    out = run_here(strategy, config, dist)
     if out is not None:
         row, state = out
         torch.save(state, args.state)
         atomic_write(args.result, json.dumps(dataclasses.asdict(row)))
+        for line in [*step_lines(row.losses, row.step_ms, config.warmup, config.steps, row.loss_parts),
+                     end_line(row)]:  # after the run, from what the loop recorded: nothing inside a timed step
+            say(line)
     if strategy.launch == "torchrun":
         leave(0)
     return 0
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+def start_line(strategy, config: RunConfig, dist: Dist) -> str:
+    """The log's first line: which run this is (a torchrun restart prints it again, with its attempt)."""
+    world = strategy.world_size(config)
+    try:
+        used = config.spec.first(world)  # `single` on cpu:2 uses one of them
+    except ConfigError:
+        used = config.spec
+    launch = f"torchrun, {config.spec.backend}" if strategy.launch == "torchrun" else strategy.launch
+    attempt = f", restart {dist.restart}" if dist.restart else ""
+    return (f"run {strategy.name}: world size {world} ({launch}{attempt}) on {used} ({strategy.kind(config)}), "
+            f"workload {config.workload}, global batch {config.batch_size}, {config.warmup} warm-up + "
+            f"{config.steps} steps, {config.precision}, seed {config.seed}")
+
+
+def end_line(row: Row) -> str:
+    """The log's last line: the final loss and the step time's median (p95), throughput."""
+    ms = f"  p50 ms {row.step_ms_p50:.1f}  p95 ms {row.step_ms_p95:.1f}" if row.step_ms_p50 is not None else ""
+    speed = f"  samples/s {row.samples_per_s:,.0f}" if row.samples_per_s else ""
+    loss = f"{row.final_loss:.4f}" if row.final_loss is not None else "-"
+    return f"done {row.strategy}: final loss {loss}{ms}{speed}"
 
 
 def leave(code: int) -> NoReturn:

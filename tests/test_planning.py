@@ -206,3 +206,17 @@ def test_a_sweep_leaves_a_named_strategy_out_of_a_point_it_cannot_run():
     assert [s.name for s, _, _ in chosen] == ["single"] and "not divisible by world size 3" in skipped["ddp"]
     with pytest.raises(ConfigError, match="not divisible by world size 3"):
         plan(config, ["ddp"])
+
+
+def test_devices_runs_and_skips_what_compare_would(capsys):
+    """`devices` and `compare` agree (#29): the same config (compare's own parser, no arguments), the same
+    planner, and a skipped strategy worded as compare words it in full ("NAME skipped: WHY")."""
+    assert cli.main(["devices"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    config = cli.config_from_args(cli.build_parser().parse_args(["compare"]), default_out=False)
+    chosen, skipped = plan(config, ["all"])
+    said = {k: v for k, _, v in (ln.removeprefix("- ").partition(": ") for ln in out if ln.startswith("- compare "))}
+    assert said["compare runs"].split(", ") == list(dict.fromkeys(s.name for s, _, _ in chosen))
+    assert said["compare skips"] == (", ".join(skipped) or "nothing")
+    assert all(f"- {name} skipped: {why}" in out for name, why in skipped.items())
+    assert skipped, "on this machine's defaults something is skipped (tensor parallelism has no cnn plan)"

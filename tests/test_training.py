@@ -1,5 +1,7 @@
 """The loop, the clocks, the workloads and the `single` baseline, all in this process."""
 
+import json
+import re
 import time
 from types import SimpleNamespace
 
@@ -10,7 +12,7 @@ from parallel import strategies
 from parallel.dist import Dist
 from parallel.layout import ParallelDims
 from parallel.timing import StepTimer, summarize
-from parallel.train import NonFiniteLoss, train
+from parallel.train import NonFiniteLoss, step_lines, train
 from parallel.worker import execute
 from parallel.workloads import MLP, WORKLOADS, SyntheticData
 
@@ -105,3 +107,54 @@ def test_the_loop_synchronizes_every_device_a_process_drives(small, monkeypatch)
     fake = SimpleNamespace(name="fake", train_step=lambda tr, b, d: torch.tensor(1.0), dims=REPLICAS)
     train(fake, t, SyntheticData(WORKLOADS["cnn"], 0, 32), small(warmup=0, steps=2), Dist())
     assert calls == devices * 4  # before and after each of the 2 steps
+
+
+# ---- the per-step log lines (OUT/logs/<strategy>.log), from what the loop recorded
+
+
+def test_step_lines_one_per_step_warmup_marked():
+    lines = step_lines([2.3, 2.2, 2.1, 2.0], [30.0, 40.0], warmup=2, steps=2)
+    assert lines == ["warmup 1/2  loss 2.3000", "warmup 2/2  loss 2.2000",
+                     "step 1/2  loss 2.1000  ms 30.0", "step 2/2  loss 2.0000  ms 40.0"]
+    # resumed after 3 steps: only the last ones ran; several losses a step (the DCGAN's) each by name
+    assert step_lines([2.1, 2.0], [30.0, 40.0], warmup=1, steps=3, loss_parts={"d": [1.0, 0.9], "g": [0.5, 0.4]}) \
+        == ["step 2/3  loss 2.1000  d 1.0000  g 0.5000  ms 30.0", "step 3/3  loss 2.0000  d 0.9000  g 0.4000  ms 40.0"]
+    # Hogwild: its two workers' timed steps one after the other, shown as their mean a step
+    assert step_lines([2.0, 1.9], [10.0, 20.0, 30.0, 40.0], warmup=0, steps=2)[1] == "step 2/2  loss 1.9000  ms 30.0"
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # @record's, under capsys (no fileno)
+def test_the_worker_logs_a_line_a_step_and_names_the_run(small, tmp_path, capsys):
+    """What OUT/logs/<strategy>.log holds: the harness's child is this worker, its stdout the log file."""
+    from parallel import worker
+
+    config = small(warmup=2, steps=3)
+    (tmp_path / "cfg.json").write_text(config.to_json())
+    argv = ["--strategy", "manual_dp", "--config", str(tmp_path / "cfg.json"), "--result", str(tmp_path / "r.json"),
+            "--state", str(tmp_path / "p.pt")]
+    assert worker.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("run manual_dp: world size 2 (inprocess) on cpu:2") and "global batch 32" in lines[0]
+    steps = [ln for ln in lines if re.fullmatch(r"(warmup \d/2|step \d/3)  loss \d+\.\d{4}(  ms \d+\.\d)?", ln)]
+    assert [ln.split("  ")[0] for ln in steps] == ["warmup 1/2", "warmup 2/2", "step 1/3", "step 2/3", "step 3/3"]
+    assert all(" ms " in ln for ln in steps[2:]) and not any(" ms " in ln for ln in steps[:2])
+    row = json.loads((tmp_path / "r.json").read_text())
+    assert [float(ln.split()[3]) for ln in steps] == pytest.approx(row["losses"], abs=1e-4)
+    assert lines[-1] == f"done manual_dp: final loss {row['final_loss']:.4f}  p50 ms {row['step_ms_p50']:.1f}  " \
+                        f"p95 ms {row['step_ms_p95']:.1f}  samples/s {row['samples_per_s']:,.0f}"
+    assert len(lines) == 1 + 5 + 1
+
+
+@pytest.mark.slow
+def test_torchrun_logs_its_steps_once_from_rank_0(small, tmp_path):
+    from parallel.harness.runner import run_one
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    row, _ = run_one(strategies.get("ddp"), "", small(warmup=1, steps=3, out=str(tmp_path)), tmp_path, logs)
+    assert row.status == "ok", row.error
+    log = (logs / "ddp.log").read_text().splitlines()
+    assert sum(ln.startswith("run ddp: world size 2 (torchrun, gloo)") for ln in log) == 1
+    assert [ln.split("  ")[0] for ln in log if re.match(r"(warmup|step) \d", ln)] == \
+        ["warmup 1/1", "step 1/3", "step 2/3", "step 3/3"]
+    assert log[-1].startswith("done ddp: final loss ")
