@@ -64,6 +64,9 @@ class RunConfig:
     # Strategies' own knobs by flag name (e.g. {"accum": 2}); each strategy's Options types and checks
     # its own. A list is a sweep: one variant (one report row) per value.
     options: dict = field(default_factory=dict)
+    # Stage cuts decided in this run, "<balance>:<stages>" -> bounds: the first pipeline row measures and
+    # cuts, and every later one of the run takes the same cut, so their idle columns compare one split.
+    cuts: dict = field(default_factory=dict)
 
     def validate(self) -> RunConfig:
         """Check every field and resolve `devices` and `world_size`; returns the resolved copy."""

@@ -70,8 +70,9 @@ _IDS = ("id", "bind_id")  # flow ids (v1 "s"/"t"/"f" events, Perfetto's v2 "bind
 
 def merge(tb: Path, out: Path) -> int:
     """Every <tb>/<strategy>/<strategy>_rank<R>.*.pt.trace.json in one Chrome trace at `out`, each file
-    its own process track named "<strategy> rank <R>" (in run order), every time on one clock (each
-    trace's times are microseconds after its baseTimeNanoseconds; one host's clock). Its host threads
+    its own process track named "<strategy> rank <R>" (in run order). Each strategy starts at t = 0, so
+    their steps line up one above the other instead of running end to end; the ranks of one strategy
+    share one clock (each trace's times are microseconds after its baseTimeNanoseconds; one host's). Its host threads
     keep their tracks, and each GPU stream gets its own, "<strategy> rank <R> cuda:<D> stream <S>":
     Kineto writes each device as its own pid and each stream as a tid, so an in-process strategy's
     cuda:0 and cuda:1 both hold a "stream 7". Flow ids (the launch -> kernel and forward -> backward
@@ -84,7 +85,7 @@ def merge(tb: Path, out: Path) -> int:
                    if (m := _TRACE.match(f.name)))
     if not files:
         return 0
-    events, start, ids = [], None, {}
+    events, start, ids = [], {}, {}  # start: each strategy's first event
     for track, (_, strategy, rank, f) in enumerate(files, start=1):
         doc = json.loads(f.read_text())
         shift = doc.get("baseTimeNanoseconds", 0) / 1e3  # -> microseconds on the host's clock
@@ -101,7 +102,7 @@ def merge(tb: Path, out: Path) -> int:
             if e.get("ph") == "M" and (e.get("name") in _PROCESS_META or e.get("pid") in devices):
                 continue  # ours replace the profiler's ("python", its pid; "stream 7" on every device)
             stream = streams.get((e.get("pid"), e.get("tid")))
-            e = {**e, "pid": track, **({"tid": stream[0]} if stream else {})}
+            e = {**e, "pid": track, "strategy": strategy, **({"tid": stream[0]} if stream else {})}
             if e.get("ph") != "M":
                 for key in _IDS:
                     if isinstance(e.get(key), (int, str)):  # unique to this file, the same within it
@@ -109,11 +110,12 @@ def merge(tb: Path, out: Path) -> int:
             if "ts" in e:
                 e["ts"] = float(e["ts"]) + shift
                 if e.get("ph") != "M":
-                    start = e["ts"] if start is None else min(start, e["ts"])
+                    start[strategy] = min(start.get(strategy, e["ts"]), e["ts"])
             events.append(e)
-    for e in events:  # the first event of the run at 0
+    for e in events:  # each strategy's first event at 0
+        strategy = e.pop("strategy", None)
         if "ts" in e:
-            e["ts"] = round(e["ts"] - (start or 0.0), 3)
+            e["ts"] = round(e["ts"] - start.get(strategy, 0.0), 3)
     atomic_write(out, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
     return len(files)
 

@@ -26,6 +26,7 @@ class Equivalence:
     ratio: float | None = None  # the largest difference over its tolerance, tensors and steps: <= 1 matches
     first_step: int | None = None  # the first step whose loss was off by more than its tolerance
     basis: str = ""  # what the tolerance rests on: "fp32 rule", "bf16 autocast in both", or a strategy's own
+    per_tensor: dict = field(default_factory=dict)  # every tensor's difference over its tolerance (report.html)
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,9 @@ def atomic_write(path: Path, text: str) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as an ordinary file's mode, not mkstemp's owner-only 0600
         with os.fdopen(fd, "w", newline="") as f:
             f.write(text)
             f.flush()
@@ -136,13 +140,13 @@ def write_results(out: Path, config: dict, environment: dict, rows: list[Row], s
     atomic_write(out / "results.json", json.dumps(doc, indent=2))
     buf = io.StringIO()
     names = [f.name for f in dataclasses.fields(Row) if f.name not in CSV_SKIP]
-    eq_names = [f"equivalence_{f.name}" for f in dataclasses.fields(Equivalence)]
+    eq_names = [f"equivalence_{f.name}" for f in dataclasses.fields(Equivalence) if f.name != "per_tensor"]
     measured_names = [f.name for f in dataclasses.fields(Measured)]
     writer = csv.DictWriter(buf, fieldnames=names + eq_names + measured_names)
     writer.writeheader()
     for r in rows:
         d = {k: getattr(r, k) for k in names}
-        d.update({f"equivalence_{k}": v for k, v in dataclasses.asdict(r.equivalence).items()})
+        d.update({f"equivalence_{k}": v for k, v in dataclasses.asdict(r.equivalence).items() if k != "per_tensor"})
         d.update(dataclasses.asdict(r.measured))
         writer.writerow(d)
     atomic_write(out / "results.csv", buf.getvalue())

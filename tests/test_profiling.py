@@ -105,3 +105,15 @@ def test_flow_arrows_join_each_launch_to_its_own_kernel_never_another_ranks(tmp_
         launch, kernel = at[s["pid"], s["tid"], s["ts"]], at[f["pid"], f["tid"], f["ts"]]
         assert launch["name"] == "cudaLaunchKernel" and kernel["cat"] == "kernel"
         assert s["pid"] == f["pid"] and launch["args"]["correlation"] == kernel["args"]["correlation"]
+
+
+def test_each_strategy_starts_at_zero_and_its_ranks_keep_one_clock(tmp_path):
+    """Strategies ran one after another (manual_dp at 1000 us, ddp at 2000 us): the timeline lines their
+    steps up from t = 0 instead of end to end; ddp's rank 1 keeps its 0.5 us offset from rank 0."""
+    doc = merged(tmp_path)
+    first: dict[str, float] = {}
+    for e in doc["events"]:
+        if e.get("ph") == "X":
+            name = doc["names"][e["pid"]]
+            first[name] = min(first.get(name, e["ts"]), e["ts"])
+    assert first == {"manual_dp rank 0": 0.0, "ddp rank 0": 0.0, "ddp rank 1": 0.5}

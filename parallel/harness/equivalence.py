@@ -177,7 +177,8 @@ def judge(strategy, config, ref: Reference | None, row, state: dict | None) -> E
             parts.append(f"{loss} first off at step {step}: {values} ({r:.3g}x its tolerance)")
         reason = "; ".join(parts)
     return Equivalence(verdict, err, tol, reason, worst_tensor=name, ratio=ratio,
-                       first_step=min(s[1] for s in off) if off else None, basis=rule.basis)
+                       first_step=min(s[1] for s in off) if off else None, basis=rule.basis,
+                       per_tensor={k: float(f"{r:.4g}") for r, k, _, _ in tensors})
 
 
 NOISE_MARGIN = 3  # a user's model is judged at this many times its own rounding noise, where that exceeds RTOL

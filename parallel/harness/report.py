@@ -1,15 +1,25 @@
-"""The report: a rich table on the terminal, beside results.json / results.csv."""
+"""The report: one screen on the terminal (100 columns; `--wide` for every column and note), every row's
+details in OUT/details.txt, the pictures in OUT/report.html (harness/pictures.py), beside results.json/.csv.
+
+Every table here keeps to 100 columns: `columns(wide)` picks what fits, the rest goes behind `--wide`
+and into the files. Cells wrap rather than being cut (`overflow="fold"`), so no number is ever shown
+half; tests/test_report.py renders at 80, 100 and 120 columns and looks for a cut."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from parallel.results import Row
 
+WIDTH = 100  # the report's width when the output is not a terminal (a pipe, a file, CI's log)
 VERDICT_STYLE = {"match": "green", "baseline": "cyan", "mismatch": "bold red", "not-expected": "yellow",
                  "unchecked": "dim"}
 
@@ -18,104 +28,118 @@ def _num(x, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
-def _fmt(v) -> str:
-    return f"{v:.3g}" if isinstance(v, float) else str(v)
-
-
-def _bytes(n) -> str:
+def _bytes(n, short: bool = False) -> str:
+    """Three significant digits for a person: 402 MiB, 64.4 KiB, 1.50 MiB (short: 1.5M); None is '-'."""
     if n is None:
         return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1000 or unit == "TiB":
+            text = f"{n:.0f} {unit}" if unit == "B" or abs(n) >= 100 else f"{n:.3g} {unit}"
+            return text.replace(" ", "").replace("iB", "") if short else text
         n /= 1024
     return str(n)
 
 
-def _set(measured) -> dict:
-    return {k: v for k, v in dataclasses.asdict(measured).items() if v is not None}
-
-
-def table(rows: list[Row], environment: dict) -> Table:
-    batch = rows[0].global_batch if rows else "?"
-    t = Table(title=f"{batch} samples/step on {environment['devices']} ({environment['device_kind']})",
-              title_justify="left")
-    for col in ["strategy", "launch", "devices", "ms p50 (p95)", "pred. ms", "samples/s", "speedup", "eff.", "peak mem",
-                "comm/step (pred.)", "loss", "eval loss", "equivalence", "status"]:
-        t.add_column(col, justify="left" if col in ("strategy", "launch", "devices", "equivalence") else "right",
-                     no_wrap=col in ("strategy", "ms p50 (p95)", "equivalence"))
-    for r in rows:
-        eq = r.equivalence
-        verdict = f"[{VERDICT_STYLE.get(eq.verdict, '')}]{eq.verdict}[/]"
-        if eq.ratio is not None:
-            verdict += f" {eq.ratio:.2g}"
-        p50 = "-" if r.step_ms_p50 is None else f"{r.step_ms_p50:.1f} ({r.step_ms_p95:.1f})"
-        speedup = _num(r.speedup, ".2f")
-        if len(r.round_speedups) > 1:  # --repeat: the median of the paired rounds, and their range
-            speedup += f" [{min(r.round_speedups):.2f}-{max(r.round_speedups):.2f}]"
-        t.add_row(r.label, r.launcher, f"{r.world_size} {r.device_kind}", p50, _num(r.step_ms_predicted, ".1f"),
-                  _num(r.samples_per_s, ",.0f"), speedup, _num(r.efficiency, ".0%"),
-                  _bytes(r.peak_mem_bytes), f"{_bytes(r.comm_bytes_per_step)} ({_bytes(r.comm_bytes_predicted)})",
-                  _num(r.final_loss, ".4f"), _num(r.eval_loss, ".4f"), verdict,
-                  (r.status if r.status == "ok" else f"[bold red]{r.status}[/]")
-                  + (" [yellow]noisy[/]" if any(f.startswith("noisy") for f in r.flags) else "")
-                  + (" [yellow]flag[/]" if any(not f.startswith("noisy") for f in r.flags) else ""))
+def _table(title: str, heads: list[tuple[str, str]]) -> Table:
+    """A report table: no vertical rules (they cost 3 columns each), cells that wrap instead of being cut."""
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0),
+              title_style="bold")
+    for name, justify in heads:
+        t.add_column(name, justify=justify, overflow="fold")
     return t
 
 
-def notes(rows: list[Row], environment: dict, skipped: dict | None = None) -> list[str]:
-    """What a reader must know to read the numbers right on this hardware."""
-    out = [f"[red]{r.label} {r.status}: {r.error}[/]" for r in rows if r.error]
-    out += [f"[yellow]{r.label}: {f}[/]" for r in rows for f in r.flags]
-    out += [f"{name} skipped: {why}" for name, why in (skipped or {}).items()]
-    out += [f"{r.label}: {r.equivalence.reason}" for r in rows if r.equivalence.verdict == "not-expected"]
-    out += [f"[red]{r.label} mismatch: {r.equivalence.reason}[/]" for r in rows
-            if r.equivalence.verdict == "mismatch"]
-    if any(r.equivalence.ratio is not None for r in rows):
-        out.append("equivalence: every tensor and every step's loss against `single`'s, each within its own "
-                   "tolerance; the number is the largest difference over its tolerance (above 1: mismatch). "
-                   "Evidence that it catches real bugs: python -m parallel mutants")
-    judged: dict[str, list[str]] = {}  # rows judged by one looser rule are named together
+# The run ------------------------------------------------------------------------------------------------
+
+
+def run_facts(config) -> dict:
+    """What was trained, for the header and results.json: the workload (the user's model by its label),
+    its parameter count, the batch, steps and warm-up, precision and seed."""
+    from parallel.usermodel import workload_of
+
+    model = workload_of(config).build_model(config.seed)
+    return {"workload": config.workload, "params": sum(p.numel() for p in model.parameters()),
+            "global_batch": config.batch_size, "steps": config.steps, "warmup": config.warmup,
+            "precision": config.precision, "seed": config.seed}
+
+
+def _count(n: int) -> str:
+    for size, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
+
+
+def header(environment: dict) -> str:
+    """The run in one line: workload and size, batch, steps, devices, precision, seed, torch."""
+    run, kind = environment.get("run") or {}, environment["device_kind"]
+    what = f"{run['workload']} {_count(run['params'])} params" if run else "?"
+    steps = f"{run['steps']} steps + {run['warmup']} warm-up" if run else ""
+    return " · ".join(x for x in (
+        what, f"batch {run.get('global_batch', '?')}", steps,
+        f"{environment['devices']} {kind}" + ("" if kind == "virtual" else f", {environment['backend']}"),
+        run.get("precision", ""), f"seed {run.get('seed', '?')}", f"torch {environment['torch']}") if x)
+
+
+# The main table -----------------------------------------------------------------------------------------
+
+
+def status(r: Row) -> str:
+    """ok | noisy | flag (a measurement that cannot be right as it stands) | the failure."""
+    if r.status != "ok":
+        return {"timed-out": "timeout"}.get(r.status, r.status)
+    if any(f.startswith("noisy") for f in r.flags):
+        return "noisy"
+    return "flag" if any(not f.startswith("real effect") for f in r.flags) else "ok"
+
+
+def _devices(r: Row, run_kind: str) -> str:
+    return str(r.world_size) if r.device_kind == run_kind else f"{r.world_size} {r.device_kind}"
+
+
+def _speedup(r: Row, spread: bool = True) -> str:
+    """The speedup; with --repeat the median of the paired rounds, and (spread) their range."""
+    text = _num(r.speedup, ".2f")
+    if spread and len(r.round_speedups) > 1:
+        text += f" [{min(r.round_speedups):.2f}-{max(r.round_speedups):.2f}]"
+    return text
+
+
+def _equivalence(r: Row) -> Text:
+    eq = r.equivalence
+    text = Text(eq.verdict, style=VERDICT_STYLE.get(eq.verdict, ""))
+    if eq.ratio is not None and eq.verdict != "baseline":
+        text.append(f" {eq.ratio:.2g}")
+    return text
+
+
+MAIN = [("strategy", "left"), ("devices", "left"), ("ms p50", "right"), ("speedup", "right"), ("eff.", "right"),
+        ("peak mem", "right"), ("sent/step", "right"), ("equivalence", "left"), ("status", "left")]
+WIDE = [("strategy", "left"), ("launch", "left"), ("devices", "left"), ("ms p50 (p95)", "right"),
+        ("pred. ms", "right"), ("samples/s", "right"), ("speedup", "right"), ("eff.", "right"), ("peak mem", "right"),
+        ("sent/step (pred.)", "right"), ("loss", "right"), ("eval loss", "right"), ("equivalence", "left"),
+        ("status", "left")]
+
+
+def table(rows: list[Row], environment: dict, wide: bool = False) -> Table:
+    kind = environment["device_kind"]
+    t = _table("Every strategy against `single`", WIDE if wide else MAIN)
     for r in rows:
-        if r.equivalence.basis and r.equivalence.basis != "fp32 rule" and r.equivalence.verdict != "baseline":
-            judged.setdefault(r.equivalence.basis, []).append(r.label)
-    out += [f"{', '.join(labels)}: judged by {basis}" for basis, labels in judged.items()]
-    out += [f"{r.label}: " + ", ".join(f"{k} {_fmt(v)}" for k, v in {**r.details, **_set(r.measured)}.items())
-            for r in rows if r.details]
-    out += [f"{r.label} losses, first -> last step: " + ", ".join(f"{k} {v[0]:.4f} -> {v[-1]:.4f}"
-                                                                 for k, v in r.loss_parts.items())
-            for r in rows if r.loss_parts]
-    out += _reduce_scatter_caveat(rows) + pipeline_gaps(rows)
-    if environment["device_kind"] == "virtual":
-        cpu = environment["cpu"]
-        out.append(f"Simulated: {environment['devices']} = virtual devices sharing {cpu['cores']} CPU core(s) "
-                   f"({environment['threads_per_device']} thread(s) each); speedups show what splitting "
-                   "the work costs and saves on this CPU, not what GPUs would do.")
-        if environment.get("oversubscribed"):
-            out.append("Oversubscribed: more virtual devices than cores; times include contention.")
-    if why := environment.get("gpus_unusable"):
-        out.append(f"GPUs not used: {why}.")
-    if environment["device_kind"] == "shared":
-        out.append(f"Shared: {environment['devices']} = {environment['devices'].rpartition('x')[2]} ranks on one GPU, "
-                   "talking over gloo (nccl refuses two ranks on one device): every CUDA path runs on a real GPU and "
-                   "the oracle checks it there, but the ranks take turns on it, so speedups show the cost of "
-                   "splitting the work, not what several GPUs would do.")
-    if any(r.device_kind == "pass-through" for r in rows):
-        out.append("pass-through: the strategy cannot split work on this hardware and just runs the module.")
-    if any(r.device_kind == "serial" for r in rows):
-        out.append("serial: one device, so nothing runs in parallel: the row costs the strategy's machinery "
-                   "(replicas, hooks, collectives of one) against `single`, and its speedup cannot pass 1.")
-    kinds = {r.peak_mem_kind for r in rows if r.peak_mem_kind}
-    if "process_peak_rss" in kinds:
-        out.append("peak mem on CPU is the peak resident memory of rank 0's process (torch itself included); "
-                   "every rank's and worker's is in the details, with the model state each device holds.")
-    out.append("speedup: samples/s over `single` on one device of the same list, measured in this run; "
-               "eff. = speedup / devices.")
-    if rounds := max((len(r.round_speedups) for r in rows), default=0):
-        out.append(f"--repeat {rounds}: every strategy ran {rounds} times, in interleaved rounds; speedup is the "
-                   "median of each round's samples/s over that round's `single` [min-max over the rounds], ms "
-                   "p50 the median of the rounds' (p95: the first round's); equivalence judged on the first round.")
-    return out
+        state = Text(status(r), style="" if status(r) == "ok" else "bold red" if r.status != "ok" else "yellow")
+        if wide:
+            p50 = "-" if r.step_ms_p50 is None else f"{r.step_ms_p50:.1f} ({r.step_ms_p95:.1f})"
+            t.add_row(r.label, r.launcher, f"{r.world_size} {r.device_kind}", p50, _num(r.step_ms_predicted, ".1f"),
+                      _num(r.samples_per_s, ",.0f"), _speedup(r), _num(r.efficiency, ".0%"), _bytes(r.peak_mem_bytes),
+                      f"{_bytes(r.comm_bytes_per_step)} ({_bytes(r.comm_bytes_predicted)})",
+                      _num(r.final_loss, ".4f"), _num(r.eval_loss, ".4f"), _equivalence(r), state)
+        else:
+            t.add_row(r.label, _devices(r, kind), _num(r.step_ms_p50, ".1f"), _speedup(r, spread=False),
+                      _num(r.efficiency, ".0%"),
+                      _bytes(r.peak_mem_bytes), _bytes(r.comm_bytes_per_step), _equivalence(r), state)
+    return t
+
+
+# The sharded and pipeline tables ------------------------------------------------------------------------
 
 
 def _largest(v):
@@ -126,53 +150,176 @@ def _largest(v):
     return v
 
 
-def sharding_table(rows: list[Row]) -> Table | None:
-    """Model state per rank by kind and bytes per step by collective, for the sharded strategies (and
-    DDP, the unsharded reference), beside the ZeRO paper's figures: rows whose details carry them."""
-    kinds = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
-    chosen = [r for r in rows if r.status == "ok" and (r.strategy == "ddp" or set(kinds) & set(
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "send")
+
+
+def sharded_rows(rows: list[Row]) -> list[Row]:
+    """The sharded strategies (and DDP, the unsharded reference): rows whose details carry bytes by collective."""
+    chosen = [r for r in rows if r.status == "ok" and (r.strategy == "ddp" or set(COLLECTIVES[:4]) & set(
         r.details.get("bytes_per_step_by_collective", ())))]
-    if not any("bytes_per_step_by_collective" in r.details for r in chosen):
-        return None
-    t = Table(title="Sharded data parallel: model state per rank (largest rank) and bytes sent per step",
-              title_justify="left")
-    for col in ["strategy", "params", "grads", "optimizer", "model state", "ZeRO formula",
-                *[k.replace("_", "-") for k in kinds], "sent (pred.)", "gathered peak"]:
-        t.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=col == "strategy")
+    return chosen if any("bytes_per_step_by_collective" in r.details for r in chosen) else []
+
+
+def sent_by_collective(r: Row) -> dict[str, float]:
+    return r.details.get("bytes_per_step_by_collective") or (
+        {"all_reduce": r.comm_bytes_per_step} if r.comm_bytes_per_step else {})
+
+
+def sharding_tables(rows: list[Row], wide: bool = False) -> list[Table]:
+    """Model state per rank by kind beside the ZeRO paper's formula, and bytes per step by collective."""
+    chosen = sharded_rows(rows)
+    if not chosen:
+        return []
+    state = _table("Sharded data parallel: model state per rank (the largest rank)",
+                   [("strategy", "left"), ("params", "right"), ("grads", "right"), ("optimizer", "right"),
+                    ("model state", "right"), ("ZeRO formula", "right"), ("gathered peak", "right")])
+    kinds = [k for k in COLLECTIVES if any(sent_by_collective(r).get(k) for r in chosen)]
+    sent = _table("... and bytes each rank sends per step, by collective",
+                  [("strategy", "left"), *((k.replace("_", "-"), "right") for k in kinds), ("total", "right"),
+                   ("textbook", "right")])
     for r in chosen:
         d = r.details
-        sent = d.get("bytes_per_step_by_collective") or {"all_reduce": r.comm_bytes_per_step}
-        t.add_row(r.label, *(_bytes(_largest(d.get(f"{k}_per_rank"))) for k in ("param_bytes", "grad_bytes",
-                                                                                "optimizer_state_bytes")),
-                  _bytes(_largest(d.get("model_state_bytes_per_device"))), _bytes(d.get("zero_formula_bytes")),
-                  *(_bytes(sent.get(k)) if sent.get(k) else "-" for k in kinds),
-                  f"{_bytes(r.comm_bytes_per_step)} ({_bytes(r.comm_bytes_predicted)})",
-                  _bytes(_largest(d.get("unsharded_peak_bytes_per_rank"))))
-    return t
+        state.add_row(r.label, *(_bytes(_largest(d.get(f"{k}_per_rank"))) for k in (
+            "param_bytes", "grad_bytes", "optimizer_state_bytes")),
+            _bytes(_largest(d.get("model_state_bytes_per_device"))), _bytes(d.get("zero_formula_bytes")),
+            _bytes(_largest(d.get("unsharded_peak_bytes_per_rank"))))
+        by = sent_by_collective(r)
+        sent.add_row(r.label, *(_bytes(by.get(k)) if by.get(k) else "-" for k in kinds),
+                     _bytes(r.comm_bytes_per_step), _bytes(r.comm_bytes_predicted))
+    return [state, sent]
 
 
-def pipeline_table(rows: list[Row]) -> Table | None:
+def pipeline_rows(rows: list[Row]) -> list[Row]:
+    return [r for r in rows if r.status == "ok" and r.measured.bubble_theory is not None and "stages" in r.details]
+
+
+def pipeline_table(rows: list[Row], wide: bool = False) -> Table | None:
     """Every pipeline row: its schedule and micro-batches, the cut, the idle fraction measured beside the
-    schedule's theory, the step predicted by playing the schedule out, what goes point to point, and the
-    activations each stage held at once."""
-    chosen = [r for r in rows if r.status == "ok" and r.measured.bubble_theory is not None and "stages" in r.details]
+    schedule's theory, the step predicted by playing the schedule out, and the activations each stage
+    held at once (wide: what goes point to point, the model state per rank)."""
+    chosen = pipeline_rows(rows)
     if not chosen:
         return None
-    t = Table(title="Pipelines: idle time against theory, and what each stage holds", title_justify="left")
-    for col in ("strategy", "schedule", "m", "stages (layers)", "idle", "theory", "ms (pred.)", "sent / step",
-                "peak activations per stage", "model state per rank"):
-        t.add_column(col, justify="left" if col in ("strategy", "schedule", "stages (layers)") else "right",
-                     no_wrap=col == "strategy")
+    heads = [("strategy", "left"), ("schedule", "left"), ("m", "right"), ("stages (layers)", "left"),
+             ("idle", "right"), ("theory", "right"), ("ms (pred.)", "right"), ("activations", "right")]
+    if wide:
+        heads += [("sent/step", "right"), ("model state per rank", "right")]
+    t = _table("Pipelines: idle time against theory, and the activations each stage held at once", heads)
     for r in chosen:
         d, m = r.details, r.measured
         idle = "-" if m.bubble_measured is None else f"{m.bubble_measured:.0%}"
         pred = f"{r.step_ms_p50:.1f} ({r.step_ms_predicted:.1f})" if r.step_ms_predicted else f"{r.step_ms_p50:.1f}"
-        t.add_row(r.label, d.get("schedule", "-"), str(d.get("microbatches", 1)), d["stages"], idle,
-                  f"{m.bubble_theory:.0%}", pred, _bytes(r.comm_bytes_per_step),
-                  " / ".join(_bytes(b) for b in d.get("stage_peak_activation_bytes") or d.get("stage_activation_bytes")
-                             or []),
-                  " / ".join(_bytes(b) for b in d.get("model_state_bytes_per_device") or []))
+        acts = d.get("stage_peak_activation_bytes") or d.get("stage_activation_bytes") or []
+        cells = [r.label, d.get("schedule", "-"), str(d.get("microbatches", 1)), d["stages"], idle,
+                 f"{m.bubble_theory:.0%}", pred, " / ".join(_bytes(b, short=True) for b in acts)]
+        if wide:
+            cells += [_bytes(r.comm_bytes_per_step),
+                      " / ".join(_bytes(b, short=True) for b in d.get("model_state_bytes_per_device") or [])]
+        t.add_row(*cells)
     return t
+
+
+# Notes: at most about ten lines on a quiet machine; everything else in details.txt ---------------------
+
+
+def _short(reason: str) -> str:
+    """A skip reason's first clause: 'needs 4 devices or more (dp 2 x tp 2), cpu:2 has 2' -> 'needs 4 ...'."""
+    first = re.split(r"[:;]|, (?![^()]*\))", reason, maxsplit=1)[0]
+    return re.sub(r"(\d+) devices or more", r"\1+ devices", re.sub(r"^it (has )?|\s*\([^()]*\)$", "", first.strip()))
+
+
+def skipped_line(skipped: dict) -> str | None:
+    if not skipped:
+        return None
+    by: dict[str, list[str]] = {}
+    for name, why in skipped.items():
+        by.setdefault(_short(why), []).append(name)
+    return "skipped: " + "; ".join(f"{', '.join(names)} ({why})" for why, names in by.items())
+
+
+def _span(values: list[float]) -> str:
+    lo, hi = round(min(values) * 100), round(max(values) * 100)
+    return f"{lo}%" if lo == hi else f"{lo}-{hi}%"
+
+
+def flag_lines(rows: list[Row]) -> list[str]:
+    """Flags, folded: every row measured under load in one line; the same kind of doubt about several rows
+    in one line; other flags one line each (their full text is in details.txt)."""
+    out = []
+    loaded = [r for r in rows if any(f.startswith("noisy: other processes used") for f in r.flags)]
+    if loaded:
+        rounds = max((len(r.round_speedups) for r in rows), default=0)
+        again = "re-run on a quiet machine" if rounds > 1 else "--repeat 3 pairs rounds, or re-run on a quiet machine"
+        measured = len([r for r in rows if r.status == "ok"])
+        who = f"all {measured} rows" if len(loaded) == measured else f"{len(loaded)} of {measured} rows" + (
+            f" ({', '.join(r.label for r in loaded)})" if len(loaded) <= 3 else "")
+        out.append(f"noisy: {who} measured while other processes used {_span([r.foreign_cpu for r in loaded])} "
+                   f"of the CPU; {again}")
+    over = [r for r in rows if any("from one measurement" in f for f in r.flags)]
+    if over:
+        out.append(", ".join(f"{r.label} {r.efficiency:.0%}" for r in over) + " efficiency from one measurement: "
+                   "noise or a slow baseline (--repeat 3 tells)")
+    folded = {id(r) for r in loaded + over}
+    for r in rows:
+        for f in r.flags:
+            if (id(r) in folded and (f.startswith("noisy: other processes used") or "from one measurement" in f)):
+                continue
+            out.append(f"{r.label}: {f.split('; re-run')[0]}")
+    return out
+
+
+def notes(rows: list[Row], environment: dict, skipped: dict | None = None) -> list[str]:
+    """What a reader must know to read the table right, in as few lines as it takes."""
+    out = [f"{r.label} {r.status}: {(r.error or '').splitlines()[0] if r.error else ''}" for r in rows if r.error]
+    out += [f"{r.label} mismatch: {r.equivalence.reason}" for r in rows if r.equivalence.verdict == "mismatch"]
+    out += flag_lines(rows)
+    if line := skipped_line(skipped or {}):
+        out.append(line)
+    for r in rows:
+        if r.equivalence.verdict == "not-expected":
+            ratio = ""
+            base = next((b for b in rows if b.equivalence.verdict == "baseline"), None)
+            if base and base.eval_loss and r.eval_loss:
+                ratio = f"; eval loss {r.eval_loss / base.eval_loss:.2f}x single's"
+            out.append(f"{r.label}: asynchronous, not the same training as one device{ratio}")
+    judged: dict[str, list[str]] = {}  # rows judged by one looser rule are named together
+    for r in rows:
+        if r.equivalence.basis and r.equivalence.basis != "fp32 rule" and r.equivalence.verdict != "baseline":
+            judged.setdefault(r.equivalence.basis, []).append(r.label)
+    out += [f"{', '.join(labels)}: judged by {basis}" for basis, labels in judged.items()]
+    kind = environment["device_kind"]
+    if kind == "virtual":
+        out.append(f"simulated: {environment['devices']} is virtual devices on {environment['cpu']['cores']} CPU "
+                   "core(s): speedups are this CPU's, not a GPU's" + (" (more devices than cores)" if
+                                                                    environment.get("oversubscribed") else ""))
+    elif kind == "shared":
+        out.append(f"shared: {environment['devices']} is ranks taking turns on one GPU (gloo): every CUDA path is "
+                   "checked; speedups show what splitting costs")
+    if why := environment.get("gpus_unusable"):
+        out.append(f"GPUs not used: {why}")
+    if kinds := sorted({r.device_kind for r in rows} & {"serial", "pass-through"}):
+        out.append(" / ".join(kinds) + ": one device, nothing in parallel; the row costs the strategy's machinery")
+    out.append("speedup: samples/s over single's (this run); eff.: speedup/devices; equivalence: error/tolerance")
+    return out
+
+
+def long_notes(rows: list[Row], environment: dict, skipped: dict | None = None, cost_model: dict | None = None
+               ) -> list[str]:
+    """Everything the short notes fold or leave out, in full: for --wide and details.txt."""
+    out = [f"{r.label} {r.status}: {r.error}" for r in rows if r.error]
+    out += [f"{r.label}: {f}" for r in rows for f in r.flags]
+    out += [f"{name} skipped: {why}" for name, why in (skipped or {}).items()]
+    out += [f"{r.label}: {r.equivalence.reason}" for r in rows if r.equivalence.verdict == "not-expected"]
+    out += _reduce_scatter_caveat(rows) + pipeline_gaps(rows) + cost_lines(cost_model)
+    kinds = {r.peak_mem_kind for r in rows if r.peak_mem_kind}
+    if "process_peak_rss" in kinds:
+        out.append("peak mem on CPU is the peak resident memory of rank 0's process (torch itself included); "
+                   "every rank's and worker's is in the details, with the model state each device holds.")
+    if rounds := max((len(r.round_speedups) for r in rows), default=0):
+        out.append(f"--repeat {rounds}: every strategy ran {rounds} times, in interleaved rounds; speedup is the "
+                   "median of each round's samples/s over that round's `single` [min-max over the rounds], ms "
+                   "p50 the median of the rounds' (p95: the first round's); equivalence judged on the first round.")
+    return out
 
 
 def pipeline_gaps(rows: list[Row]) -> list[str]:
@@ -213,37 +360,70 @@ def _reduce_scatter_caveat(rows: list[Row]) -> list[str]:
     return [line + "; a ring reduce-scatter sends half an all-reduce's bytes (about 0.5x expected)."]
 
 
+# The verdict --------------------------------------------------------------------------------------------
+
+
+def _doubted(r: Row) -> bool:
+    """A row whose speed the flags question: measured under load, or more than its devices can give."""
+    return any(not f.startswith("real effect") for f in r.flags)
+
+
 def advice(rows: list[Row]) -> list[str]:
     """Which strategy when, on this hardware, from this run's numbers (no sentence is fixed in advance).
-    Rows on one device (serial, pass-through) say what a strategy's machinery costs, not which layout to
-    choose: they are left out, and a run with nothing else says so."""
-    ok = [r for r in rows if r.status == "ok" and r.speedup is not None
-          and (r.world_size > 1 or r.strategy == "single")]
-    exact = [r for r in ok if r.equivalence.verdict in ("match", "baseline")]
+    Only rows on several devices that trained like one device compete; `single` never does. The verdict
+    is withheld when the measurements behind it are in doubt, and says what backs it when it is given:
+    one measurement, or the median of paired rounds; rows it cannot tell apart are named with it."""
+    ok = [r for r in rows if r.status == "ok" and r.speedup is not None and r.world_size > 1 and r.strategy != "single"]
+    if not ok:
+        if any(r.status == "ok" and r.world_size == 1 and r.strategy != "single" for r in rows):
+            return ["One device: nothing here runs in parallel, so there is no layout to choose; the rows show what "
+                    "each strategy's machinery costs against `single` (cuda:0x2 shares one GPU between 2 ranks)."]
+        return []
+    exact = [r for r in ok if r.equivalence.verdict == "match"]
+    doubted = [r for r in ok if _doubted(r)]
     out = []
-    if ok and all(r.world_size == 1 for r in ok):
-        return ["One device: nothing here runs in parallel, so there is no layout to choose; the rows show what "
-                "each strategy's machinery costs against `single` (cuda:0x2 shares one GPU between 2 ranks)."]
-    if exact:
-        best = max(exact, key=lambda r: r.speedup)
-        noisy = best.equivalence.basis.startswith("this model's own")  # equivalence.own_noise's rule
-        like = "like one device, within the model's own rounding noise" if noisy else "exactly like one device"
-        out.append(f"Fastest that trains {like}: {best.label}, {best.speedup:.2f}x on "
-                   f"{best.world_size} device(s) ({best.efficiency:.0%} efficiency).")
+    if not exact:
+        out.append("No strategy on several devices trained like one device here: no fastest to name.")
+    elif len(doubted) * 2 > len(ok):
+        out.append(f"Withheld: {len(doubted)} of {len(ok)} rows are noisy or flagged, so their order is not "
+                   "this hardware's; re-run on a quiet machine (with --repeat 3 for paired rounds).")
+    else:
+        clean = [r for r in exact if not _doubted(r)] or exact
+        best = max(clean, key=lambda r: r.speedup)
+        rounds = len(best.round_speedups)
+        if rounds > 1:
+            backed = f"median of {rounds} paired rounds, {min(best.round_speedups):.2f}-{max(best.round_speedups):.2f}"
+            lo = min(best.round_speedups)
+            ties = [r for r in clean if r is not best and len(r.round_speedups) > 1 and max(r.round_speedups) >= lo]
+        else:
+            backed = "one measurement"
+            ties = [r for r in clean if r is not best and r.speedup >= 0.9 * best.speedup]
+        noise = best.equivalence.basis.startswith("this model's own")  # equivalence.own_noise's rule
+        like = "like one device, within the model's own rounding noise" if noise else "exactly like one device"
+        if best.speedup < 1:
+            out.append(f"None trains {like} faster than one device here; the least slow: {best.label}, "
+                       f"{best.speedup:.2f}x ({backed}).")
+        else:
+            out.append(f"Fastest that trains {like}: {best.label}, {best.speedup:.2f}x on {best.world_size} "
+                       f"devices ({backed}).")
+        if ties:
+            out.append("Not told apart from it by this run: " + ", ".join(f"{r.label} {r.speedup:.2f}x" for r in ties)
+                       + (" (their rounds overlap)." if rounds > 1 else " (within 10%, from one measurement)."))
         for r in ok:
-            if r.equivalence.verdict == "not-expected" and r.speedup > best.speedup:
-                ratio = f", eval loss {r.eval_loss / exact[0].eval_loss:.2f}x single's" if r.eval_loss and \
-                    exact[0].eval_loss else ""
-                out.append(f"Faster still: {r.label}, {r.speedup:.2f}x, but not the same training{ratio}.")
-    slower = [r for r in ok if r.world_size > 1 and r.speedup < 1]
+            if r.equivalence.verdict == "not-expected" and r.speedup > best.speedup and not _doubted(r):
+                out.append(f"Faster still: {r.label}, {r.speedup:.2f}x, but not the same training.")
+    slower = [r for r in ok if r.speedup < 1 and not _doubted(r)]
     if slower:
         out.append("Slower than one device here: " + ", ".join(f"{r.label} {r.speedup:.2f}x" for r in slower) + ".")
     for r in ok:
         m = r.measured
-        if m.exposed_comm_ms is not None and r.step_ms_p50:
+        if m.exposed_comm_ms is not None and m.exposed_comm_ms >= 0 and r.step_ms_p50 and not _doubted(r):
             out.append(f"{r.label}: {m.exposed_comm_ms / r.step_ms_p50:.0%} of each step is communication not "
-                       f"hidden behind compute ({m.exposed_over_allreduce:.2f}x one all-reduce of every gradient).")
+                       f"hidden behind compute ({m.exposed_over_allreduce:.2f}x a bare all-reduce).")
     return out
+
+
+# The cost model's lines ---------------------------------------------------------------------------------
 
 
 def cost_lines(model: dict | None) -> list[str]:
@@ -273,26 +453,85 @@ def memory_lines(model: dict) -> list[str]:
     return out
 
 
+# details.txt --------------------------------------------------------------------------------------------
+
+
+def readable(key: str, value) -> str:
+    """One detail as a person reads it: bytes in KiB/MiB, milliseconds with their unit, fractions as
+    percentages, lists joined by ' / ', dicts as 'name value' pairs; never a Python repr."""
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {readable(key, v)}" for k, v in value.items()) or "-"
+    if isinstance(value, (list, tuple)):
+        if value and all(isinstance(v, (list, tuple)) for v in value):
+            return f"{len(value)} entries"  # a timeline: in results.json and the pictures
+        return " / ".join(readable(key, v) for v in value) or "-"
+    if value is None:
+        return "-"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if "bytes" in key:
+        return _bytes(value)
+    if key.endswith("_ms"):
+        return f"{value:.2f} ms"
+    if key.endswith(("_s", "_seconds")):
+        return f"{value:.3g} s"
+    if "fraction" in key or key.startswith("bubble"):
+        return f"{value:.0%}"
+    return f"{value:,}" if isinstance(value, int) else f"{value:.3g}"
+
+
+def details_text(rows: list[Row], environment: dict, skipped: dict | None = None,
+                 cost_model: dict | None = None) -> str:
+    """OUT/details.txt: the run, every row's measurements by name, and every note in full."""
+    lines = [header(environment), ""]
+    for r in rows:
+        eq = r.equivalence
+        lines.append(f"{r.label} ({r.launcher}, {r.world_size} {r.device_kind} device(s)): {r.status}")
+        lines.append(f"  step ms p50 {_num(r.step_ms_p50, '.2f')} (p95 {_num(r.step_ms_p95, '.2f')}), predicted "
+                     f"{_num(r.step_ms_predicted, '.2f')}; samples/s {_num(r.samples_per_s, ',.0f')}; speedup "
+                     f"{_speedup(r)}; efficiency {_num(r.efficiency, '.0%')}")
+        lines.append(f"  equivalence: {eq.verdict}" + (f", {eq.ratio:.3g} of its tolerance (worst: {eq.worst_tensor})"
+                                                      if eq.ratio is not None else "")
+                     + (f"; {eq.basis}" if eq.basis else "") + (f"; {eq.reason}" if eq.reason else ""))
+        lines.append(f"  loss {_num(r.final_loss, '.4f')}, eval loss {_num(r.eval_loss, '.4f')}; peak memory "
+                     f"{_bytes(r.peak_mem_bytes)} ({r.peak_mem_kind or '-'}); sent per step "
+                     f"{_bytes(r.comm_bytes_per_step)} (textbook {_bytes(r.comm_bytes_predicted)})")
+        measured = {k: v for k, v in dataclasses.asdict(r.measured).items() if v is not None}
+        for k, v in {**r.details, **measured}.items():
+            lines.append(f"  {k.replace('_', ' ')}: {readable(k, v)}")
+        lines += [f"  flag: {f}" for f in r.flags]
+        lines.append("")
+    lines += ["Notes", *(f"- {n}" for n in long_notes(rows, environment, skipped, cost_model))]
+    return "\n".join(lines) + "\n"
+
+
+# The terminal -------------------------------------------------------------------------------------------
+
+
 def show(rows: list[Row], environment: dict, console: Console | None = None, skipped: dict | None = None,
-         cost_model: dict | None = None) -> None:
+         cost_model: dict | None = None, wide: bool = False) -> None:
     console = console or make_console()
-    console.print(table(rows, environment))
-    for extra in (sharding_table(rows), pipeline_table(rows)):
+    console.print(header(environment), highlight=False, markup=False)
+    console.print(table(rows, environment, wide))
+    for extra in (*sharding_tables(rows, wide), pipeline_table(rows, wide)):
         if extra is not None:
             console.print(extra)
-    for line in notes(rows, environment, skipped) + cost_lines(cost_model):
-        console.print(f"- {line}", style="dim", highlight=False)
-    lines = advice(rows)
-    if lines:
+    lines = notes(rows, environment, skipped) + (long_notes(rows, environment, skipped, cost_model) if wide else [])
+    for line in lines:
+        console.print(f"- {line}", style="dim", highlight=False, markup=False)
+    if lines := advice(rows):
         console.print("[bold]Which strategy, on this hardware (from this run):[/]")
         for line in lines:
-            console.print(f"  {line}", highlight=False)
+            console.print(f"  {line}", highlight=False, markup=False)
 
 
 def make_console() -> Console:
-    """A terminal's own width; 200 columns when written to a file or a pipe (rich would use 80)."""
+    """A terminal's own width (or $COLUMNS); 100 columns when written to a file or a pipe."""
     console = Console()
-    return console if console.is_terminal else Console(width=200)
+    if console.is_terminal:
+        return console
+    columns = os.environ.get("COLUMNS", "")
+    return Console(width=int(columns) if columns.isdigit() and int(columns) > 0 else WIDTH)
 
 
 def make_progress(console: Console | None = None) -> Progress:

@@ -125,7 +125,8 @@ def flag(rows: list[Row], baseline: bool = True) -> None:
     """Mark what cannot be right as measured, with what to do: a row measured while other processes
     loaded the machine; an efficiency above 100% (more than the devices can give: a slow baseline, or a
     cache effect, told apart by the spread of paired rounds); a baseline whose speed moved between rounds."""
-    again = "re-run with --repeat 3, or on a quiet machine"
+    rounds = max((len(r.round_speedups) for r in rows), default=0)
+    again = "re-run on a quiet machine" if rounds > 1 else "re-run with --repeat 3, or on a quiet machine"
     for r in rows:
         r.flags = []
         if r.status != "ok":
@@ -145,12 +146,16 @@ def flag(rows: list[Row], baseline: bool = True) -> None:
                 r.flags.append(f"{r.efficiency:.0%} efficiency on one device, doing what `single` does: noise "
                                f"between its runs and single's (paired rounds {low:.0%} and up)")
             elif low > 1.0:
-                r.flags.append(f"{r.efficiency:.0%} efficiency in every one of {len(r.round_speedups)} paired rounds "
-                               f"(lowest {low:.0%}): a real effect of splitting the batch on this hardware (a share "
+                r.flags.append(f"real effect: {r.efficiency:.0%} efficiency in every one of {len(r.round_speedups)} "
+                               f"paired rounds (lowest {low:.0%}), from splitting the batch on this hardware (a share "
                                "that fits the cache), not noise")
             else:
                 r.flags.append(f"{r.efficiency:.0%} efficiency, but its paired rounds go down to {low:.0%}: within "
                                "its spread, noise")
+        exposed = r.measured.exposed_comm_ms
+        if exposed is not None and exposed < 0:  # a step with its all-reduces faster than one without them
+            r.flags.append(f"exposed communication measured {exposed:.1f} ms: the step that synchronizes ran faster "
+                           f"than the one that does not, which cannot be; noise between the two timings; {again}")
     base = rows[0] if baseline and rows and rows[0].strategy == BASELINE else None
     if base is not None and len(base.round_step_ms) > 1:
         moved = max(base.round_step_ms) / min(base.round_step_ms) - 1
@@ -203,6 +208,7 @@ def plan(config: RunConfig, names: list[str], baseline: bool = True,
 def run_strategies(config: RunConfig, chosen: list[tuple], baseline: bool = True,
                    on_row: Callable[[list[Row]], None] = lambda rows: None) -> list[Row]:
     """Run the plan in turn; `on_row(rows so far)` after each, so an interrupted run keeps its rows."""
+    chosen = list(chosen)  # a later pipeline row's entry takes the run's cut (below)
     out = Path(config.out)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -216,9 +222,15 @@ def run_strategies(config: RunConfig, chosen: list[tuple], baseline: bool = True
     try:
         with make_progress() as progress:
             task = progress.add_task("strategies", total=len(chosen) * rounds)
+            cuts: dict[str, list[int]] = {}  # one cut per stage count for every pipeline row of the run
             for i, (s, variant, cfg) in enumerate(chosen):
                 progress.update(task, description=f"{s.name} {variant} ({s.launch}, {s.world_size(cfg)} dev)")
+                if cuts:
+                    cfg = dataclasses.replace(cfg, cuts={**cuts, **cfg.cuts})
+                    chosen[i] = (s, variant, cfg)  # its repeat rounds too
                 row, state = run_one(s, variant, cfg, work, logs)
+                if (bounds := row.details.get("stage_bounds")) and (balance := row.details.get("balance")):
+                    cuts.setdefault(f"{balance}:{len(bounds) - 1}", bounds)
                 if state is not None:
                     row.eval_loss = eval_loss(workload, state, config.seed)
                 if baseline and s.name == BASELINE and state is not None:

@@ -20,7 +20,16 @@ import torch
 
 from parallel.errors import ConfigError
 from parallel.strategies.base import Hooks, Mutant, Trainable, injected, options_of, state_bytes
-from parallel.strategies.stages import ActivationMeter, Busy, Split, split, stage_backward, stage_forward
+from parallel.strategies.stages import (
+    ActivationMeter,
+    Busy,
+    Split,
+    given_cut,
+    layers_of,
+    split,
+    stage_backward,
+    stage_forward,
+)
 from parallel.usermodel import workload_of
 
 NAME = "model_parallel"
@@ -70,7 +79,7 @@ def setup_stages(model, make_optimizer, loss_fn, config, sample_size: int, balan
     torch.set_num_threads(spec.threads_per_device())
     # The timing input: a batch of the workload's own data (images, or token ids for the transformer).
     sample = workload_of(config).dataset(config.seed, sample_size).batch(0)[0]
-    sp = split(model, devices, balance, sample)
+    sp = split(model, devices, balance, sample, given_cut(config, balance, len(devices), layers_of(model)))
     return Trainable(model, make_optimizer(model.parameters()), loss_fn, devices[0], comm_bytes=0,
                      state=Stages(sp, [ActivationMeter(s) for s in sp.stages], Busy(devices),
                                   meter_steps=max(1, config.warmup)),
@@ -90,7 +99,7 @@ def train_step(t: Trainable, batch, dist):
     busy.start_step()
     saved, h = [], x
     for s, (stage, device) in enumerate(zip(sp.stages, sp.devices, strict=True)):  # forward, stage by stage
-        with busy(s, "forward"):
+        with busy(s, "F0"):
             inp, h = stage_forward(stage, h, device, s == 0, meters[s])
             if s == last:
                 h = t.loss_fn(h, y.to(device))
@@ -100,7 +109,7 @@ def train_step(t: Trainable, batch, dist):
     for s in reversed(range(len(sp.stages))):  # backward, last stage first
         if s < last and injected(t, NO_GRAD_BACK):
             break
-        with busy(s, "backward"):
+        with busy(s, "B0"):
             grad = stage_backward(*saved[s], grad)
     t.optimizer.step()
     busy.end_step()

@@ -38,7 +38,7 @@ from parallel.layout import ParallelDims
 from parallel.results import Measured
 from parallel.strategies import pipeline, wire
 from parallel.strategies.base import Hooks, Mutant, Trainable, every_rank, injected, model_state_every_rank, options_of
-from parallel.strategies.stages import ActivationMeter, Busy, cut, describe, layers_of, timed_stage
+from parallel.strategies.stages import ActivationMeter, Busy, cut, describe, given_cut, layers_of, timed_stage
 from parallel.usermodel import workload_of
 
 NAME = "pipeline_dist"
@@ -187,11 +187,14 @@ def _bounds(layers: list[nn.Module], k: int, o: Options, config, dist, batch: in
     """The cut into k stages, the same rule as `pipeline`'s (time measured at the micro-batch size, or
     parameters), decided on rank 0 and sent to every rank so that they all cut alike. By time, the hop
     between stages is priced as what this strategy does, not as a copy on rank 0's device: rank 0 sends
-    each layer's output to rank 1 and receives it back, point to point (stages.SentHop; rank 1 echoes)."""
+    each layer's output to rank 1 and receives it back, point to point (stages.SentHop; rank 1 echoes).
+    A cut an earlier row of the run decided (config.cuts) is taken as it is, on every rank alike."""
     import torch.distributed as td
 
     from parallel.strategies.stages import SentHop
 
+    if given := given_cut(config, o.balance, k, layers):
+        return given
     decided, timed = [None], o.balance == "time"
     if dist.rank == 0:
         sample = workload_of(config).dataset(config.seed, -(-batch // o.microbatches)).batch(0)[0]
@@ -284,7 +287,8 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
     s, o = t.state, options_of(Options, config)
     skip = config.warmup
     mine = {"busy": [b[0] for b in s.busy.busy_ms[skip:]], "end": s.busy.ends_ms[skip:],
-            "peak": {st.stage_index: st.peak for st in s.stages}}
+            "peak": {st.stage_index: st.peak for st in s.stages},
+            "timeline": s.busy.timeline[0] if s.busy.timeline else []}
     ranks = every_rank(mine)
     bubbles, per_rank = [], [[] for _ in ranks]
     for step in range(len(mine["end"])):
@@ -303,6 +307,7 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
     if bubbles:
         out["rank_idle_fraction"] = [round(statistics.median(r), 3) for r in per_rank]
         out["stage_busy_ms"] = [round(statistics.median(r["busy"]), 2) for r in ranks]  # per rank: its stages
+        out["stage_timeline"] = [r["timeline"] for r in ranks]  # the last step, per rank (report.html)
         out["measured"] = Measured(bubble_measured=statistics.median(bubbles), bubble_theory=th)
     else:
         out["measured"] = Measured(bubble_theory=th)

@@ -155,6 +155,12 @@ def describe(bounds: list[int]) -> str:
     return " | ".join(f"{a}-{b - 1}" for a, b in zip(bounds[:-1], bounds[1:], strict=True))
 
 
+def given_cut(config, balance: str, k: int, layers: list[nn.Module]) -> list[int] | None:
+    """The cut into k stages an earlier row of this run decided (RunConfig.cuts), if it fits these layers."""
+    bounds = config.cuts.get(f"{balance}:{k}")
+    return list(bounds) if bounds and len(bounds) == k + 1 and bounds[-1] == len(layers) else None
+
+
 def cut(layers: list[nn.Module], k: int, balance: str, sample: torch.Tensor, devices: list[torch.device],
         hop: Callable[[torch.Tensor], float] | None = None) -> list[int]:
     """Bounds of the best contiguous cut of `layers` into k stages: by their forward + backward time on
@@ -167,11 +173,12 @@ def cut(layers: list[nn.Module], k: int, balance: str, sample: torch.Tensor, dev
     return partition([float(sum(p.numel() for p in layer.parameters())) for layer in layers], k, holds=holds)
 
 
-def split(model: nn.Module, devices: list[torch.device], balance: str, sample: torch.Tensor) -> Split:
-    """Cut `model` into len(devices) stages and move each to its device (parameters stay the model's own,
-    so model.state_dict() still names and holds them)."""
+def split(model: nn.Module, devices: list[torch.device], balance: str, sample: torch.Tensor,
+          bounds: list[int] | None = None) -> Split:
+    """Cut `model` into len(devices) stages (at `bounds` where given) and move each to its device
+    (parameters stay the model's own, so model.state_dict() still names and holds them)."""
     layers = layers_of(model)
-    bounds = cut(layers, len(devices), balance, sample, devices)
+    bounds = bounds or cut(layers, len(devices), balance, sample, devices)
     stages = [nn.Sequential(*layers[a:b]).to(d) for a, b, d in zip(bounds[:-1], bounds[1:], devices, strict=True)]
     return Split(stages, devices, bounds, balance)
 
@@ -203,12 +210,17 @@ def measure_stages(layers: list[nn.Module], bounds: list[int], x: torch.Tensor, 
 
 
 def simulate(ops: list[list[tuple[str, int]]], fwd: list[float], bwd: list[float], hop: float = 0.0) -> float:
-    """How long a schedule takes: stage s runs ops[s] ("F" | "B", micro-batch) in order, each F taking
-    fwd[s] and each B bwd[s]; F(s, j) also waits for F(s-1, j) and B(s, j) for B(s+1, j), plus `hop` for
-    the transfer between stages. Unequal stages and unequal forward and backward times are what the
-    (p-1)/(m+p-1) formula leaves out (GPipe's forward phase runs at the slowest forward, its backward
-    phase at the slowest backward)."""
-    p, done, free, at = len(ops), {}, [0.0] * len(ops), [0] * len(ops)
+    """How long a schedule takes (`play`'s last end). Unequal stages and unequal forward and backward
+    times are what the (p-1)/(m+p-1) formula leaves out (GPipe's forward phase runs at the slowest
+    forward, its backward phase at the slowest backward)."""
+    return max(end for _, _, end, _, _ in play(ops, fwd, bwd, hop))
+
+
+def play(ops: list[list[tuple[str, int]]], fwd: list[float], bwd: list[float], hop: float = 0.0) -> list[tuple]:
+    """A schedule played out: stage s runs ops[s] ("F" | "B", micro-batch) in order, each F taking fwd[s]
+    and each B bwd[s]; F(s, j) also waits for F(s-1, j) and B(s, j) for B(s+1, j), plus `hop` for the
+    transfer between stages. Returns every piece as (stage, start, end, kind, micro-batch)."""
+    p, done, free, at, out = len(ops), {}, [0.0] * len(ops), [0] * len(ops), []
     left = sum(map(len, ops))
     while left:
         moved = False
@@ -221,10 +233,11 @@ def simulate(ops: list[list[tuple[str, int]]], fwd: list[float], bwd: list[float
                     break
                 start = max(free[s], done[dep] + hop if dep is not None else 0.0)
                 free[s] = done[(s, kind, j)] = start + (fwd[s] if kind == "F" else bwd[s])
+                out.append((s, start, free[s], kind, j))
                 at[s], left, moved = at[s] + 1, left - 1, True
         if not moved:
             raise ValueError("the schedule waits on itself")
-    return max(free)
+    return out
 
 
 class ActivationMeter:
@@ -289,6 +302,7 @@ class Busy:
         self.bubbles: list[float] = []
         self.busy_ms: list[list[float]] = []
         self.ends_ms: list[float] = []  # when the step's last piece of work ended, since the step started
+        self.timeline: list[list[tuple]] = []  # the last step's (start ms, end ms, label) per stage: report.html
 
     def start_step(self) -> None:
         self.clock.start_step()
@@ -298,12 +312,15 @@ class Busy:
         with record_function(f"stage {s} {label}"):  # named in profiles
             start = self.clock.stamp([self.devices[s]])
             yield
-            self.stamps[s].append((start, self.clock.stamp([self.devices[s]])))  # only stage s's thread appends
+            self.stamps[s].append((start, self.clock.stamp([self.devices[s]]), label))  # only stage s's thread appends
 
     def end_step(self) -> None:
         self.clock.end_step()
-        intervals = [[(self.clock.seconds(a, first=True), self.clock.seconds(b)) for a, b in stage]
+        intervals = [[(self.clock.seconds(a, first=True), self.clock.seconds(b)) for a, b, _ in stage]
                      for stage in self.stamps]
+        self.timeline = [[(round(b * 1e3, 3), round(e * 1e3, 3), label) for (b, e), (_, _, label) in
+                          zip(stage, stamps, strict=True)]
+                         for stage, stamps in zip(intervals, self.stamps, strict=True)]
         spans = [iv for stage in intervals for iv in stage]
         span = max(e for _, e in spans) - min(b for b, _ in spans)
         busy = [sum(e - b for b, e in stage) for stage in intervals]
@@ -319,7 +336,7 @@ class Busy:
         kept = self.bubbles[skip:] or self.bubbles
         per_stage = list(zip(*(self.busy_ms[skip:] or self.busy_ms), strict=True))
         return {"measured": Measured(bubble_measured=statistics.median(kept), bubble_theory=theory),
-                "stage_busy_ms": [round(statistics.median(s), 2) for s in per_stage]}
+                "stage_busy_ms": [round(statistics.median(s), 2) for s in per_stage], "stage_timeline": self.timeline}
 
 
 def timed_stage(module, index, count, device, group, busy: Busy, meter: ActivationMeter):

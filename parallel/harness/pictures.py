@@ -1,0 +1,395 @@
+"""OUT/report.html: the run's pictures in one self-contained file (inline SVG from matplotlib, no script,
+no network): speedup with its spread, model state per rank stacked by kind beside the ZeRO formula,
+bytes by collective, each pipeline's measured schedule beside the schedule played out, and each
+strategy's error over its tolerance per tensor; links to the traces and the logs.
+
+`python -m parallel screenshot OUT` (scripts/screenshot.py) opens it in headless Chromium and saves
+OUT/report.png, which is how it is checked (tests/test_report.py, where Chromium is installed)."""
+
+from __future__ import annotations
+
+import html
+import io
+import re
+from pathlib import Path
+
+from parallel.harness import report
+from parallel.results import Row, atomic_write
+
+KIND_COLOR = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52"}
+VERDICT_COLOR = {"match": "#55a868", "baseline": "#4c72b0", "not-expected": "#dd8452", "mismatch": "#c44e52",
+                 "unchecked": "#999999"}
+PIECE_COLOR = {"F": "#4c72b0", "B": "#dd8452", "I": "#dd8452", "W": "#8172b3"}
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update({"svg.fonttype": "none", "font.size": 9, "axes.spines.top": False,
+                         "axes.spines.right": False})
+    return plt
+
+
+def _svg(fig) -> str:
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg", bbox_inches="tight")
+    _plt().close(fig)
+    text = buf.getvalue()
+    return text[text.index("<svg"):]
+
+
+def _height(n: int) -> float:
+    return 0.9 + 0.32 * max(n, 1)
+
+
+def _mib(n) -> float:
+    return (n or 0) / 2**20
+
+
+# The figures --------------------------------------------------------------------------------------------
+
+
+def speedup(rows: list[Row]) -> str | None:
+    """Speedup over `single` per row: a bar (hollow where the row is noisy or flagged), the [min-max] of
+    paired rounds where there are rounds, and a tick at the ideal (the device count)."""
+    shown = [r for r in rows if r.status == "ok" and r.speedup is not None]
+    if not shown:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7.5, _height(len(shown))))
+    for i, r in enumerate(shown):
+        color = VERDICT_COLOR.get(r.equivalence.verdict, "#999999")
+        doubted = report.status(r) != "ok"
+        ax.barh(i, r.speedup, color="none" if doubted else color, edgecolor=color, hatch="//" if doubted else None,
+                linewidth=1.2)
+        if len(r.round_speedups) > 1:
+            lo, hi = min(r.round_speedups), max(r.round_speedups)
+            ax.errorbar(r.speedup, i, xerr=[[r.speedup - lo], [hi - r.speedup]], color="black", capsize=3, lw=1)
+        ax.plot([r.world_size, r.world_size], [i - 0.4, i + 0.4], color="#333333", lw=1.5, ls=":")
+        ax.text(r.speedup, i, f" {r.speedup:.2f}x" + (" (noisy)" if doubted else ""), va="center", fontsize=8)
+    ax.axvline(1.0, color="#777777", lw=0.8)
+    ax.set_yticks(range(len(shown)), [r.label for r in shown])
+    ax.invert_yaxis()
+    ax.set_xlabel("speedup over `single` (samples/s ratio, this run); dotted: ideal = devices; hollow: noisy/flagged")
+    return _svg(fig)
+
+
+def _per_rank(value, ranks: int) -> list:
+    if isinstance(value, list):
+        return value + [None] * (ranks - len(value))
+    return [value] * ranks
+
+
+def memory(rows: list[Row]) -> str | None:
+    """Model state each rank holds, stacked params / grads / optimizer state, with the ZeRO formula's
+    figure for the strategy as a diamond."""
+    bars = []  # (label, {kind: bytes}, formula bytes or None)
+    for r in report.sharded_rows(rows):
+        d = r.details
+        for k in range(r.world_size):
+            parts = {kind: _per_rank(d.get(f"{key}_per_rank"), r.world_size)[k] for kind, key in (
+                ("params", "param_bytes"), ("grads", "grad_bytes"), ("optimizer", "optimizer_state_bytes"))}
+            if any(v is not None for v in parts.values()):
+                bars.append((f"{r.label} rank {k}", parts, d.get("zero_formula_bytes")))
+    return _stacked(bars)
+
+
+def stage_memory(rows: list[Row]) -> str | None:
+    """Each pipeline stage's model state and the activations it held at once (its own scale: activations
+    dwarf a small model's state)."""
+    bars = []
+    for r in report.pipeline_rows(rows):
+        d = r.details
+        state = d.get("model_state_bytes_per_device") or []
+        acts = d.get("stage_peak_activation_bytes") or d.get("stage_activation_bytes") or []
+        for k in range(max(len(state), len(acts))):
+            bars.append((f"{r.label} stage {k}", {"model state": state[k] if k < len(state) else None,
+                                                  "activations": acts[k] if k < len(acts) else None}, None))
+    return _stacked(bars)
+
+
+def _stacked(bars: list[tuple]) -> str | None:
+    if not bars:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7.5, _height(len(bars))))
+    seen = set()
+    for i, (_, parts, formula) in enumerate(bars):
+        left = 0.0
+        for kind, value in parts.items():
+            if not value:
+                continue
+            color = KIND_COLOR.get(kind, "#8c8c8c")
+            ax.barh(i, _mib(value), left=left, color=color, label=None if kind in seen else kind)
+            seen.add(kind)
+            left += _mib(value)
+        if formula:
+            ax.plot(_mib(formula), i, marker="D", color="black", ms=5,
+                    label=None if "ZeRO formula" in seen else "ZeRO formula")
+            seen.add("ZeRO formula")
+    ax.set_yticks(range(len(bars)), [b[0] for b in bars])
+    ax.invert_yaxis()
+    ax.set_xlabel("MiB per rank (the largest rank's where only one is measured)")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+    return _svg(fig)
+
+
+def collectives(rows: list[Row]) -> str | None:
+    """Bytes one rank sends per step, stacked by collective, for every row that sends any."""
+    pipelines = report.pipeline_rows(rows)  # their sends are in their own table
+    shown = [(r, report.sent_by_collective(r)) for r in rows if r.status == "ok" and r not in pipelines]
+    shown = [(r, by) for r, by in shown if by and any(by.values())]
+    if not shown:
+        return None
+    plt = _plt()
+    kinds = list(dict.fromkeys(k for _, by in shown for k in by))
+    colors = dict(zip(kinds, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+    fig, ax = plt.subplots(figsize=(7.5, _height(len(shown))))
+    seen = set()
+    for i, (r, by) in enumerate(shown):
+        left = 0.0
+        for k in kinds:
+            if by.get(k):
+                ax.barh(i, _mib(by[k]) * 1024, left=left, color=colors[k], label=None if k in seen else k)
+                seen.add(k)
+                left += _mib(by[k]) * 1024
+        if r.comm_bytes_predicted:
+            ax.plot(_mib(r.comm_bytes_predicted) * 1024, i, marker="|", color="black", ms=12,
+                    label=None if "textbook" in seen else "textbook")
+            seen.add("textbook")
+    ax.set_yticks(range(len(shown)), [r.label for r, _ in shown])
+    ax.invert_yaxis()
+    ax.set_xlabel("KiB sent per rank per step")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+    return _svg(fig)
+
+
+_PIECE = re.compile(r"(?:stage (\d+) )?([FBIW])(\d+)$")
+
+
+def pieces(timeline: list) -> list[tuple[int, float, float, str, int]]:
+    """(row of the chart, start ms, end ms, kind, micro-batch) from a row's stage_timeline: in-process
+    pipelines give one list per stage; pipeline_dist one list per rank, whose labels name the stage."""
+    out = []
+    for lane, intervals in enumerate(timeline):
+        for start, end, label in intervals:
+            if m := _PIECE.search(str(label)):
+                out.append((lane, float(start), float(end), m.group(2), int(m.group(3))))
+    return out
+
+
+def played(schedule: str, p: int, m: int, fwd: list[float], bwd: list[float]) -> list[tuple] | None:
+    """The schedule played out on these per-stage forward and backward times, hand-offs free
+    (stages.play): the pieces as `pieces` gives them. None for the schedules it does not model (looped)."""
+    from parallel.strategies.pipeline import SCHEDULES
+    from parallel.strategies.stages import play
+
+    if schedule not in SCHEDULES:
+        return None
+    return play([SCHEDULES[schedule](s, p, m) for s in range(p)], fwd, bwd)
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    return values[len(values) // 2] if values else 0.0
+
+
+def gantt(r: Row) -> str | None:
+    """The row's last step as each stage (or rank) spent it, beside its schedule played out on the
+    medians of those same pieces with free hand-offs: the gap between the two is what the theory leaves
+    out (unequal pieces, waiting, the hand-offs)."""
+    measured = pieces(r.details.get("stage_timeline") or [])
+    if not measured:
+        return None
+    lanes = max(p[0] for p in measured) + 1
+    m = int(r.details.get("microbatches", 1))
+    fwd = [_median([e - b for s, b, e, k, _ in measured if s == lane and k == "F"]) for lane in range(lanes)]
+    bwd = [_median([e - b for s, b, e, k, _ in measured if s == lane and k in "BI"]) for lane in range(lanes)]
+    schedule = r.details.get("schedule") or "gpipe"
+    theory = played(schedule, lanes, m, fwd, bwd) if lanes == len(r.details.get("stage_bounds", [])) - 1 else None
+    plt = _plt()
+    panels = [("measured: the last step", measured)] + ([("played out: the same pieces, hand-offs free", theory)]
+                                                         if theory else [])
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7.5, 0.8 + 0.45 * lanes * len(panels) + 0.4 * len(panels)),
+                             sharex=True, squeeze=False)
+    for ax, (title, ps) in zip(axes[:, 0], panels, strict=True):
+        t0 = min(b for _, b, _, _, _ in ps)
+        for lane, b, e, kind, j in ps:
+            ax.barh(lane, e - b, left=b - t0, color=PIECE_COLOR[kind], edgecolor="white", linewidth=0.5)
+            if e - b > 0:
+                ax.text(b - t0 + (e - b) / 2, lane, f"{kind}{j}", ha="center", va="center", fontsize=7, color="white")
+        ax.set_yticks(range(lanes), [f"{'rank' if 'schedule' in r.details and r.strategy != 'pipeline' else 'stage'} "
+                                     f"{k}" for k in range(lanes)])
+        ax.invert_yaxis()
+        ax.set_title(title, fontsize=9, loc="left")
+    axes[-1, 0].set_xlabel("ms since the step's first piece of work (F forward, B backward, W weight gradient)")
+    if not theory:
+        axes[0, 0].set_title(f"measured: the last step ({schedule}: its looped order is not played out here)",
+                             fontsize=9, loc="left")
+    return _svg(fig)
+
+
+def errors(rows: list[Row]) -> str | None:
+    """Every tensor's difference from `single`'s over its tolerance, per strategy (log scale; 1 is the
+    tolerance): how close each came, and which tensors a mismatch is in."""
+    shown = [r for r in rows if r.equivalence.per_tensor]
+    if not shown:
+        return None
+    plt = _plt()
+    floor = 1e-6
+    fig, ax = plt.subplots(figsize=(7.5, _height(len(shown))))
+    for i, r in enumerate(shown):
+        values = [max(v, floor) for v in r.equivalence.per_tensor.values() if v == v and v != float("inf")]
+        color = VERDICT_COLOR.get(r.equivalence.verdict, "#999999")
+        ax.scatter(values, [i] * len(values), s=12, color=color, alpha=0.7)
+        if r.equivalence.worst_tensor:
+            ax.text(max(values + [floor]), i + 0.3, f" {r.equivalence.worst_tensor}", fontsize=7, va="center")
+    ax.axvline(1.0, color="#c44e52", lw=1)
+    ax.set_xscale("log")
+    ax.set_xlim(floor / 2, max(10.0, max(max(r.equivalence.per_tensor.values()) for r in shown) * 2))
+    ax.set_yticks(range(len(shown)), [r.label for r in shown])
+    ax.invert_yaxis()
+    ax.set_xlabel(f"difference from `single` over its tolerance, one dot a tensor (1: the tolerance; {floor:g}: exact)")
+    return _svg(fig)
+
+
+# The page -----------------------------------------------------------------------------------------------
+
+
+STYLE = """body{font:14px/1.45 system-ui,sans-serif;max-width:60em;margin:1.5em auto;padding:0 1em;color:#222}
+h1{font-size:1.3em}h2{font-size:1.1em;margin-top:1.8em;border-bottom:1px solid #ddd}
+table{border-collapse:collapse;font-size:13px}td,th{padding:2px 8px;text-align:right;border-bottom:1px solid #eee}
+td:first-child,th:first-child{text-align:left}.dim{color:#666}svg{max-width:100%;height:auto}
+.noisy{color:#b8860b}.bad{color:#c44e52;font-weight:bold}ul{padding-left:1.2em}code{background:#f4f4f4}"""
+
+
+def _cell(text: str, cls: str = "") -> str:
+    return f"<td class='{cls}'>{html.escape(text)}</td>" if cls else f"<td>{html.escape(text)}</td>"
+
+
+def _main_table(rows: list[Row], environment: dict) -> str:
+    heads = ["strategy", "devices", "ms p50", "speedup", "eff.", "peak mem", "sent/step", "equivalence", "status"]
+    out = ["<table><tr>" + "".join(f"<th>{h}</th>" for h in heads) + "</tr>"]
+    for r in rows:
+        eq = r.equivalence.verdict + (f" {r.equivalence.ratio:.2g}" if r.equivalence.ratio is not None
+                                      and r.equivalence.verdict != "baseline" else "")
+        state = report.status(r)
+        out.append("<tr>" + "".join([
+            _cell(r.label), _cell(f"{r.world_size} {r.device_kind}"), _cell(report._num(r.step_ms_p50, ".1f")),
+            _cell(report._speedup(r)), _cell(report._num(r.efficiency, ".0%")),
+            _cell(report._bytes(r.peak_mem_bytes)), _cell(report._bytes(r.comm_bytes_per_step)),
+            _cell(eq, "bad" if r.equivalence.verdict == "mismatch" else ""),
+            _cell(state, "" if state == "ok" else "bad" if r.status != "ok" else "noisy")]) + "</tr>")
+    return "\n".join(out) + "</table>"
+
+
+def _links(out: Path) -> str:
+    items = [("details.txt", "every row's measurements and every note"), ("results.json", "everything, for code"),
+             ("results.csv", "one row a strategy"), ("timeline.json", "every rank of every strategy on one clock, "
+                                                      "each strategy from t = 0 (open in ui.perfetto.dev)")]
+    links = [f"<li><a href='{name}'>{name}</a>: {what}</li>" for name, what in items if (out / name).exists()]
+    links += [f"<li><a href='logs/{p.name}'>logs/{p.name}</a></li>" for p in sorted((out / "logs").glob("*.log"))]
+    traces = sorted((out / "tb").glob("*/*.pt.trace.json")) if (out / "tb").is_dir() else []
+    links += [f"<li><a href='{p.relative_to(out)}'>{p.relative_to(out)}</a> (TensorBoard: "
+              f"<code>./launch.sh tensorboard {html.escape(str(out))}</code>)</li>" for p in traces]
+    return "<ul>" + "\n".join(links) + "</ul>" if links else "<p class='dim'>no files beside it</p>"
+
+
+def page(rows: list[Row], environment: dict, skipped: dict | None, out: Path) -> str:
+    sections = [("Speedup over one device", speedup(rows),
+                 "Each bar is samples/s over `single`'s in the same run; a range is the paired rounds' min-max."),
+                ("Model state per rank, by kind", memory(rows),
+                 "Params, grads and optimizer state each rank holds (measured), beside the ZeRO paper's formula for "
+                 "the strategy."),
+                ("Pipeline stages: model state and activations", stage_memory(rows),
+                 "What each stage holds: its part of the model state, and the most activations it kept at once."),
+                ("Bytes sent per step, by collective", collectives(rows),
+                 "What one rank sends in an optimiser step, counted at the collective; the tick: the textbook's.")]
+    sections += [(f"Pipeline schedule: {r.label}", gantt(r), f"{r.details.get('schedule', 'one stage at a time')}, "
+                  f"m = {r.details.get('microbatches', 1)}, stages {r.details.get('stages', '')}: idle "
+                  f"{r.measured.bubble_measured or 0:.0%} measured, {r.measured.bubble_theory:.0%} in theory")
+                 for r in report.pipeline_rows(rows)]
+    sections.append(("Equivalence: every tensor against one device", errors(rows),
+                     "Each dot is one tensor's largest difference from `single`'s over its own tolerance."))
+    body = [f"<h1>{html.escape(report.header(environment))}</h1>", _main_table(rows, environment)]
+    body.append("<ul class='dim'>" + "".join(f"<li>{html.escape(n)}</li>" for n in report.notes(
+        rows, environment, skipped)) + "</ul>")
+    if lines := report.advice(rows):
+        body.append("<h2>Which strategy, on this hardware (from this run)</h2><ul>"
+                    + "".join(f"<li>{html.escape(line)}</li>" for line in lines) + "</ul>")
+    for title, svg, caption in sections:
+        if svg:
+            body.append(f"<h2>{html.escape(title)}</h2><p class='dim'>{html.escape(caption)}</p>{svg}")
+    body.append(f"<h2>Files</h2>{_links(out)}")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>parallel: "
+            f"{html.escape(environment['devices'])}</title><style>{STYLE}</style></head><body>\n"
+            + "\n".join(body) + "\n</body></html>\n")
+
+
+def write(path: Path, rows: list[Row], environment: dict, skipped: dict | None = None) -> Path:
+    """OUT/report.html, written atomically."""
+    path = Path(path)
+    atomic_write(path, page(rows, environment, skipped, path.parent))
+    return path
+
+
+CHROMIUMS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+
+
+def browser() -> str | None:
+    """A Chromium on PATH (Debian's package: `apt-get install chromium`), or None."""
+    import shutil
+
+    return next((found for name in CHROMIUMS if (found := shutil.which(name))), None)
+
+
+def screenshot(page: Path, png: Path, width: int = 1100, height: int = 4000, timeout: float = 60.0) -> Path:
+    """`page` rendered by headless Chromium into `png` (the whole page down to `height` pixels), with no
+    network: how report.html is checked. Raises RuntimeError with Chromium's last words if it fails."""
+    import subprocess
+    import tempfile
+
+    exe = browser()
+    if exe is None:
+        raise RuntimeError("no Chromium on PATH (Debian: apt-get install chromium)")
+    png = Path(png).resolve()
+    with tempfile.TemporaryDirectory(prefix="parallel-chromium-") as profile:
+        p = subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                            f"--user-data-dir={profile}", "--proxy-server=127.0.0.1:9",  # no network
+                            "--proxy-bypass-list=<-loopback>",
+                            f"--window-size={width},{height}", f"--screenshot={png}", Path(page).resolve().as_uri()],
+                           capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0 or not png.exists():
+        raise RuntimeError(f"chromium exited {p.returncode}: {(p.stderr.strip().splitlines() or [''])[-1]}")
+    return png
+
+
+def render(out: Path, console, wide: bool = False, png: bool = False) -> int:
+    """`python -m parallel report OUT`: the report of a finished run again from its results.json (the
+    terminal's, --wide's, details.txt and report.html), and with --screenshot report.png from Chromium."""
+    import json
+
+    from parallel.config import ConfigError
+
+    out = Path(out)
+    try:
+        doc = json.loads((out / "results.json").read_text())
+        rows = [Row.from_dict(r) for r in doc["rows"]]
+        env, skipped, cost_model = doc["environment"], doc.get("skipped") or {}, doc.get("cost_model")
+    except FileNotFoundError:
+        raise ConfigError(f"{out}/results.json: no such file (a results folder of compare or run)") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{out}/results.json: not a results file of this version ({e})") from None
+    report.show(rows, env, console, skipped, cost_model, wide=wide)
+    atomic_write(out / "details.txt", report.details_text(rows, env, skipped, cost_model))
+    page_path = write(out / "report.html", rows, env, skipped)
+    console.print(f"written: {out}/details.txt, {page_path}", highlight=False, markup=False)
+    if png:
+        try:
+            console.print(f"screenshot: {screenshot(page_path, out / 'report.png')}", highlight=False, markup=False)
+        except (RuntimeError, OSError) as e:
+            raise ConfigError(f"screenshot: {e}") from None
+    return 0

@@ -1,0 +1,156 @@
+"""The report a person reads: one screen at 100 columns with nothing cut, a header naming the run, notes
+that fold, a verdict that is withheld under noise and never names `single`, details.txt without Python
+reprs, and report.html: self-contained, with its pictures, drawn by a real browser where one is installed.
+
+The fixture is a real `./launch.sh compare --profile` on cpu:2 (tests/data/compare_cpu2.json)."""
+
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+from rich.console import Console
+
+from parallel.harness import pictures, report, runner
+from parallel.results import Equivalence, Measured, Row
+from tests.conftest import ROOT
+
+FIXTURE = ROOT / "tests" / "data" / "compare_cpu2.json"
+
+
+def load(quiet: bool = True):
+    doc = json.loads(FIXTURE.read_text())
+    rows = [Row.from_dict(r) for r in doc["rows"]]
+    if quiet:  # the fixture's machine was busy; most tests want a quiet one
+        for r in rows:
+            r.foreign_cpu, r.flags = 0.0, []
+    return rows, doc["environment"], doc["skipped"], doc["cost_model"]
+
+
+def render(width: int, rows, env, skipped=None, wide=False) -> str:
+    console = Console(width=width, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
+    report.show(rows, env, console, skipped, wide=wide)
+    return console.export_text()
+
+
+def main_table(text: str) -> list[str]:
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith("strategy"))
+    end = next(i for i in range(start + 2, len(lines)) if not lines[i].strip())
+    return lines[start + 2:end]
+
+
+@pytest.mark.parametrize("width", [80, 100, 120])
+def test_no_cell_is_cut(width):
+    rows, env, skipped, _ = load()
+    rows.append(dataclasses.replace(rows[1], strategy="zero_optimizer", variant="", status="timed-out",
+                                    equivalence=Equivalence("not-expected", ratio=None)))
+    text = render(width, rows, env, skipped)
+    assert "…" not in text and max(map(len, text.splitlines())) <= width
+    if width >= 100:  # every row on one line, every value whole
+        lines = main_table(text)
+        assert len(lines) == len(rows)
+        for r, line in zip(rows, lines, strict=True):
+            cells = [r.label, f"{r.step_ms_p50:.1f}", f"{r.speedup:.2f}" if r.speedup else "-", r.equivalence.verdict,
+                     report.status(r)]
+            assert all(c in line for c in cells), (line, cells)
+
+
+def test_the_header_names_the_run_and_nothing_is_a_python_repr():
+    rows, env, skipped, cost = load()
+    text = render(100, rows, env, skipped)
+    head = text.splitlines()[0]
+    run = env["run"]
+    for part in (run["workload"], "params", f"batch {run['global_batch']}", f"{run['steps']} steps", env["devices"],
+                 run["precision"], f"seed {run['seed']}", f"torch {env['torch']}"):
+        assert part in head, part
+    details = report.details_text(rows, env, skipped, cost)
+    for out in (text, details, render(100, rows, env, skipped, wide=True)):
+        assert not re.search(r"[\[{]'|\d\.\d{7,}|\[\d+, \d+", out), re.search(r"[\[{]'|\d\.\d{7,}|\[\d+, \d+", out)
+    assert "bytes per step by collective: all_gather 129 KiB, reduce_scatter 64.4 KiB" in details
+
+
+def test_notes_fold_to_about_ten_lines_and_repeats_into_one():
+    rows, env, skipped, _ = load()
+    notes = [line for line in render(100, rows, env, skipped).splitlines() if line.startswith("- ")]
+    assert len(notes) <= 10
+    assert sum(line.startswith("- skipped:") for line in notes) == 1
+    rows, env, skipped, _ = load(quiet=False)  # the fixture as measured: most rows under load
+    runner.flag(rows)
+    text = render(100, rows, env, skipped)
+    noisy = [line for line in text.splitlines() if "noisy" in line and line.startswith("- ")]
+    assert len(noisy) == 1 and "of the CPU" in noisy[0] and "--repeat" in noisy[0]
+
+
+def row(name, speedup, verdict="match", world=2, flags=(), rounds=()):
+    return Row(name, "", "x", "cpu:2", "virtual", world, 64, samples_per_s=speedup * 100, speedup=speedup,
+               efficiency=speedup / world, step_ms_p50=10.0, eval_loss=1.0, flags=list(flags),
+               round_speedups=list(rounds), equivalence=Equivalence(verdict))
+
+
+def test_the_verdict_never_names_single_and_is_withheld_under_noise():
+    slower = [row("single", 1.0, "baseline", world=1), row("ddp", 0.8), row("fsdp", 0.6)]
+    text = "\n".join(report.advice(slower))
+    assert "Fastest" not in text and "the least slow: ddp, 0.80x" in text and "single," not in text
+    noisy = "noisy: other processes used 60% of the machine's CPU"
+    rows = [row("single", 1.0, "baseline", world=1), row("ddp", 1.9, flags=[noisy]), row("zero", 1.5, flags=[noisy]),
+            row("manual_dp", 1.2)]
+    assert report.advice(rows)[0].startswith("Withheld: 2 of 3 rows are noisy or flagged")
+    rows[1].flags = []  # ddp measured clean: it is named, and the noisy zero is not compared with it
+    assert "ddp, 1.90x on 2 devices (one measurement)" in report.advice(rows)[0]
+
+
+def test_the_verdict_says_what_backs_it_and_what_it_cannot_tell_apart():
+    rows = [row("single", 1.0, "baseline", world=1), row("ddp", 1.8, rounds=[1.6, 1.8, 1.9]),
+            row("zero", 1.7, rounds=[1.5, 1.7, 1.65]), row("fsdp", 1.2, rounds=[1.1, 1.2, 1.25])]
+    lines = report.advice(rows)
+    assert "ddp, 1.80x on 2 devices (median of 3 paired rounds, 1.60-1.90)" in lines[0]
+    assert lines[1] == "Not told apart from it by this run: zero 1.70x (their rounds overlap)."
+
+
+def test_impossible_measurements_are_flagged():
+    r = row("ddp", 1.5)
+    r.measured = Measured(exposed_comm_ms=-48.8, exposed_over_allreduce=-3.0)
+    runner.flag([row("single", 1.0, "baseline", world=1), r])
+    assert any("exposed communication measured -48.8 ms" in f for f in r.flags)
+    assert report.status(r) == "flag" and not any("communication not hidden" in a for a in report.advice([r]))
+
+
+def test_report_html_is_self_contained_with_every_picture(tmp_path):
+    rows, env, skipped, _ = load()
+    page = pictures.write(tmp_path / "report.html", rows, env, skipped).read_text()
+    assert not re.search(r"""(src|href)=['"]?(https?:)?//""", page) and "<script" not in page
+    for title in ("Speedup over one device", "Model state per rank, by kind", "Bytes sent per step, by collective",
+                  "Pipeline schedule: pipeline_dist", "played out: the same pieces", "Equivalence: every tensor"):
+        assert title in page, title
+    assert page.count("<svg") >= 8
+
+
+def test_the_played_out_schedule_is_the_formula_on_equal_stages():
+    """1F1B with p = 2, m = 4, F = 1, B = 2 on both stages: each stage idle (p-1)/(m+p-1) of the step."""
+    pieces = pictures.played("1f1b", 2, 4, [1.0, 1.0], [2.0, 2.0])
+    span = max(e for _, _, e, _, _ in pieces)
+    idle = [1 - sum(e - b for s, b, e, _, _ in pieces if s == k) / span for k in range(2)]
+    assert span == 15.0 and idle == [pytest.approx(0.2)] * 2 and pictures.played("interleaved1f1b", 2, 4, [1], [1]) \
+        is None
+
+
+@pytest.mark.skipif(pictures.browser() is None, reason="no Chromium on PATH (Debian: apt-get install chromium)")
+def test_report_html_drawn_by_headless_chromium(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "results.json").write_text(FIXTURE.read_text())
+    p = subprocess.run([sys.executable, "-m", "parallel", "report", str(out), "--screenshot"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    png = (out / "report.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 100_000  # a page of charts, not a blank one
+    assert (out / "details.txt").exists()
+
+
+def test_report_of_a_folder_without_results_is_one_line(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "parallel", "report", str(tmp_path)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "results.json: no such file" in p.stderr
