@@ -293,8 +293,11 @@ def _links(out: Path) -> str:
     links = [f"<li><a href='{name}'>{name}</a>: {what}</li>" for name, what in items if (out / name).exists()]
     links += [f"<li><a href='logs/{p.name}'>logs/{p.name}</a></li>" for p in sorted((out / "logs").glob("*.log"))]
     traces = sorted((out / "tb").glob("*/*.pt.trace.json")) if (out / "tb").is_dir() else []
-    links += [f"<li><a href='{p.relative_to(out)}'>{p.relative_to(out)}</a> (TensorBoard: "
-              f"<code>./launch.sh tensorboard {html.escape(str(out))}</code>)</li>" for p in traces]
+    if traces:
+        links.append(f"<li>profiler traces, one a rank (TensorBoard: <code>./launch.sh tensorboard "
+                     f"{html.escape(str(out))}</code>): " + ", ".join(
+                         f"<a href='{p.relative_to(out)}'>{p.parent.name}/{p.name.split('.')[0]}</a>" for p in traces)
+                     + "</li>")
     return "<ul>" + "\n".join(links) + "</ul>" if links else "<p class='dim'>no files beside it</p>"
 
 
@@ -346,11 +349,21 @@ def browser() -> str | None:
     return next((found for name in CHROMIUMS if (found := shutil.which(name))), None)
 
 
-def screenshot(page: Path, png: Path, width: int = 1100, height: int = 4000, timeout: float = 60.0) -> Path:
-    """`page` rendered by headless Chromium into `png` (the whole page down to `height` pixels), with no
-    network: how report.html is checked. Raises RuntimeError with Chromium's last words if it fails."""
+def page_height(text: str) -> int:
+    """About how tall report.html draws, in pixels: its pictures (matplotlib's SVG sizes, in points,
+    scaled as the page's 60em column scales them) and a margin for its text and tables."""
+    heights = [float(h) * 4 / 3 for h in re.findall(r'<svg[^>]*?height="([\d.]+)pt"', text)]
+    return int(sum(heights) * 0.95 + 120 * len(heights) + 30 * text.count("<tr>") + 30 * text.count("<li>") + 300)
+
+
+def screenshot(page: Path, png: Path, width: int = 1100, height: int | None = None, timeout: float = 60.0) -> Path:
+    """`page` rendered by headless Chromium into `png` (the whole page: `height` pixels, by default
+    page_height's estimate), with no network: how report.html is checked. Raises RuntimeError with
+    Chromium's last words if it fails."""
     import subprocess
     import tempfile
+
+    height = height or page_height(Path(page).read_text())
 
     exe = browser()
     if exe is None:

@@ -108,11 +108,27 @@ def plot(out: Path, table: list[dict], results, virtual: bool) -> list[Path]:
                 if all(r.get(lo) is not None for r in pts):  # --repeat: the rounds' range as error bars
                     err = [[v - r[lo] for v, r in zip(y, pts, strict=True)], [r[hi] - v for v, r in zip(y, pts,
                                                                                                        strict=True)]]
-                    ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=s)
+                    line = ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=s).lines[0]
                 else:
-                    ax.plot(x, y, marker="o", label=s)
-            ax.set_title(f"{mode} scaling")
-            ax.set_xticks(sorted({r["devices"] for r in table}))
+                    (line,) = ax.plot(x, y, marker="o", label=s)
+                doubted = [(xi, yi) for xi, yi, r in zip(x, y, pts, strict=True) if r["flags"]]
+                if doubted:  # a flagged point (noisy, or more than its devices can give): hollow, crossed
+                    ax.plot(*zip(*doubted, strict=True), linestyle="none", marker="o", ms=11, mfc="white",
+                            mec=line.get_color(), mew=1.5, zorder=3)
+                    ax.plot(*zip(*doubted, strict=True), linestyle="none", marker="x", ms=6, color=line.get_color(),
+                            zorder=4)
+            devices = sorted({r["devices"] for r in table})
+            if metric == "efficiency":
+                ax.axhline(1.0, color="black", lw=1, ls=":", label="ideal")
+            else:  # ideal: single's samples/s at one device, times the devices
+                base = [r["samples_per_s"] for r in table if r["mode"] == mode and r["strategy"] == "single"
+                        and r["samples_per_s"]]
+                if base:
+                    ax.plot(devices, [statistics.median(base) * n for n in devices], color="black", lw=1, ls=":",
+                            label="ideal (single x devices)")
+            ax.set_title(f"{mode} scaling" + ("; hollow, crossed: flagged points" if any(
+                r["flags"] for r in table if r["mode"] == mode) else ""))
+            ax.set_xticks(devices)
             ax.set_xlabel("devices")
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)
