@@ -16,13 +16,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import difflib
 import math
 import os
+import re
 import signal
 import sys
 import time
 from pathlib import Path
 
+from rich.markup import escape
 from rich.table import Table
 
 from parallel import devices, preflight, profiling, strategies, sweep, usermodel
@@ -42,7 +45,49 @@ from parallel.worker import leave, run_here
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line and exit 2, not a usage dump (once, under torchrun: refuse)
+        commands = self._commands()
+        if commands and message.startswith("the following arguments are required") and \
+                (commands.metavar or commands.dest) in message:  # `python -m parallel`, `... bench`: what to type
+            raise SystemExit(refuse(self.command_list(commands)))
+        if commands and (m := re.search(r"invalid choice: '([^']*)'", message)) and \
+                (close := difflib.get_close_matches(m[1], list(commands.choices), n=1)):
+            message = message.replace(m[0], f"{m[0]} (did you mean {close[0]!r}?)", 1)
         raise SystemExit(refuse(f"{self.prog}: error: {message}"))
+
+    def parse_args(self, args=None, namespace=None):
+        """As argparse's, but an unknown option is refused naming the closest known one of its command."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            chosen = self._chosen(parsed)
+            known = [s for a in chosen._actions for s in a.option_strings if s.startswith("--")]
+            flags = [x.partition("=")[0] for x in extras if x.startswith("-")] or extras[:1]
+            said = []
+            for flag in flags:
+                close = difflib.get_close_matches(flag, known, n=1) if flag.startswith("-") else []
+                said.append(flag + (f" (did you mean {close[0]}?)" if close else ""))
+            chosen.error(f"unrecognized argument{'s' * (len(said) > 1)} {', '.join(said)}")
+        return parsed
+
+    def _commands(self) -> argparse._SubParsersAction | None:
+        return next((a for a in self._actions if isinstance(a, argparse._SubParsersAction)), None)
+
+    def _chosen(self, parsed: argparse.Namespace) -> argparse.ArgumentParser:
+        """The (sub)parser of the command that `parsed` chose: `bench memory`'s own, for instance."""
+        parser = self
+        while (commands := parser._commands()) and getattr(parsed, commands.dest, None) in commands.choices:
+            parser = commands.choices[getattr(parsed, commands.dest)]
+            if not isinstance(parser, _Parser):
+                break
+        return parser
+
+    def command_list(self, commands: argparse._SubParsersAction) -> str:
+        """The usage line and every command with its one-line description (a bare command's answer)."""
+        word = commands.metavar or commands.dest.upper()
+        names = {a.dest: a.help or "" for a in commands._choices_actions}
+        width = max(map(len, names))
+        return "\n".join([f"usage: {self.prog} {word} ...", "", f"{word.lower()}s:",
+                          *(f"  {name:<{width}}  {about}" for name, about in names.items()), "",
+                          f"`{self.prog} {word} --help` lists the options of one."])
 
 
 def refuse(line: str, env=None) -> int:
@@ -98,6 +143,38 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                                                       "(python -m parallel mutants --list)")
 
 
+# What a person reads after each flag in --help; argparse's own is the dest in capitals (WORLD_SIZE,
+# OPTION_BUCKET_MB). Filled in by readable_metavars() wherever a flag did not name its own.
+METAVARS = {
+    "workload": "NAME", "devices": "SPEC", "world_size": "N", "batch_size": "N", "steps": "N", "warmup": "N",
+    "lr": "RATE", "seed": "N", "precision": "DTYPE", "repeat": "N", "out": "DIR", "timeout": "SECONDS",
+    "pg_timeout": "SECONDS", "port": "PORT", "max_restarts": "N", "checkpoint_every": "K", "resume_from": "DIR",
+    "fail_at_step": "STEP", "fail_rank": "RANK", "hang_rank": "RANK", "mutant": "NAME", "strategies": "LIST",
+    "project_params": "N", "world_sizes": "LIST", "strategy": "STRATEGY",
+    "model": "FILE:FACTORY", "input_shape": "SHAPE", "classes": "N", "vocab": "N", "seq_len": "N", "data": "FILE",
+}
+
+
+def readable_metavars(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """METAVARS for every argument of `parser` and of its commands that has none of its own."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):
+                readable_metavars(sub)
+        elif action.metavar is None and action.nargs != 0 and action.dest in METAVARS:
+            action.metavar = METAVARS[action.dest]
+    return parser
+
+
+def _option_metavar(f, sweep: bool) -> str:
+    """A strategy option's metavar: MB for sizes in MiB, 0|1 for switches, N, X or NAME by type; with `sweep`,
+    a comma list of them."""
+    kind, about = f.type if isinstance(f.type, str) else f.type.__name__, f.metadata.get("help", "")
+    switch = kind == "int" and about.startswith("1:") and "2:" not in about  # "1: on ..." (0: off)
+    one = "MB" if f.name.endswith("_mb") else "0|1" if switch else {"int": "N", "float": "X"}.get(kind, "NAME")
+    return f"{one}[,{one}...]" if sweep else one
+
+
 _TYPES = {"int": int, "float": float, "str": str}
 
 
@@ -121,7 +198,7 @@ def add_strategy_options(p: argparse.ArgumentParser, owners: list, sweep: bool) 
     for name, (f, users) in fields.items():
         kind = _TYPES[f.type if isinstance(f.type, str) else f.type.__name__]
         g.add_argument("--" + name.replace("_", "-"), dest=f"option_{name}", default=None,
-                       type=_list_of(kind) if sweep else kind,
+                       type=_list_of(kind) if sweep else kind, metavar=_option_metavar(f, sweep),
                        help=f"[{', '.join(users)}] {f.metadata.get('help', '')} (default {f.default})")
 
 
@@ -140,7 +217,7 @@ def config_from_args(args: argparse.Namespace, default_out: bool = True) -> RunC
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m parallel", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
     sub.add_parser("devices", help="what hardware is here, and what each strategy would use")
     cmp = sub.add_parser("compare", help="every strategy on the same model, data and seed, vs `single`")
     cmp.add_argument("--strategies", default="all", help=f"comma list or all ({', '.join(strategies.NAMES)})")
@@ -160,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_parser(sub)
     preflight.add_parser(sub)
     mutants.add_parser(sub)
-    return p
+    return readable_metavars(p)
 
 
 def _finish(config: RunConfig, rows: list[Row], console, skipped: dict | None = None, env: dict | None = None,
@@ -171,7 +248,7 @@ def _finish(config: RunConfig, rows: list[Row], console, skipped: dict | None = 
     report.show(rows, env, console, skipped, cost_model)
     if config.out:
         logs = f"; logs: {config.out}/logs/" if (Path(config.out) / "logs").is_dir() else ""
-        console.print(f"results: {config.out}/results.json, results.csv{logs}")
+        console.print(f"results: {config.out}/results.json, results.csv{logs}", markup=False)
     return 0 if rows and all(r.ok for r in rows) else 1
 
 
@@ -186,16 +263,16 @@ def cmd_compare(args, names: list[str], baseline: bool) -> int:
     prepare_out(Path(config.out))
     console = make_console()
     if found := usermodel.describe(workload_of(config)):  # what the harness found in the user's model
-        console.print(found, highlight=False)
+        console.print(found, highlight=False, markup=False)
     env = environment(config.spec)
     if why := env.get("gpus_unusable"):  # `auto` fell back to the CPU although GPUs are here: say so first
-        console.print(f"[yellow]GPUs not used: {why}[/]", highlight=False)
+        console.print(f"GPUs not used: {why}", style="yellow", highlight=False, markup=False)
     save = lambda rows: write_results(Path(config.out), dataclasses.asdict(config), env, rows, skipped)  # noqa: E731
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM (a scheduler, `kill`) stops the run like Ctrl-C
     try:
         rows = run_strategies(config, chosen, baseline=baseline, on_row=save)
     except KeyboardInterrupt:  # the running child's process group is killed on the way out (launch.run_child)
-        console.print(f"[bold red]interrupted[/]: finished rows are in {config.out}/results.json")
+        console.print(f"[bold red]interrupted[/]: finished rows are in {escape(config.out)}/results.json")
         return 130
 
     model = costmodel.apply(rows, chosen, config)
@@ -225,21 +302,21 @@ def cmd_scaling(config: RunConfig, names: list[str], sizes_text: str) -> int:
     results = []
     try:
         for mode, n, cfg, chosen, skipped in runs:
-            console.print(f"[bold]{mode} scaling: {cfg.devices}, global batch {cfg.batch_size}[/]")
+            console.print(f"{mode} scaling: {cfg.devices}, global batch {cfg.batch_size}", style="bold", markup=False)
             for name, why in skipped.items():
-                console.print(f"  {name} skipped here: {why}", style="dim", highlight=False)
+                console.print(f"  {name} skipped here: {why}", style="dim", highlight=False, markup=False)
             prepare_out(Path(cfg.out))
             env = environment(cfg.spec)
             save = lambda rows, cfg=cfg, env=env: write_results(Path(cfg.out), dataclasses.asdict(cfg), env, rows)  # noqa: E731
             results.append((mode, n, run_strategies(cfg, chosen, baseline=True, on_row=save)))
     except KeyboardInterrupt:
-        console.print(f"[bold red]interrupted[/]: finished comparisons are in {config.out}/scaling/")
+        console.print(f"[bold red]interrupted[/]: finished comparisons are in {escape(config.out)}/scaling/")
         return 130
     scaling.flag_baselines(results)
     for _, _, rows in results:
         for r in rows:
             for f in r.flags:
-                console.print(f"[yellow]{r.label} ({r.devices}): {f}[/]", highlight=False)
+                console.print(f"{r.label} ({r.devices}): {f}", style="yellow", highlight=False, markup=False)
     table = scaling.summarize(results)
     files = scaling.write(Path(config.out), table, results, virtual=not config.spec.real)
     t = Table(title="samples/s (efficiency) against devices", title_justify="left")
@@ -248,10 +325,11 @@ def cmd_scaling(config: RunConfig, names: list[str], sizes_text: str) -> int:
         t.add_column(f"{mode} {n}", justify="right")
     for name in dict.fromkeys(r["strategy"] for r in table):
         cells = {(r["mode"], r["devices"]): r for r in table if r["strategy"] == name}
-        t.add_row(name, *[f"{c['samples_per_s']:,.0f} ({c['efficiency']:.0%})" if (c := cells.get((m, n))) and
+        t.add_row(escape(name), *[f"{c['samples_per_s']:,.0f} ({c['efficiency']:.0%})" if (c := cells.get((m, n))) and
                           c["samples_per_s"] and c["efficiency"] is not None else "-" for m, n, _ in results])
     console.print(t)
-    console.print(f"scaling: {config.out}/scaling.json, scaling.csv; plots: " + ", ".join(f.name for f in files))
+    console.print(f"scaling: {config.out}/scaling.json, scaling.csv; plots: " + ", ".join(f.name for f in files),
+                  markup=False)
     return 0 if all(r.ok for _, _, rows in results for r in rows) else 1
 
 
@@ -268,9 +346,21 @@ def cmd_devices() -> int:
     return 0
 
 
+def check_strategy_names(text: str) -> None:
+    """An unknown strategy name close to a known one is refused naming it (`dpp`: did you mean 'ddp'?);
+    other unknown names are strategies.get's to refuse, in its words."""
+    for name in (n.strip() for n in text.split(",")):
+        if name and name != "all" and name not in strategies.NAMES and \
+                (close := difflib.get_close_matches(name.lower(), strategies.NAMES, n=1)):
+            raise ConfigError(f"unknown strategy {name!r} (did you mean {close[0]!r}?); "
+                              f"valid strategies: {', '.join(strategies.NAMES)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command in ("compare", "run", "preflight"):
+            check_strategy_names(args.strategy if args.command == "run" else args.strategies)
         if args.command == "devices":
             return cmd_devices()
         if args.command == "bench":
@@ -303,7 +393,7 @@ def script_main(name: str, argv: list[str] | None = None) -> int:
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_options(p)
     add_strategy_options(p, [strategy], sweep=False)
-    args = p.parse_args(argv)
+    args = readable_metavars(p).parse_args(argv)
     try:
         args.devices = script_devices(args.devices, strategy.launch)
         config = config_from_args(args, default_out=False)

@@ -23,6 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from rich.markup import escape
 from rich.table import Table
 
 from parallel import strategies, usermodel
@@ -46,12 +47,14 @@ class Check:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("preflight", help="every strategy and the GPU basics for two steps: one line per check")
-    p.add_argument("--devices", default="auto", help="auto | cpu:N | cuda:0,1,... (auto: every GPU, else cpu:2)")
-    p.add_argument("--strategies", default="all", help=f"comma list or all ({', '.join(strategies.NAMES)})")
-    p.add_argument("--workload", default="cnn", help="the model the strategies train (cnn)")
+    p.add_argument("--devices", default="auto", metavar="SPEC",
+                   help="auto | cpu:N | cuda:0,1,... (auto: every GPU, else cpu:2)")
+    p.add_argument("--strategies", default="all", metavar="LIST",
+                   help=f"comma list or all ({', '.join(strategies.NAMES)})")
+    p.add_argument("--workload", default="cnn", metavar="NAME", help="the model the strategies train (cnn)")
     usermodel.add_arguments(p)
-    p.add_argument("--out", default="", help="results folder (default results/preflight-<time>)")
-    p.add_argument("--timeout", type=float, default=180.0, help="seconds per check (180)")
+    p.add_argument("--out", default="", metavar="DIR", help="results folder (default results/preflight-<time>)")
+    p.add_argument("--timeout", type=float, default=180.0, metavar="SECONDS", help="seconds per check (180)")
 
 
 def _config(args) -> RunConfig:
@@ -163,7 +166,7 @@ def table(checks: list[Check]) -> Table:
     for col in ("check", "result", "detail", "what it proves"):
         t.add_column(col, overflow="fold")
     for c in checks:
-        t.add_row(c.name, f"[{style[c.status]}]{c.status}[/]", c.detail, c.proves)
+        t.add_row(escape(c.name), f"[{style[c.status]}]{c.status}[/]", escape(c.detail), escape(c.proves))
     return t
 
 
@@ -185,6 +188,6 @@ def main(args, console) -> int:
     console.print(table(checks))
     failed = [c for c in checks if c.status == "failed"]
     console.print(f"{sum(c.status == 'passed' for c in checks)} passed, {len(failed)} failed, "
-                  f"{sum(c.status == 'not run' for c in checks)} not run; {config.out}/preflight.json")
+                  f"{sum(c.status == 'not run' for c in checks)} not run; {config.out}/preflight.json", markup=False)
     return 1 if failed else 0
 

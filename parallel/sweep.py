@@ -20,9 +20,11 @@ from collections import OrderedDict
 from pathlib import Path
 
 import torch
+from rich.markup import escape
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 from parallel import strategies
+from parallel.basics import noise
 from parallel.config import RunConfig
 from parallel.devices import gpu_count
 from parallel.dist import Dist
@@ -126,18 +128,18 @@ def run_point(point: dict, config: RunConfig) -> dict:
     device = config.spec.device(0)
     data = LoaderData(SyntheticData(workload, config.seed, config.batch_size), config.warmup + config.steps,
                       point["num_workers"], pin_memory=device.type == "cuda", timeout=config.timeout)
-    start = time.perf_counter()
+    start, watch = time.perf_counter(), noise.Watch()
     try:
         row, state = execute(strategies.get("single"), config, Dist(device=device), data=data)
     finally:
-        data.close()
-    wall = time.perf_counter() - start
+        data.close()  # the loader processes reaped, so their CPU time counts as this run's, not others'
+    wall, others = time.perf_counter() - start, watch.stop()
     end_to_end = data.step_ms_end_to_end(config.warmup)
     return {**point, "status": "ok", "final_loss": row.final_loss, "eval_loss": eval_loss(workload, state, config.seed),
             "eval_accuracy": accuracy(workload, state, config.seed), "step_ms_p50": row.step_ms_p50,
             "step_ms_end_to_end": end_to_end,  # the loop's clock is around the step; this includes loading
             "samples_per_s_end_to_end": config.batch_size / end_to_end * 1e3 if end_to_end else None,
-            "wall_s": wall, "losses": row.losses, "step_ms": row.step_ms}
+            "wall_s": wall, "others_cpu": others, "losses": row.losses, "step_ms": row.step_ms}
 
 
 def run_name(point: dict) -> str:
@@ -167,15 +169,43 @@ COLUMNS = [("lr", "lr", "{:g}"), ("batch_size", "batch", "{:,}"), ("num_workers"
            ("wall_s", "wall s", "{:.1f}"), ("status", "status", "{}")]
 
 
+def flag_timings(results: list[dict]) -> None:
+    """r["noisy"]: why a run's timings cannot be right as measured (basics/noise.py), "" when nothing says so.
+    Beside each run's own spread and the CPU other processes used, the physics: step+load includes the step,
+    and runs that differ only in lr do the same work, so their steps cannot differ twofold."""
+    timed = [(i, r) for i, r in enumerate(results, 1) if r.get("status") == "ok" and r.get("step_ms_p50")]
+    for r in results:
+        step, ms = r.get("step_ms_p50"), r.get("step_ms") or []
+        if r.get("status") != "ok" or not step:
+            r["noisy"] = ""
+            continue
+        flags = [noise.spread({"p50_ms": step, "min_ms": min(ms), "n": len(ms)}) if ms else None,
+                 noise.busy(r.get("others_cpu"))]
+        both = r.get("step_ms_end_to_end")
+        if both and both * noise.FASTER < step:
+            flags.append(f"step+load {both:.3g} ms is less than the step alone ({step:.3g} ms), which cannot be: "
+                         "it includes the step")
+        same = [(i, o["step_ms_p50"]) for i, o in timed
+                if o is not r and all(o[k] == r[k] for k in ("batch_size", "num_workers", "device"))]
+        if same:
+            i, other = max(same, key=lambda x: max(x[1] / step, step / x[1]))
+            if max(other / step, step / other) > 2:
+                flags.append(f"the same step took {other:.3g} ms in run #{i}, which cannot be: only lr differs, "
+                             "and it does not change the work")
+        r["noisy"] = "; ".join(f for f in flags if f)
+
+
 def table(results: list[dict], title: str):
     from rich.table import Table
 
     t = Table(title=title, title_justify="left")
     t.add_column("#", justify="right")
     for _, header, _ in COLUMNS:
-        t.add_column(header, justify="left" if header in ("device", "status") else "right")
+        t.add_column(header, justify="left" if header in ("device", "status") else "right", overflow="fold")
     for i, r in enumerate(results, 1):
-        t.add_row(str(i), *("-" if r.get(k) is None else fmt.format(r[k]) for k, _, fmt in COLUMNS))
+        cells = {k: "-" if r.get(k) is None else escape(fmt.format(r[k])) for k, _, fmt in COLUMNS}
+        cells["step_ms_p50"] = noise.mark(cells["step_ms_p50"], bool(r.get("noisy")))
+        t.add_row(str(i), *cells.values())
     return t
 
 
@@ -189,7 +219,7 @@ def save(out: Path, base: RunConfig, results: list[dict], skipped: list[str]) ->
     doc = {"config": dataclasses.asdict(base), "runs": results, "skipped": skipped}
     atomic_write(out / "sweep.json", json.dumps(doc, indent=2))
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=[k for k, _, _ in COLUMNS] + ["error"], extrasaction="ignore")
+    writer = csv.DictWriter(buf, fieldnames=[k for k, _, _ in COLUMNS] + ["noisy", "error"], extrasaction="ignore")
     writer.writeheader()
     writer.writerows(results)
     atomic_write(out / "sweep.csv", buf.getvalue())
@@ -210,6 +240,8 @@ def main(args, console) -> int:
         config_for(point, base)  # every run's config checked before the first one starts
         points.append(point)
     skipped = [f"{device}: {n} run(s) skipped, {why}" for device, (why, n) in skipped.items()]
+    if not points:  # refused like bad input: nothing written, no table of nothing
+        raise ConfigError(f"the sweep has nothing to run: {'; '.join(skipped)}")
     out = Path(args.out or Path("results") / time.strftime("sweep-%Y%m%d-%H%M%S"))
     prepare_out(out)
     results: list[dict] = []
@@ -223,33 +255,42 @@ def main(args, console) -> int:
                 except Exception as e:  # one failed run is a row of the table, not the end of the sweep
                     result = {**point, "status": "failed", "error": f"{type(e).__name__}: {e}".splitlines()[0]}
                 results.append(result)
+                flag_timings(results)
                 log_run(out / "tb", result)
                 save(out, base, results, skipped)
                 progress.advance(task)
         except KeyboardInterrupt:
             done = f"the {len(results)} finished run(s) are in {out}/sweep.json" if results else "no run had finished"
-            console.print(f"[bold red]interrupted[/]: {done}")
+            console.print(f"[bold red]interrupted[/]: {escape(done)}")
             return 130
     console.print(table(results, f"sweep: {base.workload}, {base.steps} timed steps after {base.warmup} warm-up, "
                                  f"seed {base.seed}"))
     for line in skipped + [f"{run_name(r)} failed: {r['error']}" for r in results if r.get("error")]:
-        console.print(f"- {line}")
+        console.print(f"- {line}", markup=False, highlight=False)
+    for i, r in enumerate(results, 1):
+        if r.get("noisy"):
+            console.print(f"noisy: #{i} {run_name(r)} step ms: {r['noisy']}; rerun it when the machine is quiet, or "
+                          "with more --steps", style="yellow", markup=False, highlight=False)
     console.print("step ms: the loop's synchronized clock around the step. step+load ms: from one step's request "
                   "for data to the next's, so loading shows there (num_workers > 0 loads in other processes).")
-    console.print(f"results: {out}/sweep.json, sweep.csv; TensorBoard: ./launch.sh tensorboard {out}")
+    console.print(f"results: {out}/sweep.json, sweep.csv; TensorBoard: ./launch.sh tensorboard {out}", markup=False,
+                  highlight=False)
     return 0 if results and all(r["status"] == "ok" for r in results) else 1
 
 
 def add_parser(sub) -> None:
     d = RunConfig()
     p = sub.add_parser("sweep", help="a grid of runs (lr x batch size x loader workers x device), RunManager-style")
-    p.add_argument("--lr", default=str(d.lr), help=f"comma list of learning rates ({d.lr})")
-    p.add_argument("--batch-size", default=str(d.batch_size), help=f"comma list of batch sizes ({d.batch_size})")
-    p.add_argument("--num-workers", default="0", help="comma list of DataLoader worker processes (0)")
-    p.add_argument("--device", default="cpu", help="comma list of cpu, cuda, cuda:N (cpu); missing ones are skipped")
-    p.add_argument("--workload", default=d.workload, help=f"mlp, cnn or transformer ({d.workload})")
-    p.add_argument("--steps", type=int, default=d.steps, help=f"timed steps per run ({d.steps})")
-    p.add_argument("--warmup", type=int, default=d.warmup, help=f"untimed steps first ({d.warmup})")
-    p.add_argument("--seed", type=int, default=d.seed, help=f"seed of weights and data ({d.seed})")
-    p.add_argument("--timeout", type=float, default=d.timeout, help="seconds a loader process may take per batch")
-    p.add_argument("--out", default="", help="results folder (default results/sweep-<time>)")
+    p.add_argument("--lr", default=str(d.lr), metavar="LIST", help=f"comma list of learning rates ({d.lr})")
+    p.add_argument("--batch-size", default=str(d.batch_size), metavar="LIST",
+                   help=f"comma list of batch sizes ({d.batch_size})")
+    p.add_argument("--num-workers", default="0", metavar="LIST", help="comma list of DataLoader worker processes (0)")
+    p.add_argument("--device", default="cpu", metavar="LIST",
+                   help="comma list of cpu, cuda, cuda:N (cpu); missing ones are skipped")
+    p.add_argument("--workload", default=d.workload, metavar="NAME", help=f"mlp, cnn or transformer ({d.workload})")
+    p.add_argument("--steps", type=int, default=d.steps, metavar="N", help=f"timed steps per run ({d.steps})")
+    p.add_argument("--warmup", type=int, default=d.warmup, metavar="N", help=f"untimed steps first ({d.warmup})")
+    p.add_argument("--seed", type=int, default=d.seed, metavar="N", help=f"seed of weights and data ({d.seed})")
+    p.add_argument("--timeout", type=float, default=d.timeout, metavar="SECONDS",
+                   help="seconds a loader process may take per batch")
+    p.add_argument("--out", default="", metavar="DIR", help="results folder (default results/sweep-<time>)")

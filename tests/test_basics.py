@@ -100,3 +100,42 @@ def test_memory_savers_save_memory_and_checkpointing_changes_nothing_else():
         # The boundary is real: 25% more does not fit (repeat measurements varied by up to 3% here).
         assert savers._memory_or_none("transformer", r.mode, torch.device("cpu"), r.largest_batch * 5 // 4) > 24 * MiB
     assert results["both"].largest_batch > fp32.largest_batch
+
+
+def _saver(mode: str, p50: float, fastest: float | None = None, others: float = 0.0) -> savers.Result:
+    stats = {"p50_ms": p50, "min_ms": fastest or p50 * 0.97, "max_ms": p50 * 1.05, "n": 5}
+    return savers.Result(mode, "float32", stats, 10 * MiB, 2.0, others_cpu=others)
+
+
+def test_checkpointing_faster_than_fp32_is_flagged_not_printed_as_a_speedup(monkeypatch, capsys):
+    from parallel.basics import cli as basics_cli
+
+    results = [_saver("fp32", 19.0), _saver("autocast", 12.0), _saver("checkpointing", 10.0), _saver("both", 13.0)]
+    flags = basics_cli.memory_flags(results)
+    assert list(flags) == ["checkpointing"]  # 1.90x faster than fp32: it recomputes, so it cannot be
+    assert "1.90x faster than fp32, which cannot be: checkpointing recomputes" in flags["checkpointing"][0]
+    monkeypatch.setattr(savers, "run", lambda *a, **k: results)
+    monkeypatch.setenv("COLUMNS", "300")  # one line a row and a note
+    assert cli.main(["bench", "memory", "--device", "cpu", "--budget-mb", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "1.90x noisy" in out  # the cell itself is marked
+    (note,) = [line for line in out.splitlines() if line.startswith("noisy:")]
+    assert "checkpointing step time" in note and "rerun" in note
+
+
+def test_bench_flags_spread_load_and_clocks_that_cannot_be_right():
+    from parallel.basics import cli as basics_cli
+
+    assert basics_cli.memory_flags([_saver("fp32", 10.0), _saver("checkpointing", 12.0)]) == {}
+    flags = basics_cli.memory_flags([_saver("fp32", 10.0, fastest=4.0, others=0.5), _saver("checkpointing", 12.0)])
+    assert "2.5x its fastest repeat" in flags["fp32"][0] and "50% of the machine's CPU" in flags["fp32"][1]
+
+    def line(device, synced, naive, others=0.0):
+        stats = lambda ms: {"p50_ms": ms, "min_ms": ms * 0.95, "max_ms": ms * 1.1, "n": 5}  # noqa: E731
+        return bench.Line("case", device, stats(synced), stats(naive), others)
+
+    assert basics_cli.line_flags(line("cpu", 10.0, 10.5)) == []
+    assert basics_cli.line_flags(line("cuda:0", 10.0, 0.05)) == []  # the pitfall itself is no noise
+    assert "on the CPU both clocks time the same" in basics_cli.line_flags(line("cpu", 10.0, 30.0))[0]
+    assert "the synchronized clock waits" in basics_cli.line_flags(line("cuda:0", 1.0, 5.0))[0]
+    assert "of the machine's CPU" in basics_cli.line_flags(line("cpu", 10.0, 10.0, others=0.3))[0]

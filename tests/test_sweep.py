@@ -56,3 +56,41 @@ def test_the_loader_serves_the_same_batches_as_every_other_command():
 ])
 def test_sweep_refuses_bad_input(argv, message, refused):
     refused(argv, message)
+
+
+def test_a_sweep_with_nothing_to_run_is_refused_and_writes_nothing(monkeypatch, refused):
+    monkeypatch.setattr(sweep, "gpu_count", lambda: 0)  # every point on cuda: none can run here
+    refused(["sweep", "--device", "cuda", "--lr", "0.1,0.2"],
+            "error: the sweep has nothing to run: cuda: 2 run(s) skipped, no CUDA device here")
+
+
+def _run(step_ms: list[float], lr=0.1, **kw) -> dict:
+    ms = sorted(step_ms)
+    return {"lr": lr, "batch_size": 64, "num_workers": 0, "device": "cpu", "status": "ok", "step_ms": step_ms,
+            "step_ms_p50": ms[len(ms) // 2], "step_ms_end_to_end": ms[len(ms) // 2] * 1.05, "others_cpu": 0.0, **kw}
+
+
+def test_sweep_timings_that_cannot_be_right_are_flagged_in_the_table():
+    quiet = _run([10.0, 10.2, 10.1, 10.3, 9.9])
+    same_work_slower = _run([30.0, 31.0, 29.0, 30.5, 30.2], lr=0.2)  # only lr differs: the same step, 3x the time
+    busy = _run([10.0, 10.1, 10.2], others_cpu=0.4, batch_size=128)
+    scattered = _run([5.0, 12.0, 13.0, 14.0, 15.0], batch_size=256)  # median 2.6x its fastest repeat
+    short = _run([10.0, 10.0, 10.0], batch_size=512, step_ms_end_to_end=6.0)  # step+load shorter than the step
+    failed = {"lr": 0.1, "batch_size": 64, "num_workers": 0, "device": "cuda", "status": "failed", "error": "x"}
+    results = [quiet, same_work_slower, busy, scattered, short, failed]
+    sweep.flag_timings(results)
+    assert "run #1" in same_work_slower["noisy"] and "run #2" in quiet["noisy"]  # which is wrong: unknown
+    assert "40% of the machine's CPU" in busy["noisy"]
+    assert "2.6x its fastest repeat" in scattered["noisy"]
+    assert "step+load 6 ms is less than the step alone" in short["noisy"]
+    assert failed["noisy"] == ""
+    fine = [_run([10.0, 10.2, 10.1]), _run([10.5, 10.4, 10.6], lr=0.2)]
+    sweep.flag_timings(fine)
+    assert [r["noisy"] for r in fine] == ["", ""]
+
+    from rich.console import Console
+
+    console = Console(width=300, record=True, color_system=None)
+    console.print(sweep.table(results, "t"))
+    rows = [line for line in console.export_text().splitlines() if "│ cpu" in line]
+    assert len(rows) == 5 and all("noisy" in line for line in rows)

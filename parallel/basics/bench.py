@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from parallel.basics import noise
 from parallel.devices import gpu_count, synchronizer
 from parallel.timing import StepTimer, summarize
 from parallel.workloads import WORKLOADS, SyntheticData
@@ -124,6 +125,7 @@ class Line:
     device: str
     synced: dict  # summarize(): p50_ms, min_ms, max_ms, ...
     naive: dict
+    others_cpu: float | None = None  # share of the CPU other processes used meanwhile (harness/load.py)
 
 
 def run(scale: float = 1.0, repeats: int = 10, devices: list[torch.device] | None = None,
@@ -136,8 +138,9 @@ def run(scale: float = 1.0, repeats: int = 10, devices: list[torch.device] | Non
         for device in devices:
             name, fn = make(device, scale)
             progress(f"{name} on {device}")
-            sync = synchronizer(device)
-            lines.append(Line(name, str(device), time_synced(fn, sync, repeats), time_naive(fn, sync, repeats)))
+            sync, watch = synchronizer(device), noise.Watch()
+            synced, naive = time_synced(fn, sync, repeats), time_naive(fn, sync, repeats)
+            lines.append(Line(name, str(device), synced, naive, watch.stop()))
             del fn
     lines += numpy_vs_cupy(scale, repeats)
     sim = AsyncDevice()
@@ -155,8 +158,9 @@ def numpy_vs_cupy(scale: float, repeats: int) -> list[Line]:
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((n, n), dtype=np.float32), rng.standard_normal((n, n), dtype=np.float32)
     name = f"matrix product {n}x{n}, NumPy / CuPy"
-    lines = [Line(name, "numpy (cpu)", time_synced(lambda: a @ b, lambda: None, repeats),
-                  time_naive(lambda: a @ b, lambda: None, repeats))]
+    watch = noise.Watch()
+    synced, naive = time_synced(lambda: a @ b, lambda: None, repeats), time_naive(lambda: a @ b, lambda: None, repeats)
+    lines = [Line(name, "numpy (cpu)", synced, naive, watch.stop())]
     try:
         import cupy
     except ImportError:

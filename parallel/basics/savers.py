@@ -29,6 +29,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint_sequential
 
+from parallel.basics import noise
 from parallel.devices import activate, empty_cache, peak_memory, reset_peak_memory, synchronizer
 from parallel.errors import ConfigError
 from parallel.strategies.base import state_bytes
@@ -145,6 +146,7 @@ class Result:
     loss_after: float  # training loss after `steps` steps from the same start: what the mode does to training
     largest_batch: int | None = None
     largest_batch_bytes: int | None = None
+    others_cpu: float | None = None  # share of the CPU other processes used while step_ms was timed (load.py)
 
 
 def run(workload: str, device: torch.device, batch: int, budget: int | None, steps: int = 5, repeats: int = 5,
@@ -160,12 +162,13 @@ def run(workload: str, device: torch.device, batch: int, budget: int | None, ste
         for s in range(steps):
             loss = trainer.step(*(t.to(device) for t in data.batch(s)))
         x, y = (t.to(device) for t in data.batch(steps))
-        timer, times = StepTimer(synchronizer(device)), []
+        timer, times, watch = StepTimer(synchronizer(device)), [], noise.Watch()
         for _ in range(repeats):
             with timer:
                 trainer.step(x, y)
             times.append(timer.elapsed)
-        r = Result(mode, trainer.dtype, summarize(times), step_memory(trainer, x, y), loss.item())
+        others = watch.stop()
+        r = Result(mode, trainer.dtype, summarize(times), step_memory(trainer, x, y), loss.item(), others_cpu=others)
         if budget:
             progress(f"{mode}: largest batch within {budget / 2**20:.0f} MiB")
             r.largest_batch, r.largest_batch_bytes = largest_batch(

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rich.markup import escape
 from rich.table import Table
 
 from parallel import strategies
@@ -162,8 +163,8 @@ def show_mutants(outcomes: list[Outcome], console) -> None:
     for o in outcomes:
         eq = o.equivalence
         style = "green" if eq.verdict == "mismatch" else "bold red"
-        t.add_row(o.label, described.get(o.label, ""), f"{o.workload} {o.devices}", f"[{style}]{eq.verdict}[/]",
-                  _off_tensor(eq), _ratio(eq.ratio),
+        t.add_row(escape(o.label), escape(described.get(o.label, "")), escape(f"{o.workload} {o.devices}"),
+                  f"[{style}]{escape(eq.verdict)}[/]", escape(_off_tensor(eq)), _ratio(eq.ratio),
                   "-" if eq.first_step is None else str(eq.first_step),
                   "missed" if o.old_rule_match else "caught")
     console.print(t)
@@ -181,16 +182,16 @@ def show_honest(outcomes: list[Outcome], console) -> None:
         group = list(group)
         closest = max(group, key=lambda o: o.equivalence.ratio or 0.0)
         bad = [o.strategy for o in group if o.equivalence.verdict != "match"]
-        t.add_row(workload, devices, str(seed), str(len(group)),
-                  f"{_ratio(closest.equivalence.ratio)} ({closest.strategy})",
-                  "[green]all match[/]" if not bad else f"[bold red]mismatch: {', '.join(bad)}[/]")
+        t.add_row(escape(workload), escape(devices), str(seed), str(len(group)),
+                  escape(f"{_ratio(closest.equivalence.ratio)} ({closest.strategy})"),
+                  "[green]all match[/]" if not bad else f"[bold red]mismatch: {escape(', '.join(bad))}[/]")
     console.print(t)
     runs = len({(o.workload, o.devices, o.seed) for o in outcomes})
     worst = max(outcomes, key=lambda o: o.equivalence.ratio or 0.0)
     mismatches = sum(o.equivalence.verdict != "match" for o in outcomes)
     console.print(f"{runs} honest runs, {len(outcomes)} strategy checks, {mismatches} mismatches; closest margin: "
                   f"{_ratio(worst.equivalence.ratio)} of the tolerance ({worst.strategy} on {worst.workload}, "
-                  f"{worst.devices}, seed {worst.seed}: {worst.equivalence.worst_tensor})")
+                  f"{worst.devices}, seed {worst.seed}: {worst.equivalence.worst_tensor})", markup=False)
 
 
 def _off_tensor(eq: Equivalence) -> str:
@@ -208,9 +209,10 @@ def add_parser(sub) -> None:
     p.add_argument("--honest", type=int, default=0, metavar="N",
                    help="also N honest runs (seeds x workloads x cpu:2/cpu:3) of every synchronous strategy: "
                         "none may mismatch (24 take about 10 minutes here)")
-    p.add_argument("--precision", default="fp32", help="fp32, or bf16: every run (and `single`) under bf16 "
-                                                       "autocast, judged by the bf16 rule, which is looser")
-    p.add_argument("--out", default="", help="also write mutants.json (and honest.json) to this folder")
+    p.add_argument("--precision", default="fp32", metavar="DTYPE",
+                   help="fp32, or bf16: every run (and `single`) under bf16 autocast, judged by the bf16 rule, "
+                        "which is looser")
+    p.add_argument("--out", default="", metavar="DIR", help="also write mutants.json (and honest.json) to this folder")
 
 
 def main(args, console) -> int:
@@ -218,7 +220,7 @@ def main(args, console) -> int:
         raise ConfigError(f"--honest must be 0 or more, got {args.honest}")
     if args.list:
         for name, (_, m) in strategies.mutants().items():
-            console.print(f"{name}: {m.bug}  [dim]{json.dumps(m.run)}[/]", highlight=False)
+            console.print(f"{escape(name)}: {escape(m.bug)}  [dim]{escape(json.dumps(m.run))}[/]", highlight=False)
         return 0
     if args.out:
         from parallel.results import prepare_out
