@@ -35,10 +35,10 @@ from parallel.checkpoint import atomic_save
 from parallel.config import ConfigError, RunConfig, nearest_multiple
 from parallel.devices import environment
 from parallel.dist import Dist, script_devices
-from parallel.harness import costmodel, mutants, report, scaling
+from parallel.harness import costmodel, mutants, pictures, report, scaling
 from parallel.harness.report import make_console
 from parallel.harness.runner import plan, run_strategies
-from parallel.results import Equivalence, Row, prepare_out, write_results
+from parallel.results import Equivalence, Row, atomic_write, prepare_out, write_results
 from parallel.usermodel import workload_of
 from parallel.worker import leave, run_here
 
@@ -225,10 +225,18 @@ def build_parser() -> argparse.ArgumentParser:
                      "stage for a model of this many parameters (e.g. 7e9) at 8..1024 GPUs (0: off)")
     cmp.add_argument("--world-sizes", default="", help="scaling sweep over these device counts, e.g. 1,2,4: "
                                                        "strong and weak scaling, scaling.json and PNG plots")
+    cmp.add_argument("--wide", action="store_true", help="every column and every note (default: 100 columns; "
+                                                        "the rest is in OUT/details.txt and report.html)")
     add_run_options(cmp)
     add_strategy_options(cmp, strategies.all_strategies(), sweep=True)
     run = sub.add_parser("run", help="one strategy through the harness, without the baseline")
     run.add_argument("strategy", help=", ".join(strategies.NAMES))
+    run.add_argument("--wide", action="store_true", help="every column and every note")
+    rep = sub.add_parser("report", help="a finished run's report again, from OUT/results.json (and report.html)")
+    rep.add_argument("out", metavar="OUT", help="the results folder of a compare or run")
+    rep.add_argument("--wide", action="store_true", help="every column and every note")
+    rep.add_argument("--screenshot", action="store_true", help="also OUT/report.png, report.html as headless "
+                                                               "Chromium draws it (apt-get install chromium)")
     add_run_options(run)
     add_strategy_options(run, strategies.all_strategies(), sweep=True)
 
@@ -241,14 +249,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _finish(config: RunConfig, rows: list[Row], console, skipped: dict | None = None, env: dict | None = None,
-            cost_model: dict | None = None) -> int:
+            cost_model: dict | None = None, wide: bool = False) -> int:
     env = env or environment(config.spec)
+    env.setdefault("run", report.run_facts(config))
     if config.out:
-        write_results(Path(config.out), dataclasses.asdict(config), env, rows, skipped, cost_model)
-    report.show(rows, env, console, skipped, cost_model)
+        out = Path(config.out)
+        write_results(out, dataclasses.asdict(config), env, rows, skipped, cost_model)
+        atomic_write(out / "details.txt", report.details_text(rows, env, skipped, cost_model))
+        pictures.write(out / "report.html", rows, env, skipped)
+    report.show(rows, env, console, skipped, cost_model, wide=wide)
     if config.out:
-        logs = f"; logs: {config.out}/logs/" if (Path(config.out) / "logs").is_dir() else ""
-        console.print(f"results: {config.out}/results.json, results.csv{logs}", markup=False)
+        logs = ", logs/ (a line a step)" if (Path(config.out) / "logs").is_dir() else ""
+        console.print(f"files in {config.out}/: report.html (pictures), details.txt (every row's measurements), "
+                      f"results.json, results.csv{logs}", highlight=False, markup=False)
     return 0 if rows and all(r.ok for r in rows) else 1
 
 
@@ -261,7 +274,7 @@ def cmd_compare(args, names: list[str], baseline: bool) -> int:
         return cmd_scaling(config, names, args.world_sizes)
     chosen, skipped = plan(config, names, baseline)  # every check before the first file is written
     prepare_out(Path(config.out))
-    console = make_console()
+    console = make_console(getattr(args, "wide", False))
     if found := usermodel.describe(workload_of(config)):  # what the harness found in the user's model
         console.print(found, highlight=False, markup=False)
     env = environment(config.spec)
@@ -278,10 +291,11 @@ def cmd_compare(args, names: list[str], baseline: bool) -> int:
     model = costmodel.apply(rows, chosen, config)
     if getattr(args, "project_params", 0):
         model["memory_projection"] = costmodel.memory_projection(args.project_params)
-    code = _finish(config, rows, console, skipped, env, model)
-    if config.profile and (tracks := profiling.merge(Path(config.out) / "tb", Path(config.out) / "timeline.json")):
-        console.print(f"timeline: {config.out}/timeline.json, {tracks} tracks (every rank of every strategy) on one "
-                      "clock: open it in https://ui.perfetto.dev or chrome://tracing", highlight=False)
+    tracks = config.profile and profiling.merge(Path(config.out) / "tb", Path(config.out) / "timeline.json")
+    code = _finish(config, rows, console, skipped, env, model, wide=getattr(args, "wide", False))
+    if tracks:
+        console.print(f"timeline: {config.out}/timeline.json, {tracks} tracks (every rank of every strategy, each "
+                      "strategy from t = 0): open it in https://ui.perfetto.dev or chrome://tracing", highlight=False)
     return code
 
 
@@ -313,10 +327,10 @@ def cmd_scaling(config: RunConfig, names: list[str], sizes_text: str) -> int:
         console.print(f"[bold red]interrupted[/]: finished comparisons are in {escape(config.out)}/scaling/")
         return 130
     scaling.flag_baselines(results)
-    for _, _, rows in results:
-        for r in rows:
-            for f in r.flags:
-                console.print(f"{r.label} ({r.devices}): {f}", style="yellow", highlight=False, markup=False)
+    every = [dataclasses.replace(r, variant=f"{r.variant} {mode} {n}".strip())
+             for mode, n, rows in results for r in rows]
+    for line in report.flag_lines(every):  # folded: one line for every row measured under load
+        console.print(f"- {line}", style="yellow", highlight=False, markup=False)
     table = scaling.summarize(results)
     files = scaling.write(Path(config.out), table, results, virtual=not config.spec.real)
     t = Table(title="samples/s (efficiency) against devices", title_justify="left")
@@ -375,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
             return sweep.main(args, make_console())
         if args.command == "mutants":
             return mutants.main(args, make_console())
+        if args.command == "report":
+            return pictures.render(Path(args.out), make_console(args.wide), wide=args.wide, png=args.screenshot)
         if args.command == "preflight":
             signal.signal(signal.SIGTERM, _interrupt)
             return preflight.main(args, make_console())

@@ -154,3 +154,10 @@ def test_report_of_a_folder_without_results_is_one_line(tmp_path):
     p = subprocess.run([sys.executable, "-m", "parallel", "report", str(tmp_path)], cwd=ROOT, capture_output=True,
                        text=True, timeout=60)
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "results.json: no such file" in p.stderr
+
+
+def test_a_row_with_paired_rounds_is_not_told_to_repeat():
+    r = row("ddp", 1.5, rounds=[1.4, 1.5, 1.6])
+    r.foreign_cpu = 0.6
+    runner.flag([row("single", 1.0, "baseline", world=1), r])
+    assert r.flags and all("--repeat" not in f for f in r.flags)

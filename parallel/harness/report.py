@@ -525,13 +525,13 @@ def show(rows: list[Row], environment: dict, console: Console | None = None, ski
             console.print(f"  {line}", highlight=False, markup=False)
 
 
-def make_console() -> Console:
-    """A terminal's own width (or $COLUMNS); 100 columns when written to a file or a pipe."""
+def make_console(wide: bool = False) -> Console:
+    """A terminal's own width (or $COLUMNS); when written to a file or a pipe, 100 columns (`--wide`: 200)."""
     console = Console()
     if console.is_terminal:
         return console
     columns = os.environ.get("COLUMNS", "")
-    return Console(width=int(columns) if columns.isdigit() and int(columns) > 0 else WIDTH)
+    return Console(width=int(columns) if columns.isdigit() and int(columns) > 0 else 2 * WIDTH if wide else WIDTH)
 
 
 def make_progress(console: Console | None = None) -> Progress:

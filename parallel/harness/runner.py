@@ -125,9 +125,10 @@ def flag(rows: list[Row], baseline: bool = True) -> None:
     """Mark what cannot be right as measured, with what to do: a row measured while other processes
     loaded the machine; an efficiency above 100% (more than the devices can give: a slow baseline, or a
     cache effect, told apart by the spread of paired rounds); a baseline whose speed moved between rounds."""
-    rounds = max((len(r.round_speedups) for r in rows), default=0)
-    again = "re-run on a quiet machine" if rounds > 1 else "re-run with --repeat 3, or on a quiet machine"
     for r in rows:
+        # a row that had its paired rounds is not told to have them again (a --repeat 3 run said so before)
+        again = "re-run on a quiet machine" if len(r.round_speedups) > 1 else \
+            "re-run with --repeat 3, or on a quiet machine"
         r.flags = []
         if r.status != "ok":
             continue

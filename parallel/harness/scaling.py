@@ -147,7 +147,8 @@ def plot(out: Path, table: list[dict], results, virtual: bool) -> list[Path]:
     ax.set_xlabel("optimiser step")
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:  # no curves when every row at that point failed
+        ax.legend(fontsize=8)
     fig.tight_layout()
     files.append(out / "loss_curves.png")
     fig.savefig(files[-1], dpi=110)
