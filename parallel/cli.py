@@ -28,7 +28,7 @@ from pathlib import Path
 from rich.markup import escape
 from rich.table import Table
 
-from parallel import devices, preflight, profiling, strategies, sweep, usermodel
+from parallel import devices, envinfo, preflight, profiling, strategies, sweep, usermodel
 from parallel.basics import cli as basics_cli
 from parallel.basics.cli import show_memory
 from parallel.checkpoint import atomic_save
@@ -351,11 +351,15 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def cmd_devices() -> int:
-    from parallel import envinfo  # the block to paste into an issue, the hardware, what `compare` runs (#29)
+def compare_defaults() -> RunConfig:
+    """The config `compare` builds when given no arguments (its own parser and config_from_args: the
+    workload, `--devices auto`, the batch rounded to the devices), for `devices` to plan with."""
+    return config_from_args(build_parser().parse_args(["compare"]), default_out=False)
 
-    console = make_console()
-    envinfo.show(console, gpus=devices.cuda_info())  # GPUs read once: cuda_info may start a child process
+
+def cmd_devices() -> int:
+    console = make_console()  # the block to paste into an issue, the hardware, what `compare` runs (#29)
+    envinfo.show(console, compare_defaults(), gpus=devices.cuda_info())  # GPUs read once (may start a child)
     show_memory(console)
     return 0
 

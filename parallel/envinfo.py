@@ -82,19 +82,11 @@ def gpu_driver() -> str:
     return f"{version} (CUDA {cuda // 1000}.{cuda % 1000 // 10})"
 
 
-def compare_config() -> RunConfig:
-    """The config `python -m parallel compare` builds when given no arguments: its own parser and
-    config_from_args (workload, `--devices auto`, the batch rounded to the devices), not a copy of them."""
-    from parallel import cli  # cli imports this module's caller; at call time both are loaded
-
-    return cli.config_from_args(cli.build_parser().parse_args(["compare"]), default_out=False)
-
-
-def compare_plan(config: RunConfig | None = None) -> tuple[RunConfig, list[tuple], dict[str, str]]:
-    """(config, chosen, skipped): what `compare` with no arguments runs here, by runner.plan itself."""
+def compare_plan(config: RunConfig) -> tuple[RunConfig, list[tuple], dict[str, str]]:
+    """(config, chosen, skipped): what `compare` runs here on `config` (cli.compare_defaults(): the one
+    it builds when given no arguments), by runner.plan itself."""
     from parallel.harness.runner import plan
 
-    config = config or compare_config()
     return (config, *plan(config, ["all"]))
 
 
@@ -140,12 +132,12 @@ def env_lines(config: RunConfig, chosen: list[tuple], skipped: dict[str, str], g
     return [f"- {key}: {value}" for key, value in lines]
 
 
-def show(console: Console, gpus: list[dict] | None = None) -> None:
+def show(console: Console, config: RunConfig, gpus: list[dict] | None = None) -> None:
     """Everything `devices` prints before basics' memory demo: the block to paste, the hardware, and what
-    `compare` would run (the same planning, on the same config) and skip (in `compare`'s words).
+    `compare` would run on `config` (the same planning) and skip (in `compare`'s words).
     `gpus`: devices.cuda_info(), read once by the caller (it may start a child process)."""
     gpus = devices.cuda_info() if gpus is None else gpus
-    config, chosen, skipped = compare_plan()
+    config, chosen, skipped = compare_plan(config)
     console.print("Copy and paste the block below into your GitHub issue:", **PLAIN)
     console.print("```", **PLAIN)
     for line in env_lines(config, chosen, skipped, gpus):

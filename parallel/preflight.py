@@ -163,8 +163,8 @@ def cuda_only(config: RunConfig) -> list[Check]:
 def table(checks: list[Check]) -> Table:
     style = {"passed": "green", "failed": "bold red", "not run": "yellow"}
     t = Table(title="preflight", title_justify="left")
-    for col in ("check", "result", "detail", "what it proves"):
-        t.add_column(col, overflow="fold")
+    for col in ("check", "result", "detail", "what it proves"):  # a check's name and result stay whole
+        t.add_column(col, overflow="fold", no_wrap=col in ("check", "result"))
     for c in checks:
         t.add_row(escape(c.name), f"[{style[c.status]}]{c.status}[/]", escape(c.detail), escape(c.proves))
     return t

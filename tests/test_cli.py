@@ -76,7 +76,7 @@ def test_compare_writes_the_report_results_and_traces(tmp_path):
     p = run("-m", "parallel", "compare", "--strategies", "single", "--steps", "4", "--warmup", "1",
             "--batch-size", "64", "--profile", "--out", str(out))
     assert p.returncode == 0, p.stderr
-    assert "single" in p.stdout and "baseline" in p.stdout and "Simulated" in p.stdout
+    assert "single" in p.stdout and "baseline" in p.stdout and "simulated: cpu:" in p.stdout
     doc = json.loads((out / "results.json").read_text())
     assert set(doc) == {"config", "environment", "rows", "skipped", "cost_model"} and doc["skipped"] == {}
     assert {"torch", "devices", "threads_per_device", "hostname", "time"} <= set(doc["environment"])

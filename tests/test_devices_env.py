@@ -29,7 +29,7 @@ def test_the_block_comes_first_one_key_a_line(capsys):
     got = dict(ln[2:].split(": ", 1) for ln in lines)
     assert [k for k in KEYS if k not in got] == []
     assert got["parallel"] == __import__("parallel").__version__ and got["torch"] == torch.__version__
-    spec = envinfo.compare_config().spec
+    spec = cli.compare_defaults().spec
     assert got["--devices auto"].startswith(f"{spec} ({spec.kind_label})") and got["default backend"] == spec.backend
     assert got["git commit"] == "unknown" or len(got["git commit"].split()[0]) >= 7
     if not torch.cuda.is_available():
@@ -43,7 +43,7 @@ def test_values_are_printed_as_they_are_not_as_markup(monkeypatch):
     gpu = {"index": 0, "name": "[bold]Fake[/bold] GPU", "total_bytes": 80 * 2**30, "free_bytes": 2**30,
            "capability": "9.0"}
     console = Console(file=io.StringIO(), width=100)
-    envinfo.show(console, gpus=[gpu])
+    envinfo.show(console, cli.compare_defaults(), gpus=[gpu])
     out = console.file.getvalue()
     assert "- GPU 0: [bold]Fake[/bold] GPU, 80.0 GiB, capability 9.0" in block(out)
     assert "[bold]Fake[/bold] GPU" in out.split("```")[-1]  # the hardware table too

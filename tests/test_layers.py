@@ -10,7 +10,7 @@ from tests.conftest import ROOT
 PACKAGE = ROOT / "parallel"
 # Each module (or sub-package) and its layer; a module may import its own layer or any lower one.
 LAYERS = {
-    "cli": 5, "__main__": 5, "sweep": 5, "preflight": 5, "basics": 5,
+    "cli": 5, "__main__": 5, "sweep": 5, "preflight": 5, "basics": 5, "envinfo": 5,
     "harness": 4,
     "worker": 3,
     "strategies": 2,

@@ -108,7 +108,7 @@ def test_scripts_run(tmp_path):
         p = subprocess.run([sys.executable, f"scripts/{name}.py", "--steps", "2", "--batch-size", "32",
                             "--devices", "cpu:2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert p.returncode == 0, p.stderr
-        assert "bubble_measured" in p.stdout
+        assert "Pipelines: idle time against theory" in p.stdout
 
 
 def test_balance_by_params_puts_the_convolutions_together():
