@@ -260,8 +260,8 @@ def _finish(config: RunConfig, rows: list[Row], console, skipped: dict | None = 
     report.show(rows, env, console, skipped, cost_model, wide=wide)
     if config.out:
         logs = ", logs/ (a line a step)" if (Path(config.out) / "logs").is_dir() else ""
-        console.print(f"files in {config.out}/: report.html (pictures), details.txt (every row's measurements), "
-                      f"results.json, results.csv{logs}", highlight=False, markup=False)
+        console.print(f"files in {config.out}/:\n  report.html (pictures), details.txt (every row), results.json/.csv"
+                      f"{logs}", highlight=False, markup=False)
     return 0 if rows and all(r.ok for r in rows) else 1
 
 
