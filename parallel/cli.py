@@ -313,7 +313,7 @@ def cmd_scaling(config: RunConfig, names: list[str], sizes_text: str) -> int:
     prepare_out(Path(config.out))
     console = make_console()
     signal.signal(signal.SIGTERM, _interrupt)
-    results = []
+    results, done = [], {}  # done: a point's config (its folder aside) -> its rows
     try:
         for mode, n, cfg, chosen, skipped in runs:
             console.print(f"{mode} scaling: {cfg.devices}, global batch {cfg.batch_size}", style="bold", markup=False)
@@ -322,7 +322,13 @@ def cmd_scaling(config: RunConfig, names: list[str], sizes_text: str) -> int:
             prepare_out(Path(cfg.out))
             env = environment(cfg.spec)
             save = lambda rows, cfg=cfg, env=env: write_results(Path(cfg.out), dataclasses.asdict(cfg), env, rows)  # noqa: E731
-            results.append((mode, n, run_strategies(cfg, chosen, baseline=True, on_row=save)))
+            same = dataclasses.replace(cfg, out="").to_json()  # strong and weak on one device are one run
+            if same in done:
+                console.print("  the same runs as an earlier point: its rows, not measured again", style="dim")
+                save(done[same])
+            else:
+                done[same] = run_strategies(cfg, chosen, baseline=True, on_row=save)
+            results.append((mode, n, [Row.from_dict(dataclasses.asdict(r)) for r in done[same]]))  # its own flags
     except KeyboardInterrupt:
         console.print(f"[bold red]interrupted[/]: finished comparisons are in {escape(config.out)}/scaling/")
         return 130

@@ -109,20 +109,6 @@ def assert_one_timeline(path, tracks: set[str]) -> dict:
 
 
 @pytest.mark.slow
-def test_the_merged_timeline_has_a_track_per_rank_and_per_device_thread(tmp_path):
-    from parallel.cli import main
-
-    out = tmp_path / "timeline"
-    assert main(["compare", "--strategies", "pipeline", "--workload", "mlp", "--steps", "6", "--warmup", "1",
-                 "--batch-size", "64", "--profile", "--out", str(out)]) == 0
-    doc = assert_one_timeline(out / "timeline.json", {"single rank 0", "pipeline rank 0"})
-    threads = {e["args"]["name"] for e in doc["events"] if e.get("name") == "thread_name"}
-    assert {"device cpu:0", "device cpu:1"} <= {t.split("(")[-1].rstrip(")") for t in threads}
-    labels = {e["name"] for e in doc["events"] if e.get("ph") == "X"}
-    assert {"step 2", "stage 0 F0", "stage 1 B0"} <= labels  # the phase labels
-
-
-@pytest.mark.slow
 def test_repeat_interleaves_rounds_and_pairs_each_with_its_own_single(tmp_path):
     from parallel.cli import main
 

@@ -10,6 +10,7 @@ import urllib.request
 import pytest
 
 from tests.conftest import ROOT
+from tests.test_cli import assert_one_timeline
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -34,6 +35,13 @@ def test_tensorboard_lists_every_profiled_strategy_and_rank_traces_do_not_collid
     assert p.returncode == 0, p.stdout + p.stderr
     traces = sorted(f.name.split(".")[0] for f in (out / "tb" / "ddp").glob("*.pt.trace.json"))
     assert traces == ["ddp_rank0", "ddp_rank1"]  # one file per rank, named by rank: nothing overwritten
+    # The same run's merged timeline: a track per rank, and per device thread of the in-process pipeline,
+    # with the phase labels (one compare serves both checks: each costs 10-30 s here).
+    doc = assert_one_timeline(out / "timeline.json", {"single rank 0", "ddp rank 0", "ddp rank 1", "pipeline rank 0"})
+    threads = {e["args"]["name"] for e in doc["events"] if e.get("name") == "thread_name"}
+    assert {"device cpu:0", "device cpu:1"} <= {t.split("(")[-1].rstrip(")") for t in threads}
+    labels = {e["name"] for e in doc["events"] if e.get("ph") == "X"}
+    assert {"step 2", "stage 0 F0", "stage 1 B0"} <= labels
 
     port = _free_port()
     tb = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(out / "tb"), "--host", "127.0.0.1",
