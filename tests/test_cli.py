@@ -1,6 +1,5 @@
 """The CLI contract and the harness, end to end: exit codes, one-line errors, results files, timeouts."""
 
-import csv
 import dataclasses
 import json
 import subprocess
@@ -70,29 +69,6 @@ def test_devices_lists_cpu_and_backends(capsys):
     assert "memory per device" in out and "after del" in out  # basics/memory.py's figures and demo
 
 
-@pytest.mark.slow
-def test_compare_writes_the_report_results_and_traces(tmp_path):
-    out = tmp_path / "run"
-    p = run("-m", "parallel", "compare", "--strategies", "single", "--steps", "4", "--warmup", "1",
-            "--batch-size", "64", "--profile", "--out", str(out))
-    assert p.returncode == 0, p.stderr
-    assert "single" in p.stdout and "baseline" in p.stdout and "simulated: cpu:" in p.stdout
-    doc = json.loads((out / "results.json").read_text())
-    assert set(doc) == {"config", "environment", "rows", "skipped", "cost_model"} and doc["skipped"] == {}
-    assert {"torch", "devices", "threads_per_device", "hostname", "time"} <= set(doc["environment"])
-    (row,) = doc["rows"]
-    assert set(row) == ROW_FIELDS
-    assert row["strategy"] == "single" and row["status"] == "ok" and row["device_kind"] == "virtual"
-    assert row["speedup"] == 1.0 and row["equivalence"]["verdict"] == "baseline"
-    assert row["step_ms_p50"] > 0 and len(row["step_ms"]) == 4 and len(row["losses"]) == 5
-    with open(out / "results.csv") as f:
-        assert next(csv.DictReader(f))["strategy"] == "single"
-    traces = list((out / "tb" / "single").glob("single_rank0*.pt.trace.json"))
-    assert len(traces) == 1 and "traceEvents" in json.loads(traces[0].read_text())
-    assert_one_timeline(out / "timeline.json", {"single rank 0"})
-    assert not list(out.glob(".results.*"))  # no temporary files left behind
-
-
 def assert_one_timeline(path, tracks: set[str]) -> dict:
     """The merged trace is Chrome's trace-event format (what Perfetto and chrome://tracing read): a
     traceEvents list; metadata names every process track; every other event has a phase, a time on the
@@ -106,20 +82,6 @@ def assert_one_timeline(path, tracks: set[str]) -> dict:
                          and e["ph"] in "XBEisfCbenN" for e in timed)
     assert min(e["ts"] for e in timed) == 0
     return {"names": names, "events": events}
-
-
-@pytest.mark.slow
-def test_repeat_interleaves_rounds_and_pairs_each_with_its_own_single(tmp_path):
-    from parallel.cli import main
-
-    out = tmp_path / "rounds"
-    assert main(["compare", "--strategies", "manual_dp", "--workload", "mlp", "--steps", "2", "--warmup", "1",
-                 "--batch-size", "64", "--repeat", "2", "--out", str(out)]) == 0
-    single, manual = json.loads((out / "results.json").read_text())["rows"]
-    assert len(single["round_speedups"]) == 2 and single["speedup"] == 1.0
-    assert len(manual["round_speedups"]) == 2 and len(manual["round_step_ms"]) == 2
-    assert manual["equivalence"]["verdict"] == "match"  # judged once, on the first round
-    assert (out / "logs" / "round-2" / "manual_dp.log").exists()
 
 
 def test_paired_rounds_cancel_drift_that_hits_every_strategy_of_a_round():
@@ -157,7 +119,7 @@ def test_what_cannot_be_right_is_flagged_with_what_to_do():
 
 
 @pytest.mark.slow
-def test_rows_measured_beside_a_cpu_hog_are_marked_noisy(tmp_path):
+def test_rows_measured_beside_a_cpu_hog_are_marked_noisy_and_rounds_pair(tmp_path):
     from parallel.cli import main
 
     hog = "import time\nend = time.time() + 60\nwhile time.time() < end: pass"  # bounded, killed below anyway
@@ -174,6 +136,12 @@ def test_rows_measured_beside_a_cpu_hog_are_marked_noisy(tmp_path):
         assert r["foreign_cpu"] > 0.10 and r["flags"][0].startswith("noisy"), r
         if r["efficiency"] > 1:  # never above 100% without saying so
             assert any("efficiency" in f for f in r["flags"]), r
+    # --repeat 2 (the same run): interleaved rounds, each paired with its own `single`
+    single, manual = rows
+    assert len(single["round_speedups"]) == 2 and single["speedup"] == 1.0
+    assert len(manual["round_speedups"]) == 2 and len(manual["round_step_ms"]) == 2
+    assert manual["equivalence"]["verdict"] == "match"  # judged once, on the first round
+    assert (tmp_path / "hog" / "logs" / "round-2" / "manual_dp.log").exists()
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """The profiler traces and scalars open in a real TensorBoard with torch-tb-profiler, one run per strategy."""
 
+import csv
 import json
 import socket
 import subprocess
@@ -10,7 +11,7 @@ import urllib.request
 import pytest
 
 from tests.conftest import ROOT
-from tests.test_cli import assert_one_timeline
+from tests.test_cli import ROW_FIELDS, assert_one_timeline
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -33,6 +34,20 @@ def test_tensorboard_lists_every_profiled_strategy_and_rank_traces_do_not_collid
                         "--devices", "cpu:2", "--steps", "5", "--batch-size", "64", "--out", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=150)
     assert p.returncode == 0, p.stdout + p.stderr
+    # What compare writes (one run serves these checks too: a compare costs 10-30 s here)
+    assert "baseline" in p.stdout and "simulated: cpu:2" in p.stdout and "Pipelines: idle time" in p.stdout
+    doc = json.loads((out / "results.json").read_text())
+    assert set(doc) == {"config", "environment", "rows", "skipped", "cost_model"} and doc["skipped"] == {}
+    assert {"torch", "devices", "threads_per_device", "hostname", "time", "run"} <= set(doc["environment"])
+    single = doc["rows"][0]
+    assert all(set(r) == ROW_FIELDS for r in doc["rows"])
+    assert single["strategy"] == "single" and single["status"] == "ok" and single["device_kind"] == "virtual"
+    assert single["speedup"] == 1.0 and single["equivalence"]["verdict"] == "baseline"
+    assert single["step_ms_p50"] > 0 and len(single["step_ms"]) == 5 and len(single["losses"]) == 8
+    with open(out / "results.csv") as f:
+        assert [r["strategy"] for r in csv.DictReader(f)] == ["single", "ddp", "pipeline"]
+    assert "<svg" in (out / "report.html").read_text() and "ddp (torchrun" in (out / "details.txt").read_text()
+    assert not list(out.glob(".results.*"))  # no temporary files left behind
     traces = sorted(f.name.split(".")[0] for f in (out / "tb" / "ddp").glob("*.pt.trace.json"))
     assert traces == ["ddp_rank0", "ddp_rank1"]  # one file per rank, named by rank: nothing overwritten
     # The same run's merged timeline: a track per rank, and per device thread of the in-process pipeline,
