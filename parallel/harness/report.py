@@ -469,7 +469,7 @@ def readable(key: str, value) -> str:
         return "-"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return str(value)
-    if "bytes" in key:
+    if "bytes" in key or "rss" in key:
         return _bytes(value)
     if key.endswith("_ms"):
         return f"{value:.2f} ms"
