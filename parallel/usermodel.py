@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.errors import ConfigError
-from parallel.workloads import WORKLOADS, SyntheticData, TPPlan, Workload
+from parallel.workloads import WORKLOADS, SyntheticData, TPPlan, Workload, logits_of, tp_plan_of
 
 HELD_OUT = 8  # a data file's last 1/HELD_OUT (at most 2048 samples) is the held-out set
 PROTOCOL = ("model", "loss", "layers", "tp_plan")
@@ -231,23 +231,20 @@ class UserWorkload(Workload):
         out = _call(self.factory, seed, self.spec)
         model = out["model"]
         # Attached to the instance as partials of module-level functions: Hogwild pickles the model.
-        if out.get("tp_plan") is not None:
-            model.tp_plan = functools.partial(_given, out["tp_plan"])
+        if out.get("tp_plan") is not None:  # read by workloads.tp_plan_of, a name no library uses
+            model._parallel_tp_plan = out["tp_plan"]
         if self.layer_names is not None and not hasattr(type(model), "pipeline_layers"):
             model.pipeline_layers = functools.partial(_submodules, model, self.layer_names)
         return model
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if self.loss_fn is not None:
+        if self.loss_fn is not None:  # the user's loss gets the output as the model returned it
             return self.loss_fn(output, target)
+        output = logits_of(output)  # a Hugging Face ModelOutput: its logits
         return F.cross_entropy(output.flatten(0, -2), target.flatten())
 
     def dataset(self, seed: int, batch_size: int) -> SyntheticData:
         return FileData(self, seed, batch_size) if self.data_file else SyntheticData(self, seed, batch_size)
-
-
-def _given(value):
-    return value
 
 
 def _submodules(model: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
@@ -296,6 +293,7 @@ def _check_data(spec: str, model: nn.Module, loss, x: torch.Tensor, y: torch.Ten
         raise ConfigError(f"--model {spec} cannot take {source} (inputs {tuple(x.shape[1:])} a sample): "
                           f"{_first_line(e)}") from None
     if loss is None:
+        out = logits_of(out)  # a Hugging Face ModelOutput: its logits
         if not isinstance(out, torch.Tensor) or out.dim() < 2:
             raise ConfigError(f"--model {spec}: its output {getattr(out, 'shape', type(out).__name__)} is not "
                               "(batch, ..., classes) logits for cross-entropy; return 'loss' from the factory")
@@ -352,7 +350,7 @@ def _user(spec: str, input_shape: str, classes: int, vocab: int, seq_len: int, d
                 make_module=factory, input_shape=shape, classes=n_classes or 10, data=kind, dataset_size=size,
                 no_tp_plan="the factory returned no 'tp_plan', and the model defines no tp_plan()")
     workload = UserWorkload(**base, spec=spec, factory=factory, loss_fn=out.get("loss"), data_file=data,
-                            has_plan=out.get("tp_plan") is not None or hasattr(model, "tp_plan"),
+                            has_plan=out.get("tp_plan") is not None or tp_plan_of(model) is not None,
                             parts_model=hasattr(model, "parts"))
     if not data:
         sample_x, sample_y = SyntheticData(workload, 0, 4).batch(0)
@@ -361,13 +359,38 @@ def _user(spec: str, input_shape: str, classes: int, vocab: int, seq_len: int, d
     return dataclasses.replace(workload, layer_names=names, no_layers=why)
 
 
+def cannot_match(model: nn.Module) -> dict[str, str]:
+    """What in the model makes a strategy's training differ from one device's even when the strategy is
+    right, by cause: "dropout" (modules with p > 0, or a Hugging Face config's dropout rates, which its
+    attention applies functionally): every run draws other random masks; "batchnorm": each device
+    normalises its share of the batch by its own statistics (ddp synchronises them). Found before the
+    run, said at its start and named in the verdict of a row that mismatches."""
+    out = {}
+    drops = [m.p for m in model.modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
+    config = getattr(model, "config", None)
+    # transformers' attention applies its dropout functionally (no module to find): Llama, Qwen2, Mixtral ...
+    rates = {k: v for k, v in (vars(config).items() if config is not None else ())
+             if k == "attention_dropout" and isinstance(v, float) and v > 0}
+    if drops or rates:
+        where = ", ".join([f"{len(drops)} dropout module(s), p up to {max(drops):g}"] if drops else []
+                          + [f"config {k} = {v:g}" for k, v in rates.items()])
+        out["dropout"] = (f"dropout is on ({where}): every run draws other random masks, so no strategy can "
+                          "match one device; set dropout to 0 to compare")
+    if norms := [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]:
+        out["batchnorm"] = (f"BatchNorm ({len(norms)} layer(s)) normalises each device's share of the batch by its "
+                            "own statistics; ddp synchronises them (SyncBatchNorm), the other strategies do not")
+    return out
+
+
 def describe(workload: Workload) -> str:
     """One line on what the harness found in a user's model (empty for the built-in ones)."""
     if not isinstance(workload, UserWorkload):
         return ""
     layers = (f"pipeline layers {', '.join(workload.layer_names)}" if workload.layer_names
               else f"no pipeline layers: {workload.no_layers}")
-    return f"{workload.description}; {layers}; tensor-parallel plan: {'yes' if workload.has_plan else 'no'}"
+    causes = cannot_match(workload.build_model(0))  # said before the run, named again in a mismatch
+    return "\n".join([f"{workload.description}; {layers}; tensor-parallel plan: {'yes' if workload.has_plan else 'no'}",
+                      *(f"note: {text}" for text in causes.values())])
 
 
 def add_arguments(p) -> None:

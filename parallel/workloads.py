@@ -21,6 +21,54 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def logits_of(output):
+    """A model's output as the one tensor the harness works with: a tensor as it is; a Hugging Face
+    ModelOutput's (or any mapping's) `logits`; a tuple's first element. The one place where a library's
+    output type is read (the default loss, manual_dp's gather)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if hasattr(output, "keys") and "logits" in output.keys():  # ModelOutput is an OrderedDict
+        return output["logits"]
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    return output
+
+
+def tp_plan_of(model) -> TPPlan | None:
+    """The project's tensor-parallel plan of `model`, or None: the factory's (usermodel keeps it in
+    `_parallel_tp_plan`), or a tp_plan() method returning a TPPlan. Checked by type, so that a library's
+    attribute of the same name (transformers' PreTrainedModel.tp_plan, a dict) is never taken for it."""
+    given = getattr(model, "_parallel_tp_plan", None)
+    if isinstance(given, TPPlan):
+        return given
+    method = getattr(type(model), "tp_plan", None)
+    if isinstance(method, property):  # transformers: a dict of module patterns -> styles
+        return from_hf_plan(model, getattr(model, "tp_plan", None))
+    if not callable(method):
+        return None
+    plan = model.tp_plan()
+    return plan if isinstance(plan, TPPlan) else None
+
+
+def from_hf_plan(model: nn.Module, plan) -> TPPlan | None:
+    """transformers' own tensor-parallel plan ({"model.layers.*.self_attn.q_proj": "colwise", ...}) read
+    into the project's: its "colwise" and "rowwise" Linear layers, by full name. Every other style (the
+    embedding's, the head's gathered output) is left replicated, which is always correct, and no regions
+    are declared, so each split layer sums its own input's gradient (correct whatever the forward passes
+    where). None where the model has no such plan (GPT-2's is empty)."""
+    if not isinstance(plan, dict) or not plan:
+        return None
+    import re
+
+    styles = {re.compile(re.escape(pattern).replace(r"\*", r"\d+") + "$"): style for pattern, style in plan.items()}
+    split = {"colwise": [], "rowwise": []}
+    for name, module in model.named_modules():
+        for pattern, style in styles.items():
+            if style in split and pattern.match(name) and isinstance(module, nn.Linear):
+                split[style].append(name)
+    return TPPlan(tuple(split["colwise"]), tuple(split["rowwise"])) if split["colwise"] else None
+
+
 @dataclass(frozen=True)
 class TPPlan:
     """How a model is split for tensor parallelism (Megatron, Shoeybi et al. 2019), by module name.

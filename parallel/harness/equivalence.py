@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from parallel.results import Equivalence, Rule
-from parallel.usermodel import workload_of
+from parallel.usermodel import cannot_match, workload_of
 from parallel.workloads import WORKLOADS
 
 RTOL = 2e-2
@@ -93,11 +93,14 @@ class Reference:
     state: dict[str, torch.Tensor]
     losses: dict[str, list[float]]  # {"loss": [...]} or the DCGAN's {"d_loss": [...], "g_loss": [...]}
     noise: Rule | None = None  # a user's model that amplifies rounding: the rule its own noise allows (own_noise)
+    causes: dict = dataclasses.field(default_factory=dict)  # usermodel.cannot_match: what no strategy can match
 
 
 def reference_of(config, row, state: dict[str, torch.Tensor]) -> Reference:
-    """`single`'s row and final state under `config`, with the initial weights of its workload and seed."""
-    return Reference(workload_of(config).build_model(config.seed).state_dict(), state, curves(row))
+    """`single`'s row and final state under `config`, with the initial weights of its workload and seed,
+    and what in the model no strategy can match (dropout, BatchNorm)."""
+    model = workload_of(config).build_model(config.seed)
+    return Reference(model.state_dict(), state, curves(row), causes=cannot_match(model))
 
 
 def curves(row) -> dict[str, list[float]]:
@@ -176,9 +179,20 @@ def judge(strategy, config, ref: Reference | None, row, state: dict | None) -> E
             r, step, loss, values = min(off, key=lambda s: s[1])
             parts.append(f"{loss} first off at step {step}: {values} ({r:.3g}x its tolerance)")
         reason = "; ".join(parts)
-    return Equivalence(verdict, err, tol, reason, worst_tensor=name, ratio=ratio,
-                       first_step=min(s[1] for s in off) if off else None, basis=rule.basis,
-                       per_tensor={k: float(f"{r:.4g}") for r, k, _, _ in tensors})
+    out = Equivalence(verdict, err, tol, reason, worst_tensor=name, ratio=ratio,
+                      first_step=min(s[1] for s in off) if off else None, basis=rule.basis,
+                      per_tensor={k: float(f"{r:.4g}") for r, k, _, _ in tensors})
+    explain(out, strategy.name, ref.causes)
+    return out
+
+
+def explain(verdict: Equivalence, strategy: str, causes: dict[str, str]) -> None:
+    """A mismatch on a model that carries its own cause (usermodel.cannot_match: dropout, BatchNorm, but
+    not BatchNorm under ddp, which synchronises it) names that cause first, instead of leaving the
+    difference to be read as a bug or as rounding."""
+    why = [text for cause, text in causes.items() if not (cause == "batchnorm" and strategy == "ddp")]
+    if verdict.verdict == "mismatch" and why:
+        verdict.reason = "; ".join(why) + f" ({verdict.reason})"
 
 
 NOISE_MARGIN = 3  # a user's model is judged at this many times its own rounding noise, where that exceeds RTOL

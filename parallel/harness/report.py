@@ -154,9 +154,9 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "send"
 
 
 def sharded_rows(rows: list[Row]) -> list[Row]:
-    """The sharded strategies (and DDP, the unsharded reference): rows whose details carry bytes by collective."""
-    chosen = [r for r in rows if r.status == "ok" and (r.strategy == "ddp" or set(COLLECTIVES[:4]) & set(
-        r.details.get("bytes_per_step_by_collective", ())))]
+    """The sharded strategies (and DDP, the unsharded reference): the rows that carry the ZeRO formula's
+    figure, when one of them also counted its bytes by collective."""
+    chosen = [r for r in rows if r.status == "ok" and "zero_formula_bytes" in r.details]
     return chosen if any("bytes_per_step_by_collective" in r.details for r in chosen) else []
 
 

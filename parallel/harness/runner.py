@@ -27,7 +27,7 @@ from parallel.errors import ConfigError
 from parallel.harness import equivalence, launch, load
 from parallel.harness.report import make_progress
 from parallel.results import Equivalence, Row
-from parallel.usermodel import workload_of
+from parallel.usermodel import cannot_match, workload_of
 from parallel.workloads import eval_loss
 
 BASELINE = "single"
@@ -217,7 +217,8 @@ def run_strategies(config: RunConfig, chosen: list[tuple], baseline: bool = True
     rows: list[Row] = []
     ref = None
     workload = workload_of(config)
-    initial = workload.build_model(config.seed).state_dict()
+    model = workload.build_model(config.seed)
+    initial, causes = model.state_dict(), cannot_match(model)  # dropout, BatchNorm: named in a mismatch
     rounds = max(1, config.repeat)
     timings: list[list[tuple]] = [[] for _ in chosen]  # per plan entry, per round: samples/s, step ms p50, p95
     try:
@@ -235,9 +236,9 @@ def run_strategies(config: RunConfig, chosen: list[tuple], baseline: bool = True
                 if state is not None:
                     row.eval_loss = eval_loss(workload, state, config.seed)
                 if baseline and s.name == BASELINE and state is not None:
-                    ref = equivalence.Reference(initial, state, equivalence.curves(row))
-                    if config.model:  # a model the tolerances were not measured on: its own noise, measured
-                        ref.noise = equivalence.own_noise(cfg, ref)
+                    ref = equivalence.Reference(initial, state, equivalence.curves(row), causes=causes)
+                    if config.model and "dropout" not in causes:  # a model the tolerances were not measured
+                        ref.noise = equivalence.own_noise(cfg, ref)  # on: its own noise (not dropout's masks)
                     row.equivalence = Equivalence("baseline", 0.0, basis=equivalence.rule_for(s, cfg).basis)
                 elif row.status == "ok":
                     row.equivalence = equivalence.judge(s, cfg, ref, row, state)

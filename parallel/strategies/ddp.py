@@ -145,9 +145,9 @@ def _wrap(module, dist, opts):
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     opts = options_of(Options, config)
     model = model.to(dist.device)
+    if not injected(config, UNSYNCED_BN):  # BatchNorm over the global batch, as one device computes it
+        model = sync_batchnorm.convert(model, dist.device)
     if hasattr(model, "parts"):  # the DCGAN: a DDP per part, since each part has its own optimiser and backward
-        if not injected(config, UNSYNCED_BN):
-            model = sync_batchnorm.convert(model, dist.device)
         t = Trainable(model, make_optimizers(model, make_optimizer), loss_fn, dist.device, comm_bytes=0,
                       state=State(dist.world_size, compress=opts.compress,
                                   parts={k: _wrap(m, dist, opts) for k, m in model.parts().items()}))

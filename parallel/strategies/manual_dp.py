@@ -30,6 +30,7 @@ from parallel.strategies.base import Hooks, Mutant, Trainable, grad_bytes, injec
 from parallel.strategies.primitives import DeviceThreads, gather, parallel_apply, replicate, scatter
 from parallel.timing import PhaseTimer
 from parallel.usermodel import workload_of
+from parallel.workloads import logits_of
 
 NAME = "manual_dp"
 LAUNCH = "inprocess"
@@ -96,7 +97,7 @@ def train_step(t: Trainable, batch, dist):
         if injected(t, STALE_REPLICA):
             t.state.kept = replicas
     with phase("parallel_apply"):
-        outs = parallel_apply(replicas, xs, devices, pool=pool)  # [(B_i, C)] on device i
+        outs = [logits_of(o) for o in parallel_apply(replicas, xs, devices, pool=pool)]  # [(B_i, C)] on device i
     with phase("gather"):
         out = gather(outs, devices[0])  # (B, C) on the output device
         loss = t.loss_fn(out, y.to(devices[0]))

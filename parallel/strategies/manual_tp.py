@@ -44,7 +44,7 @@ from parallel.strategies.base import (
     ring_allreduce_bytes,
 )
 from parallel.usermodel import workload_of
-from parallel.workloads import Attention
+from parallel.workloads import Attention, tp_plan_of
 
 NAME = "manual_tp"
 LAUNCH = "torchrun"
@@ -137,10 +137,16 @@ def plan_problems(model: nn.Module, tp: int) -> str | None:
     for name, m in model.named_modules():
         if isinstance(m, Attention) and (heads := m.q.out_features // m.head_size) % tp:
             return f"tp {tp} does not divide {name}'s {heads} heads"
-    plan = model.tp_plan()
+    plan = tp_plan_of(model)
+    for name in plan.colwise + plan.rowwise:
+        if type(layer := model.get_submodule(name)) is not nn.Linear:  # GPT-2's Conv1D holds its weight transposed
+            return f"its plan names {name}, a {type(layer).__name__}: the plan splits nn.Linear layers only"
     for name in plan.colwise:
         if (out := model.get_submodule(name).out_features) % tp:
             return f"tp {tp} does not divide {name}'s {out} output features"
+        parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        if (size := getattr(parent, "head_dim", None)) and (heads := out // size) % tp:  # whole heads a rank:
+            return f"tp {tp} does not divide {name}'s {heads} heads"  # grouped-query k/v have fewer
     for name in plan.rowwise:
         if (inp := model.get_submodule(name).in_features) % tp:
             return f"tp {tp} does not divide {name}'s {inp} input features"
@@ -153,13 +159,13 @@ def check(config) -> None:
         raise ConfigError(f"cannot split the {config.workload} over {config.world_size} ranks: {why}")
 
 
-def _rows(t: torch.Tensor, rank: int, n: int, dim: int = 0) -> torch.Tensor:
-    return t.detach().chunk(n, dim=dim)[rank]
+def _rows(t: torch.Tensor | None, rank: int, n: int, dim: int = 0) -> torch.Tensor | None:
+    return None if t is None else t.detach().chunk(n, dim=dim)[rank]  # None: a Linear without bias
 
 
 def shard(model: nn.Module, rank: int, n: int, config) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Replace every split Linear of the model's plan by this rank's part of it; f on every region."""
-    plan = model.tp_plan()
+    plan = tp_plan_of(model)
     in_region = {c for c in plan.colwise for r in plan.regions if c.startswith(r + ".")}
     full = {name: model.get_submodule(name) for name in plan.colwise + plan.rowwise}  # before any is replaced
     parts = {}
@@ -179,8 +185,17 @@ def shard(model: nn.Module, rank: int, n: int, config) -> tuple[tuple[str, ...],
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, part)
     for name in plan.regions:
-        model.get_submodule(name).register_forward_pre_hook(lambda m, args: (_Copy.apply(args[0]), *args[1:]))
+        model.get_submodule(name).register_forward_pre_hook(_copy_first_input, with_kwargs=True)
     return plan.colwise, plan.rowwise
+
+
+def _copy_first_input(module, args, kwargs):
+    """f on a region's input: its first positional argument, or (Hugging Face calls attention with keyword
+    arguments only) its first tensor keyword argument."""
+    if args:
+        return (_Copy.apply(args[0]), *args[1:]), kwargs
+    key = next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+    return args, {**kwargs, key: _Copy.apply(kwargs[key])}
 
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
@@ -229,7 +244,7 @@ def payloads(model, config) -> list[float]:
     """Bytes of every activation Megatron all-reduces per step: every rowwise layer's output forward (B x T
     x its outputs), and every region's (or colwise layer outside one) input gradient backward (B x T x its
     inputs); but not the gradient of the data itself, which nothing needs (the MLP's first layer)."""
-    plan, w = model.tp_plan(), workload_of(config)
+    plan, w = tp_plan_of(model), workload_of(config)
     positions = config.batch_size * (w.input_shape[0] if w.data == "tokens" else 1)  # tokens: T per sample
     forward = [model.get_submodule(r).out_features for r in plan.rowwise]
     first_layer = next(n for n, _ in model.named_parameters()).rpartition(".")[0]
@@ -246,7 +261,7 @@ def _in_features(model: nn.Module, name: str) -> int:
 def comm_bytes_predicted(model, config) -> float | None:
     """Megatron's all-reduces (payloads), 2(N-1)/N of each per rank (sequence parallel: an all-gather and
     a reduce-scatter of the same activation, (N-1)/N each: the same bytes)."""
-    if not hasattr(model, "tp_plan"):
+    if tp_plan_of(model) is None:
         return None
     return sum(ring_allreduce_bytes(p, config.world_size) for p in payloads(model, config))
 

@@ -43,6 +43,7 @@ from parallel.strategies.base import (
 )
 from parallel.strategies.stages import ActivationMeter
 from parallel.usermodel import workload_of
+from parallel.workloads import tp_plan_of
 
 NAME = "tensor_parallel"
 LAUNCH = "torchrun"
@@ -101,7 +102,7 @@ def plan(model: nn.Module, o: Options, config) -> dict:
         SequenceParallel,
     )
 
-    tp = model.tp_plan()
+    tp = tp_plan_of(model)
     split_between = Shard(1) if o.sequence_parallel else Replicate()  # activations between the split layers
     styles = {name: ColwiseParallel() for name in tp.colwise}
     styles |= {name: RowwiseParallel(output_layouts=split_between) for name in tp.rowwise}

@@ -1,0 +1,107 @@
+"""Hugging Face models as users have them (#30): returned by the factory as they are, through the
+strategies that can take them, with the verdict naming what no strategy can match (dropout, BatchNorm).
+
+transformers is in the test extras; where it is absent these tests are skipped, saying so."""
+
+import textwrap
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
+
+from parallel.config import RunConfig  # noqa: E402
+from parallel.harness import mutants  # noqa: E402
+from parallel.strategies import manual_tp  # noqa: E402
+from parallel.usermodel import cannot_match  # noqa: E402
+from parallel.workloads import TPPlan, logits_of, tp_plan_of  # noqa: E402
+from tests.conftest import ROOT  # noqa: E402
+
+EXAMPLES = ROOT / "examples"
+TOKENS = {"vocab": 256, "seq_len": 32}
+RUN = {"batch_size": 16, "steps": 3, "warmup": 1, "extras": False}
+
+
+def example(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_model_output_is_read_for_its_logits_in_one_place():
+    from transformers.modeling_outputs import CausalLMOutput
+
+    logits = torch.randn(2, 3, 5)
+    assert logits_of(CausalLMOutput(logits=logits)) is logits
+    assert logits_of({"logits": logits, "loss": None}) is logits and logits_of((logits, None)) is logits
+    assert logits_of(logits) is logits
+
+
+def test_transformers_plan_is_read_and_its_dict_attribute_never_taken_for_ours():
+    llama, gpt2 = example("hf_llama").llama(), example("hf_gpt2").gpt2()
+    assert isinstance(type(llama).tp_plan, property) and isinstance(llama.tp_plan, dict)  # not callable: not ours
+    plan = tp_plan_of(llama)
+    assert "model.layers.1.self_attn.k_proj" in plan.colwise and "model.layers.0.mlp.down_proj" in plan.rowwise
+    assert "lm_head" not in plan.colwise + plan.rowwise and plan.regions == ()  # other styles stay replicated
+    assert tp_plan_of(gpt2) is None  # GPT-2's own plan is empty
+    assert manual_tp.plan_problems(llama, 2) is None
+    assert manual_tp.plan_problems(llama, 4) == "tp 4 does not divide model.layers.0.self_attn.k_proj's 2 heads"
+    gpt2._parallel_tp_plan = TPPlan(("transformer.h.0.attn.c_attn",), ("transformer.h.0.attn.c_proj",))
+    assert "a Conv1D: the plan splits nn.Linear layers only" in manual_tp.plan_problems(gpt2, 2)
+
+
+def test_dropout_and_batchnorm_are_found_before_the_run():
+    gpt2 = example("hf_gpt2")
+    assert cannot_match(gpt2.gpt2()) == {}
+    assert "set dropout to 0" in cannot_match(gpt2.gpt2_dropout())["dropout"]
+    from transformers import LlamaConfig, LlamaForCausalLM  # attention's dropout is functional: read from config
+
+    config = LlamaConfig(**example("hf_llama").CONFIG, attention_dropout=0.1)
+    assert "config attention_dropout = 0.1" in cannot_match(LlamaForCausalLM(config))["dropout"]
+    assert "ddp synchronises them" in cannot_match(torch.nn.Sequential(torch.nn.BatchNorm2d(3)))["batchnorm"]
+
+
+BN_MODEL = textwrap.dedent('''
+    from torch import nn
+
+    def build():
+        return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 4))
+''')
+
+
+def test_a_mismatch_names_the_cause_the_model_carries():
+    from parallel.harness.equivalence import explain
+    from parallel.results import Equivalence
+
+    causes = {"batchnorm": "BatchNorm (1 layer(s)) normalises ...", "dropout": "dropout is on (...)"}
+    for strategy, expected in (("manual_ddp", "BatchNorm (1 layer(s)) normalises ...; dropout is on (...) (x off)"),
+                               ("ddp", "dropout is on (...) (x off)")):  # ddp synchronises BatchNorm
+        verdict = Equivalence("mismatch", reason="x off")
+        explain(verdict, strategy, causes)
+        assert verdict.reason == expected
+    matched = Equivalence("match")
+    explain(matched, "manual_ddp", causes)
+    assert matched.reason == ""
+
+
+@pytest.mark.slow
+def test_hugging_face_models_returned_as_they_are_match_one_device(tmp_path):
+    """One set of spawned ranks for every run: GPT-2 (tied head) under manual_dp (a ModelOutput through its
+    gather); Llama (no biases, grouped-query attention called with keyword arguments) under manual_tp from
+    transformers' own plan; GPT-2 with its default dropout under ddp, whose mismatch names dropout; a
+    BatchNorm model under ddp, which synchronises it and matches. (The whole family, on both models:
+    `compare --model examples/hf_gpt2.py:gpt2 ...`, docs/your-model.md.)"""
+    (tmp_path / "bn_model.py").write_text(BN_MODEL)
+    gpt2, llama = f"{EXAMPLES / 'hf_gpt2.py'}:gpt2", f"{EXAMPLES / 'hf_llama.py'}:llama"
+    runs = [("manual_dp", gpt2, TOKENS), ("manual_tp", llama, TOKENS),
+            ("ddp", f"{tmp_path / 'bn_model.py'}:build", {"input_shape": "3,8,8", "classes": 4}),
+            ("ddp", f"{EXAMPLES / 'hf_gpt2.py'}:gpt2_dropout", TOKENS)]
+    jobs = [mutants.Job(name, RunConfig(model=model, devices="cpu:2", **data, **RUN).validate().to_json(), "honest")
+            for name, model, data in runs]
+    *matched, dropout = [o.equivalence for o in mutants.run_jobs(jobs)]
+    for (name, model, _), v in zip(runs, matched, strict=False):
+        assert v.verdict == "match", (name, model, v)
+    assert dropout.verdict == "mismatch" and dropout.reason.startswith("dropout is on (7 dropout module(s)")
