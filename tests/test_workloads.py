@@ -12,7 +12,7 @@ from parallel.config import RunConfig
 from parallel.dist import Dist
 from parallel.errors import ConfigError
 from parallel.strategies.base import OptimizerGroup, make_optimizers
-from parallel.strategies.sync_batchnorm import AllReduceBatchNorm2d
+from parallel.strategies.sync_batchnorm import AllReduceBatchNorm1d, AllReduceBatchNorm2d
 from parallel.worker import execute
 from parallel.workloads import WORKLOADS, SyntheticData
 
@@ -82,5 +82,10 @@ def test_hand_written_sync_batchnorm_is_batchnorm_over_the_whole_batch():
         out, want = ours(half), ref(half)
         assert out.dtype == want.dtype == torch.bfloat16 and ours.running_mean.dtype == torch.float32
         torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-2)  # bf16 output: 8 bits of mantissa
+        for ref, ours, shape in ((nn.BatchNorm1d(4), AllReduceBatchNorm1d(4), (8, 4)),  # a user's MLP's
+                                 (nn.BatchNorm1d(4, affine=False), AllReduceBatchNorm1d(4, affine=False), (8, 4, 3))):
+            x = torch.randn(*shape) * 3 + 1
+            torch.testing.assert_close(ours(x), ref(x), rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(ours.running_var, ref.running_var)
     finally:
         td.destroy_process_group()

@@ -30,14 +30,17 @@ def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return dist_nn.all_reduce(t)
 
 
-class AllReduceBatchNorm2d(nn.BatchNorm2d):
-    def forward(self, x):  # (B/N, C, H, W)
+class _AllReduceBatchNorm:
+    """BatchNorm over the global batch on gloo: the per-channel sum, sum of squares and count all-reduced,
+    whatever the input's dimensions (B/N, C, ...)."""
+
+    def forward(self, x):
         if not self.training:
             return super().forward(x)  # running statistics: the same on every rank
-        c, dtype = x.shape[1], x.dtype
+        c, dtype, dims = x.shape[1], x.dtype, (0, *range(2, x.dim()))
         x = x.float()  # statistics in fp32 whatever comes in (bf16 under autocast), as BatchNorm keeps them
         count = torch.full((1,), x.numel() / c, device=x.device, dtype=x.dtype)
-        stats = _all_reduce_sum(torch.cat([x.sum((0, 2, 3)), (x * x).sum((0, 2, 3)), count]))  # (2C + 1,)
+        stats = _all_reduce_sum(torch.cat([x.sum(dims), (x * x).sum(dims), count]))  # (2C + 1,)
         n = stats[-1]
         mean = stats[:c] / n
         var = stats[c:2 * c] / n - mean * mean  # biased, as BatchNorm normalises with
@@ -45,20 +48,38 @@ class AllReduceBatchNorm2d(nn.BatchNorm2d):
             self.running_mean.lerp_(mean, self.momentum)
             self.running_var.lerp_(var * n / (n - 1), self.momentum)
             self.num_batches_tracked += 1
-        shape = (1, c, 1, 1)
+        shape = (1, c) + (1,) * (x.dim() - 2)
         y = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
-        return (y * self.weight.view(shape) + self.bias.view(shape)).to(dtype)
+        if self.affine:
+            y = y * self.weight.view(shape) + self.bias.view(shape)
+        return y.to(dtype)
+
+
+class AllReduceBatchNorm1d(_AllReduceBatchNorm, nn.BatchNorm1d):
+    pass
+
+
+class AllReduceBatchNorm2d(_AllReduceBatchNorm, nn.BatchNorm2d):
+    pass
+
+
+class AllReduceBatchNorm3d(_AllReduceBatchNorm, nn.BatchNorm3d):
+    pass
+
+
+GLOBAL = {nn.BatchNorm1d: AllReduceBatchNorm1d, nn.BatchNorm2d: AllReduceBatchNorm2d,
+          nn.BatchNorm3d: AllReduceBatchNorm3d}
 
 
 def convert(module: nn.Module, device: torch.device) -> nn.Module:
-    """Every BatchNorm2d in `module` made global: torch's SyncBatchNorm on CUDA, the one above on CPU.
+    """Every BatchNorm (1d, 2d, 3d) in `module` made global: torch's SyncBatchNorm on CUDA, the one above on CPU.
     The state (parameters and running statistics) is carried over, and the names stay the same."""
     if device.type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(module)
     for name, child in module.named_children():
-        if type(child) is nn.BatchNorm2d:
-            bn = AllReduceBatchNorm2d(child.num_features, child.eps, child.momentum, child.affine,
-                                      child.track_running_stats, device=device)
+        if type(child) in GLOBAL:
+            bn = GLOBAL[type(child)](child.num_features, child.eps, child.momentum, child.affine,
+                                     child.track_running_stats, device=device)
             bn.load_state_dict(child.state_dict())
             setattr(module, name, bn)
         else:
