@@ -87,8 +87,8 @@ def test_largest_batch_search_finds_the_boundary():
 def test_memory_savers_save_memory_and_checkpointing_changes_nothing_else():
     # The transformer: activations dominate its memory. (On the MLP at batch 256 the 3.7M parameters do,
     # and autocast *adds* memory there: it keeps bf16 copies of the weights.)
-    results = {r.mode: r for r in savers.run("transformer", torch.device("cpu"), batch=32, budget=12 * MiB,
-                                             repeats=2)}  # 12 MiB: largest batches 11, 16, 20, 28 here
+    results = {r.mode: r for r in savers.run("transformer", torch.device("cpu"), batch=32, budget=24 * MiB,
+                                             repeats=2)}
     fp32 = results["fp32"]
     # Recomputing activations gives bitwise the same forward: the loss after 5 steps is the same.
     assert results["checkpointing"].loss_after == pytest.approx(fp32.loss_after, abs=1e-6)
@@ -96,9 +96,9 @@ def test_memory_savers_save_memory_and_checkpointing_changes_nothing_else():
     for mode in ("autocast", "checkpointing", "both"):  # measured at batch 128: 0.62x, 0.60x, 0.41x
         assert results[mode].memory_bytes < fp32.memory_bytes, (mode, results[mode].memory_bytes, fp32.memory_bytes)
     for r in results.values():
-        assert r.largest_batch > 0 and r.largest_batch_bytes <= 12 * MiB
+        assert r.largest_batch > 0 and r.largest_batch_bytes <= 24 * MiB
         # The boundary is real: 25% more does not fit (repeat measurements varied by up to 3% here).
-        assert savers._memory_or_none("transformer", r.mode, torch.device("cpu"), r.largest_batch * 5 // 4) > 12 * MiB
+        assert savers._memory_or_none("transformer", r.mode, torch.device("cpu"), r.largest_batch * 5 // 4) > 24 * MiB
     assert results["both"].largest_batch > fp32.largest_batch
 
 

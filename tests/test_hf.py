@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None
 
 EXAMPLES = ROOT / "examples"
 TOKENS = {"vocab": 256, "seq_len": 32}
-RUN = {"batch_size": 16, "steps": 3, "warmup": 1, "extras": False}
+RUN = {"batch_size": 16, "steps": 2, "warmup": 1, "extras": False}
 
 
 def example(name: str):
