@@ -41,6 +41,7 @@ def test_tensorboard_lists_every_profiled_strategy_and_rank_traces_do_not_collid
     assert {"torch", "devices", "threads_per_device", "hostname", "time", "run"} <= set(doc["environment"])
     single = doc["rows"][0]
     assert all(set(r) == ROW_FIELDS for r in doc["rows"])
+    assert all(r["step_ms_predicted"] > 0 for r in doc["rows"])  # the cost model predicts every row
     assert single["strategy"] == "single" and single["status"] == "ok" and single["device_kind"] == "virtual"
     assert single["speedup"] == 1.0 and single["equivalence"]["verdict"] == "baseline"
     assert single["step_ms_p50"] > 0 and len(single["step_ms"]) == 5 and len(single["losses"]) == 8

@@ -199,6 +199,7 @@ def test_a_model_the_tests_never_saw_matches_single_under_ddp_manual_dp_and_fsdp
     for name in ("ddp", "manual_dp", "fsdp"):
         assert rows[name]["equivalence"]["verdict"] == "match", rows[name]["equivalence"]
         assert rows[name]["peak_mem_bytes"] > 0 and rows[name]["comm_bytes_per_step"] > 0  # memory and communication
+        assert rows[name]["step_ms_predicted"] > 0  # the cost model, on a model it never saw
     assert "my_model.py:net" in p.stdout
     assert rows["fsdp"]["details"]["fsdp_groups"][:2] == ["body.1", "hidden.0"]
 
