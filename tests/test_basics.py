@@ -87,6 +87,7 @@ def test_largest_batch_search_finds_the_boundary():
 def test_memory_savers_save_memory_and_checkpointing_changes_nothing_else():
     # The transformer: activations dominate its memory. (On the MLP at batch 256 the 3.7M parameters do,
     # and autocast *adds* memory there: it keeps bf16 copies of the weights.)
+    torch.set_num_threads(1)  # the suite's other process is busy too: 2 threads here ran 3-4x slower than alone
     results = {r.mode: r for r in savers.run("transformer", torch.device("cpu"), batch=32, budget=24 * MiB,
                                              repeats=2)}
     fp32 = results["fp32"]
