@@ -50,6 +50,10 @@ def test_transformers_plan_is_read_and_its_dict_attribute_never_taken_for_ours()
     assert tp_plan_of(gpt2) is None  # GPT-2's own plan is empty
     assert manual_tp.plan_problems(llama, 2) is None
     assert manual_tp.plan_problems(llama, 4) == "tp 4 does not divide model.layers.0.self_attn.k_proj's 2 heads"
+    from parallel.usermodel import workload_of
+
+    gpt2_run = RunConfig(model=f"{EXAMPLES / 'hf_gpt2.py'}:gpt2", devices="cpu:2", **TOKENS).validate()
+    assert workload_of(gpt2_run).no_tp_plan.startswith("transformers' own plan for GPT2LMHeadModel splits no")
     gpt2._parallel_tp_plan = TPPlan(("transformer.h.0.attn.c_attn",), ("transformer.h.0.attn.c_proj",))
     assert "a Conv1D: the plan splits nn.Linear layers only" in manual_tp.plan_problems(gpt2, 2)
 
