@@ -140,13 +140,14 @@ def write_results(out: Path, config: dict, environment: dict, rows: list[Row], s
     atomic_write(out / "results.json", json.dumps(doc, indent=2))
     buf = io.StringIO()
     names = [f.name for f in dataclasses.fields(Row) if f.name not in CSV_SKIP]
-    eq_names = [f"equivalence_{f.name}" for f in dataclasses.fields(Equivalence) if f.name != "per_tensor"]
+    eq_fields = [f.name for f in dataclasses.fields(Equivalence) if f.name != "per_tensor"]  # a dict: JSON only
+    eq_names = [f"equivalence_{k}" for k in eq_fields]
     measured_names = [f.name for f in dataclasses.fields(Measured)]
     writer = csv.DictWriter(buf, fieldnames=names + eq_names + measured_names)
     writer.writeheader()
     for r in rows:
         d = {k: getattr(r, k) for k in names}
-        d.update({f"equivalence_{k}": v for k, v in dataclasses.asdict(r.equivalence).items() if k != "per_tensor"})
+        d.update({f"equivalence_{k}": getattr(r.equivalence, k) for k in eq_fields})
         d.update(dataclasses.asdict(r.measured))
         writer.writerow(d)
     atomic_write(out / "results.csv", buf.getvalue())

@@ -214,6 +214,7 @@ class UserWorkload(Workload):
     has_plan: bool = False
     parts_model: bool = False
     data_file: str = ""
+    causes: tuple[str, ...] = ()  # cannot_match's texts, found once on the model validate built
 
     @property
     def multi_part(self) -> bool:
@@ -354,7 +355,7 @@ def _user(spec: str, input_shape: str, classes: int, vocab: int, seq_len: int, d
                             else "the factory returned no 'tp_plan', and the model defines no tp_plan()"))
     workload = UserWorkload(**base, spec=spec, factory=factory, loss_fn=out.get("loss"), data_file=data,
                             has_plan=out.get("tp_plan") is not None or tp_plan_of(model) is not None,
-                            parts_model=hasattr(model, "parts"))
+                            parts_model=hasattr(model, "parts"), causes=tuple(cannot_match(model).values()))
     if not data:
         sample_x, sample_y = SyntheticData(workload, 0, 4).batch(0)
     _check_data(label, model, out.get("loss"), sample_x, sample_y, source)
@@ -370,13 +371,12 @@ def cannot_match(model: nn.Module) -> dict[str, str]:
     run, said at its start and named in the verdict of a row that mismatches."""
     out = {}
     drops = [m.p for m in model.modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
-    config = getattr(model, "config", None)
     # transformers' attention applies its dropout functionally (no module to find): Llama, Qwen2, Mixtral ...
-    rates = {k: v for k, v in (vars(config).items() if config is not None else ())
-             if k == "attention_dropout" and isinstance(v, float) and v > 0}
-    if drops or rates:
-        where = ", ".join([f"{len(drops)} dropout module(s), p up to {max(drops):g}"] if drops else []
-                          + [f"config {k} = {v:g}" for k, v in rates.items()])
+    rate = getattr(getattr(model, "config", None), "attention_dropout", 0.0)
+    rate = rate if isinstance(rate, float) and rate > 0 else 0.0
+    if drops or rate:
+        where = ", ".join(([f"{len(drops)} dropout module(s), p up to {max(drops):g}"] if drops else [])
+                          + ([f"config attention_dropout = {rate:g}"] if rate else []))
         out["dropout"] = (f"dropout is on ({where}): every run draws other random masks, so no strategy can "
                           "match one device; set dropout to 0 to compare")
     if norms := [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]:
@@ -391,9 +391,8 @@ def describe(workload: Workload) -> str:
         return ""
     layers = (f"pipeline layers {', '.join(workload.layer_names)}" if workload.layer_names
               else f"no pipeline layers: {workload.no_layers}")
-    causes = cannot_match(workload.build_model(0))  # said before the run, named again in a mismatch
     return "\n".join([f"{workload.description}; {layers}; tensor-parallel plan: {'yes' if workload.has_plan else 'no'}",
-                      *(f"note: {text}" for text in causes.values())])
+                      *(f"note: {text}" for text in workload.causes)])  # said before the run, again in a mismatch
 
 
 def add_arguments(p) -> None:
