@@ -271,18 +271,13 @@ def _cell(text: str, cls: str = "") -> str:
 
 
 def _main_table(rows: list[Row], environment: dict) -> str:
-    heads = ["strategy", "devices", "ms p50", "speedup", "eff.", "peak mem", "sent/step", "equivalence", "status"]
-    out = ["<table><tr>" + "".join(f"<th>{h}</th>" for h in heads) + "</tr>"]
+    """The terminal's main table (report.main_cells), with the rounds' range beside each speedup."""
+    out = ["<table><tr>" + "".join(f"<th>{h}</th>" for h, _ in report.MAIN) + "</tr>"]
     for r in rows:
-        eq = r.equivalence.verdict + (f" {r.equivalence.ratio:.2g}" if r.equivalence.ratio is not None
-                                      and r.equivalence.verdict != "baseline" else "")
-        state = report.status(r)
-        out.append("<tr>" + "".join([
-            _cell(r.label), _cell(f"{r.world_size} {r.device_kind}"), _cell(report._num(r.step_ms_p50, ".1f")),
-            _cell(report._speedup(r)), _cell(report._num(r.efficiency, ".0%")),
-            _cell(report._bytes(r.peak_mem_bytes)), _cell(report._bytes(r.comm_bytes_per_step)),
-            _cell(eq, "bad" if r.equivalence.verdict == "mismatch" else ""),
-            _cell(state, "" if state == "ok" else "bad" if r.status != "ok" else "noisy")]) + "</tr>")
+        *cells, eq, state = report.main_cells(r, environment["device_kind"], spread=True)
+        eq_class = "bad" if r.equivalence.verdict == "mismatch" else ""
+        state_class = "" if state == "ok" else "bad" if r.status != "ok" else "noisy"
+        out.append("<tr>" + "".join([*map(_cell, cells), _cell(eq, eq_class), _cell(state, state_class)]) + "</tr>")
     return "\n".join(out) + "</table>"
 
 

@@ -105,12 +105,17 @@ def _speedup(r: Row, spread: bool = True) -> str:
     return text
 
 
-def _equivalence(r: Row) -> Text:
+def equivalence_text(r: Row) -> str:
+    """The verdict, and the largest difference over its tolerance: "match 0.0025"."""
     eq = r.equivalence
-    text = Text(eq.verdict, style=VERDICT_STYLE.get(eq.verdict, ""))
-    if eq.ratio is not None and eq.verdict != "baseline":
-        text.append(f" {eq.ratio:.2g}")
-    return text
+    return eq.verdict + (f" {eq.ratio:.2g}" if eq.ratio is not None and eq.verdict != "baseline" else "")
+
+
+def main_cells(r: Row, run_kind: str, spread: bool = False) -> list[str]:
+    """A row of the main table (MAIN's columns), as the terminal and report.html show it."""
+    return [r.label, _devices(r, run_kind), _num(r.step_ms_p50, ".1f"), _speedup(r, spread),
+            _num(r.efficiency, ".0%"), _bytes(r.peak_mem_bytes), _bytes(r.comm_bytes_per_step), equivalence_text(r),
+            status(r)]
 
 
 MAIN = [("strategy", "left"), ("devices", "left"), ("ms p50", "right"), ("speedup", "right"), ("eff.", "right"),
@@ -126,16 +131,15 @@ def table(rows: list[Row], environment: dict, wide: bool = False) -> Table:
     t = _table("Every strategy against `single`", WIDE if wide else MAIN)
     for r in rows:
         state = Text(status(r), style="" if status(r) == "ok" else "bold red" if r.status != "ok" else "yellow")
+        verdict = Text(equivalence_text(r), style=VERDICT_STYLE.get(r.equivalence.verdict, ""))
         if wide:
             p50 = "-" if r.step_ms_p50 is None else f"{r.step_ms_p50:.1f} ({r.step_ms_p95:.1f})"
             t.add_row(r.label, r.launcher, f"{r.world_size} {r.device_kind}", p50, _num(r.step_ms_predicted, ".1f"),
                       _num(r.samples_per_s, ",.0f"), _speedup(r), _num(r.efficiency, ".0%"), _bytes(r.peak_mem_bytes),
                       f"{_bytes(r.comm_bytes_per_step)} ({_bytes(r.comm_bytes_predicted)})",
-                      _num(r.final_loss, ".4f"), _num(r.eval_loss, ".4f"), _equivalence(r), state)
+                      _num(r.final_loss, ".4f"), _num(r.eval_loss, ".4f"), verdict, state)
         else:
-            t.add_row(r.label, _devices(r, kind), _num(r.step_ms_p50, ".1f"), _speedup(r, spread=False),
-                      _num(r.efficiency, ".0%"),
-                      _bytes(r.peak_mem_bytes), _bytes(r.comm_bytes_per_step), _equivalence(r), state)
+            t.add_row(*main_cells(r, kind)[:-2], verdict, state)
     return t
 
 
