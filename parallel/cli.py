@@ -370,21 +370,9 @@ def cmd_devices() -> int:
     return 0
 
 
-def check_strategy_names(text: str) -> None:
-    """An unknown strategy name close to a known one is refused naming it (`dpp`: did you mean 'ddp'?);
-    other unknown names are strategies.get's to refuse, in its words."""
-    for name in (n.strip() for n in text.split(",")):
-        if name and name != "all" and name not in strategies.NAMES and \
-                (close := difflib.get_close_matches(name.lower(), strategies.NAMES, n=1)):
-            raise ConfigError(f"unknown strategy {name!r} (did you mean {close[0]!r}?); "
-                              f"valid strategies: {', '.join(strategies.NAMES)}")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.command in ("compare", "run", "preflight"):
-            check_strategy_names(args.strategy if args.command == "run" else args.strategies)
         if args.command == "devices":
             return cmd_devices()
         if args.command == "bench":

@@ -16,6 +16,7 @@ to `Strategy`; it never branches on a strategy's name.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
 import itertools
 from types import ModuleType
@@ -142,8 +143,10 @@ class Strategy:
 
 
 def get(name: str) -> Strategy:
-    if name not in NAMES:
-        raise ConfigError(f"unknown strategy {name!r}; valid strategies: {', '.join(NAMES)}")
+    if name not in NAMES:  # a near miss names the strategy meant (`dpp`: did you mean 'ddp'?)
+        close = difflib.get_close_matches(name.lower(), NAMES, n=1)
+        meant = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"unknown strategy {name!r}{meant}; valid strategies: {', '.join(NAMES)}")
     return Strategy(importlib.import_module(f"parallel.strategies.{name}"))
 
 
