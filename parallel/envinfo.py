@@ -31,6 +31,8 @@ from rich.text import Text
 import parallel
 from parallel import devices
 from parallel.config import RunConfig
+from parallel.harness import report
+from parallel.harness.runner import plan
 
 PLAIN = {"markup": False, "highlight": False, "soft_wrap": True}  # values as they are: no [..] taken as markup,
 #                                                                   no colours, no folding at the console width
@@ -82,27 +84,14 @@ def gpu_driver() -> str:
     return f"{version} (CUDA {cuda // 1000}.{cuda % 1000 // 10})"
 
 
-def compare_plan(config: RunConfig) -> tuple[RunConfig, list[tuple], dict[str, str]]:
-    """(config, chosen, skipped): what `compare` runs here on `config` (cli.compare_defaults(): the one
-    it builds when given no arguments), by runner.plan itself."""
-    from parallel.harness.runner import plan
-
-    return (config, *plan(config, ["all"]))
-
-
-def skipped_lines(skipped: dict[str, str]) -> list[str]:
-    """A skipped strategy as `compare` words it in full (report.long_notes, details.txt): "NAME skipped: WHY"."""
-    return [f"{name} skipped: {why}" for name, why in skipped.items()]
-
-
 def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
-def env_lines(config: RunConfig, chosen: list[tuple], skipped: dict[str, str], gpus: list[dict]) -> list[str]:
-    """The `- key: value` lines of the block."""
+def env_lines(config: RunConfig, chosen: list[tuple], skipped: dict[str, str], gpus: list[dict], cpu: dict,
+              unusable: str | None) -> list[str]:
+    """The `- key: value` lines of the block (`cpu`: devices.cpu_info(); `unusable`: devices.unusable_gpus())."""
     spec = config.spec
-    cpu = devices.cpu_info()
     lines = [
         ("parallel", parallel.__version__),
         ("git commit", git_commit()),
@@ -118,7 +107,7 @@ def env_lines(config: RunConfig, chosen: list[tuple], skipped: dict[str, str], g
         lines += [(f"GPU {g['index']}", f"{g['name']}, {_gib(g['total_bytes'])}, capability {g['capability']}")
                   for g in gpus]
     else:
-        lines.append(("GPUs", f"none usable ({why})" if (why := devices.unusable_gpus()) else "none"))
+        lines.append(("GPUs", f"none usable ({unusable})" if unusable else "none"))
     lines += [
         ("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES", "(unset)")),
         ("CPU", f"{cpu['model']}, {cpu['cores']} cores"),
@@ -137,14 +126,14 @@ def show(console: Console, config: RunConfig, gpus: list[dict] | None = None) ->
     `compare` would run on `config` (the same planning) and skip (in `compare`'s words).
     `gpus`: devices.cuda_info(), read once by the caller (it may start a child process)."""
     gpus = devices.cuda_info() if gpus is None else gpus
-    config, chosen, skipped = compare_plan(config)
+    chosen, skipped = plan(config, ["all"])  # the one planner `compare` uses, on compare's own config
+    cpu, unusable = devices.cpu_info(), devices.unusable_gpus()
     console.print("Copy and paste the block below into your GitHub issue:", **PLAIN)
     console.print("```", **PLAIN)
-    for line in env_lines(config, chosen, skipped, gpus):
+    for line in env_lines(config, chosen, skipped, gpus, cpu, unusable):
         console.print(line, **PLAIN)
     console.print("```", **PLAIN)
 
-    cpu = devices.cpu_info()
     t = Table(title="devices", title_justify="left")
     for c in ("device", "name", "memory total / free", "capability", "threads"):
         t.add_column(c)
@@ -158,8 +147,8 @@ def show(console: Console, config: RunConfig, gpus: list[dict] | None = None) ->
     spec = config.spec
     console.print(f"--devices auto = {spec} ({spec.kind_label}, {spec.backend}), "
                   f"{spec.threads_per_device()} thread(s) per device", **PLAIN)
-    if why := devices.unusable_gpus():
-        console.print(f"GPUs not used: {why}", style="yellow", **PLAIN)
+    if unusable:
+        console.print(f"GPUs not used: {unusable}", style="yellow", **PLAIN)
 
     s = Table(title=f"what `compare` runs with --devices auto ({config.batch_size} samples a step)",
               title_justify="left")
@@ -169,5 +158,5 @@ def show(console: Console, config: RunConfig, gpus: list[dict] | None = None) ->
         s.add_row(" ".join(filter(None, [st.name, label])), st.launch, str(st.world_size(cfg)), st.kind(cfg),
                   st.description)
     console.print(s)
-    for line in skipped_lines(skipped):  # as `compare` prints them in full
+    for line in report.skipped_in_full(skipped):  # as `compare` prints them in full
         console.print(f"- {line}", style="dim", **PLAIN)

@@ -232,6 +232,11 @@ def _short(reason: str) -> str:
     return re.sub(r"(\d+) devices or more", r"\1+ devices", re.sub(r"^it (has )?|\s*\([^()]*\)$", "", first.strip()))
 
 
+def skipped_in_full(skipped: dict) -> list[str]:
+    """Every skipped strategy with its whole reason, a line each (--wide, details.txt, `devices`)."""
+    return [f"{name} skipped: {why}" for name, why in skipped.items()]
+
+
 def skipped_line(skipped: dict) -> str | None:
     if not skipped:
         return None
@@ -312,7 +317,7 @@ def long_notes(rows: list[Row], environment: dict, skipped: dict | None = None, 
     """Everything the short notes fold or leave out, in full: for --wide and details.txt."""
     out = [f"{r.label} {r.status}: {r.error}" for r in rows if r.error]
     out += [f"{r.label}: {f}" for r in rows for f in r.flags]
-    out += [f"{name} skipped: {why}" for name, why in (skipped or {}).items()]
+    out += skipped_in_full(skipped or {})
     out += [f"{r.label}: {r.equivalence.reason}" for r in rows if r.equivalence.verdict == "not-expected"]
     out += _reduce_scatter_caveat(rows) + pipeline_gaps(rows) + cost_lines(cost_model)
     kinds = {r.peak_mem_kind for r in rows if r.peak_mem_kind}
