@@ -302,7 +302,7 @@ class Busy:
         self.bubbles: list[float] = []
         self.busy_ms: list[list[float]] = []
         self.ends_ms: list[float] = []  # when the step's last piece of work ended, since the step started
-        self.timeline: list[list[tuple]] = []  # the last step's (start ms, end ms, label) per stage: report.html
+        self._last: list = []  # the last step's intervals and stamps, per stage (`timeline`, after the run)
 
     def start_step(self) -> None:
         self.clock.start_step()
@@ -318,9 +318,7 @@ class Busy:
         self.clock.end_step()
         intervals = [[(self.clock.seconds(a, first=True), self.clock.seconds(b)) for a, b, _ in stage]
                      for stage in self.stamps]
-        self.timeline = [[(round(b * 1e3, 3), round(e * 1e3, 3), label) for (b, e), (_, _, label) in
-                          zip(stage, stamps, strict=True)]
-                         for stage, stamps in zip(intervals, self.stamps, strict=True)]
+        self._last = list(zip(intervals, self.stamps, strict=True))  # kept as they are: the step is on the clock
         spans = [iv for stage in intervals for iv in stage]
         span = max(e for _, e in spans) - min(b for b, _ in spans)
         busy = [sum(e - b for b, e in stage) for stage in intervals]
@@ -328,6 +326,13 @@ class Busy:
         self.busy_ms.append([b * 1e3 for b in busy])
         self.ends_ms.append(max(e for _, e in spans) * 1e3)
         self.stamps = [[] for _ in self.stamps]
+
+    @property
+    def timeline(self) -> list[list[tuple]]:
+        """The last step's (start ms, end ms, label) per stage, for report.html's schedule chart."""
+        return [[(round(b * 1e3, 3), round(e * 1e3, 3), label) for (b, e), (_, _, label) in zip(stage, stamps,
+                                                                                                strict=True)]
+                for stage, stamps in self._last]
 
     def summary(self, skip: int, p: int, m: int) -> dict:
         theory = (p - 1) / (m + p - 1)
