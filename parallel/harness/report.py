@@ -169,7 +169,7 @@ def sent_by_collective(r: Row) -> dict[str, float]:
         {"all_reduce": r.comm_bytes_per_step} if r.comm_bytes_per_step else {})
 
 
-def sharding_tables(rows: list[Row], wide: bool = False) -> list[Table]:
+def sharding_tables(rows: list[Row]) -> list[Table]:
     """Model state per rank by kind beside the ZeRO paper's formula, and bytes per step by collective."""
     chosen = sharded_rows(rows)
     if not chosen:
@@ -522,7 +522,7 @@ def show(rows: list[Row], environment: dict, console: Console | None = None, ski
     console = console or make_console()
     console.print(header(environment), highlight=False, markup=False)
     console.print(table(rows, environment, wide))
-    for extra in (*sharding_tables(rows, wide), pipeline_table(rows, wide)):
+    for extra in (*sharding_tables(rows), pipeline_table(rows, wide)):
         if extra is not None:
             console.print(extra)
     lines = notes(rows, environment, skipped) + (long_notes(rows, environment, skipped, cost_model) if wide else [])
