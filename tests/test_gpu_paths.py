@@ -16,7 +16,7 @@ from parallel import cli, strategies, timing
 from parallel.config import ConfigError, RunConfig
 from parallel.dist import Dist, script_devices
 from parallel.harness import costmodel
-from parallel.strategies import stages
+from parallel.strategies import stage_time, stages
 from parallel.timing import StepTimer
 from parallel.workloads import WORKLOADS, SyntheticData
 from tests.strict_cuda import Clock, on_cpu, synced_before_every_clock
@@ -238,7 +238,7 @@ def test_manual_dp_times_its_phases_with_events_not_synchronizes(strict_cuda, mo
 
 def test_pipeline_busy_intervals_are_events_resolved_at_the_step_end(strict_cuda):
     devs = [torch.device("cuda", 0), torch.device("cuda", 1)]
-    busy = stages.Busy(devs)
+    busy = stage_time.Busy(devs)
     busy.start_step()
     with busy(0, "F0"):
         sum(range(20000))

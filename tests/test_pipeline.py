@@ -120,7 +120,7 @@ def test_balance_by_params_puts_the_convolutions_together():
 
 
 def test_simulate_gives_the_textbook_time_for_equal_stages_and_waits_for_the_slowest():
-    from parallel.strategies.stages import simulate
+    from parallel.strategies.stage_time import simulate
 
     for schedule in ("gpipe", "1f1b"):
         for p, m in ((2, 4), (3, 8), (4, 1)):

@@ -183,9 +183,9 @@ def pieces(timeline: list) -> list[tuple[int, float, float, str, int]]:
 
 def played(schedule: str, p: int, m: int, fwd: list[float], bwd: list[float]) -> list[tuple] | None:
     """The schedule played out on these per-stage forward and backward times, hand-offs free
-    (stages.play): the pieces as `pieces` gives them. None for the schedules it does not model (looped)."""
+    (stage_time.play): the pieces as `pieces` gives them. None for the schedules it does not model (looped)."""
     from parallel.strategies.pipeline import SCHEDULES
-    from parallel.strategies.stages import play
+    from parallel.strategies.stage_time import play
 
     if schedule not in SCHEDULES:
         return None

@@ -20,9 +20,9 @@ import torch
 
 from parallel.errors import ConfigError
 from parallel.strategies.base import Hooks, Mutant, Trainable, injected, options_of, state_bytes
+from parallel.strategies.stage_time import Busy
 from parallel.strategies.stages import (
     ActivationMeter,
-    Busy,
     Split,
     given_cut,
     layers_of,

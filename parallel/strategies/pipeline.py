@@ -23,7 +23,7 @@ The defaults, 1F1B over m = 4, are what measured fastest on the default comparis
 speedup over `single` in the same run, two runs): 1f1b m=2 1.06/1.23x, m=4 1.34/1.35x, m=8 1.33/1.29x;
 gpipe m=2 1.10/0.96x, m=4 1.01/1.11x, m=8 1.09/1.13x. More micro-batches shrink the bubble but each pays
 the per-operation overhead on a smaller batch; GPipe loses to the forward/backward imbalance above. The
-cost model plays the chosen schedule out on each stage's own forward and backward times (stages.simulate).
+cost model plays the chosen schedule out on each stage's own forward and backward times (stage_time.simulate).
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ from parallel.strategies.base import Hooks, Mutant, Trainable, injected, options
 from parallel.strategies.model_parallel import Options as SplitOptions
 from parallel.strategies.model_parallel import Stages, model_state_bytes, setup_stages, stage_details
 from parallel.strategies.primitives import DeviceThreads
-from parallel.strategies.stages import simulate, stage_backward, stage_forward
+from parallel.strategies.stage_time import simulate
+from parallel.strategies.stages import stage_backward, stage_forward
 
 NAME = "pipeline"
 LAYERED = True  # cuts the model's pipeline_layers() into stages
@@ -216,7 +217,7 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
 
 def predict_step_ms(cal, config, row) -> float | None:
     """The schedule played out on each stage's own forward and backward times, calibrated at the
-    micro-batch size (stages.simulate), plus the transfers between stages."""
+    micro-batch size (stage_time.simulate), plus the transfers between stages."""
     o = options_of(Options, config)
     return schedule_ms(cal, row, o.schedule, o.microbatches, config.batch_size)
 

@@ -38,7 +38,8 @@ from parallel.layout import ParallelDims
 from parallel.results import Measured
 from parallel.strategies import pipeline, wire
 from parallel.strategies.base import Hooks, Mutant, Trainable, every_rank, injected, model_state_every_rank, options_of
-from parallel.strategies.stages import ActivationMeter, Busy, cut, describe, given_cut, layers_of, timed_stage
+from parallel.strategies.stage_time import Busy, timed_stage
+from parallel.strategies.stages import ActivationMeter, cut, describe, given_cut, layers_of
 from parallel.usermodel import workload_of
 
 NAME = "pipeline_dist"
