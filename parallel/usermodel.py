@@ -23,9 +23,11 @@ samples) is held out for the eval loss and never trained on; every strategy take
 the rest, by the same rule as the built-in data.
 
 Structure, found where it is safe and never guessed:
-    pipeline layers  "layers", or pipeline_layers(), or found: an nn.Sequential's children, or a model
-                     whose children (a ModuleList's expanded) run one after another, which one forward on
-                     a sample must confirm exactly; otherwise the pipelines skip it and say why
+    pipeline layers  "layers", or pipeline_layers(), or a Hugging Face decoder's embeddings, blocks (with
+                     the extra inputs its forward gives them, parallel/hf.py), final norm and head, or an
+                     nn.Sequential's children, or a model whose children (a ModuleList's expanded) run one
+                     after another; run in order on a sample, they must give the model's own output
+                     (checked), or the pipelines skip it and say why
     tensor parallel  only from "tp_plan" or tp_plan()
     FSDP2 groups     fsdp's rule, the parameter-holding elements of the model's containers (a ResNet's
                      blocks, a GPT's layers); the row's details list them
@@ -50,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parallel import hf
 from parallel.errors import ConfigError
 from parallel.workloads import WORKLOADS, SyntheticData, TPPlan, Workload, logits_of, tp_plan_of
 
@@ -215,6 +218,7 @@ class UserWorkload(Workload):
     parts_model: bool = False
     data_file: str = ""
     causes: tuple[str, ...] = ()  # cannot_match's texts, found once on the model validate built
+    hf_seq_len: int = 0  # > 0: the layers are a Hugging Face decoder's, made by parallel.hf for this length
 
     @property
     def multi_part(self) -> bool:
@@ -234,7 +238,9 @@ class UserWorkload(Workload):
         # Attached to the instance as partials of module-level functions: Hogwild pickles the model.
         if out.get("tp_plan") is not None:  # read by workloads.tp_plan_of, a name no library uses
             model._parallel_tp_plan = out["tp_plan"]
-        if self.layer_names is not None and not hasattr(type(model), "pipeline_layers"):
+        if self.hf_seq_len:
+            model.pipeline_layers = functools.partial(_hf_layers, model, self.hf_seq_len)
+        elif self.layer_names is not None and not hasattr(type(model), "pipeline_layers"):
             model.pipeline_layers = functools.partial(_submodules, model, self.layer_names)
         return model
 
@@ -252,37 +258,72 @@ def _submodules(model: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
     return [model.get_submodule(n) for n in names]
 
 
-def _in_order(model: nn.Module, given, sample: torch.Tensor) -> tuple[tuple[str, ...] | None, str]:
-    """(the module names the pipelines cut at, "") or (None, why not)."""
+def _hf_layers(model: nn.Module, seq_len: int) -> list[nn.Module]:
+    return hf.decoder_layers(model, seq_len)[0]  # validate made them once on a model built alike
+
+
+def _in_order(model: nn.Module, given, sample: torch.Tensor) -> tuple[tuple[str, ...] | None, str, bool]:
+    """(the names of the layers the pipelines cut at, "", from_hf) or (None, why not, False): the factory's
+    'layers', the model's pipeline_layers(), a Hugging Face decoder's (parallel.hf), or its children; each
+    run one after another on a sample must give the model's own output (an nn.Sequential's always do)."""
     names = {id(m): n for n, m in model.named_modules()}
+    from_hf = False
     if given is not None:
         if not given or not all(isinstance(m, nn.Module) and id(m) in names for m in given):
-            return None, "its 'layers' must be modules of the model"
-        return tuple(names[id(m)] for m in given), ""
-    if hasattr(model, "pipeline_layers"):
-        return tuple(names[id(m)] for m in model.pipeline_layers()), ""
-    found = []
-    for name, child in model.named_children():
-        found += [f"{name}.{n}" for n, _ in child.named_children()] if isinstance(child, nn.ModuleList) else [name]
-    if len(found) < 2:
-        return None, "it has fewer than two children to cut between; return 'layers' from the factory"
-    if isinstance(model, nn.Sequential):
-        return tuple(found), ""
+            return None, "its 'layers' must be modules of the model", False
+        layers, what = list(given), "its 'layers'"
+    elif hasattr(model, "pipeline_layers"):
+        layers, what = model.pipeline_layers(), "its pipeline_layers()"
+    elif hf.is_decoder(model) and sample.dim() == 2 and not sample.is_floating_point():
+        try:
+            layers, why = hf.decoder_layers(model, sample.shape[1])
+        except Exception as e:  # noqa: BLE001 - transformers' internals, a shape the recording did not expect
+            layers, why = [], _first_line(e)
+        if not layers:
+            return None, f"its blocks cannot be cut apart: {why}; return 'layers' from the factory", False
+        what, from_hf = "its embeddings, blocks, final norm and head", True
+    else:
+        found = []
+        for name, child in model.named_children():
+            found += [f"{name}.{n}" for n, _ in child.named_children()] if isinstance(child, nn.ModuleList) else [name]
+        if len(found) < 2:
+            return None, "it has fewer than two children to cut between; return 'layers' from the factory", False
+        if isinstance(model, nn.Sequential):
+            return tuple(found), "", False
+        layers, what = [model.get_submodule(n) for n in found], "its children"
+    if why := _differs(model, layers, sample, what):
+        return None, why, False
+    return tuple(_layer_name(m, names) for m in layers), "", from_hf
+
+
+def _layer_name(layer: nn.Module, names: dict[int, str]) -> str:
+    return names.get(id(layer)) or "+".join(getattr(layer, "owners", {}).values()) or type(layer).__name__
+
+
+def _differs(model: nn.Module, layers: list[nn.Module], sample: torch.Tensor, what: str) -> str:
+    """Why `layers` run one after another are not `model` on `sample` ("" when they are). The same
+    operations in the same order give the same numbers; 1e-5 of the output's scale allows for a kernel
+    that takes another path on a differently shaped call."""
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             model.eval()
             h = sample
-            for n in found:
-                h = model.get_submodule(n)(h)
-            same = torch.equal(h, model(sample))
-    except Exception:  # noqa: BLE001 - a child that does not take the previous one's output
-        same = False
+            for layer in layers:
+                h = layer(h)
+            want = logits_of(model(sample))
+    except Exception as e:  # noqa: BLE001 - a layer that does not take the previous one's output
+        return (f"its forward() is not {what} run one after another: they fail on a sample ({_first_line(e)}); "
+                "return 'layers' from the factory")
     finally:
         model.train()
-    if not same:
-        return None, ("its forward() is not its children run one after another (checked on a sample); return "
-                      "'layers' from the factory")
-    return tuple(found), ""
+    if not isinstance(h, torch.Tensor) or not isinstance(want, torch.Tensor) or h.shape != want.shape:
+        return (f"its forward() is not {what} run one after another: they give {tuple(getattr(h, 'shape', ()))}, "
+                f"it {tuple(getattr(want, 'shape', ()))} (checked on a sample)")
+    gap = float((h.float() - want.float()).abs().max()) if h.numel() else 0.0
+    if gap > 1e-5 * max(1.0, float(want.float().abs().max())):
+        return (f"its forward() is not {what} run one after another (checked on a sample: they differ by up to "
+                f"{gap:.3g}): a module left out or out of order? give every module forward runs, in order")
+    return ""
 
 
 def _check_data(spec: str, model: nn.Module, loss, x: torch.Tensor, y: torch.Tensor, source: str) -> None:
@@ -355,12 +396,22 @@ def _user(spec: str, input_shape: str, classes: int, vocab: int, seq_len: int, d
                             else "the factory returned no 'tp_plan', and the model defines no tp_plan()"))
     workload = UserWorkload(**base, spec=spec, factory=factory, loss_fn=out.get("loss"), data_file=data,
                             has_plan=out.get("tp_plan") is not None or tp_plan_of(model) is not None,
-                            parts_model=hasattr(model, "parts"), causes=tuple(cannot_match(model).values()))
+                            parts_model=hasattr(model, "parts"), causes=tuple(cannot_match(model).values()),
+                            tied=tied_names(model))
     if not data:
         sample_x, sample_y = SyntheticData(workload, 0, 4).batch(0)
     _check_data(label, model, out.get("loss"), sample_x, sample_y, source)
-    names, why = _in_order(model, out.get("layers"), sample_x)
-    return dataclasses.replace(workload, layer_names=names, no_layers=why)
+    names, why, from_hf = _in_order(model, out.get("layers"), sample_x)
+    return dataclasses.replace(workload, layer_names=names, no_layers=why,
+                               hf_seq_len=sample_x.shape[1] if from_hf else 0)
+
+
+def tied_names(model: nn.Module) -> str:
+    """The model's tied weights as "lm_head.weight = transformer.wte.weight" ("" for none)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return ", ".join(" = ".join(reversed(group)) for group in names.values() if len(group) > 1)
 
 
 def cannot_match(model: nn.Module) -> dict[str, str]:
