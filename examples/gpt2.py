@@ -9,8 +9,9 @@ Three departures, each for a reason a comparison needs:
 
 - No dropout: with it, every strategy would draw different masks (and a rank's share a different
   one from one device's), and no strategy could match `single` exactly.
-- The head is not tied to the token embedding: tied weights live in the first and the last pipeline
-  stage at once, which pipelines would have to keep in step by hand.
+- The head is not tied to the token embedding (`gpt2_tied` ties it, as the released GPT-2 does: the
+  weight then lives in the first and the last pipeline stage at once, and the pipelines keep the two
+  copies in step by summing their gradients, as Megatron does; parallel/strategies/stages.py, untie).
 - q, k and v are three Linear layers, not one fused one, and the attention reads its head count from
   the tensors: so tensor parallelism can give each rank whole heads (a fused [q|k|v] split into
   contiguous halves would give rank 0 all of q and half of k).
@@ -84,3 +85,11 @@ def gpt2(seed: int) -> dict:
                                 rowwise=(f"blocks.{i}.attn.proj", f"blocks.{i}.mlp.2"),
                                 regions=(f"blocks.{i}.attn",)) for i in range(len(model.blocks)))
     return {"model": model, "layers": [model.embed, *model.blocks, model.head], "tp_plan": plan}
+
+
+def gpt2_tied(seed: int) -> dict:
+    """gpt2 with the head's weight tied to the token embedding (the head keeps its bias)."""
+    out = gpt2(seed)
+    model = out["model"]
+    model.head[1].weight = model.embed.wte.weight
+    return out

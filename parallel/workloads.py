@@ -290,6 +290,7 @@ class Workload:
     loss_names: tuple[str, ...] = ("loss",)
     no_tp_plan: str = ""  # why its model has no tensor-parallel plan (tp_plan()), where it has none
     no_layers: str = ""  # why its model has no pipeline_layers(), where it has none
+    tied: str = ""  # the weights its model ties, "a = b" (GPT-2's head and token embedding), where it ties any
 
     @property
     def multi_part(self) -> bool:

@@ -36,7 +36,8 @@ NAMES = ["single", "manual_dp", "data_parallel", "manual_ddp", "ddp", "zero", "z
 # The constants a strategy module may set, with their defaults. Its functions beyond setup and
 # train_step are declared in `HOOKS = base.Hooks(...)` (see base.Hooks).
 CONSTANTS = {"Options": None, "NOT_EXPECTED_REASON": None, "CHECKPOINTS": True, "MULTI_PART": False, "MUTANTS": (),
-             "TENSOR_PARALLEL": False, "LAYERED": False}  # LAYERED: it cuts the model's pipeline_layers()
+             "TENSOR_PARALLEL": False, "LAYERED": False,  # LAYERED: it cuts the model's pipeline_layers()
+             "TIES": True}  # TIES: it trains a model whose weights are tied (one object in two places)
 
 
 def _hooks(module: ModuleType) -> base.Hooks:
@@ -78,6 +79,9 @@ class Strategy:
             return f"it has no tensor-parallel plan: {workload.no_tp_plan}"
         if self.LAYERED and not workload.layers:
             return f"it has no layers to cut into stages: {workload.no_layers}"
+        if workload.tied and not self.TIES:
+            return (f"its {workload.tied} (tied) would have a copy in two stages, each sharded, whose gradients "
+                    f"this strategy does not sum (pipeline and pipeline_dist do)")
         return None
 
     def kind(self, config) -> str:

@@ -32,6 +32,7 @@ from parallel.strategies.fsdp import blocks
 
 NAME = "fsdp_pp"
 LAYERED = True  # cuts the model's pipeline_layers() into stages
+TIES = False  # a weight tied across stages would be sharded twice; its copies' gradients are not summed
 LAUNCH = "torchrun"
 SYNCHRONOUS = True
 CHECKPOINTS = False  # as pipeline_dist: the stages depend on the split measured at start-up

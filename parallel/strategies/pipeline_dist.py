@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -39,8 +40,10 @@ from parallel.results import Measured
 from parallel.strategies import pipeline, wire
 from parallel.strategies.base import Hooks, Mutant, Trainable, every_rank, injected, model_state_every_rank, options_of
 from parallel.strategies.stage_time import Busy, timed_stage
-from parallel.strategies.stages import ActivationMeter, cut, describe, given_cut, layers_of
+from parallel.strategies.stages import ActivationMeter, TiedAcross, cut, describe, given_cut, layers_of
 from parallel.usermodel import workload_of
+
+EXAMPLES_GPT2 = str(Path(__file__).resolve().parents[2] / "examples" / "gpt2.py")  # the tied-head mutant's model
 
 NAME = "pipeline_dist"
 LAYERED = True  # cuts the model's pipeline_layers() into stages
@@ -56,7 +59,10 @@ SCHEDULES = {"gpipe": ("ScheduleGPipe", 1, "loop"), "1f1b": ("Schedule1F1B", 1, 
 # A bug the oracle must catch (`--mutant NAME`; base.Mutant).
 SUMMED = Mutant("pipeline_dist:summed-microbatches", "scale_grads=False with the micro-batches' mean losses as they "
                 "are: the gradients of m micro-batches summed, m times one device's", {"workload": "mlp"})
-MUTANTS = (SUMMED,)
+TIE_UNSUMMED = Mutant("pipeline_dist:tie-unsummed", "the head tied to the token embedding has a copy in the first "
+                      "and the last stage, and their gradients are never summed: each learns from one use",
+                      {"model": EXAMPLES_GPT2 + ":gpt2_tied", "vocab": 64, "seq_len": 16, "workload": ""})
+MUTANTS = (SUMMED, TIE_UNSUMMED)
 
 
 @dataclass
@@ -182,6 +188,7 @@ class State:
     last: bool  # this rank holds the last stage (computes the loss)
     busy: Busy
     counter: wire.Counter
+    tied: TiedAcross | None  # weights several stages use (GPT-2's head): their gradients summed
 
 
 def _bounds(layers: list[nn.Module], k: int, o: Options, config, dist, batch: int) -> list[int]:
@@ -231,7 +238,7 @@ def build(model, make_optimizer, loss_fn, dist, config, o: Options, rank: int, p
     stages, modules, names = [], [], {}
     for i in ids:  # this rank's layers only: the rest of the model is dropped with `model`
         part = layers[bounds[i]:bounds[i + 1]]
-        names[i] = [layer_name[id(m)] for m in part]
+        names[i] = [layer_name.get(id(m)) or m.owners for m in part]  # parallel.hf's layers: their parts' names
         module = nn.Sequential(*part).to(dist.device)
         if shard is not None:
             module = shard(module) or module  # in place (fully_shard), or a wrapper
@@ -240,8 +247,12 @@ def build(model, make_optimizer, loss_fn, dist, config, o: Options, rank: int, p
 
     schedule = getattr(pipelining.schedules, torch_name)(stages[0] if v == 1 else stages, n_microbatches=o.microbatches,
                                                          loss_fn=loss_fn, scale_grads=not injected(config, SUMMED))
+    rank_of = {i: r for r in range(p) for i in stage_ids(r, p, v, placement)}
+    # fsdp_pp (shard) takes no tied model (its TIES): a sharded weight's copies are not summed here
+    tied = TiedAcross(layers, bounds, rank_of.__getitem__, modules, config.pg_timeout) if shard is None else None
     local = nn.ModuleList(modules)
-    state = State(schedule, p, stages, names, bounds, 0 in ids, p * v - 1 in ids, busy, wire.Counter(config.warmup))
+    state = State(schedule, p, stages, names, bounds, 0 in ids, p * v - 1 in ids, busy, wire.Counter(config.warmup),
+                  tied)
     return Trainable(local, make_optimizer(local.parameters()), loss_fn, dist.device, comm_bytes=0, state=state)
 
 
@@ -256,6 +267,8 @@ def train_step(t: Trainable, batch, dist):
     with s.counter.step():
         s.schedule.step(*([x] if s.first else []), **({"target": y, "losses": losses} if s.last else {}),
                         return_outputs=False)
+    if s.tied is not None and not injected(t, TIE_UNSUMMED):
+        s.tied.sum()
     t.optimizer.step()
     s.busy.end_step()
     t.comm_bytes, t.comm_steps = s.counter.total, s.counter.counted
@@ -270,8 +283,12 @@ def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
     for stage in t.state.stages:
         for key, value in stage.submod.state_dict().items():
             index, _, rest = key.removeprefix("module.").partition(".")
+            owner = t.state.names[stage.stage_index][int(index)]
+            if isinstance(owner, dict):  # parallel.hf's layer: "block.<rest>" is <the block's name>.<rest>
+                part, _, rest = rest.partition(".")
+                owner = owner[part]
             whole = value.full_tensor() if hasattr(value, "full_tensor") else value  # FSDP2's shards: a collective
-            mine[f"{t.state.names[stage.stage_index][int(index)]}.{rest}"] = whole.detach().cpu().clone()
+            mine[f"{owner}.{rest}"] = whole.detach().cpu().clone()
     return {k: v for part in every_rank(mine) for k, v in part.items()}
 
 
