@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from parallel.devices import SHARED_GLOO_NO_DTENSOR
@@ -96,7 +97,6 @@ def plan(model: nn.Module, o: Options, config) -> dict:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
-        PrepareModuleInput,
         PrepareModuleOutput,
         RowwiseParallel,
         SequenceParallel,
@@ -112,13 +112,38 @@ def plan(model: nn.Module, o: Options, config) -> dict:
         styles |= {name: SequenceParallel() for name, m in model.named_modules() if isinstance(m, nn.LayerNorm)
                    and not (injected(config, NORM_UNSYNCED) and name.endswith("norm2"))}
         styles["embed"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
-    styles |= {name: PrepareModuleInput(input_layouts=(split_between,), desired_input_layouts=(Replicate(),))
-               for name in regions}
+    region = _region_style()
+    styles |= {name: region(input_layouts=(split_between,), desired_input_layouts=(Replicate(),)) for name in regions}
     if o.loss_parallel or o.sequence_parallel:
         styles["head.1"] = ColwiseParallel(input_layouts=split_between,
                                            output_layouts=Shard(-1) if o.loss_parallel else Replicate(),
                                            use_local_output=not o.loss_parallel)
     return styles
+
+
+def _region_style():
+    """torch's PrepareModuleInput for a region's input (f), taken from its first tensor argument whether
+    given by position (the built-in models) or by keyword (Hugging Face calls attention with keyword
+    arguments only; torch's style must be told which, and fails on the other: "module inputs and
+    input_layouts should have same length!")."""
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    class RegionInput(PrepareModuleInput):
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            given, wanted = self.input_layouts[0], self.desired_input_layouts[0]
+
+            def prepare(_, args, kwargs):
+                if args:
+                    return (self._prepare_input_arg(args[0], device_mesh, given, wanted), *args[1:]), kwargs
+                key = next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None)
+                if key is None:
+                    return args, kwargs
+                return args, {**kwargs, key: self._prepare_input_arg(kwargs[key], device_mesh, given, wanted)}
+
+            module.register_forward_pre_hook(prepare, with_kwargs=True)
+            return module
+
+    return RegionInput
 
 
 def by_kind(params) -> list[dict]:
