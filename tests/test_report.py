@@ -84,6 +84,15 @@ def test_notes_fold_to_about_ten_lines_and_repeats_into_one():
     assert len(noisy) == 1 and "of the CPU" in noisy[0] and "--repeat" in noisy[0]
 
 
+def test_a_skip_or_a_failure_is_one_line_with_its_reason():
+    why = "cannot split the m.py:llama over 4 ranks: tp 4 does not divide k_proj's 2 heads"
+    assert report.skipped_line({"manual_tp": why, "fsdp_tp": "needs 4 devices or more (dp 2 x tp 2), cpu:2 has 2"}) \
+        == "skipped: manual_tp (cannot split the m.py:llama over 4 ranks); fsdp_tp (needs 4+ devices)"
+    failed = dataclasses.replace(row("ddp", 1.0), status="failed", error="rank 1: RuntimeError: boom\nmore")
+    env = {"device_kind": "real"}
+    assert report.notes([failed], env)[0] == "ddp failed: rank 1: RuntimeError: boom (its traceback: ddp.log in logs/)"
+
+
 def row(name, speedup, verdict="match", world=2, flags=(), rounds=()):
     return Row(name, "", "x", "cpu:2", "virtual", world, 64, samples_per_s=speedup * 100, speedup=speedup,
                efficiency=speedup / world, step_ms_p50=10.0, eval_loss=1.0, flags=list(flags),

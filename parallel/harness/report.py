@@ -228,7 +228,7 @@ def pipeline_table(rows: list[Row], wide: bool = False) -> Table | None:
 
 def _short(reason: str) -> str:
     """A skip reason's first clause: 'needs 4 devices or more (dp 2 x tp 2), cpu:2 has 2' -> 'needs 4 ...'."""
-    first = re.split(r"[:;]|, (?![^()]*\))", reason, maxsplit=1)[0]
+    first = re.split(r"[:;](?=\s)|, (?![^()]*\))", reason, maxsplit=1)[0]  # not a name's colon (file.py:factory)
     return re.sub(r"(\d+) devices or more", r"\1+ devices", re.sub(r"^it (has )?|\s*\([^()]*\)$", "", first.strip()))
 
 
@@ -277,9 +277,15 @@ def flag_lines(rows: list[Row]) -> list[str]:
     return out
 
 
+def log_of(row: Row) -> str:
+    """The name of a row's whole log in the run's logs/ (a round's folder with --repeat; runner.run_one)."""
+    return f"{row.strategy}-{row.variant}.log" if row.variant else f"{row.strategy}.log"
+
+
 def notes(rows: list[Row], environment: dict, skipped: dict | None = None) -> list[str]:
     """What a reader must know to read the table right, in as few lines as it takes."""
-    out = [f"{r.label} {r.status}: {(r.error or '').splitlines()[0] if r.error else ''}" for r in rows if r.error]
+    out = [f"{r.label} {r.status}: {r.error.splitlines()[0]}"
+           + ("" if "log:" in r.error else f" (its traceback: {log_of(r)} in logs/)") for r in rows if r.error]
     out += [f"{r.label} mismatch: {r.equivalence.reason}" for r in rows if r.equivalence.verdict == "mismatch"]
     out += flag_lines(rows)
     if line := skipped_line(skipped or {}):
