@@ -92,18 +92,82 @@ def test_a_mismatch_names_the_cause_the_model_carries():
     assert matched.reason == ""
 
 
+LLAMA_REGIONS = textwrap.dedent('''
+    import sys
+    sys.path.insert(0, %r)
+    import hf_llama
+    from parallel.workloads import TPPlan, tp_plan_of
+
+    def build():
+        m = hf_llama.llama()
+        own = tp_plan_of(m)  # transformers' plan, with each attention one region: q, k, v share its input's f
+        regions = tuple(f"model.layers.{i}.self_attn" for i in range(len(m.model.layers)))
+        return {"model": m, "tp_plan": TPPlan(own.colwise, own.rowwise, regions)}
+''')
+
+
 @pytest.mark.slow
 def test_hugging_face_models_returned_as_they_are_match_one_device(tmp_path):
     """One set of spawned ranks for every run: GPT-2 (tied head) under manual_dp (a ModelOutput through its
-    gather); Llama (no biases, grouped-query attention called with keyword arguments) under manual_tp from
-    transformers' own plan; a BatchNorm model under ddp, which synchronises it and matches. (The whole
+    gather) and pipeline_dist (cut by parallel.hf, the head's and the embedding's copies summed); Llama
+    (no biases, grouped-query attention called with keyword arguments) under manual_tp from transformers'
+    own plan, under tensor_parallel with the attention declared a region (its input given by keyword), and
+    under pipeline (its blocks' rotary inputs recorded); a BatchNorm model under ddp, which synchronises it and matches. (The whole
     family on both models: `compare --model examples/hf_gpt2.py:gpt2 ...`, docs/your-model.md; dropout's
     verdict: the tests above and `examples/hf_gpt2.py:gpt2_dropout`.)"""
     (tmp_path / "bn_model.py").write_text(BN_MODEL)
     gpt2, llama = f"{EXAMPLES / 'hf_gpt2.py'}:gpt2", f"{EXAMPLES / 'hf_llama.py'}:llama"
-    runs = [("manual_dp", gpt2, TOKENS), ("manual_tp", llama, TOKENS),
+    (tmp_path / "llama_regions.py").write_text(LLAMA_REGIONS % str(EXAMPLES))
+    runs = [("manual_dp", gpt2, TOKENS), ("manual_tp", llama, TOKENS), ("pipeline_dist", gpt2, TOKENS),
+            ("pipeline", llama, TOKENS), ("tensor_parallel", f"{tmp_path / 'llama_regions.py'}:build", TOKENS),
             ("ddp", f"{tmp_path / 'bn_model.py'}:build", {"input_shape": "3,8,8", "classes": 4})]
     jobs = [mutants.Job(name, RunConfig(model=model, devices="cpu:2", **data, **RUN).validate().to_json(), "honest")
             for name, model, data in runs]
     for (name, model, _), outcome in zip(runs, mutants.run_jobs(jobs), strict=True):
         assert outcome.equivalence.verdict == "match", (name, model, outcome.equivalence)
+
+
+def test_a_decoder_is_cut_into_layers_that_give_its_own_logits():
+    """parallel.hf: embeddings, each block with the extra inputs the model's forward gives it (recorded as
+    buffers outside the state dict; GPT-2's KV cache dropped), the final norm, the head; run one after
+    another they give the model's logits bitwise (the same operations in the same order)."""
+    from parallel import hf
+
+    for model in (example("hf_gpt2").gpt2(), example("hf_llama").llama()):
+        keys = list(model.state_dict())
+        layers, why = hf.decoder_layers(model, 32)
+        assert why == "" and hf.decoder_layers(model, 32)[0] is layers  # made once per model
+        x = torch.randint(0, 256, (3, 32), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            h = x
+            for layer in layers:
+                h = layer(h)
+            assert torch.equal(h, model.eval()(x).logits)
+        kept = {k: v for k, v in layers[1].kwargs.items() if v is not None}
+        assert kept.get("use_cache") is False and "past_key_values" not in kept
+        assert list(model.state_dict()) == keys  # the recorded inputs are not in the state dict
+    assert sorted(layers[1]._buffers) == ["position_embeddings_0", "position_embeddings_1", "position_ids"]  # Llama
+
+
+def test_gpt2s_tied_head_and_layers_that_leave_a_module_out_are_found_before_the_run(tmp_path):
+    from parallel import strategies
+    from parallel.usermodel import workload_of
+
+    run = RunConfig(model=f"{EXAMPLES / 'hf_gpt2.py'}:gpt2", devices="cpu:4", **TOKENS).validate()
+    w = workload_of(run)
+    assert w.tied == "lm_head.weight = transformer.wte.weight" and w.hf_seq_len == 32
+    assert w.layer_names[0] == "transformer.wte+transformer.wpe+transformer.drop"
+    _, skipped = strategies.resolve(["all"], run.spec, w)
+    assert "pipeline" not in skipped and "pipeline_dist" not in skipped
+    assert "lm_head.weight = transformer.wte.weight (tied)" in skipped["fsdp_pp"]
+    (tmp_path / "left_out.py").write_text(textwrap.dedent('''
+        import sys
+        sys.path.insert(0, %r)
+        import hf_gpt2
+
+        def build():
+            m = hf_gpt2.gpt2()
+            return {"model": m, "layers": [m.transformer.wte, *m.transformer.h, m.transformer.ln_f, m.lm_head]}
+    ''' % str(EXAMPLES)))
+    left = workload_of(RunConfig(model=f"{tmp_path / 'left_out.py'}:build", devices="cpu:2", **TOKENS).validate())
+    assert left.layer_names is None and "its forward() is not its 'layers' run one after another" in left.no_layers
