@@ -94,7 +94,7 @@ def test_a_mismatch_names_the_cause_the_model_carries():
 
 LLAMA_REGIONS = textwrap.dedent('''
     import sys
-    sys.path.insert(0, %r)
+    sys.path.insert(0, EXAMPLES)
     import hf_llama
     from parallel.workloads import TPPlan, tp_plan_of
 
@@ -112,12 +112,12 @@ def test_hugging_face_models_returned_as_they_are_match_one_device(tmp_path):
     gather) and pipeline_dist (cut by parallel.hf, the head's and the embedding's copies summed); Llama
     (no biases, grouped-query attention called with keyword arguments) under manual_tp from transformers'
     own plan, under tensor_parallel with the attention declared a region (its input given by keyword), and
-    under pipeline (its blocks' rotary inputs recorded); a BatchNorm model under ddp, which synchronises it and matches. (The whole
-    family on both models: `compare --model examples/hf_gpt2.py:gpt2 ...`, docs/your-model.md; dropout's
-    verdict: the tests above and `examples/hf_gpt2.py:gpt2_dropout`.)"""
+    under pipeline (its blocks' rotary inputs recorded); a BatchNorm model under ddp, which synchronises it
+    and matches. (The whole family on both models: `compare --model examples/hf_gpt2.py:gpt2 ...`,
+    docs/your-model.md; dropout's verdict: the tests above and `examples/hf_gpt2.py:gpt2_dropout`.)"""
     (tmp_path / "bn_model.py").write_text(BN_MODEL)
     gpt2, llama = f"{EXAMPLES / 'hf_gpt2.py'}:gpt2", f"{EXAMPLES / 'hf_llama.py'}:llama"
-    (tmp_path / "llama_regions.py").write_text(LLAMA_REGIONS % str(EXAMPLES))
+    (tmp_path / "llama_regions.py").write_text(LLAMA_REGIONS.replace("EXAMPLES", repr(str(EXAMPLES))))
     runs = [("manual_dp", gpt2, TOKENS), ("manual_tp", llama, TOKENS), ("pipeline_dist", gpt2, TOKENS),
             ("pipeline", llama, TOKENS), ("tensor_parallel", f"{tmp_path / 'llama_regions.py'}:build", TOKENS),
             ("ddp", f"{tmp_path / 'bn_model.py'}:build", {"input_shape": "3,8,8", "classes": 4})]
@@ -162,12 +162,12 @@ def test_gpt2s_tied_head_and_layers_that_leave_a_module_out_are_found_before_the
     assert "lm_head.weight = transformer.wte.weight (tied)" in skipped["fsdp_pp"]
     (tmp_path / "left_out.py").write_text(textwrap.dedent('''
         import sys
-        sys.path.insert(0, %r)
+        sys.path.insert(0, EXAMPLES)
         import hf_gpt2
 
         def build():
             m = hf_gpt2.gpt2()
             return {"model": m, "layers": [m.transformer.wte, *m.transformer.h, m.transformer.ln_f, m.lm_head]}
-    ''' % str(EXAMPLES)))
+    '''.replace("EXAMPLES", repr(str(EXAMPLES)))))
     left = workload_of(RunConfig(model=f"{tmp_path / 'left_out.py'}:build", devices="cpu:2", **TOKENS).validate())
     assert left.layer_names is None and "its forward() is not its 'layers' run one after another" in left.no_layers
