@@ -53,3 +53,29 @@ def test_other_operations_count_nothing():
     with wire.counted(sent):
         torch.ones(3).add(1).sum()
     assert sent == {}
+
+
+def _all_to_alls(rank, world):
+    import torch.distributed._functional_collectives as funcol
+
+    counts = []
+    for run in (lambda: td.all_to_all_single(torch.empty(ELEMS), torch.ones(ELEMS)),  # equal chunks
+                # uneven: rank 0 keeps 100 elements and sends 500; rank 1 sends 200 and keeps 400
+                lambda: td.all_to_all_single(torch.empty(300 if rank == 0 else 900), torch.ones(ELEMS),
+                                             [100, 200] if rank == 0 else [500, 400],
+                                             [100, 500] if rank == 0 else [200, 400]),
+                lambda: funcol.permute_tensor(torch.ones(ELEMS), [1, 0], td.group.WORLD).wait(),  # all to the peer
+                lambda: td.all_to_all([torch.empty(ELEMS), torch.empty(ELEMS)], [torch.ones(ELEMS)] * world)):
+        sent = {}
+        with wire.counted(sent):
+            run()
+        counts.append(sent["all_to_all"])
+    return counts
+
+
+def test_an_all_to_all_is_counted_by_its_real_splits():
+    """What each rank sends is its input but the chunk it keeps: permute_tensor's is all of it (counted as
+    half before, as if split evenly), uneven splits as given."""
+    b = 4  # bytes per element
+    assert run_ranks(_all_to_alls, N) == [[ELEMS // 2 * b, 500 * b, ELEMS * b, ELEMS * b],
+                                          [ELEMS // 2 * b, 200 * b, ELEMS * b, ELEMS * b]]

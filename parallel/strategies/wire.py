@@ -11,7 +11,8 @@ group (the nccl-tests "bus bandwidth" convention), from the sizes of the tensors
 
     all-reduce       2 (n-1)/n x payload        reduce-scatter   (n-1)/n x its (whole) input
     all-gather       (n-1) x its input (one shard: (n-1)/n of the gathered output)
-    broadcast        (n-1)/n x payload          all-to-all       (n-1)/n x its input
+    broadcast        (n-1)/n x payload          all-to-all       its input but its own chunk (the
+                                                                 splits as given: permute_tensor sends all)
     send             the payload                (a receive is counted at its sender)
 
 An operation on a DTensor is handed to DTensor first (the mode returns NotImplemented for it), so that
@@ -62,8 +63,8 @@ OPS: dict[str, tuple[str, tuple[str, ...], object]] = {
         "reduce_scatter_", "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_", "reduce_scatter_tensor",
         "reduce_scatter_tensor_out", "reduce_scatter_tensor_coalesced")},
     **{op: ("broadcast", ("tensors", "input"), _SHARE) for op in ("broadcast_", "broadcast")},
-    **{op: ("all_to_all", ("input_tensors", "input"), _SHARE) for op in ("alltoall_", "alltoall_base_",
-                                                                          "all_to_all_single")},
+    **{op: ("all_to_all", ("input_tensors", "input"), None) for op in ("alltoall_", "alltoall_base_",
+                                                                        "all_to_all_single")},  # _all_to_all
     **{op: ("send", ("tensors", "tensor"), _WHOLE) for op in ("send", "isend")},
 }
 NAMESPACES = ("c10d", "_c10d_functional")
@@ -77,14 +78,29 @@ def _nbytes(value) -> int:
     return 0
 
 
-def _group_size(bound: dict) -> int:
+def _group(bound: dict):
     if "process_group" in bound:  # the dispatcher's boxed (TorchScript) form of the group
-        return torch.distributed.ProcessGroup.unbox(bound["process_group"]).size()
-    if "group_size" in bound:
-        return int(bound["group_size"])
+        return torch.distributed.ProcessGroup.unbox(bound["process_group"])
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    return _resolve_process_group(bound["group_name"]).size()
+    return _resolve_process_group(bound["group_name"])
+
+
+def _group_size(bound: dict) -> int:
+    return int(bound["group_size"]) if "group_size" in bound else _group(bound).size()
+
+
+def _all_to_all(bound: dict) -> float:
+    """Bytes this rank sends in an all-to-all: every chunk of its input but the one it keeps, with the
+    splits as given (uneven, or all of it to one peer as permute_tensor does), equal chunks without."""
+    group = _group(bound)
+    n, rank = group.size(), group.rank()
+    if "input_tensors" in bound:  # alltoall_: one tensor per destination rank
+        return float(sum(_nbytes(t) for i, t in enumerate(bound["input_tensors"]) if i != rank))
+    x, splits = bound["input"], [int(v) for v in bound.get("input_split_sizes") or ()]
+    if not splits:
+        return (n - 1) / n * _nbytes(x)
+    return _nbytes(x) / max(1, x.shape[0]) * (sum(splits) - splits[rank])  # splits count rows (dim 0)
 
 
 def bytes_sent(func, args, kwargs) -> tuple[str, float] | None:
@@ -98,6 +114,8 @@ def bytes_sent(func, args, kwargs) -> tuple[str, float] | None:
         return None  # a receive, a barrier, wait_tensor: nothing sent
     kind, inputs, share = OPS[name]
     bound = {a.name: v for a, v in zip(func._schema.arguments, args, strict=False)} | (kwargs or {})
+    if share is None:
+        return kind, _all_to_all(bound)
     payload = next(_nbytes(bound[k]) for k in inputs if k in bound)
     return kind, share(_group_size(bound)) * payload
 
