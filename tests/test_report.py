@@ -103,6 +103,7 @@ def test_the_verdict_never_names_single_and_is_withheld_under_noise():
     slower = [row("single", 1.0, "baseline", world=1), row("ddp", 0.8), row("fsdp", 0.6)]
     text = "\n".join(report.advice(slower))
     assert "Fastest" not in text and "the least slow: ddp, 0.80x" in text and "single," not in text
+    assert "Slower still: fsdp 0.60x." in text and "ddp 0.80x" not in text  # the least slow is named once
     noisy = "noisy: other processes used 60% of the machine's CPU"
     rows = [row("single", 1.0, "baseline", world=1), row("ddp", 1.9, flags=[noisy]), row("zero", 1.5, flags=[noisy]),
             row("manual_dp", 1.2)]

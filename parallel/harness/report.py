@@ -396,7 +396,7 @@ def advice(rows: list[Row]) -> list[str]:
         return []
     exact = [r for r in ok if r.equivalence.verdict == "match"]
     doubted = [r for r in ok if _doubted(r)]
-    out = []
+    out, named = [], set()  # named: rows the verdict has given already (the least slow and its ties)
     if not exact:
         out.append("No strategy on several devices trained like one device here: no fastest to name.")
     elif len(doubted) * 2 > len(ok):
@@ -418,6 +418,7 @@ def advice(rows: list[Row]) -> list[str]:
         if best.speedup < 1:
             out.append(f"None trains {like} faster than one device here; the least slow: {best.label}, "
                        f"{best.speedup:.2f}x ({backed}).")
+            named = {id(r) for r in (best, *ties)}
         else:
             out.append(f"Fastest that trains {like}: {best.label}, {best.speedup:.2f}x on {best.world_size} "
                        f"devices ({backed}).")
@@ -427,9 +428,10 @@ def advice(rows: list[Row]) -> list[str]:
         for r in ok:
             if r.equivalence.verdict == "not-expected" and r.speedup > best.speedup and not _doubted(r):
                 out.append(f"Faster still: {r.label}, {r.speedup:.2f}x, but not the same training.")
-    slower = [r for r in ok if r.speedup < 1 and not _doubted(r)]
+    slower = [r for r in ok if r.speedup < 1 and not _doubted(r) and id(r) not in named]
     if slower:
-        out.append("Slower than one device here: " + ", ".join(f"{r.label} {r.speedup:.2f}x" for r in slower) + ".")
+        listed = ", ".join(f"{r.label} {r.speedup:.2f}x" for r in slower)
+        out.append(f"{'Slower still' if named else 'Slower than one device here'}: {listed}.")
     for r in ok:
         m = r.measured
         if m.exposed_comm_ms is not None and m.exposed_comm_ms >= 0 and r.step_ms_p50 and not _doubted(r):
