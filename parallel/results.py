@@ -98,6 +98,11 @@ class Row:
     def label(self) -> str:
         return f"{self.strategy} {self.variant}" if self.variant else self.strategy
 
+    @property
+    def stem(self) -> str:
+        """The name its files (config, result, log) take in a run's folders: file_stem(strategy, variant)."""
+        return file_stem(self.strategy, self.variant)
+
     @classmethod
     def from_dict(cls, data: dict) -> Row:
         data = dict(data)
@@ -108,6 +113,11 @@ class Row:
     @property
     def ok(self) -> bool:
         return self.status == "ok" and self.equivalence.verdict != "mismatch"
+
+
+def file_stem(strategy: str, variant: str) -> str:
+    """A row's files' name: "ddp", or "ddp-bucket_mb=4" for a variant (runner.run_one, the report's notes)."""
+    return f"{strategy}-{variant}" if variant else strategy
 
 
 # Lists stay in results.json; the CSV has one scalar per column.

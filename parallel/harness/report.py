@@ -277,15 +277,10 @@ def flag_lines(rows: list[Row]) -> list[str]:
     return out
 
 
-def log_of(row: Row) -> str:
-    """The name of a row's whole log in the run's logs/ (a round's folder with --repeat; runner.run_one)."""
-    return f"{row.strategy}-{row.variant}.log" if row.variant else f"{row.strategy}.log"
-
-
 def notes(rows: list[Row], environment: dict, skipped: dict | None = None) -> list[str]:
     """What a reader must know to read the table right, in as few lines as it takes."""
-    out = [f"{r.label} {r.status}: {r.error.splitlines()[0]}"
-           + ("" if "log:" in r.error else f" (its traceback: {log_of(r)} in logs/)") for r in rows if r.error]
+    out = [f"{r.label} {r.status}: {r.error.splitlines()[0]}"  # the log: logs/round-k/ with --repeat
+           + ("" if "log:" in r.error else f" (its traceback: {r.stem}.log in logs/)") for r in rows if r.error]
     out += [f"{r.label} mismatch: {r.equivalence.reason}" for r in rows if r.equivalence.verdict == "mismatch"]
     out += flag_lines(rows)
     if line := skipped_line(skipped or {}):

@@ -26,7 +26,7 @@ from parallel.config import RunConfig
 from parallel.errors import ConfigError
 from parallel.harness import equivalence, launch, load
 from parallel.harness.report import make_progress
-from parallel.results import Equivalence, Row
+from parallel.results import Equivalence, Row, file_stem
 from parallel.usermodel import cannot_match, workload_of
 from parallel.workloads import eval_loss
 
@@ -40,7 +40,7 @@ def _failed_row(strategy, variant: str, config: RunConfig, outcome: launch.Outco
 
 
 def run_one(strategy, variant: str, config: RunConfig, work: Path, logs: Path) -> tuple[Row, dict | None]:
-    stem = f"{strategy.name}-{variant}" if variant else strategy.name
+    stem = file_stem(strategy.name, variant)
     paths = {"config": work / f"{stem}.config.json", "result": work / f"{stem}.json", "state": work / f"{stem}.pt"}
     paths["config"].write_text(config.to_json())
     store = launch.LoopbackStore(config.port, config.timeout) if strategy.launch == "torchrun" else None
