@@ -189,13 +189,21 @@ def shard(model: nn.Module, rank: int, n: int, config) -> tuple[tuple[str, ...],
     return plan.colwise, plan.rowwise
 
 
-def _copy_first_input(module, args, kwargs):
-    """f on a region's input: its first positional argument, or (Hugging Face calls attention with keyword
-    arguments only) its first tensor keyword argument."""
+def with_first_input(args: tuple, kwargs: dict, fn) -> tuple[tuple, dict]:
+    """A region's input made fn(input), as a forward pre-hook (with_kwargs) returns it: its first positional
+    argument, or (Hugging Face calls attention with keyword arguments only) its first tensor keyword
+    argument. manual_tp's f and tensor_parallel's region style both take it from here."""
     if args:
-        return (_Copy.apply(args[0]), *args[1:]), kwargs
-    key = next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
-    return args, {**kwargs, key: _Copy.apply(kwargs[key])}
+        return (fn(args[0]), *args[1:]), kwargs
+    key = next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None)
+    if key is None:
+        raise TypeError("a region's forward was called without a tensor argument: it has no input to copy (f)")
+    return args, {**kwargs, key: fn(kwargs[key])}
+
+
+def _copy_first_input(module, args, kwargs):
+    """f on a region's input (with_first_input)."""
+    return with_first_input(args, kwargs, _Copy.apply)
 
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
 from parallel.devices import SHARED_GLOO_NO_DTENSOR
@@ -133,12 +132,8 @@ def _region_style():
             given, wanted = self.input_layouts[0], self.desired_input_layouts[0]
 
             def prepare(_, args, kwargs):
-                if args:
-                    return (self._prepare_input_arg(args[0], device_mesh, given, wanted), *args[1:]), kwargs
-                key = next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None)
-                if key is None:
-                    return args, kwargs
-                return args, {**kwargs, key: self._prepare_input_arg(kwargs[key], device_mesh, given, wanted)}
+                return manual_tp.with_first_input(
+                    args, kwargs, lambda x: self._prepare_input_arg(x, device_mesh, given, wanted))
 
             module.register_forward_pre_hook(prepare, with_kwargs=True)
             return module
