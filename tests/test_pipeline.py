@@ -11,7 +11,7 @@ import torch
 from parallel import strategies
 from parallel.config import RunConfig
 from parallel.dist import Dist
-from parallel.strategies import pipeline, stages
+from parallel.strategies import pipeline, stages, tied
 from parallel.worker import execute
 from parallel.workloads import WORKLOADS
 from tests.conftest import ROOT, judged
@@ -138,7 +138,7 @@ def test_simulate_gives_the_textbook_time_for_equal_stages_and_waits_for_the_slo
 
 
 def test_a_weight_two_stages_use_gets_a_copy_in_each_and_their_gradients_summed():
-    """stages.untie / sum_tied (Megatron's rule for a tied embedding and head): the copies start equal,
+    """tied.untie / sum_tied (Megatron's rule for a tied embedding and head): the copies start equal,
     are distinct objects, and after summing each holds the gradient the one weight gets on one device."""
     torch.manual_seed(0)
     embed, head = torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False)
@@ -148,12 +148,12 @@ def test_a_weight_two_stages_use_gets_a_copy_in_each_and_their_gradients_summed(
     want = embed.weight.grad.clone()  # one weight, both uses
     embed.weight.grad = None
     first, last = torch.nn.Sequential(embed), torch.nn.Sequential(head)
-    groups = stages.untie([first, last])
+    groups = tied.untie([first, last])
     assert len(groups) == 1 and groups[0][0] is embed.weight and head.weight is groups[0][1]
     assert head.weight is not embed.weight and torch.equal(head.weight, embed.weight)
     h = embed(x).detach().requires_grad_()
     last(h).square().sum().backward()
     embed(x).backward(h.grad)
-    stages.sum_tied(groups)
+    tied.sum_tied(groups)
     assert torch.allclose(embed.weight.grad, want) and torch.equal(head.weight.grad, embed.weight.grad)
-    assert stages.untie([torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.nn.Sequential(torch.nn.Linear(2, 2))]) == []
+    assert tied.untie([torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.nn.Sequential(torch.nn.Linear(2, 2))]) == []

@@ -111,7 +111,7 @@ def train_step(t: Trainable, batch, dist):
             break
         with busy(s, "B0"):
             grad = stage_backward(*saved[s], grad)
-    sp.sum_tied()  # a weight two stages use (GPT-2's head): its copies' gradients summed (stages.untie)
+    sp.sum_tied()  # a weight two stages use (GPT-2's head): its copies' gradients summed (tied.untie)
     t.optimizer.step()
     busy.end_step()
     return saved[last][1].detach()

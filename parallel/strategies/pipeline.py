@@ -203,7 +203,7 @@ def train_step(t: Trainable, batch, dist):
         t.state.pool.run([lambda s: _run_stage(t, st, s)] * p, list(range(p)))
     except RuntimeError as e:
         raise RuntimeError(f"pipeline stage failed: {type(st.error).__name__}: {st.error}") from e
-    sp.sum_tied()  # a weight two stages use (GPT-2's head): its copies' gradients summed (stages.untie)
+    sp.sum_tied()  # a weight two stages use (GPT-2's head): its copies' gradients summed (tied.untie)
     t.optimizer.step()
     t.state.busy.end_step()
     t.comm_bytes += sum(st.moved)

@@ -40,7 +40,8 @@ from parallel.results import Measured
 from parallel.strategies import pipeline, wire
 from parallel.strategies.base import Hooks, Mutant, Trainable, every_rank, injected, model_state_every_rank, options_of
 from parallel.strategies.stage_time import Busy, timed_stage
-from parallel.strategies.stages import ActivationMeter, TiedAcross, cut, describe, given_cut, layers_of
+from parallel.strategies.stages import ActivationMeter, cut, describe, given_cut, layers_of
+from parallel.strategies.tied import TiedAcross
 from parallel.usermodel import workload_of
 
 EXAMPLES_GPT2 = str(Path(__file__).resolve().parents[2] / "examples" / "gpt2.py")  # the tied-head mutant's model
