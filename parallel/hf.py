@@ -119,20 +119,19 @@ def _make(model: nn.Module, seq_len: int) -> tuple[list[nn.Module], str]:
                     "embedding alone (or with a position embedding)")
     if len(after) != 1:
         return [], (f"after its blocks it has {', '.join(n for n, _ in after) or 'nothing'}, not one final norm")
-    name = (prefix + "." if prefix else "") + "{}"
-    owners = {"tokens": name.format(embeds[0][0] if embeds[0][1] is tokens else embeds[1][0])}
-    positions = others[0][1] if others else None
-    if others:
-        owners["positions"] = name.format(others[0][0])
-    if drops:
-        owners["dropout"] = name.format(drops[0][0])
+    def full(n: str) -> str:  # a child of the base model, named in the whole model
+        return f"{prefix}.{n}" if prefix else n
+
+    owners = {"tokens": full(next(n for n, c in embeds if c is tokens)),
+              **({"positions": full(others[0][0])} if others else {}),
+              **({"dropout": full(drops[0][0])} if drops else {})}
     try:
         recorded = record(model, blocks, seq_len)
     except ValueError as e:
         return [], str(e)
-    layers = [Embeddings(tokens, positions, drops[0][1] if drops else None, owners)]
+    layers = [Embeddings(tokens, others[0][1] if others else None, drops[0][1] if drops else None, owners)]
     for i, (block, (args, kwargs, tensors)) in enumerate(zip(blocks, recorded, strict=True)):
-        layers.append(Block(block, name.format(f"{where}.{i}"), args, kwargs, tensors))
+        layers.append(Block(block, full(f"{where}.{i}"), args, kwargs, tensors))
     return [*layers, after[0][1], model.get_output_embeddings()], ""
 
 

@@ -388,12 +388,14 @@ def _user(spec: str, input_shape: str, classes: int, vocab: int, seq_len: int, d
     params = sum(p.numel() for p in model.parameters())
     # Synthetic samples: at most 64 MB of inputs (batches wrap around them); a file: all of its samples.
     size = len(_file(data)[0]) if data else max(1024, min(8192, 2**24 // math.prod(shape)))
+    if isinstance(getattr(type(model), "tp_plan", None), property):  # transformers': read by tp_plan_of
+        no_plan = f"transformers' own plan for {type(model).__name__} splits no nn.Linear layer, and the factory " \
+                  "returned no 'tp_plan'"
+    else:
+        no_plan = "the factory returned no 'tp_plan', and the model defines no tp_plan()"
     base = dict(name=label, description=f"{type(model).__name__} from {label}, {params / 1e6:.2f}M params",
                 make_module=factory, input_shape=shape, classes=n_classes or 10, data=kind, dataset_size=size,
-                no_tp_plan=(f"transformers' own plan for {type(model).__name__} splits no nn.Linear layer, and the "
-                            "factory returned no 'tp_plan'" if isinstance(getattr(type(model), "tp_plan", None),
-                                                                          property)
-                            else "the factory returned no 'tp_plan', and the model defines no tp_plan()"))
+                no_tp_plan=no_plan)
     workload = UserWorkload(**base, spec=spec, factory=factory, loss_fn=out.get("loss"), data_file=data,
                             has_plan=out.get("tp_plan") is not None or tp_plan_of(model) is not None,
                             parts_model=hasattr(model, "parts"), causes=tuple(cannot_match(model).values()),
