@@ -111,8 +111,8 @@ def test_an_older_torch_without_scale_grads_is_refused_not_run(monkeypatch):
 
 
 def _bounds_by_time(rank, world):
-    """pipeline_dist's cut by time on a rank, with every point-to-point send recorded and the same-device
-    copy that priced the hop before made to fail."""
+    """pipeline_dist's cut by time on a rank (stages.agreed_cut), with every point-to-point send recorded
+    and the same-device copy that priced the hop before made to fail."""
     import torch
     import torch.distributed as td
 
@@ -135,7 +135,8 @@ def _bounds_by_time(rank, world):
     config = _config("cnn", world, {"balance": "time", "microbatches": 4})
     layers = stages.layers_of(workload_of(config).build_model(config.seed))
     dist = Dist(rank=rank, local_rank=rank, world_size=world, local_world_size=world)
-    return pipeline_dist._bounds(layers, world, options_of(pipeline_dist.Options, config), config, dist, BATCH), sent
+    o = options_of(pipeline_dist.Options, config)
+    return stages.agreed_cut(layers, world, o.balance, config, dist, -(-BATCH // o.microbatches)), sent
 
 
 def test_the_cut_by_time_prices_the_hop_as_a_send_between_ranks():

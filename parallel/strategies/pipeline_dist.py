@@ -40,7 +40,7 @@ from parallel.results import Measured
 from parallel.strategies import pipeline, wire
 from parallel.strategies.base import Hooks, Mutant, Trainable, every_rank, injected, model_state_every_rank, options_of
 from parallel.strategies.stage_time import Busy, timed_stage
-from parallel.strategies.stages import ActivationMeter, cut, describe, given_cut, layers_of
+from parallel.strategies.stages import ActivationMeter, agreed_cut, describe, layers_of
 from parallel.strategies.tied import TiedAcross
 from parallel.usermodel import workload_of
 
@@ -192,31 +192,6 @@ class State:
     tied: TiedAcross | None  # weights several stages use (GPT-2's head): their gradients summed
 
 
-def _bounds(layers: list[nn.Module], k: int, o: Options, config, dist, batch: int) -> list[int]:
-    """The cut into k stages, the same rule as `pipeline`'s (time measured at the micro-batch size, or
-    parameters), decided on rank 0 and sent to every rank so that they all cut alike. By time, the hop
-    between stages is priced as what this strategy does, not as a copy on rank 0's device: rank 0 sends
-    each layer's output to rank 1 and receives it back, point to point (stages.SentHop; rank 1 echoes).
-    A cut an earlier row of the run decided (config.cuts) is taken as it is, on every rank alike."""
-    import torch.distributed as td
-
-    from parallel.strategies.stages import SentHop
-
-    if given := given_cut(config, o.balance, k, layers):
-        return given
-    decided, timed = [None], o.balance == "time"
-    if dist.rank == 0:
-        sample = workload_of(config).dataset(config.seed, -(-batch // o.microbatches)).batch(0)[0]
-        hop = SentHop(1, dist.device) if timed else None
-        decided = [cut(layers, k, o.balance, sample, [dist.device, dist.device], hop=hop)]
-        if hop is not None:
-            hop.close()
-    elif dist.rank == 1 and timed:
-        SentHop.echo(0, dist.device)
-    td.broadcast_object_list(decided, src=0)
-    return decided[0]
-
-
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     return build(model, make_optimizer, loss_fn, dist, config, options_of(Options, config), dist.rank, dist.world_size)
 
@@ -233,7 +208,7 @@ def build(model, make_optimizer, loss_fn, dist, config, o: Options, rank: int, p
     layers = layers_of(model)
     layer_name = {id(m): n for n, m in model.named_modules()}
     batch = batch or config.batch_size
-    bounds = _bounds(layers, p * v, o, config, dist, batch)
+    bounds = agreed_cut(layers, p * v, o.balance, config, dist, -(-batch // o.microbatches))
     ids = stage_ids(rank, p, v, placement)
     busy = Busy([dist.device])
     stages, modules, names = [], [], {}

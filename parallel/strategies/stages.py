@@ -175,6 +175,31 @@ def cut(layers: list[nn.Module], k: int, balance: str, sample: torch.Tensor, dev
     return partition([float(sum(p.numel() for p in layer.parameters())) for layer in layers], k, holds=holds)
 
 
+def agreed_cut(layers: list[nn.Module], k: int, balance: str, config, dist, micro_batch: int) -> list[int]:
+    """`cut` where the stages are processes (pipeline_dist, fsdp_pp): decided on rank 0, by time measured at
+    the micro-batch size or by parameters, and sent to every rank so that they all cut alike. By time, the
+    hop between stages is priced as what those strategies do, not as a copy on rank 0's device: rank 0
+    sends each layer's output to rank 1 and receives it back, point to point (SentHop; rank 1 echoes). A
+    cut an earlier row of the run decided (config.cuts) is taken as it is, on every rank alike."""
+    import torch.distributed as td
+
+    from parallel.usermodel import workload_of
+
+    if given := given_cut(config, balance, k, layers):
+        return given
+    decided, timed = [None], balance == "time"
+    if dist.rank == 0:
+        sample = workload_of(config).dataset(config.seed, micro_batch).batch(0)[0]
+        hop = SentHop(1, dist.device) if timed else None
+        decided = [cut(layers, k, balance, sample, [dist.device, dist.device], hop=hop)]
+        if hop is not None:
+            hop.close()
+    elif dist.rank == 1 and timed:
+        SentHop.echo(0, dist.device)
+    td.broadcast_object_list(decided, src=0)
+    return decided[0]
+
+
 def split(model: nn.Module, devices: list[torch.device], balance: str, sample: torch.Tensor,
           bounds: list[int] | None = None) -> Split:
     """Cut `model` into len(devices) stages (at `bounds` where given) and move each to its device
