@@ -81,9 +81,11 @@ class RunConfig:
             user["workload"] = usermodel.workload_of(dataclasses.replace(self, **user)).name
         elif self.workload not in WORKLOADS:
             raise ConfigError(f"unknown workload {self.workload!r}; choose from {', '.join(WORKLOADS)}")
-        elif self.input_shape or self.classes or self.vocab or self.seq_len or self.data:
-            raise ConfigError("--input-shape, --classes, --vocab, --seq-len and --data describe the data of your "
+        elif self.input_shape or self.classes or self.vocab or self.data:
+            raise ConfigError("--input-shape, --classes, --vocab and --data describe the data of your "
                               "own model: give --model FILE.py:FACTORY too")
+        elif self.seq_len:
+            usermodel.workload_of(self)  # the built-in transformer's length; refused for a workload without one
         for name in ("batch_size", "steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")

@@ -1,16 +1,18 @@
-"""How a run's processes are laid out: data parallel (replicate x shard), tensor parallel, pipeline.
+"""How a run's processes are laid out: data parallel (replicate x shard), context, tensor, pipeline parallel.
 
 Built once per run from the strategy's declaration and passed explicitly (torchtitan's ParallelDims).
-Ranks are numbered with tensor parallel innermost, then the data-parallel shard and replicate axes, then
-pipeline stages outermost, the order of torchtitan's mesh ["pp", "dp_replicate", "dp_shard", "tp"]:
+Ranks are numbered with tensor parallel innermost, then context parallel, the data-parallel shard and
+replicate axes, then pipeline stages
+outermost, the order of torchtitan's mesh ["pp", "dp_replicate", "dp_shard", "cp", "tp"]:
 
     pp 1 x dp 2 x tp 2 on 4 processes:   rank 0: dp 0 tp 0   rank 1: dp 0 tp 1
                                          rank 2: dp 1 tp 0   rank 3: dp 1 tp 1
 
 so the ranks of one tensor-parallel group are neighbours (on GPUs: the same node, the fastest links).
 What each coordinate means for the data: a rank trains on its dp coordinate's share of the global batch;
-every tp rank of a group sees the same share; pipeline stages share one dp coordinate too (the first
-stage reads the inputs, the last the targets).
+every tp rank of a group sees the same share, and so does every cp rank (each keeps its slice of the
+sequences); pipeline stages share one dp coordinate too (the first stage reads the inputs, the last the
+targets).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass, fields
 
 from parallel.errors import ConfigError
 
-ORDER = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first
+ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,7 @@ class ParallelDims:
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context parallel: each rank of a group holds a slice of every sequence of the dp share
     loss_pp: int = -1  # the pipeline coordinate whose rank computes the loss: -1, the last; 0 when the last
     #   stage sits on the first rank (a V placement: rank r holds stages r and 2 pp - 1 - r)
 
@@ -36,10 +39,11 @@ class ParallelDims:
         for f in fields(self):
             if f.name != "loss_pp" and getattr(self, f.name) < 1:
                 raise ConfigError(f"{f.name} must be at least 1, got {getattr(self, f.name)}")
-        if self.dp * self.tp * self.pp != self.world:
+        if self.dp * self.cp * self.tp * self.pp != self.world:
             dp = f"dp {self.dp}" if self.dp_replicate == 1 or self.dp_shard == 1 else \
                 f"dp {self.dp_replicate} (replicate) x {self.dp_shard} (shard)"
-            raise ConfigError(f"{dp} x tp {self.tp} x pp {self.pp} = {self.dp * self.tp * self.pp}, "
+            cp = f" x cp {self.cp}" if self.cp > 1 else ""
+            raise ConfigError(f"{dp}{cp} x tp {self.tp} x pp {self.pp} = {self.dp * self.cp * self.tp * self.pp}, "
                               f"but {self.world} processes")
 
     @classmethod
@@ -72,7 +76,8 @@ class ParallelDims:
 
     def counts_loss(self, rank: int) -> bool:
         """Whether `rank`'s loss is part of the step's loss: one tp rank per group (they all hold the same
-        loss) and the rank of the last pipeline stage (the only one that computes it)."""
+        loss) and the rank of the last pipeline stage (the only one that computes it). Every cp rank's
+        counts: each holds the mean over its own, equal slice of the sequences."""
         c = self.coords(rank)
         return c["tp"] == 0 and c["pp"] == self.loss_pp % self.pp
 

@@ -11,6 +11,7 @@ same batches in every process and every strategy.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from parallel.errors import ConfigError
 
 
 def logits_of(output):
@@ -158,11 +161,17 @@ class TinyTransformer(nn.Module):
         self.blocks = nn.Sequential(*[Block(width, heads) for _ in range(depth)])
         self.head = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, vocab))
 
-    def forward(self, tokens):  # (B, T) -> (B, T, vocab)
-        return self.head(self.blocks(self.embed(tokens)))
+    def forward(self, tokens, positions=None):  # (B, T) -> (B, T, vocab)
+        """positions: the tokens' places in the whole sequence (T,), where they are not 0..T-1 (a rank of
+        context parallelism holding a slice of it)."""
+        return self.head(self.blocks(self.embed(tokens, positions)))
 
     def pipeline_layers(self) -> list[nn.Module]:
         return [self.embed, *self.blocks, self.head]
+
+    def attentions(self) -> list[Attention]:
+        """The attention of every block: what context parallelism splits by the sequence."""
+        return [b.attn for b in self.blocks]
 
     def tp_plan(self) -> TPPlan:
         """Every block's plan (Block.tp_plan); the embeddings and the head replicated."""
@@ -174,8 +183,10 @@ class Embed(nn.Module):
         super().__init__()
         self.tokens, self.positions = nn.Embedding(vocab, width), nn.Embedding(context, width)
 
-    def forward(self, tokens):  # (B, T) -> (B, T, C)
-        return self.tokens(tokens) + self.positions(torch.arange(tokens.shape[1], device=tokens.device))
+    def forward(self, tokens, positions=None):  # (B, T) -> (B, T, C)
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.tokens(tokens) + self.positions(positions)
 
 
 class Block(nn.Module):
@@ -207,6 +218,7 @@ class Attention(nn.Module):
     def __init__(self, width: int, heads: int):
         super().__init__()
         self.head_size = width // heads
+        self.attend = causal  # (q, k, v) -> y; context parallelism puts its ring attention here
         fused = nn.Linear(width, 3 * width)  # drawn as one, as the fused projection was: the same weights
         self.q, self.k, self.v = (nn.utils.skip_init(nn.Linear, width, width) for _ in range(3))  # no draws
         with torch.no_grad():
@@ -218,8 +230,13 @@ class Attention(nn.Module):
     def forward(self, x):  # (B, T, C) -> (B, T, C)
         b, t, _ = x.shape
         q, k, v = (m(x).view(b, t, -1, self.head_size).transpose(1, 2) for m in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, heads here, T, head size)
+        y = self.attend(q, k, v)  # (B, heads here, T, head size)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def causal(q, k, v):
+    """Each position attends to itself and the positions before it."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 def gan_update(parts: dict, optimizers, real, z, unsynced=lambda name: contextlib.nullcontext()) -> torch.Tensor:
@@ -291,6 +308,7 @@ class Workload:
     no_tp_plan: str = ""  # why its model has no tensor-parallel plan (tp_plan()), where it has none
     no_layers: str = ""  # why its model has no pipeline_layers(), where it has none
     tied: str = ""  # the weights its model ties, "a = b" (GPT-2's head and token embedding), where it ties any
+    model_args: tuple = ()  # (name, value) pairs make_module is called with: the transformer's context (--seq-len)
 
     @property
     def multi_part(self) -> bool:
@@ -313,7 +331,23 @@ class Workload:
         """Same seed -> bitwise the same initial weights, whatever ran before in this process."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            return self.make_module()
+            return self.make_module(**dict(self.model_args))
+
+    def with_seq_len(self, n: int) -> Workload:
+        """The built-in transformer on sequences of n tokens (its context n): what context parallelism
+        needs, a sequence long enough to be worth splitting."""
+        if self.data != "tokens":
+            raise ConfigError(f"--seq-len sets the transformer's sequence length; the {self.name} workload has none")
+        if n < 1:
+            raise ConfigError(f"--seq-len must be at least 1, got {n}")
+        old = f"x {self.input_shape[0]},"
+        return dataclasses.replace(self, input_shape=(n,), model_args=(("context", n),),
+                                   description=self.description.replace(old, f"x {n},"))
+
+    @property
+    def splits_sequence(self) -> bool:
+        """Its model says where its attention is (model.attentions()), which context parallelism replaces."""
+        return hasattr(self.make_module, "attentions")
 
     def dataset(self, seed: int, batch_size: int) -> SyntheticData:
         """Where its batches come from: the synthetic data (a user's model may bring a file instead)."""

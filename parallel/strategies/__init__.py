@@ -30,14 +30,16 @@ from parallel.workloads import Workload
 
 # The report lists strategies in this order; `single` is the baseline and always first.
 NAMES = ["single", "manual_dp", "data_parallel", "manual_ddp", "ddp", "zero", "zero_optimizer", "fsdp", "manual_tp",
-         "tensor_parallel", "fsdp_tp", "hogwild", "model_parallel", "pipeline", "pipeline_dist", "fsdp_pp"]
+         "tensor_parallel", "fsdp_tp", "hogwild", "model_parallel", "pipeline", "pipeline_dist", "fsdp_pp",
+         "context_parallel", "fsdp_cp", "torch_cp"]
 
 
 # The constants a strategy module may set, with their defaults. Its functions beyond setup and
 # train_step are declared in `HOOKS = base.Hooks(...)` (see base.Hooks).
 CONSTANTS = {"Options": None, "NOT_EXPECTED_REASON": None, "CHECKPOINTS": True, "MULTI_PART": False, "MUTANTS": (),
              "TENSOR_PARALLEL": False, "LAYERED": False,  # LAYERED: it cuts the model's pipeline_layers()
-             "TIES": True}  # TIES: it trains a model whose weights are tied (one object in two places)
+             "TIES": True,  # TIES: it trains a model whose weights are tied (one object in two places)
+             "SEQUENCE": False}  # SEQUENCE: it splits the sequence, replacing the model's attention
 
 
 def _hooks(module: ModuleType) -> base.Hooks:
@@ -79,6 +81,9 @@ class Strategy:
             return f"it has no tensor-parallel plan: {workload.no_tp_plan}"
         if self.LAYERED and not workload.layers:
             return f"it has no layers to cut into stages: {workload.no_layers}"
+        if self.SEQUENCE and not workload.splits_sequence:
+            return ("it splits the sequence and replaces the model's attention, which only the built-in "
+                    "transformer says where to find (model.attentions())")
         if workload.tied and not self.TIES:
             return (f"its {workload.tied} (tied) would have a copy in two stages, each sharded, whose gradients "
                     f"this strategy does not sum (pipeline and pipeline_dist do)")

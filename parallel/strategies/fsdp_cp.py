@@ -1,0 +1,82 @@
+"""fsdp_cp: context parallelism with FSDP2, the cp ranks folded into the sharding group (torchtitan's way).
+
+    torchrun --nproc_per_node=4 scripts/fsdp_cp.py --workload transformer --seq-len 256 [--cp 2]
+
+The diff from `context_parallel`: the weights are not replicated but sharded by FSDP2 over all N ranks,
+dp x cp of them, as one group (torchtitan's "dp_shard_cp" mesh dimension). Why one group and not FSDP
+over dp alone: every cp rank holds the same weights and needs the same gradient sum, exactly what a dp
+rank needs, so sharding over all N divides the model state by N instead of N / cp, and the one
+reduce-scatter sums the gradients over cp and dp at once (a separate all-reduce over cp would add a
+collective a step). Attention is `context_parallel`'s ring over the cp ranks of each dp group:
+
+    4 devices, --cp 2:   dp 0: ranks 0 1 (a ring)    dp 1: ranks 2 3 (a ring)    FSDP2: ranks 0 1 2 3
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from parallel.strategies import context_parallel, fsdp
+from parallel.strategies.base import Hooks, Trainable, full_state_dict, model_state_every_rank
+from parallel.strategies.context_parallel import Options, check_cp, cp_of, layout_of
+
+NAME = "fsdp_cp"
+LAUNCH = "torchrun"
+SYNCHRONOUS = True
+SEQUENCE = True
+
+__all__ = ["Options"]  # the same knobs as context_parallel (--cp-layout, --cp-comm, --cp)
+DEFAULT_CP = 2  # on 4 devices: dp 2 x cp 2
+
+
+def dims(config, dist):
+    return layout_of(config, cp_of(config, DEFAULT_CP))
+
+
+def check(config) -> None:
+    check_cp(config, cp_of(config, DEFAULT_CP))
+
+
+def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = model.to(dist.device)
+    state = context_parallel.install(model, config, dist, dims(config, dist))
+    mesh = init_device_mesh(dist.device.type, (dist.world_size,), mesh_dim_names=("dp_shard_cp",))
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")  # see fsdp.setup
+    for block in fsdp.blocks(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device, comm_bytes=0, state=state)
+
+
+def train_step(t: Trainable, batch, dist):
+    s = t.state
+    with s.counter.step():
+        t.optimizer.zero_grad(set_to_none=True)
+        loss = context_parallel.local_loss(t, batch)
+        loss.backward()  # the ring's dK,dV home; FSDP2 reduce-scatters the gradients, averaged over dp x cp
+        t.optimizer.step()
+    t.comm_bytes, t.comm_steps = s.counter.total, s.counter.counted
+    return loss.detach()
+
+
+def comm_bytes_predicted(model, config) -> float:
+    """The K,V ring (context_parallel.attention_bytes_predicted) and FSDP2's collectives of the parameters,
+    each (N-1)/N of their bytes: a reduce-scatter, and an all-gather in forward and again in backward,
+    but the root's parameters (those no block holds: the embeddings) are gathered once, as FSDP2 keeps
+    the root unsharded between its forward and backward."""
+    n, cp = config.world_size, cp_of(config, DEFAULT_CP)
+    p = sum(q.numel() for q in model.parameters()) * 4
+    in_blocks = sum(q.numel() for b in fsdp.blocks(model) for q in b.parameters()) * 4
+    gathered = 2 * in_blocks + (p - in_blocks)
+    return context_parallel.attention_bytes_predicted(model, config, cp) + (n - 1) / n * (gathered + p)
+
+
+def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
+    return context_parallel.cp_measurements(t, data, config, dist, cp_of(config, DEFAULT_CP))
+
+
+HOOKS = Hooks(dims=dims, check=check, comm_bytes_predicted=comm_bytes_predicted, state_dict=full_state_dict,
+              model_state_bytes=model_state_every_rank, extra_measurements=extra_measurements)

@@ -1,0 +1,233 @@
+"""Causal attention over a sequence split between the ranks of a group: ring attention by hand.
+
+Rank r of W holds the queries, keys and values of some positions of every sequence (a `Layout`):
+
+    contiguous   rank r: positions [r c, (r+1) c), c = T / W           T = 16, W = 2:  r0 0-7     r1 8-15
+    zigzag       rank r: chunks r and 2W-1-r of h = T / 2W (head-tail)                 r0 0-3,12-15  r1 4-11
+
+Each rank attends its queries to every rank's K,V block, one block at a time, and merges the partial
+results with the online softmax: a block gives out_j = softmax(s_j) v_j and lse_j = logsumexp(s_j) per
+query, and two partials combine as
+
+    lse = logaddexp(lse_a, lse_b)      out = out_a exp(lse_a - lse) + out_b exp(lse_b - lse)
+
+Which blocks it sees, and how, depends on `comm`:
+
+    ring       W-1 hops: send the block held to rank r+1, receive the next from r-1, compute on the block
+               held meanwhile. Backward passes K,V around again, with an accumulator of dK,dV beside
+               them that ends at the block's owner: 2 (W-1) hops. Per rank and attention layer:
+               3 (W-1) x its K,V block bytes (forward W-1, backward 2 (W-1)).
+    allgather  all-gather K,V (forward, and again in backward rather than keeping them all), then
+               reduce-scatter dK,dV: 3 (W-1) x the same bytes, in three collectives.
+
+The backward is written out (`_Ring`, a torch.autograd.Function): autograd cannot carry dK,dV back
+across an isend, and a rotation it does not see leaves every rank with the gradient of its K,V from its
+own queries only (the bug `context_parallel:rotation-not-differentiable`). Causal masking is by global
+positions, so a pair of spans is skipped (every key after every query), computed whole (every key
+before) or masked; zigzag balances what is computed exactly, contiguous gives the last rank the most.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as td
+
+from parallel.strategies import wire
+
+LAYOUTS = ("contiguous", "zigzag")
+COMMS = ("ring", "allgather")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which positions of a sequence of `length` each of `world` ranks holds."""
+
+    name: str
+    world: int
+    length: int
+
+    @property
+    def chunks(self) -> int:
+        return self.world * (2 if self.name == "zigzag" else 1)
+
+    def spans(self, rank: int) -> list[tuple[int, int]]:
+        """(first position, count) of each run of consecutive positions rank `rank` holds, in order."""
+        size = self.length // self.chunks
+        held = [rank] if self.name == "contiguous" else [rank, self.chunks - 1 - rank]
+        return [(c * size, size) for c in held]
+
+    def positions(self, rank: int) -> torch.Tensor:
+        """The global positions of rank `rank`'s tokens, in the order it holds them: also its index into
+        a whole sequence."""
+        return torch.cat([torch.arange(s, s + n) for s, n in self.spans(rank)])
+
+    def causal_pairs(self, rank: int) -> int:
+        """(query, key) pairs of one head that rank `rank` computes: each query at position p sees p + 1 keys."""
+        return sum(n * s + n * (n + 1) // 2 for s, n in self.spans(rank))
+
+
+def split_check(layout: str, world: int, length: int) -> str | None:
+    """Why a sequence of `length` cannot be split by `layout` over `world` ranks, or None."""
+    chunks = world * (2 if layout == "zigzag" else 1)
+    if length % chunks:
+        return f"--seq-len {length} is not divisible by {chunks} ({layout} over {world} ranks: {chunks} chunks)"
+    return None
+
+
+@dataclass
+class Ring:
+    """What one rank's attention needs: its group, the layout, and its counts (shared by its layers)."""
+
+    group: object  # the process group of the cp ranks (None: the default group)
+    layout: Layout  # the positions attention masks by (a bug may give it other ones than the tokens')
+    comm: str = "ring"
+    swap_lse: bool = False  # bugs, for the oracle: the merge's weights swapped,
+    local_mask: bool = False  # the causal mask by local offsets,
+    keep_grads_home: bool = False  # dK,dV never sent back to their owner
+    pairs: int = 0  # (query, key) pairs computed, per head and sequence, summed over calls
+    calls: int = 0
+    ranks: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.ranks = td.get_process_group_ranks(self.group) if self.group is not None else \
+            list(range(td.get_world_size()))
+        self.rank = self.ranks.index(td.get_rank())
+
+    def __call__(self, q, k, v):  # (B, H, L, D) each, this rank's positions -> (B, H, L, D)
+        return _Ring.apply(q, k, v, self)
+
+
+def merge(out, lse, out_b, lse_b, swapped: bool = False):
+    """Two partial softmax results over disjoint keys, as one (the online softmax)."""
+    new = torch.logaddexp(lse, lse_b)
+    wa, wb = torch.exp(lse - new), torch.exp(lse_b - new)
+    if swapped:
+        wa, wb = wb, wa
+    return out * wa.unsqueeze(-1) + out_b * wb.unsqueeze(-1), new
+
+
+def _pairs(ring: Ring, src: int):
+    """(query slice, key slice, mask or None) for every pair of spans of this rank's queries and rank
+    `src`'s keys that has a visible key; the mask (True = masked) only where it cuts the pair."""
+    offset_q = 0
+    for qs, qn in ring.layout.spans(ring.rank):
+        offset_k = 0
+        for ks, kn in ring.layout.spans(src):
+            if ks < qs + qn:  # not every key after every query
+                mask = None
+                if ks + kn > qs or ring.local_mask:  # some key after some query: mask by position
+                    pq = torch.arange(qn) + (offset_q if ring.local_mask else qs)
+                    pk = torch.arange(kn) + (offset_k if ring.local_mask else ks)
+                    mask = pk[None, :] > pq[:, None]
+                yield slice(offset_q, offset_q + qn), slice(offset_k, offset_k + kn), mask
+            offset_k += kn
+        offset_q += qn
+
+
+def _forward_block(ring, q, k, v, src, out, lse):
+    scale = 1 / math.sqrt(q.shape[-1])
+    for qi, ki, mask in _pairs(ring, src):
+        s = q[:, :, qi] @ k[:, :, ki].transpose(-2, -1) * scale
+        if mask is not None:
+            s = s.masked_fill(mask.to(s.device), float("-inf"))
+        part_lse = torch.logsumexp(s, dim=-1)
+        part = torch.exp(s - part_lse.unsqueeze(-1)) @ v[:, :, ki]
+        out[:, :, qi], lse[:, :, qi] = merge(out[:, :, qi], lse[:, :, qi], part, part_lse, ring.swap_lse)
+        ring.pairs += int(s.shape[-2] * s.shape[-1] - (0 if mask is None else mask.sum()))
+
+
+def _backward_block(ring, q, k, v, src, do, lse, delta, dq):
+    """Add this block's share of dq; return its dK, dV (for the block's owner)."""
+    scale = 1 / math.sqrt(q.shape[-1])
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for qi, ki, mask in _pairs(ring, src):
+        s = q[:, :, qi] @ k[:, :, ki].transpose(-2, -1) * scale
+        if mask is not None:
+            s = s.masked_fill(mask.to(s.device), float("-inf"))
+        p = torch.exp(s - lse[:, :, qi].unsqueeze(-1))
+        dv[:, :, ki] += p.transpose(-2, -1) @ do[:, :, qi]
+        ds = p * (do[:, :, qi] @ v[:, :, ki].transpose(-2, -1) - delta[:, :, qi].unsqueeze(-1))
+        dq[:, :, qi] += ds @ k[:, :, ki] * scale
+        dk[:, :, ki] += ds.transpose(-2, -1) @ q[:, :, qi] * scale
+    return dk, dv
+
+
+def _exchange(ring: Ring, send: torch.Tensor):
+    """Start sending `send` to the next rank of the ring and receiving the previous rank's into a new
+    tensor; returns (works, received)."""
+    w = len(ring.ranks)
+    got = torch.empty_like(send)
+    ops = [td.P2POp(td.isend, send, ring.ranks[(ring.rank + 1) % w], ring.group),
+           td.P2POp(td.irecv, got, ring.ranks[(ring.rank - 1) % w], ring.group)]
+    return td.batch_isend_irecv(ops), got
+
+
+def _wait(works) -> None:
+    for work in works:
+        work.wait()
+
+
+def _gathered(ring: Ring, kv: torch.Tensor) -> torch.Tensor:
+    """Every rank's [K; V] block, (W, 2, B, H, L, D), by an all-gather."""
+    out = kv.new_empty((len(ring.ranks), *kv.shape))
+    wire.all_gather(out.view(-1), kv.contiguous().view(-1), group=ring.group)
+    return out
+
+
+class _Ring(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring: Ring):
+        w, me = len(ring.ranks), ring.rank
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        kv = torch.stack([k, v])
+        if ring.comm == "allgather":
+            for src, block in enumerate(_gathered(ring, kv)):
+                _forward_block(ring, q, block[0], block[1], src, out, lse)
+        else:
+            for hop in range(w):
+                pending = _exchange(ring, kv) if hop < w - 1 else None  # the next block moves meanwhile
+                _forward_block(ring, q, kv[0], kv[1], (me - hop) % w, out, lse)
+                if pending:
+                    _wait(pending[0])
+                    kv = pending[1]
+        ring.calls += 1
+        ctx.ring = ring
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        ring = ctx.ring
+        q, k, v, out, lse = ctx.saved_tensors
+        w, me = len(ring.ranks), ring.rank
+        do = do.contiguous()
+        delta = (do * out).sum(-1)  # rowsum(dO o O): the softmax's backward, per query
+        dq = torch.zeros_like(q)
+        kv = torch.stack([k, v])
+        if ring.comm == "allgather":
+            blocks = _gathered(ring, kv)
+            grads = torch.stack([torch.stack(_backward_block(ring, q, b[0], b[1], src, do, lse, delta, dq))
+                                 for src, b in enumerate(blocks)])  # (W, 2, ...): every owner's dK, dV
+            if ring.keep_grads_home:
+                dkv = grads[me]
+            else:
+                dkv = torch.empty_like(kv)
+                wire.reduce_scatter(dkv.view(-1), grads.view(-1), group=ring.group)
+            return dq, dkv[0], dkv[1], None
+        own = torch.stack(_backward_block(ring, q, k, v, me, do, lse, delta, dq))
+        carried = None  # the dK,dV of the block held, summed over the ranks it has visited
+        for hop in range(1, w):
+            works, got = _exchange(ring, kv if carried is None else torch.cat([kv, carried]))
+            _wait(works)
+            kv, arrived = got[:2], (got[2:] if carried is not None else None)
+            mine = torch.stack(_backward_block(ring, q, kv[0], kv[1], (me - hop) % w, do, lse, delta, dq))
+            carried = mine if arrived is None else arrived + mine
+        if carried is not None and not ring.keep_grads_home:  # one more hop: home to the block's owner
+            works, home = _exchange(ring, carried)
+            _wait(works)
+            own = own + home
+        return dq, own[0], own[1], None

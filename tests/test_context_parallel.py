@@ -1,0 +1,143 @@
+"""Context parallelism: ring attention against one device's attention, per rank, in float64; the layouts'
+arithmetic; context_parallel and fsdp_cp trained against `single` with their bytes, causal pairs and
+activations beside the formulas; torch's context_parallel() refused on CPU with its reason."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from parallel import strategies
+from parallel.config import RunConfig
+from parallel.errors import ConfigError
+from parallel.strategies.ring_attention import Layout, Ring
+from parallel.usermodel import workload_of
+from tests.multirank import judged_on_ranks, run_ranks
+
+pytestmark = pytest.mark.timeout(240)
+B, H, T, D = 2, 2, 32, 8
+
+
+def test_zigzag_balances_the_causal_pairs_and_contiguous_gives_the_last_rank_the_most():
+    # The issue's probe: 264 / 264 pairs per head on 2 ranks at T = 32, against 136 / 392 contiguous.
+    assert [Layout("zigzag", 2, 32).causal_pairs(r) for r in range(2)] == [264, 264]
+    assert [Layout("contiguous", 2, 32).causal_pairs(r) for r in range(2)] == [136, 392]
+    for name in ("contiguous", "zigzag"):
+        layout = Layout(name, 4, 64)
+        held = torch.cat([layout.positions(r) for r in range(4)])
+        assert sorted(held.tolist()) == list(range(64))  # every position held once
+        assert sum(layout.causal_pairs(r) for r in range(4)) == 64 * 65 // 2
+    assert Layout("zigzag", 2, 16).positions(0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+
+
+def _attention(rank, world, layout_name, comm, bug):
+    """Ring attention on this rank's positions against one device's on the whole sequence (float64):
+    the output and the gradients of this rank's q, k, v."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(B, H, T, D, generator=g, dtype=torch.float64) for _ in range(4))
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    F.scaled_dot_product_attention(*whole, is_causal=True).backward(grad)
+    layout = Layout(layout_name, world, T)
+    idx = layout.positions(rank)
+    mine = [t[:, :, idx].clone().requires_grad_() for t in (q, k, v)]
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)[:, :, idx]
+    ring = Ring(None, layout, comm, **({bug: True} if bug else {}))
+    out = ring(*mine)
+    out.backward(grad[:, :, idx])
+    return {"out": (out - expected).abs().max().item(),
+            **{n: (m.grad - w.grad[:, :, idx]).abs().max().item() for n, m, w in zip("qkv", mine, whole, strict=True)}}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_attention_matches_one_device_on_every_rank_in_every_layout_and_comm(world):
+    for rank, errors in enumerate(run_ranks(_every_variant, world, timeout=60)):
+        for e in errors:
+            assert max(e.values()) < 1e-12, (rank, e)  # float64: the only difference is summation order
+
+
+def _every_variant(rank, world):
+    return [_attention(rank, world, layout, comm, "") for layout in ("contiguous", "zigzag")
+            for comm in ("ring", "allgather")]
+
+
+def _bugs(rank, world):
+    return {bug: _attention(rank, world, "contiguous", "ring", bug)
+            for bug in ("keep_grads_home", "swap_lse", "local_mask")}
+
+
+def test_each_ring_bug_is_wrong_where_the_issue_says_and_a_one_rank_test_would_miss_the_first():
+    ranks = run_ranks(_bugs, 2, timeout=60)
+    first, last = ranks[0]["keep_grads_home"], ranks[-1]["keep_grads_home"]
+    # dK,dV never carried home: rank 0's K,V were used by rank 1's queries, so its gradients are wrong by
+    # order 1; the last rank's K,V are seen by nobody else (contiguous, causal), so it looks right.
+    assert first["out"] < 1e-12 and first["q"] < 1e-12 and first["k"] > 0.1 and first["v"] > 0.1
+    assert max(last.values()) < 1e-12
+    for bug in ("swap_lse", "local_mask"):  # wrong in the output itself on the rank that merges blocks
+        assert ranks[-1][bug]["out"] > 0.01, (bug, ranks[-1][bug])
+
+
+def _config(workload, world, options):
+    return RunConfig(workload=workload, seq_len=64, devices=f"cpu:{world}", batch_size=8, steps=3, warmup=1,
+                     options=options).validate()
+
+
+def _check_measured(row, world):
+    d, predicted = row.details, row.comm_bytes_predicted
+    # Every byte is where the formula puts it: the K,V ring or all-gather, 3 (cp-1) blocks per layer and
+    # step, plus the gradients' reduction; measured at the collectives, within 1% (exact on gloo).
+    assert abs(row.comm_bytes_per_step - predicted) <= 0.01 * predicted, (row.comm_bytes_per_step, predicted)
+    cp = d["cp"]
+    assert d["attention_bytes_predicted"] == 3 * (cp - 1) * d["kv_block_bytes"] * 2  # 2 attention layers
+    pairs, formula = d["causal_pairs_per_rank"], d["causal_pairs_formula"]
+    assert pairs[:cp] == formula  # counted in the blocks computed, against the layout's sum over positions
+    if d["cp_layout"] == "zigzag":
+        assert len(set(pairs)) == 1
+    else:  # contiguous: rank r computes c (r c) + c (c + 1) / 2 pairs, c = T / cp
+        c = 64 // cp
+        assert pairs[:cp] == [c * r * c + c * (c + 1) // 2 for r in range(cp)]
+    for kind in ("activation_bytes", "attention_activation_bytes"):  # everything a rank saves is per token
+        ratio = d[f"{kind}_per_rank"][0] / d[f"single_{kind}_per_rank"][0]
+        assert abs(ratio * cp - 1) < 0.10, (kind, ratio, cp)
+
+
+def test_context_parallel_matches_single_in_every_layout_and_comm_on_2_ranks():
+    runs = [("context_parallel", "transformer", {"cp_layout": layout, "cp_comm": comm})
+            for layout in ("contiguous", "zigzag") for comm in ("ring", "allgather")]
+    for row in judged_on_ranks(2, runs, _config):
+        _check_measured(row, 2)
+
+
+@pytest.mark.slow
+def test_context_parallel_and_fsdp_cp_match_single_on_4_ranks():
+    runs = [("context_parallel", "transformer", {"cp_layout": "zigzag", "cp_comm": "ring"}),
+            ("context_parallel", "transformer", {"cp_layout": "contiguous", "cp_comm": "allgather"}),
+            ("fsdp_cp", "transformer", {"cp_layout": "zigzag", "cp_comm": "ring"}),  # dp 2 x cp 2
+            ("fsdp_cp", "transformer", {"cp_layout": "contiguous", "cp_comm": "allgather", "cp": 4})]
+    rows = judged_on_ranks(4, runs, _config, timeout=200)
+    for row in rows:
+        _check_measured(row, 4)
+    shards = rows[2].details["model_state_bytes_per_device"]
+    assert max(shards) < rows[0].details["model_state_bytes_per_device"][0] / 3  # FSDP2 over all 4 ranks
+
+
+def test_the_sequence_length_of_the_built_in_transformer_and_what_cannot_be_split():
+    assert RunConfig(workload="transformer", seq_len=256).validate().seq_len == 256
+    with pytest.raises(ConfigError, match="the cnn workload has none"):
+        RunConfig(workload="cnn", seq_len=64).validate()
+    s = strategies.get("context_parallel")
+    with pytest.raises(ConfigError, match="not divisible by 8"):
+        s.validate(RunConfig(workload="transformer", seq_len=36, devices="cpu:4").validate())
+    with pytest.raises(ConfigError, match="--cp 1 splits no sequence"):
+        s.validate(RunConfig(workload="transformer", devices="cpu:2", options={"cp": 1}).validate())
+    assert "attentions()" in s.unsupported(workload_of(RunConfig(workload="mlp")))
+    assert math.isclose(Layout("zigzag", 2, 32).causal_pairs(0), 264)
+
+
+def test_torch_context_parallel_is_refused_on_cpu_with_its_reason():
+    p = subprocess.run([sys.executable, "-m", "parallel", "compare", "--workload", "transformer", "--strategies",
+                        "single,torch_cp", "--devices", "cpu:2"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "torch_cp cannot run on cpu:2: torch's context_parallel() dispatches only CUDA's" in p.stderr
