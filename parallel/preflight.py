@@ -8,6 +8,8 @@ context stays there), and prints one line: passed, failed (the error in one line
 run (why: no GPU, for instance). The checks:
 
     every strategy       two steps through the harness, checked against `single` like any comparison
+                         (on GPUs, those that split the sequence also on the transformer, T = 256,
+                         where the workload has no attention: context_parallel, fsdp_cp, torch_cp)
     torchrun restart     a rank fails, torchrun restarts the group, it meets again and finishes
     GPU basics           bench cpu-vs-gpu, streams and memory, small sizes; devices' memory figures
 
@@ -83,6 +85,27 @@ def strategy_checks(config: RunConfig, chosen: list[tuple], skipped: dict[str, s
     checks += [Check(f"{n} on {config.devices}", "its launch on these devices", "not run", why)
                for n, why in skipped.items()]
     return checks
+
+
+SEQUENCE_RUN = {"workload": "transformer", "seq_len": 256, "batch_size": 8}
+
+
+def sequence_names(config: RunConfig, names: list[str]) -> list[str]:
+    """On GPUs, the strategies that split the sequence when the preflight's workload has no attention for
+    them: they are checked on the transformer instead (torch's context_parallel() runs only on GPUs)."""
+    if not config.spec.real or usermodel.workload_of(config).splits_sequence:
+        return []
+    return [n for n in (strategies.NAMES if "all" in names else names) if strategies.get(n).SEQUENCE]
+
+
+def sequence_checks(config: RunConfig, names: list[str]) -> list[Check]:
+    if not names:
+        return []
+    seq = dataclasses.replace(config, model="", input_shape="", classes=0, vocab=0, data="", **SEQUENCE_RUN,
+                              out=str(Path(config.out) / "sequence")).validate()
+    chosen, skipped = plan(seq, names, strict=False)
+    prepare_out(Path(seq.out))
+    return strategy_checks(seq, chosen, skipped)
 
 
 def _child(name: str, proves: str, argv: list[str], config: RunConfig, env: dict | None = None) -> Check:
@@ -174,7 +197,9 @@ def main(args, console) -> int:
     config = _config(args)
     chosen, skipped = plan(config, strategies.parse_list(args.strategies))  # bad input refused before any write
     prepare_out(Path(config.out))
-    checks = strategy_checks(config, chosen, skipped)  # makes OUT/logs/, with its own progress bar
+    seq = sequence_names(config, strategies.parse_list(args.strategies))  # on GPUs: on the transformer, below
+    checks = strategy_checks(config, chosen, {n: why for n, why in skipped.items() if n not in seq})
+    checks += sequence_checks(config, seq)  # each makes its OUT/logs/, with its own progress bar
     with make_progress(console) as progress:
         task = progress.add_task("GPU basics, torchrun restart", total=2)
         checks += basics_checks(config)

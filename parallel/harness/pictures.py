@@ -167,6 +167,26 @@ def collectives(rows: list[Row]) -> str | None:
     return _svg(fig)
 
 
+def context(rows: list[Row]) -> str | None:
+    """Each context-parallel row's ranks: the causal (q, k) pairs its layout gives them (bars, left) and
+    the attention time measured on them (dots, right)."""
+    chosen = report.context_rows(rows)
+    if not chosen:
+        return None
+    plt = _plt()
+    bars = [(f"{r.label} rank {k}", pairs, ms) for r in chosen for k, (pairs, ms) in enumerate(zip(
+        r.details["causal_pairs_per_rank"][:r.details.get("cp", r.world_size)],
+        _per_rank(r.details.get("attention_ms_per_rank"), r.world_size), strict=False))]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, _height(len(bars))), sharey=True)
+    left.barh(range(len(bars)), [b[1] for b in bars], color="#4c72b0")
+    left.set_xlabel("causal (q, k) pairs per head and sequence")
+    right.plot([b[2] or 0 for b in bars], range(len(bars)), "o", color="#dd8452")
+    right.set_xlabel("attention ms (forward + backward, no communication)")
+    left.set_yticks(range(len(bars)), [b[0] for b in bars])
+    left.invert_yaxis()
+    return _svg(fig)
+
+
 _PIECE = re.compile(r"(?:stage (\d+) )?([FBIW])(\d+)$")
 
 
@@ -305,7 +325,10 @@ def page(rows: list[Row], environment: dict, skipped: dict | None, out: Path) ->
                 ("Pipeline stages: model state and activations", stage_memory(rows),
                  "What each stage holds: its part of the model state, and the most activations it kept at once."),
                 ("Bytes sent per step, by collective", collectives(rows),
-                 "What one rank sends in an optimiser step, counted at the collective; the tick: the textbook's.")]
+                 "What one rank sends in an optimiser step, counted at the collective; the tick: the textbook's."),
+                ("Context parallel: each rank's attention work", context(rows),
+                 "The causal pairs each rank's positions give it (zig-zag: equal; contiguous: the last rank the "
+                 "most), and its attention time measured alone.")]
     sections += [(f"Pipeline schedule: {r.label}", gantt(r), f"{r.details.get('schedule', 'one stage at a time')}, "
                   f"m = {r.details.get('microbatches', 1)}, stages {r.details.get('stages', '')}: idle "
                   f"{r.measured.bubble_measured or 0:.0%} measured, {r.measured.bubble_theory:.0%} in theory")

@@ -223,6 +223,36 @@ def pipeline_table(rows: list[Row], wide: bool = False) -> Table | None:
     return t
 
 
+def context_rows(rows: list[Row]) -> list[Row]:
+    return [r for r in rows if r.status == "ok" and "causal_pairs_per_rank" in r.details]
+
+
+def _by_rank(values, fmt: str) -> str:
+    return "/".join(format(v, fmt) for v in values or [] if v is not None) or "-"
+
+
+def context_table(rows: list[Row]) -> Table | None:
+    """Every context-parallel row: bytes per step beside the formula, each rank's causal (q, k) pairs and
+    attention time (its layout's balance), and the activations a rank saves against 1/cp of one device's."""
+    chosen = context_rows(rows)
+    if not chosen:
+        return None
+    t = _table("Context parallel: bytes against the formula, each rank's attention work, activations per rank",
+               [("strategy", "left"), ("layout", "left"), ("cp", "right"), ("sent (formula)", "right"),
+                ("causal pairs by rank", "left"), ("attn ms by rank", "left"), ("activations (1/cp of one)", "right")])
+    for r in chosen:
+        d = r.details
+        cp = d.get("cp", r.world_size)
+        single = _largest(d.get("single_activation_bytes_per_rank"))
+        mine = _bytes(_largest(d.get("activation_bytes_per_rank")), short=True)
+        t.add_row(r.strategy, f"{d.get('cp_layout', '-')} {d.get('cp_comm', '')}", str(cp),
+                  f"{_bytes(r.comm_bytes_per_step, short=True)} ({_bytes(r.comm_bytes_predicted, short=True)})",
+                  _by_rank(d["causal_pairs_per_rank"][:cp], "d"),
+                  _by_rank((d.get("attention_ms_per_rank") or [])[:cp], ".2g"),
+                  f"{mine} ({_bytes(single / cp, short=True)})" if single else mine)
+    return t
+
+
 # Notes: at most about ten lines on a quiet machine; everything else in details.txt ---------------------
 
 
@@ -525,7 +555,7 @@ def show(rows: list[Row], environment: dict, console: Console | None = None, ski
     console = console or make_console()
     console.print(header(environment), highlight=False, markup=False)
     console.print(table(rows, environment, wide))
-    for extra in (*sharding_tables(rows), pipeline_table(rows, wide)):
+    for extra in (*sharding_tables(rows), pipeline_table(rows, wide), context_table(rows)):
         if extra is not None:
             console.print(extra)
     lines = notes(rows, environment, skipped) + (long_notes(rows, environment, skipped, cost_model) if wide else [])

@@ -276,6 +276,7 @@ def cp_measurements(t: Trainable, data, config, dist, cp: int) -> dict:
     s = t.state
     batch = data.batch(0, *layout_of(config, cp).batch_share(dist.rank))
     out = {"bytes_per_step_by_collective": s.counter.per_step(), "cp": cp, "cp_layout": s.ring.layout.name,
+           "cp_comm": s.ring.comm,
            "kv_block_bytes": kv_bytes(t.model, config, cp),
            "attention_bytes_predicted": attention_bytes_predicted(t.model, config, cp),
            "causal_pairs_per_rank": every_rank(s.ring.pairs // max(1, s.ring.calls)),

@@ -109,22 +109,42 @@ def merge(out, lse, out_b, lse_b, swapped: bool = False):
     return out * wa.unsqueeze(-1) + out_b * wb.unsqueeze(-1), new
 
 
-def _pairs(ring: Ring, src: int):
-    """(query slice, key slice, mask or None) for every pair of spans of this rank's queries and rank
-    `src`'s keys that has a visible key; the mask (True = masked) only where it cuts the pair."""
-    offset_q = 0
-    for qs, qn in ring.layout.spans(ring.rank):
-        offset_k = 0
-        for ks, kn in ring.layout.spans(src):
-            if ks < qs + qn:  # not every key after every query
-                mask = None
-                if ks + kn > qs or ring.local_mask:  # some key after some query: mask by position
-                    pq = torch.arange(qn) + (offset_q if ring.local_mask else qs)
-                    pk = torch.arange(kn) + (offset_k if ring.local_mask else ks)
-                    mask = pk[None, :] > pq[:, None]
-                yield slice(offset_q, offset_q + qn), slice(offset_k, offset_k + kn), mask
-            offset_k += kn
-        offset_q += qn
+def _pairs(ring: Ring, src: int) -> list[tuple[slice, slice, torch.Tensor | None]]:
+    """(query slice, key slice, mask or None) for every product this rank's queries need with rank `src`'s
+    keys: a pair of spans with no visible key is skipped, one cut by the causal line gets a mask (True:
+    masked), and neighbouring whole pairs are joined into one product (zig-zag's off-diagonal blocks:
+    both query chunks see one key chunk, or one query chunk sees both key chunks)."""
+    out = []
+    for qi, qs, ki, ks in _span_pairs(ring.layout.spans(ring.rank), ring.layout.spans(src)):
+        if ks.start >= qs.stop:  # every key after every query
+            continue
+        mask = None
+        if ks.stop > qs.start + 1 or ring.local_mask:  # some key after some query: mask by position
+            pq = torch.arange(qi.start, qi.stop) if ring.local_mask else torch.arange(qs.start, qs.stop)
+            pk = torch.arange(ki.start, ki.stop) if ring.local_mask else torch.arange(ks.start, ks.stop)
+            mask = pk[None, :] > pq[:, None]
+        if out and mask is None and out[-1][2] is None:
+            last_q, last_k, _ = out[-1]
+            if last_q == qi and last_k.stop == ki.start:
+                out[-1] = (qi, slice(last_k.start, ki.stop), None)
+                continue
+            if last_k == ki and last_q.stop == qi.start:
+                out[-1] = (slice(last_q.start, qi.stop), ki, None)
+                continue
+        out.append((qi, ki, mask))
+    return out
+
+
+def _span_pairs(q_spans, k_spans):
+    """(local query slice, global query positions, local key slice, global key positions) for every pair."""
+    q_at = 0
+    for q_start, qn in q_spans:
+        k_at = 0
+        for k_start, kn in k_spans:
+            yield (slice(q_at, q_at + qn), range(q_start, q_start + qn), slice(k_at, k_at + kn),
+                   range(k_start, k_start + kn))
+            k_at += kn
+        q_at += qn
 
 
 def _forward_block(ring, q, k, v, src, out, lse):
