@@ -341,7 +341,9 @@ class Workload:
         if n < 1:
             raise ConfigError(f"--seq-len must be at least 1, got {n}")
         old = f"x {self.input_shape[0]},"
-        return dataclasses.replace(self, input_shape=(n,), model_args=(("context", n),),
+        # As many tokens as at the default length (8192 x 32): longer sequences, fewer of them
+        size = max(256, self.dataset_size * self.input_shape[0] // n)
+        return dataclasses.replace(self, input_shape=(n,), model_args=(("context", n),), dataset_size=size,
                                    description=self.description.replace(old, f"x {n},"))
 
     @property
@@ -440,8 +442,13 @@ class SyntheticData:
         y = (x @ self.teacher.T).argmax(dim=1)  # the teacher's label, (n,)
         return x.reshape(n, *self.workload.input_shape), y
 
-    def heldout(self, n: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
-        """n samples never trained on, from the same teacher: for comparing where strategies ended up."""
+    def heldout(self, n: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """n samples never trained on, from the same teacher: for comparing where strategies ended up. By
+        default 2048, or for sequences longer than 32 tokens as many tokens as 2048 x 32 (at least 64
+        sequences): a held-out pass over 2048 sequences of 512 tokens took longer than the training."""
+        if not n:
+            t = self.workload.input_shape[0] if self.workload.data == "tokens" else 32
+            n = max(64, 2048 * 32 // max(32, t))
         return self._samples(n, torch.Generator().manual_seed(20_000 + self.seed))
 
     def batch(self, step: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

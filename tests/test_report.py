@@ -171,3 +171,24 @@ def test_a_row_with_paired_rounds_is_not_told_to_repeat():
     r.foreign_cpu = 0.6
     runner.flag([row("single", 1.0, "baseline", world=1), r])
     assert r.flags and all("--repeat" not in f for f in r.flags)
+
+
+def _context_row(base: Row, layout: str, pairs: list[int], ms: list[float]) -> Row:
+    d = {"cp": 4, "cp_layout": layout, "cp_comm": "ring", "causal_pairs_per_rank": pairs,
+         "attention_ms_per_rank": ms, "activation_bytes_per_rank": [2_275_000] * 4,
+         "single_activation_bytes_per_rank": [9_100_000] * 4, "bytes_per_step_by_collective": {"send": 2.36e6}}
+    return dataclasses.replace(base, strategy="context_parallel", variant=f"cp_layout={layout}", world_size=4,
+                               details=d, comm_bytes_per_step=4.89e6, comm_bytes_predicted=4.89e6)
+
+
+def test_context_parallel_rows_get_their_table_and_picture_whole_in_100_columns(tmp_path):
+    rows, env, skipped, _ = load()
+    rows = rows[:2] + [_context_row(rows[1], "contiguous", [136, 392, 648, 904], [0.81, 1.3, 1.9, 2.5]),
+                       _context_row(rows[1], "zigzag", [520] * 4, [9.0, 7.3, 6.8, 9.1])]
+    text = render(100, rows, env, skipped)
+    assert "…" not in text and max(map(len, text.splitlines())) <= 100
+    table = text[text.index("Context parallel"):]
+    for cell in ("zigzag ring", "136 392 648", "520 520 520", "4.66M (4.66M)", "2.17M (2.17M)"):
+        assert cell in table, cell
+    page = pictures.write(tmp_path / "report.html", rows, env, skipped).read_text()
+    assert "Context parallel: each rank&#x27;s attention work" in page

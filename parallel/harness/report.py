@@ -227,8 +227,12 @@ def context_rows(rows: list[Row]) -> list[Row]:
     return [r for r in rows if r.status == "ok" and "causal_pairs_per_rank" in r.details]
 
 
-def _by_rank(values, fmt: str) -> str:
-    return "/".join(format(v, fmt) for v in values or [] if v is not None) or "-"
+def _by_rank(values, show) -> str:
+    return " ".join(show(v) for v in values or [] if v is not None) or "-"
+
+
+def _ms(v: float) -> str:
+    return f"{v:.0f}" if v >= 10 else f"{v:.2g}"
 
 
 def context_table(rows: list[Row]) -> Table | None:
@@ -237,9 +241,10 @@ def context_table(rows: list[Row]) -> Table | None:
     chosen = context_rows(rows)
     if not chosen:
         return None
-    t = _table("Context parallel: bytes against the formula, each rank's attention work, activations per rank",
+    t = _table("Context parallel: bytes against the formula; each rank's causal pairs, attention time, activations",
                [("strategy", "left"), ("layout", "left"), ("cp", "right"), ("sent (formula)", "right"),
-                ("causal pairs by rank", "left"), ("attn ms by rank", "left"), ("activations (1/cp of one)", "right")])
+                ("causal pairs", "left"), ("attention ms", "left"), ("activations (1/cp of one)", "right")])
+    t.columns[0].no_wrap = True  # a strategy's name whole
     for r in chosen:
         d = r.details
         cp = d.get("cp", r.world_size)
@@ -247,8 +252,8 @@ def context_table(rows: list[Row]) -> Table | None:
         mine = _bytes(_largest(d.get("activation_bytes_per_rank")), short=True)
         t.add_row(r.strategy, f"{d.get('cp_layout', '-')} {d.get('cp_comm', '')}", str(cp),
                   f"{_bytes(r.comm_bytes_per_step, short=True)} ({_bytes(r.comm_bytes_predicted, short=True)})",
-                  _by_rank(d["causal_pairs_per_rank"][:cp], "d"),
-                  _by_rank((d.get("attention_ms_per_rank") or [])[:cp], ".2g"),
+                  _by_rank(d["causal_pairs_per_rank"][:cp], _count),
+                  _by_rank((d.get("attention_ms_per_rank") or [])[:cp], _ms),
                   f"{mine} ({_bytes(single / cp, short=True)})" if single else mine)
     return t
 

@@ -263,7 +263,7 @@ def attention_ms(t: Trainable, batch_rows: int, rounds: int = 5) -> float:
             _forward_block(ring, q, k, v, src, out, lse)
         delta, dq = out.sum(-1), torch.zeros_like(q)
         for src in range(len(ring.ranks)):
-            _backward_block(ring, q, k, v, src, out, lse, delta, dq)
+            _backward_block(ring, q, k, v, src, out, out, lse, delta, dq)
         sync()
         if i:
             times.append((time.perf_counter() - start) * 1e3)

@@ -87,6 +87,7 @@ class Ring:
     swap_lse: bool = False  # bugs, for the oracle: the merge's weights swapped,
     local_mask: bool = False  # the causal mask by local offsets,
     keep_grads_home: bool = False  # dK,dV never sent back to their owner
+    fused: bool = True  # torch's fused CPU kernel where it applies (False: the math everywhere, as on GPUs)
     pairs: int = 0  # (query, key) pairs computed, per head and sequence, summed over calls
     calls: int = 0
     ranks: list[int] = field(default_factory=list)
@@ -109,11 +110,12 @@ def merge(out, lse, out_b, lse_b, swapped: bool = False):
     return out * wa.unsqueeze(-1) + out_b * wb.unsqueeze(-1), new
 
 
-def _pairs(ring: Ring, src: int) -> list[tuple[slice, slice, torch.Tensor | None]]:
-    """(query slice, key slice, mask or None) for every product this rank's queries need with rank `src`'s
-    keys: a pair of spans with no visible key is skipped, one cut by the causal line gets a mask (True:
-    masked), and neighbouring whole pairs are joined into one product (zig-zag's off-diagonal blocks:
-    both query chunks see one key chunk, or one query chunk sees both key chunks)."""
+def _pairs(ring: Ring, src: int) -> list[tuple[slice, slice, torch.Tensor | None, bool]]:
+    """(query slice, key slice, mask or None, diagonal) for every product this rank's queries need with
+    rank `src`'s keys: a pair of spans with no visible key is skipped, one cut by the causal line gets a
+    mask (True: masked; `diagonal` where it is the square of the same positions, a kernel's is_causal),
+    and neighbouring whole pairs are joined into one product (zig-zag's off-diagonal blocks: both query
+    chunks see one key chunk, or one query chunk sees both key chunks)."""
     out = []
     for qi, qs, ki, ks in _span_pairs(ring.layout.spans(ring.rank), ring.layout.spans(src)):
         if ks.start >= qs.stop:  # every key after every query
@@ -124,14 +126,14 @@ def _pairs(ring: Ring, src: int) -> list[tuple[slice, slice, torch.Tensor | None
             pk = torch.arange(ki.start, ki.stop) if ring.local_mask else torch.arange(ks.start, ks.stop)
             mask = pk[None, :] > pq[:, None]
         if out and mask is None and out[-1][2] is None:
-            last_q, last_k, _ = out[-1]
+            last_q, last_k = out[-1][:2]
             if last_q == qi and last_k.stop == ki.start:
-                out[-1] = (qi, slice(last_k.start, ki.stop), None)
+                out[-1] = (qi, slice(last_k.start, ki.stop), None, False)
                 continue
             if last_k == ki and last_q.stop == qi.start:
-                out[-1] = (slice(last_q.start, qi.stop), ki, None)
+                out[-1] = (slice(last_q.start, qi.stop), ki, None, False)
                 continue
-        out.append((qi, ki, mask))
+        out.append((qi, ki, mask, mask is not None and qs == ks and not ring.local_mask))
     return out
 
 
@@ -148,31 +150,59 @@ def _span_pairs(q_spans, k_spans):
 
 
 def _forward_block(ring, q, k, v, src, out, lse):
-    scale = 1 / math.sqrt(q.shape[-1])
-    for qi, ki, mask in _pairs(ring, src):
-        s = q[:, :, qi] @ k[:, :, ki].transpose(-2, -1) * scale
-        if mask is not None:
-            s = s.masked_fill(mask.to(s.device), float("-inf"))
-        part_lse = torch.logsumexp(s, dim=-1)
-        part = torch.exp(s - part_lse.unsqueeze(-1)) @ v[:, :, ki]
-        out[:, :, qi], lse[:, :, qi] = merge(out[:, :, qi], lse[:, :, qi], part, part_lse, ring.swap_lse)
-        ring.pairs += int(s.shape[-2] * s.shape[-1] - (0 if mask is None else mask.sum()))
+    """Merge this rank's attention to rank `src`'s K,V block into (out, lse)."""
+    for qi, ki, mask, diagonal in _pairs(ring, src):
+        part, part_lse = _attend(q[:, :, qi], k[:, :, ki], v[:, :, ki], mask, diagonal, ring.fused)
+        out[:, :, qi], lse[:, :, qi] = merge(out[:, :, qi], lse[:, :, qi], part, part_lse.to(lse.dtype),
+                                             ring.swap_lse)
+        ring.pairs += (qi.stop - qi.start) * (ki.stop - ki.start) - (0 if mask is None else int(mask.sum()))
 
 
-def _backward_block(ring, q, k, v, src, do, lse, delta, dq):
-    """Add this block's share of dq; return its dK, dV (for the block's owner)."""
-    scale = 1 / math.sqrt(q.shape[-1])
+def _backward_block(ring, q, k, v, src, do, out, lse, delta, dq):
+    """Add this block's share of dq; return its dK, dV (for the block's owner). With the final out and
+    lse, each product's gradients are its share of the whole softmax's."""
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-    for qi, ki, mask in _pairs(ring, src):
-        s = q[:, :, qi] @ k[:, :, ki].transpose(-2, -1) * scale
-        if mask is not None:
-            s = s.masked_fill(mask.to(s.device), float("-inf"))
-        p = torch.exp(s - lse[:, :, qi].unsqueeze(-1))
-        dv[:, :, ki] += p.transpose(-2, -1) @ do[:, :, qi]
-        ds = p * (do[:, :, qi] @ v[:, :, ki].transpose(-2, -1) - delta[:, :, qi].unsqueeze(-1))
-        dq[:, :, qi] += ds @ k[:, :, ki] * scale
-        dk[:, :, ki] += ds.transpose(-2, -1) @ q[:, :, qi] * scale
+    for qi, ki, mask, diagonal in _pairs(ring, src):
+        grads = _attend_backward(do[:, :, qi], q[:, :, qi], k[:, :, ki], v[:, :, ki], out[:, :, qi], lse[:, :, qi],
+                                 delta[:, :, qi], mask, diagonal, ring.fused)
+        dq[:, :, qi] += grads[0]
+        dk[:, :, ki] += grads[1]
+        dv[:, :, ki] += grads[2]
     return dk, dv
+
+
+def _fused(q, mask, diagonal) -> bool:
+    """Whether torch's fused attention kernel for CPU (flash: no score matrix kept, the lse returned) computes
+    this product: on CPU, whole or the causal square (`diagonal`: False where it must not). Elsewhere the
+    math below does (on GPUs torch's kernels differ by dtype and release; the math runs everywhere).
+    Measured on this 2-core CPU, context_parallel zig-zag on 2 ranks, T = 2048, batch 2: the math's score
+    matrices made a step 0.72x of one device's (whose SDPA is this kernel)."""
+    return q.device.type == "cpu" and (mask is None or diagonal)
+
+
+def _attend(q, k, v, mask, diagonal, fused=True):
+    """(out, lse) of q's attention to these keys alone."""
+    if fused and _fused(q, mask, diagonal):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, diagonal)
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        s = s.masked_fill(mask.to(s.device), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.exp(s - lse.unsqueeze(-1)) @ v, lse
+
+
+def _attend_backward(do, q, k, v, out, lse, delta, mask, diagonal, fused=True):
+    """(dq, dk, dv) of one product, given the final out and lse of the queries (softmax over all keys)."""
+    if fused and _fused(q, mask, diagonal):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, k, v, out, lse, 0.0, diagonal)
+    scale = 1 / math.sqrt(q.shape[-1])
+    s = q @ k.transpose(-2, -1) * scale
+    if mask is not None:
+        s = s.masked_fill(mask.to(s.device), float("-inf"))
+    p = torch.exp(s - lse.unsqueeze(-1))
+    ds = p * (do @ v.transpose(-2, -1) - delta.unsqueeze(-1))
+    return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ do
 
 
 def _exchange(ring: Ring, send: torch.Tensor):
@@ -202,7 +232,8 @@ class _Ring(torch.autograd.Function):
     def forward(ctx, q, k, v, ring: Ring):
         w, me = len(ring.ranks), ring.rank
         out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.promote_types(q.dtype, torch.float32),
+                         device=q.device)  # float32 at least: a bf16 log-sum-exp would lose the merge
         kv = torch.stack([k, v])
         if ring.comm == "allgather":
             for src, block in enumerate(_gathered(ring, kv)):
@@ -230,7 +261,7 @@ class _Ring(torch.autograd.Function):
         kv = torch.stack([k, v])
         if ring.comm == "allgather":
             blocks = _gathered(ring, kv)
-            grads = torch.stack([torch.stack(_backward_block(ring, q, b[0], b[1], src, do, lse, delta, dq))
+            grads = torch.stack([torch.stack(_backward_block(ring, q, b[0], b[1], src, do, out, lse, delta, dq))
                                  for src, b in enumerate(blocks)])  # (W, 2, ...): every owner's dK, dV
             if ring.keep_grads_home:
                 dkv = grads[me]
@@ -238,13 +269,13 @@ class _Ring(torch.autograd.Function):
                 dkv = torch.empty_like(kv)
                 wire.reduce_scatter(dkv.view(-1), grads.view(-1), group=ring.group)
             return dq, dkv[0], dkv[1], None
-        own = torch.stack(_backward_block(ring, q, k, v, me, do, lse, delta, dq))
+        own = torch.stack(_backward_block(ring, q, k, v, me, do, out, lse, delta, dq))
         carried = None  # the dK,dV of the block held, summed over the ranks it has visited
         for hop in range(1, w):
             works, got = _exchange(ring, kv if carried is None else torch.cat([kv, carried]))
             _wait(works)
             kv, arrived = got[:2], (got[2:] if carried is not None else None)
-            mine = torch.stack(_backward_block(ring, q, kv[0], kv[1], (me - hop) % w, do, lse, delta, dq))
+            mine = torch.stack(_backward_block(ring, q, kv[0], kv[1], (me - hop) % w, do, out, lse, delta, dq))
             carried = mine if arrived is None else arrived + mine
         if carried is not None and not ring.keep_grads_home:  # one more hop: home to the block's owner
             works, home = _exchange(ring, carried)
