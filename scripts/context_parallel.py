@@ -1,10 +1,11 @@
-"""torchrun --nproc_per_node=2 scripts/context_parallel.py [--workload cnn] [--bucket-mb MB] [--naive 1] [--out DIR]
+"""torchrun --nproc_per_node=2 scripts/context_parallel.py --workload transformer --seq-len 256 \
+    [--cp-layout contiguous|zigzag] [--cp-comm ring|allgather] [--cp C] [--out DIR]
 
-DistributedDataParallel written by hand: gradient hooks that all-reduce as backward produces the
-gradients, in buckets overlapping backward (--bucket-mb, 25 by default), or one blocking all-reduce per
-parameter (--naive 1). One process per device, gloo on CPU (cpu:N, N =
---nproc_per_node), nccl on GPUs; `python scripts/context_parallel.py` runs it as a world of one. Same options
-as `python -m parallel run context_parallel`; read it beside scripts/ddp.py, torch's own.
+Context parallelism by hand: every sequence split between the ranks, ring attention in every
+block (the backward carries dK,dV home), gradients averaged over all ranks.
+One process per device, gloo on CPU (cpu:N, N = --nproc_per_node), nccl on GPUs;
+`python scripts/context_parallel.py` runs it as a world of one. Same options as
+`python -m parallel run context_parallel`.
 """
 
 import sys

@@ -1,10 +1,9 @@
-"""torchrun --nproc_per_node=2 scripts/fsdp_cp.py [--workload cnn] [--bucket-mb MB] [--naive 1] [--out DIR]
+"""torchrun --nproc_per_node=4 scripts/fsdp_cp.py --workload transformer --seq-len 256 [--cp 2] [--out DIR]
 
-DistributedDataParallel written by hand: gradient hooks that all-reduce as backward produces the
-gradients, in buckets overlapping backward (--bucket-mb, 25 by default), or one blocking all-reduce per
-parameter (--naive 1). One process per device, gloo on CPU (cpu:N, N =
---nproc_per_node), nccl on GPUs; `python scripts/fsdp_cp.py` runs it as a world of one. Same options
-as `python -m parallel run fsdp_cp`; read it beside scripts/ddp.py, torch's own.
+Context parallelism with FSDP2: the ring attention of scripts/context_parallel.py, the model
+sharded over all dp x cp ranks as one group.
+One process per device, gloo on CPU (cpu:N, N = --nproc_per_node), nccl on GPUs;
+`python scripts/fsdp_cp.py` runs it as a world of one. Same options as `python -m parallel run fsdp_cp`.
 """
 
 import sys

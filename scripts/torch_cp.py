@@ -1,10 +1,8 @@
-"""torchrun --nproc_per_node=2 scripts/torch_cp.py [--workload cnn] [--bucket-mb MB] [--naive 1] [--out DIR]
+"""torchrun --nproc_per_node=2 scripts/torch_cp.py --workload transformer --seq-len 256 --devices cuda:0,1
 
-DistributedDataParallel written by hand: gradient hooks that all-reduce as backward produces the
-gradients, in buckets overlapping backward (--bucket-mb, 25 by default), or one blocking all-reduce per
-parameter (--naive 1). One process per device, gloo on CPU (cpu:N, N =
---nproc_per_node), nccl on GPUs; `python scripts/torch_cp.py` runs it as a world of one. Same options
-as `python -m parallel run torch_cp`; read it beside scripts/ddp.py, torch's own.
+torch's own context_parallel() around the step: CUDA only (on CPU it is refused with the reason).
+One process per device, gloo on CPU (cpu:N, N = --nproc_per_node), nccl on GPUs;
+`python scripts/torch_cp.py` runs it as a world of one. Same options as `python -m parallel run torch_cp`.
 """
 
 import sys

@@ -51,25 +51,31 @@ def _attention(rank, world, layout_name, comm, bug):
             **{n: (m.grad - w.grad[:, :, idx]).abs().max().item() for n, m, w in zip("qkv", mine, whole, strict=True)}}
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_ring_attention_matches_one_device_on_every_rank_in_every_layout_and_comm(world):
-    for rank, errors in enumerate(run_ranks(_every_variant, world, timeout=60)):
+def _every_variant(rank, world):
+    """Every layout and comm, with torch's fused CPU kernel and with the math alone (as on GPUs); on 2
+    ranks also the bugs."""
+    honest = [_attention(rank, world, layout, comm, kernel) for layout in ("contiguous", "zigzag")
+              for comm in ("ring", "allgather") for kernel in ("", "math")]
+    bugs = {bug: _attention(rank, world, "contiguous", "ring", bug)
+            for bug in ("keep_grads_home", "swap_lse", "local_mask")} if world == 2 else {}
+    return honest, bugs
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_ranks(_every_variant, 2, timeout=60)
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_ring_attention_matches_one_device_on_every_rank_in_every_layout_and_comm(world, request):
+    ranks = request.getfixturevalue("two_ranks") if world == 2 else run_ranks(_every_variant, world, timeout=60)
+    for rank, (errors, _) in enumerate(ranks):
         for e in errors:
             assert max(e.values()) < 1e-12, (rank, e)  # float64: the only difference is summation order
 
 
-def _every_variant(rank, world):
-    return [_attention(rank, world, layout, comm, bug) for layout in ("contiguous", "zigzag")
-            for comm in ("ring", "allgather") for bug in ("", "math")]  # math: no fused kernel, as on GPUs
-
-
-def _bugs(rank, world):
-    return {bug: _attention(rank, world, "contiguous", "ring", bug)
-            for bug in ("keep_grads_home", "swap_lse", "local_mask")}
-
-
-def test_each_ring_bug_is_wrong_where_the_issue_says_and_a_one_rank_test_would_miss_the_first():
-    ranks = run_ranks(_bugs, 2, timeout=60)
+def test_each_ring_bug_is_wrong_where_the_issue_says_and_a_one_rank_test_would_miss_the_first(two_ranks):
+    ranks = [bugs for _, bugs in two_ranks]
     first, last = ranks[0]["keep_grads_home"], ranks[-1]["keep_grads_home"]
     # dK,dV never carried home: rank 0's K,V were used by rank 1's queries, so its gradients are wrong by
     # order 1; the last rank's K,V are seen by nobody else (contiguous, causal), so it looks right.
@@ -103,9 +109,11 @@ def _check_measured(row, world):
         assert abs(ratio * cp - 1) < 0.10, (kind, ratio, cp)
 
 
-def test_context_parallel_matches_single_in_every_layout_and_comm_on_2_ranks():
-    runs = [("context_parallel", "transformer", {"cp_layout": layout, "cp_comm": comm})
-            for layout in ("contiguous", "zigzag") for comm in ("ring", "allgather")]
+def test_context_parallel_and_fsdp_cp_match_single_on_2_ranks_with_their_measurements():
+    # Both layouts and both comms (the fast tier's parity of these two: test_oracle.py leaves them here)
+    runs = [("context_parallel", "transformer", {"cp_layout": "contiguous", "cp_comm": "ring"}),
+            ("context_parallel", "transformer", {"cp_layout": "zigzag", "cp_comm": "allgather"}),
+            ("fsdp_cp", "transformer", {"cp_layout": "zigzag", "cp_comm": "ring"})]
     for row in judged_on_ranks(2, runs, _config):
         _check_measured(row, 2)
 
@@ -141,3 +149,20 @@ def test_torch_context_parallel_is_refused_on_cpu_with_its_reason():
                         "single,torch_cp", "--devices", "cpu:2"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert "torch_cp cannot run on cpu:2: torch's context_parallel() dispatches only CUDA's" in p.stderr
+
+
+def test_preflight_on_gpus_plans_the_sequence_strategies_on_the_transformer(strict_cuda):
+    from parallel import preflight
+    from parallel.harness.runner import plan
+
+    strict_cuda.count = 2
+    config = RunConfig(devices="cuda:0,1").validate()  # the preflight's own workload, cnn: no attention
+    names = preflight.sequence_names(config, ["all"])
+    assert names == ["context_parallel", "fsdp_cp", "torch_cp"]
+    assert preflight.sequence_names(RunConfig(devices="cpu:2").validate(), ["all"]) == []  # the suite covers CPU
+    seq = RunConfig(devices="cuda:0,1", **preflight.SEQUENCE_RUN).validate()
+    chosen, skipped = plan(seq, names, strict=False)
+    assert [s.name for s, _, _ in chosen] == ["single", *names] and not skipped
+    shared = RunConfig(devices="cuda:0x2", **preflight.SEQUENCE_RUN).validate()  # gloo: no p2p, no DTensor
+    chosen, skipped = plan(shared, names, strict=False)
+    assert "point to point" in skipped["context_parallel"] and "DTensor" in skipped["torch_cp"]

@@ -166,8 +166,10 @@ def _cheapest(s) -> tuple[str, str]:
     return workload, "cpu:2" if not s.available(CPU2) else "cpu:4"
 
 
+# Judged, with their measurements, in test_context_parallel.py (the suite's time); torch_cp runs on CUDA only.
+OWN_PARITY = {"context_parallel", "fsdp_cp"}
 FAST_PARITY = [(s.name, *_cheapest(s)) for s in strategies.all_strategies()
-               if s.synchronous and s.name != "single" and not s.available(CPU4)]  # torch_cp: CUDA only
+               if s.synchronous and s.name != "single" and not s.available(CPU4) and s.name not in OWN_PARITY]
 # Judged against `single` by their own module's tests already, so not run twice (the suite's time):
 # every torch schedule on mlp, cnn and transformer (test_pipeline_dist.py); the sharded ones on the MLP at
 # 2 ranks and on every workload at 4 (test_sharded.py).
@@ -175,7 +177,7 @@ ELSEWHERE = {("pipeline_dist", "mlp"), ("pipeline_dist", "transformer"), ("zero"
              ("fsdp", "mlp")}
 PARITY = [(s.name, w) for w in WORKLOADS for s in strategies.all_strategies()
           if s.synchronous and s.name != "single" and not s.unsupported(WORKLOADS[w]) and not s.available(CPU2)
-          and (s.name, w, "cpu:2") not in FAST_PARITY and (s.name, w) not in ELSEWHERE]
+          and (s.name, w, "cpu:2") not in FAST_PARITY and (s.name, w) not in ELSEWHERE and s.name not in OWN_PARITY]
 
 
 @pytest.fixture(scope="module")
