@@ -25,8 +25,8 @@ def test_a_layout_that_does_not_fill_the_world_names_every_factor():
 
 def test_tensor_parallel_ranks_are_neighbours_and_share_a_batch():
     d = ParallelDims(world=8, dp_replicate=2, tp=2, pp=2)  # pp outermost, tp innermost
-    assert d.coords(0) == {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "tp": 0}
-    assert d.coords(1) == {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "tp": 1}
+    assert d.coords(0) == {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 0}
+    assert d.coords(1) == {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 1}
     assert d.coords(2)["dp_replicate"] == 1 and d.coords(4)["pp"] == 1
     assert [d.batch_share(r) for r in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]  # tp ranks: the same share
     assert [r for r in range(8) if d.counts_loss(r)] == [4, 6]  # last stage, one tp rank per group
@@ -78,3 +78,11 @@ def test_a_v_placed_pipeline_counts_the_loss_of_its_first_rank():
     assert [r for r in range(4) if ParallelDims(world=4, pp=4, loss_pp=0).counts_loss(r)] == [0]
     assert [r for r in range(4) if ParallelDims(world=4, pp=4).counts_loss(r)] == [3]
     assert ParallelDims(world=4, pp=2, dp_shard=2).batch_share(3) == (1, 2)  # pp outermost: dp is rank % 2
+
+
+def test_context_parallel_ranks_share_a_batch_and_every_one_of_their_losses_counts():
+    d = ParallelDims(world=4, dp_replicate=2, cp=2)  # cp inside dp: the ranks of one sequence are neighbours
+    assert [d.coords(r)["cp"] for r in range(4)] == [0, 1, 0, 1]
+    assert [d.batch_share(r) for r in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert all(d.counts_loss(r) for r in range(4))  # each holds the mean over its own slice
+    assert str(d) == "dp_replicate 2 x cp 2"

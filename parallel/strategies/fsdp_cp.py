@@ -17,7 +17,7 @@ from __future__ import annotations
 import warnings
 
 from parallel.strategies import context_parallel, fsdp
-from parallel.strategies.base import Hooks, Trainable, full_state_dict, model_state_every_rank
+from parallel.strategies.base import Hooks, Mutant, Trainable, full_state_dict, injected, model_state_every_rank
 from parallel.strategies.context_parallel import Options, check_cp, cp_of, layout_of
 
 NAME = "fsdp_cp"
@@ -27,6 +27,10 @@ SEQUENCE = True
 
 __all__ = ["Options"]  # the same knobs as context_parallel (--cp-layout, --cp-comm, --cp)
 DEFAULT_CP = 2  # on 4 devices: dp 2 x cp 2
+
+DP_ONLY = Mutant("fsdp_cp:shard-over-dp-only", "FSDP2 over the dp ranks alone, as for plain data parallelism: "
+                 "the gradients are never summed over the cp ranks", {"workload": "transformer"})
+MUTANTS = (DP_ONLY,)
 
 
 def dims(config, dist):
@@ -44,6 +48,9 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     model = model.to(dist.device)
     state = context_parallel.install(model, config, dist, dims(config, dist))
     mesh = init_device_mesh(dist.device.type, (dist.world_size,), mesh_dim_names=("dp_shard_cp",))
+    if injected(config, DP_ONLY):
+        cp = cp_of(config, DEFAULT_CP)
+        mesh = init_device_mesh(dist.device.type, (dist.world_size // cp, cp), mesh_dim_names=("dp", "cp"))["dp"]
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")  # see fsdp.setup
     for block in fsdp.blocks(model):
         fully_shard(block, mesh=mesh)

@@ -5,7 +5,12 @@ train a different model from one device on the whole batch. torch's nn.SyncBatch
 statistics, but only on GPUs ("SyncBatchNorm expected input tensor to be on GPU", torch 2.13); on CPU
 (gloo) this hand-written one does the same:
 
-    local (sum x, sum x^2, count) per channel --all-reduce (sum)--> global mean, var --> normalise
+    local (sum x, count) per channel --all-reduce--> global mean
+    local sum (x - mean)^2            --all-reduce--> global variance --> normalise
+
+Two all-reduces, not one of (sum x, sum x^2, count): E[x^2] - mean^2 cancels in fp32 where the mean is
+large against the spread, and on an AMD EPYC that put DDP on the DCGAN (batch 48, 5 steps, cpu:2) at 0.99
+of the oracle's tolerance (one device's variance has no such error); with two passes, 0.04.
 
 The all-reduce is a differentiable one: its backward all-reduces the gradient of the statistics, so
 gradients also flow through every rank's samples, exactly as on one device.
@@ -31,8 +36,8 @@ def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 class _AllReduceBatchNorm:
-    """BatchNorm over the global batch on gloo: the per-channel sum, sum of squares and count all-reduced,
-    whatever the input's dimensions (B/N, C, ...)."""
+    """BatchNorm over the global batch on gloo: the per-channel mean, then the variance about it, each
+    all-reduced, whatever the input's dimensions (B/N, C, ...)."""
 
     def forward(self, x):
         if not self.training:
@@ -40,15 +45,15 @@ class _AllReduceBatchNorm:
         c, dtype, dims = x.shape[1], x.dtype, (0, *range(2, x.dim()))
         x = x.float()  # statistics in fp32 whatever comes in (bf16 under autocast), as BatchNorm keeps them
         count = torch.full((1,), x.numel() / c, device=x.device, dtype=x.dtype)
-        stats = _all_reduce_sum(torch.cat([x.sum(dims), (x * x).sum(dims), count]))  # (2C + 1,)
+        stats = _all_reduce_sum(torch.cat([x.sum(dims), count]))  # (C + 1,)
         n = stats[-1]
         mean = stats[:c] / n
-        var = stats[c:2 * c] / n - mean * mean  # biased, as BatchNorm normalises with
+        shape = (1, c) + (1,) * (x.dim() - 2)
+        var = _all_reduce_sum(((x - mean.view(shape)) ** 2).sum(dims)) / n  # biased, as BatchNorm normalises with
         with torch.no_grad():  # running statistics use the unbiased variance, like nn.BatchNorm2d
             self.running_mean.lerp_(mean, self.momentum)
             self.running_var.lerp_(var * n / (n - 1), self.momentum)
             self.num_batches_tracked += 1
-        shape = (1, c) + (1,) * (x.dim() - 2)
         y = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
         if self.affine:
             y = y * self.weight.view(shape) + self.bias.view(shape)
