@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -340,11 +341,10 @@ class Workload:
             raise ConfigError(f"--seq-len sets the transformer's sequence length; the {self.name} workload has none")
         if n < 1:
             raise ConfigError(f"--seq-len must be at least 1, got {n}")
-        old = f"x {self.input_shape[0]},"
         # As many tokens as at the default length (8192 x 32): longer sequences, fewer of them
         size = max(256, self.dataset_size * self.input_shape[0] // n)
         return dataclasses.replace(self, input_shape=(n,), model_args=(("context", n),), dataset_size=size,
-                                   description=self.description.replace(old, f"x {n},"))
+                                   description=re.sub(r"x \d+, [\d.]+M params", f"x {n}", self.description))
 
     @property
     def splits_sequence(self) -> bool:

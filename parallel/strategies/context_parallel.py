@@ -171,9 +171,11 @@ def average_gradients(params: list[nn.Parameter], world: int) -> None:
 
 
 def kv_bytes(model: nn.Module, config, cp: int) -> float:
-    """The bytes of one rank's K,V block, one attention layer: 2 x (B/dp) x (T/cp) x width x 4."""
-    width = model.attentions()[0].q.out_features
-    return 2 * config.batch_size // (config.world_size // cp) * workload_of(config).input_shape[0] // cp * width * 4
+    """The bytes of one rank's K,V block, one attention layer: 2 x (B/dp) x (T/cp) x width x 4 (x 2 under
+    --precision bf16: the projections' outputs are bf16 there)."""
+    width, element = model.attentions()[0].q.out_features, 2 if config.precision == "bf16" else 4
+    rows, positions = config.batch_size // (config.world_size // cp), workload_of(config).input_shape[0] // cp
+    return 2 * rows * positions * width * element
 
 
 def attention_bytes_predicted(model: nn.Module, config, cp: int) -> float:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from parallel.devices import SHARED_GLOO_NO_DTENSOR
+from parallel.errors import ConfigError
 from parallel.layout import ParallelDims
 from parallel.strategies import wire
 from parallel.strategies.base import Hooks, Trainable
@@ -45,8 +46,6 @@ def dims(config, dist) -> ParallelDims:
 
 
 def check(config) -> None:
-    from parallel.errors import ConfigError
-
     if why := split_check("zigzag", config.world_size, workload_of(config).input_shape[0]):
         raise ConfigError(why)  # torch falls back to contiguous shards; its own causal rule assumes head-tail
 
