@@ -104,6 +104,8 @@ def refuse(line: str, env=None) -> int:
         with contextlib.suppress(OSError):  # the summary then says less; the line above still said it
             Path(path).write_text(json.dumps({"message": {"message": line, "extraInfo": {
                 "timestamp": str(int(time.time()))}}}))
+        if env.get("RANK", "0") != "0":  # torchrun stops every rank once one has exited: leave rank 0 a
+            time.sleep(1.0)  # second to print (seen: rank 2 left first, rank 0 was killed before printing)
     return 2
 
 
