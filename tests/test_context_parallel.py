@@ -140,7 +140,7 @@ def test_the_sequence_length_of_the_built_in_transformer_and_what_cannot_be_spli
         s.validate(RunConfig(workload="transformer", seq_len=36, devices="cpu:4").validate())
     with pytest.raises(ConfigError, match="--cp 1 splits no sequence"):
         s.validate(RunConfig(workload="transformer", devices="cpu:2", options={"cp": 1}).validate())
-    assert "attentions()" in s.unsupported(workload_of(RunConfig(workload="mlp")))
+    assert s.unsupported(workload_of(RunConfig(workload="mlp"))).startswith("it has no attention to split")
     assert math.isclose(Layout("zigzag", 2, 32).causal_pairs(0), 264)
 
 
@@ -148,7 +148,7 @@ def test_torch_context_parallel_is_refused_on_cpu_with_its_reason():
     p = subprocess.run([sys.executable, "-m", "parallel", "compare", "--workload", "transformer", "--strategies",
                         "single,torch_cp", "--devices", "cpu:2"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "Traceback" not in p.stderr
-    assert "torch_cp cannot run on cpu:2: torch's context_parallel() dispatches only CUDA's" in p.stderr
+    assert "torch_cp cannot run on cpu:2: needs CUDA: torch's context_parallel() dispatches only CUDA's" in p.stderr
 
 
 def test_preflight_on_gpus_plans_the_sequence_strategies_on_the_transformer(strict_cuda):

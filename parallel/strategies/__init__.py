@@ -82,8 +82,8 @@ class Strategy:
         if self.LAYERED and not workload.layers:
             return f"it has no layers to cut into stages: {workload.no_layers}"
         if self.SEQUENCE and not workload.splits_sequence:
-            return ("it splits the sequence and replaces the model's attention, which only the built-in "
-                    "transformer says where to find (model.attentions())")
+            return ("it has no attention to split by the sequence: only the built-in transformer says where "
+                    "its attention is (model.attentions())")
         if workload.tied and not self.TIES:
             return (f"its {workload.tied} (tied) would have a copy in two stages, each sharded, whose gradients "
                     f"this strategy does not sum (pipeline and pipeline_dist do)")

@@ -31,8 +31,8 @@ NAME = "torch_cp"
 LAUNCH = "torchrun"
 SYNCHRONOUS = True
 SEQUENCE = True
-CPU_WHY = ("torch's context_parallel() dispatches only CUDA's flash, efficient and cuDNN attention to its ring "
-           "(on CPU: no sharding strategy for aten._scaled_dot_product_flash_attention_for_cpu)")
+CPU_WHY = ("needs CUDA: torch's context_parallel() dispatches only CUDA's flash, efficient and cuDNN attention "
+           "to its ring (on CPU: no sharding strategy for aten._scaled_dot_product_flash_attention_for_cpu)")
 
 
 def available(spec) -> str | None:
