@@ -21,6 +21,7 @@ the data-parallel group of FSDP: `fsdp_cp`). --cp-layout zigzag (the default) gi
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -33,8 +34,17 @@ from parallel.devices import SHARED_GLOO_NO_P2P, synchronizer
 from parallel.errors import ConfigError
 from parallel.layout import ParallelDims
 from parallel.strategies import wire
-from parallel.strategies.base import Hooks, Mutant, Trainable, every_rank, injected, local, options_of
-from parallel.strategies.ring_attention import COMMS, LAYOUTS, Layout, Ring, split_check
+from parallel.strategies.base import (
+    Hooks,
+    Mutant,
+    Trainable,
+    allreduce_every_gradient,
+    every_rank,
+    injected,
+    local,
+    options_of,
+)
+from parallel.strategies.ring_attention import COMMS, LAYOUTS, Layout, Ring, split_check, work_alone
 from parallel.usermodel import workload_of
 
 NAME = "context_parallel"
@@ -185,9 +195,21 @@ def attention_bytes_predicted(model: nn.Module, config, cp: int) -> float:
 
 
 def comm_bytes_predicted(model, config) -> float:
-    n, cp = config.world_size, cp_of(config)
-    p = sum(q.numel() for q in model.parameters()) * 4
-    return attention_bytes_predicted(model, config, cp) + 2 * (n - 1) / n * p
+    return attention_bytes_predicted(model, config, cp_of(config)) + allreduce_every_gradient(model, config)
+
+
+@contextlib.contextmanager
+def attending(model: nn.Module, wrap):
+    """Every attention of `model` calls wrap(its attend) inside the block, its own attend again after."""
+    attentions = model.attentions()
+    attends = [a.attend for a in attentions]
+    for a, attend in zip(attentions, attends, strict=True):
+        a.attend = wrap(attend)
+    try:
+        yield
+    finally:
+        for a, attend in zip(attentions, attends, strict=True):
+            a.attend = attend
 
 
 def _saved_bytes(model: nn.Module, run) -> tuple[int, int]:
@@ -205,27 +227,18 @@ def _saved_bytes(model: nn.Module, run) -> tuple[int, int]:
             totals[1] += nbytes if inside[0] else 0
         return t
 
-    attentions = model.attentions()
-    attends = [a.attend for a in attentions]
-    for a, attend in zip(attentions, attends, strict=True):
-        a.attend = _flagged(attend, inside)
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            run()
-    finally:
-        for a, attend in zip(attentions, attends, strict=True):
-            a.attend = attend
+    def flagged(attend):
+        def call(q, k, v):
+            inside[0] = True
+            try:
+                return attend(q, k, v)
+            finally:
+                inside[0] = False
+        return call
+
+    with attending(model, flagged), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
     return totals[0], totals[1]
-
-
-def _flagged(attend, inside):
-    def call(q, k, v):
-        inside[0] = True
-        try:
-            return attend(q, k, v)
-        finally:
-            inside[0] = False
-    return call
 
 
 def activations(t: Trainable, batch) -> dict:
@@ -235,14 +248,8 @@ def activations(t: Trainable, batch) -> dict:
 
     x, y = (b.to(t.device) for b in batch)
     mine = _saved_bytes(t.model, lambda: local_loss(t, batch))
-    attentions = t.model.attentions()
-    for a in attentions:
-        a.attend = causal
-    try:
+    with attending(t.model, lambda _: causal):
         whole = _saved_bytes(t.model, lambda: t.loss_fn(t.model(x), y))
-    finally:
-        for a in attentions:
-            a.attend = t.state.ring
     return {"activation_bytes": mine[0], "attention_activation_bytes": mine[1],
             "single_activation_bytes": whole[0], "single_attention_activation_bytes": whole[1]}
 
@@ -250,26 +257,18 @@ def activations(t: Trainable, batch) -> dict:
 def attention_ms(t: Trainable, batch_rows: int, rounds: int = 5) -> float:
     """Median ms of this rank's attention work, forward and backward, every block of the group held
     locally (no communication): the causal work its layout gives it."""
-    from parallel.strategies.ring_attention import _backward_block, _forward_block
-
-    ring, a = t.state.ring, t.model.attentions()[0]
+    a = t.model.attentions()[0]
     heads, d = a.q.out_features // a.head_size, a.head_size
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(batch_rows, heads, len(t.state.index), d, generator=g).to(t.device) for _ in range(3))
-    sync, times, pairs = synchronizer(t.device), [], ring.pairs
+    sync, times = synchronizer(t.device), []
     for i in range(rounds + 1):
         sync()
         start = time.perf_counter()
-        out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), device=q.device)
-        for src in range(len(ring.ranks)):
-            _forward_block(ring, q, k, v, src, out, lse)
-        delta, dq = out.sum(-1), torch.zeros_like(q)
-        for src in range(len(ring.ranks)):
-            _backward_block(ring, q, k, v, src, out, out, lse, delta, dq)
+        work_alone(t.state.ring, q, k, v)
         sync()
         if i:
             times.append((time.perf_counter() - start) * 1e3)
-    ring.pairs = pairs  # not counted: the measurement's own blocks
     return statistics.median(times)
 
 

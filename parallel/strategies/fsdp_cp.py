@@ -17,7 +17,15 @@ from __future__ import annotations
 import warnings
 
 from parallel.strategies import context_parallel, fsdp
-from parallel.strategies.base import Hooks, Mutant, Trainable, full_state_dict, injected, model_state_every_rank
+from parallel.strategies.base import (
+    Hooks,
+    Mutant,
+    Trainable,
+    full_state_dict,
+    injected,
+    model_state_every_rank,
+    param_bytes,
+)
 from parallel.strategies.context_parallel import Options, check_cp, cp_of, layout_of
 
 NAME = "fsdp_cp"
@@ -75,8 +83,8 @@ def comm_bytes_predicted(model, config) -> float:
     but the root's parameters (those no block holds: the embeddings) are gathered once, as FSDP2 keeps
     the root unsharded between its forward and backward."""
     n, cp = config.world_size, cp_of(config, DEFAULT_CP)
-    p = sum(q.numel() for q in model.parameters()) * 4
-    in_blocks = sum(q.numel() for b in fsdp.blocks(model) for q in b.parameters()) * 4
+    p = param_bytes(model.parameters())
+    in_blocks = param_bytes(q for b in fsdp.blocks(model) for q in b.parameters())
     gathered = 2 * in_blocks + (p - in_blocks)
     return context_parallel.attention_bytes_predicted(model, config, cp) + (n - 1) / n * (gathered + p)
 

@@ -71,7 +71,7 @@ class Layout:
 
 def split_check(layout: str, world: int, length: int) -> str | None:
     """Why a sequence of `length` cannot be split by `layout` over `world` ranks, or None."""
-    chunks = world * (2 if layout == "zigzag" else 1)
+    chunks = Layout(layout, world, length).chunks
     if length % chunks:
         return f"--seq-len {length} is not divisible by {chunks} ({layout} over {world} ranks: {chunks} chunks)"
     return None
@@ -147,6 +147,25 @@ def _span_pairs(q_spans, k_spans):
                    range(k_start, k_start + kn))
             k_at += kn
         q_at += qn
+
+
+def _nothing_yet(q):
+    """(out, lse) before any block: zeros, and -inf (float32 at least: a bf16 log-sum-exp would lose the
+    merge)."""
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
+    return torch.zeros_like(q), lse
+
+
+def work_alone(ring: Ring, q, k, v) -> None:
+    """This rank's attention work, forward and backward, with every rank's K,V block taken to be (k, v),
+    held here: what its layout asks of it, without communication (for timing it). Counts no pairs."""
+    pairs, out, lse = ring.pairs, *_nothing_yet(q)
+    for src in range(len(ring.ranks)):
+        _forward_block(ring, q, k, v, src, out, lse)
+    delta, dq = (out * out).sum(-1), torch.zeros_like(q)
+    for src in range(len(ring.ranks)):
+        _backward_block(ring, q, k, v, src, out, out, lse, delta, dq)
+    ring.pairs = pairs
 
 
 def _forward_block(ring, q, k, v, src, out, lse):
@@ -231,9 +250,7 @@ class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring):
         w, me = len(ring.ranks), ring.rank
-        out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.promote_types(q.dtype, torch.float32),
-                         device=q.device)  # float32 at least: a bf16 log-sum-exp would lose the merge
+        out, lse = _nothing_yet(q)
         kv = torch.stack([k, v])
         if ring.comm == "allgather":
             for src, block in enumerate(_gathered(ring, kv)):
