@@ -112,8 +112,10 @@ def refuse(line: str, env=None) -> int:
 def add_run_options(p: argparse.ArgumentParser) -> None:
     d = RunConfig()
     p.add_argument("--workload", default=d.workload,
-                   help=f"model and data: mlp, cnn, transformer or dcgan (default {d.workload})")
+                   help=f"model and data: mlp, cnn, transformer, moe or dcgan (default {d.workload})")
     usermodel.add_arguments(p)
+    p.add_argument("--aux-loss", type=float, default=d.aux_loss, help="--workload moe: the routers' load-balancing "
+                   "loss at this weight (0: off; only `single` and expert_parallel sum its counts over the batch)")
     p.add_argument("--devices", default=d.devices, help="auto | cpu:N (N virtual devices) | cuda:0,1,...")
     p.add_argument("--world-size", type=int, default=d.world_size, help="devices to use (default: all listed)")
     p.add_argument("--batch-size", type=int, default=None, help=f"GLOBAL batch per step (default {d.batch_size}, "
@@ -154,6 +156,7 @@ METAVARS = {
     "fail_at_step": "STEP", "fail_rank": "RANK", "hang_rank": "RANK", "mutant": "NAME", "strategies": "LIST",
     "project_params": "N", "world_sizes": "LIST", "strategy": "STRATEGY",
     "model": "FILE:FACTORY", "input_shape": "SHAPE", "classes": "N", "vocab": "N", "seq_len": "N", "data": "FILE",
+    "aux_loss": "WEIGHT",
 }
 
 

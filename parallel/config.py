@@ -34,6 +34,7 @@ class RunConfig:
     vocab: int = 0
     seq_len: int = 0
     data: str = ""
+    aux_loss: float = 0.0  # the MoE's load-balancing loss weight (0: off); a workload with experts only
     batch_size: int = 512  # the GLOBAL batch: every strategy takes one optimiser step on this many samples
     batch_auto: bool = False  # batch_size is a default, not the user's: validate rounds it to the nearest
     #   multiple of the world size (3 devices: 513), so that every rank takes an equal share
@@ -84,7 +85,7 @@ class RunConfig:
         elif self.input_shape or self.classes or self.vocab or self.data:
             raise ConfigError("--input-shape, --classes, --vocab and --data describe the data of your "
                               "own model: give --model FILE.py:FACTORY too")
-        elif self.seq_len:
+        elif self.seq_len or self.aux_loss:
             usermodel.workload_of(self)  # the built-in transformer's length; refused for a workload without one
         for name in ("batch_size", "steps"):
             if getattr(self, name) < 1:

@@ -64,7 +64,8 @@ def workload_of(config) -> Workload:
     """The workload a config names: one of the built-in ones, or the user's model (config.model)."""
     if not config.model:
         built_in = WORKLOADS[config.workload]
-        return built_in.with_seq_len(config.seq_len) if config.seq_len else built_in
+        built_in = built_in.with_seq_len(config.seq_len) if config.seq_len else built_in
+        return built_in.with_aux_loss(config.aux_loss) if getattr(config, "aux_loss", 0) else built_in
     return _user(config.model, config.input_shape, config.classes, config.vocab, config.seq_len, config.data)
 
 

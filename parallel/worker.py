@@ -64,6 +64,9 @@ def execute(strategy, config: RunConfig, dist: Dist, data=None) -> tuple[Row, di
     details = {"model_state_bytes_per_device": strategy.model_state_bytes(trainable, config),
                **({f"{peak_kind}_per_device": peaks} if len(peaks) > 1 else {}),
                **_peak_per_rank(peak, peak_kind, dist), **extra}
+    if why := every_rank_reason(trainable.not_expected, dist):
+        details["not_expected"] = why
+    predicted = details.pop("comm_bytes_predicted", predicted)  # a prediction that needs the run (routing)
 
     stats = summarize(result.step_s)
     ran = len(result.losses)  # fewer than warmup + steps after a resume
@@ -92,6 +95,15 @@ def execute(strategy, config: RunConfig, dist: Dist, data=None) -> tuple[Row, di
         details=details,
     )
     return row, state
+
+
+def every_rank_reason(reason: str, dist: Dist) -> str:
+    """The first rank's reason, of those that have one, that its run cannot match `single` (a collective)."""
+    if dist.world_size > 1 and td.is_initialized():
+        reasons = [None] * dist.world_size
+        td.all_gather_object(reasons, reason)
+        return next((r for r in reasons if r), "")
+    return reason
 
 
 def devices_driven(strategy, config: RunConfig, dist: Dist) -> list[torch.device]:

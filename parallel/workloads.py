@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.errors import ConfigError
+from parallel.moe import MoE
 
 
 def logits_of(output):
@@ -179,6 +180,33 @@ class TinyTransformer(nn.Module):
         return TPPlan.joined(b.tp_plan(f"blocks.{i}.") for i, b in enumerate(self.blocks))
 
 
+class MoETransformer(TinyTransformer):
+    """The transformer with every block's MLP replaced by routed experts (parallel/moe.py): 4 experts
+    (width 128 -> 256 -> 128) per block, each token to its top 2. 64 tokens, context 32, 2 blocks: 0.68M params,
+    of which the experts 0.53M.
+
+    aux_loss: the load-balancing loss's weight (MoE.aux_weight); 0, the default, leaves it out.
+    """
+
+    def __init__(self, vocab: int = 64, context: int = 32, width: int = 128, depth: int = 2, heads: int = 4,
+                 experts: int = 4, top_k: int = 2, aux_loss: float = 0.0):
+        nn.Module.__init__(self)
+        self.embed = Embed(vocab, context, width)
+        self.blocks = nn.Sequential(*[Block(width, heads, MoE(width, experts, top_k, 2 * width, aux_loss))
+                                      for _ in range(depth)])
+        self.head = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, vocab))
+
+    def moe_layers(self) -> list[MoE]:
+        """Every routed layer: what expert parallelism splits by experts."""
+        return [b.mlp for b in self.blocks]
+
+    def tp_plan(self) -> TPPlan:
+        """Attention split by heads as in TinyTransformer; the router and the experts replicated."""
+        return TPPlan.joined(TPPlan(colwise=tuple(f"blocks.{i}.attn.{n}" for n in "qkv"),
+                                    rowwise=(f"blocks.{i}.attn.proj",), regions=(f"blocks.{i}.attn",))
+                             for i in range(len(self.blocks)))
+
+
 class Embed(nn.Module):
     def __init__(self, vocab: int, context: int, width: int):
         super().__init__()
@@ -193,11 +221,11 @@ class Embed(nn.Module):
 class Block(nn.Module):
     """x + attention(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, width: int, heads: int):
+    def __init__(self, width: int, heads: int, mlp: nn.Module | None = None):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
         self.attn = Attention(width, heads)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.mlp = mlp or nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
 
     def forward(self, x):  # (B, T, C)
         x = x + self.attn(self.norm1(x))
@@ -343,8 +371,27 @@ class Workload:
             raise ConfigError(f"--seq-len must be at least 1, got {n}")
         # As many tokens as at the default length (8192 x 32): longer sequences, fewer of them
         size = max(256, self.dataset_size * self.input_shape[0] // n)
-        return dataclasses.replace(self, input_shape=(n,), model_args=(("context", n),), dataset_size=size,
+        args = (*(a for a in self.model_args if a[0] != "context"), ("context", n))
+        return dataclasses.replace(self, input_shape=(n,), model_args=args, dataset_size=size,
                                    description=re.sub(r"x \d+, [\d.]+M params", f"x {n}", self.description))
+
+    def with_aux_loss(self, weight: float) -> Workload:
+        """The MoE model with its load-balancing loss at `weight` (--aux-loss)."""
+        if not self.experts:
+            raise ConfigError(f"--aux-loss weights the routers' load-balancing loss; the {self.name} workload "
+                              "has no experts (--workload moe has)")
+        if not (math.isfinite(weight) and weight >= 0):
+            raise ConfigError(f"--aux-loss must be 0 (off) or a positive weight, got {weight}")
+        return dataclasses.replace(self, model_args=(*self.model_args, ("aux_loss", weight)))
+
+    @property
+    def experts(self) -> bool:
+        """Its model says where its routed experts are (model.moe_layers()), which expert parallelism splits."""
+        return hasattr(self.make_module, "moe_layers")
+
+    @property
+    def aux_loss(self) -> float:
+        return dict(self.model_args).get("aux_loss", 0.0)
 
     @property
     def splits_sequence(self) -> bool:
@@ -381,6 +428,8 @@ WORKLOADS: dict[str, Workload] = {
                             "small to be worth splitting"),
         Workload("transformer", "GPT-style transformer, 2 blocks, width 128, 64 tokens x 32, 0.42M params",
                  TinyTransformer, (32,), classes=64, data="tokens"),
+        Workload("moe", "GPT-style transformer, 2 blocks of 4 experts (top-2), width 128, 64 tokens x 32, "
+                 "0.68M params", MoETransformer, (32,), classes=64, data="tokens"),
         Workload("dcgan", "DCGAN 24x24x3: generator + discriminator, two optimisers", DCGAN, (3, 24, 24),
                  classes=1, data="images", loss_names=("d_loss", "g_loss"),
                  no_tp_plan="a generator and a discriminator of convolutions"),

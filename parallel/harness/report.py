@@ -129,6 +129,7 @@ WIDE = [("strategy", "left"), ("launch", "left"), ("devices", "left"), ("ms p50 
 def table(rows: list[Row], environment: dict, wide: bool = False) -> Table:
     kind = environment["device_kind"]
     t = _table("Every strategy against `single`", WIDE if wide else MAIN)
+    t.columns[0].min_width = 16  # a strategy's name whole (context_parallel); a long variant label folds
     for r in rows:
         state = Text(status(r), style="" if status(r) == "ok" else "bold red" if r.status != "ok" else "yellow")
         verdict = Text(equivalence_text(r), style=VERDICT_STYLE.get(r.equivalence.verdict, ""))
@@ -258,6 +259,52 @@ def context_table(rows: list[Row]) -> Table | None:
     return t
 
 
+def expert_rows(rows: list[Row]) -> list[Row]:
+    return [r for r in rows if r.status == "ok" and "rows_per_expert_per_layer_per_rank" in r.details]
+
+
+def imbalance(d: dict) -> float | None:
+    """The busiest expert's rows over the mean expert's, in the worst layer of the worst expert-parallel
+    group (its ranks wait for it at the combine's all-to-all)."""
+    ep, loads = d.get("ep", 1), d["rows_per_expert_per_layer_per_rank"]
+    worst = None
+    for g in range(0, len(loads), ep):
+        for layer in range(len(loads[g])):
+            rows = [n for rank in loads[g:g + ep] for n in rank[layer]]
+            if rows and sum(rows):
+                worst = max(worst or 0.0, max(rows) / (sum(rows) / len(rows)))
+    return worst
+
+
+def expert_table(rows: list[Row]) -> Table | None:
+    """Every expert-parallel row: bytes beside the prediction from its routing, the share of routed rows
+    that left their rank, the busiest expert against the mean and each rank's time in its experts, the
+    share of assignments dropped past the capacity, and the expert parameters a rank holds against 1/ep of
+    one device's. ep: "2x2" is ep 2 x dp 2."""
+    chosen = expert_rows(rows)
+    if not chosen:
+        return None
+    t = _table("Experts: bytes against the routing's prediction; balance, drops, expert parameters per rank",
+               [("strategy", "left"), ("ep", "left"), ("cap.", "right"), ("sent (pred.)", "right"),
+                ("away", "right"), ("max/mean", "right"), ("expert ms", "left"), ("dropped", "right"),
+                ("experts (1/ep)", "right")])
+    t.columns[0].no_wrap = True
+    for r in chosen:
+        d = r.details
+        ep = d.get("ep", r.world_size)
+        away = [v for v in d.get("rows_leaving_share_per_rank") or [] if v is not None]
+        dropped, assigned = sum(d.get("dropped_assignments_per_rank") or [0]), sum(d.get("assignments_per_rank") or [0])
+        held = _largest(d.get("expert_state_bytes_per_rank"))
+        single = d.get("single_expert_state_bytes")
+        t.add_row(r.strategy, f"{ep}x{r.world_size // ep}", _num(d.get("capacity_factor") or None, "g"),
+                  f"{_bytes(r.comm_bytes_per_step, short=True)} ({_bytes(r.comm_bytes_predicted, short=True)})",
+                  f"{sum(away) / len(away):.0%}" if away else "-", _num(imbalance(d), ".2f"),
+                  _by_rank((d.get("expert_ms_per_step_per_rank") or [])[:ep], _ms),
+                  f"{dropped / assigned:.1%}" if assigned and dropped else "0",
+                  f"{_bytes(held, short=True)} ({_bytes(single / ep, short=True)})" if single else _bytes(held))
+    return t
+
+
 # Notes: at most about ten lines on a quiet machine; everything else in details.txt ---------------------
 
 
@@ -326,7 +373,8 @@ def notes(rows: list[Row], environment: dict, skipped: dict | None = None) -> li
             base = next((b for b in rows if b.equivalence.verdict == "baseline"), None)
             if base and base.eval_loss and r.eval_loss:
                 ratio = f"; eval loss {r.eval_loss / base.eval_loss:.2f}x single's"
-            out.append(f"{r.label}: asynchronous, not the same training as one device{ratio}")
+            why = r.details.get("not_expected") or "asynchronous, not the same training as one device"
+            out.append(f"{r.label}: {why}{ratio}")
     judged: dict[str, list[str]] = {}  # rows judged by one looser rule are named together
     for r in rows:
         if r.equivalence.basis and r.equivalence.basis != "fp32 rule" and r.equivalence.verdict != "baseline":
@@ -560,7 +608,7 @@ def show(rows: list[Row], environment: dict, console: Console | None = None, ski
     console = console or make_console()
     console.print(header(environment), highlight=False, markup=False)
     console.print(table(rows, environment, wide))
-    for extra in (*sharding_tables(rows), pipeline_table(rows, wide), context_table(rows)):
+    for extra in (*sharding_tables(rows), pipeline_table(rows, wide), context_table(rows), expert_table(rows)):
         if extra is not None:
             console.print(extra)
     lines = notes(rows, environment, skipped) + (long_notes(rows, environment, skipped, cost_model) if wide else [])

@@ -31,7 +31,7 @@ from parallel.workloads import Workload
 # The report lists strategies in this order; `single` is the baseline and always first.
 NAMES = ["single", "manual_dp", "data_parallel", "manual_ddp", "ddp", "zero", "zero_optimizer", "fsdp", "manual_tp",
          "tensor_parallel", "fsdp_tp", "hogwild", "model_parallel", "pipeline", "pipeline_dist", "fsdp_pp",
-         "context_parallel", "fsdp_cp", "torch_cp"]
+         "context_parallel", "fsdp_cp", "torch_cp", "expert_parallel"]
 
 
 # The constants a strategy module may set, with their defaults. Its functions beyond setup and
@@ -39,7 +39,9 @@ NAMES = ["single", "manual_dp", "data_parallel", "manual_ddp", "ddp", "zero", "z
 CONSTANTS = {"Options": None, "NOT_EXPECTED_REASON": None, "CHECKPOINTS": True, "MULTI_PART": False, "MUTANTS": (),
              "TENSOR_PARALLEL": False, "LAYERED": False,  # LAYERED: it cuts the model's pipeline_layers()
              "TIES": True,  # TIES: it trains a model whose weights are tied (one object in two places)
-             "SEQUENCE": False}  # SEQUENCE: it splits the sequence, replacing the model's attention
+             "SEQUENCE": False,  # SEQUENCE: it splits the sequence, replacing the model's attention
+             "EXPERTS": False,  # EXPERTS: it splits the model's routed experts (model.moe_layers())
+             "ROUTING": False}  # ROUTING: its routers count over the whole batch (trains with --aux-loss)
 
 
 def _hooks(module: ModuleType) -> base.Hooks:
@@ -84,6 +86,13 @@ class Strategy:
         if self.SEQUENCE and not workload.splits_sequence:
             return ("it has no attention to split by the sequence: only the built-in transformer says where "
                     "its attention is (model.attentions())")
+        if self.EXPERTS and not workload.experts:
+            return ("it has no routed experts to split: a model says where they are with moe_layers() "
+                    "(--workload moe; docs/experts.md)")
+        if workload.aux_loss and not self.ROUTING:
+            runs = ", ".join(n for n in NAMES if get(n).ROUTING)
+            return (f"--aux-loss needs each router's counts summed over the whole batch, which this strategy does "
+                    f"not do (strategies that do: {runs})")
         if workload.tied and not self.TIES:
             return (f"its {workload.tied} (tied) would have a copy in two stages, each sharded, whose gradients "
                     f"this strategy does not sum (pipeline and pipeline_dist do)")

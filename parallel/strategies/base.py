@@ -32,6 +32,7 @@ class Trainable:
     #   more than `device`: the loop synchronizes them all before reading its clock (a pipeline's last
     #   stage, say, may still be running on device 1 when device 0 is done)
     mutant: str = ""  # the injected bug this run carries (--mutant; see Mutant), "" for none
+    not_expected: str = ""  # why this run, as it went, cannot match `single` (tokens dropped), "" if it must
 
     def all_devices(self) -> list[torch.device]:
         return self.devices or [self.device]

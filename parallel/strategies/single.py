@@ -12,6 +12,7 @@ NAME = "single"
 LAUNCH = "inprocess"
 SYNCHRONOUS = True
 MULTI_PART = True  # also trains models with separately optimised parts (the DCGAN)
+ROUTING = True  # one process: a router's counts are the whole batch's (trains with --aux-loss)
 
 
 def world_size(config) -> int:

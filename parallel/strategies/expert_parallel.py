@@ -1,0 +1,341 @@
+"""expert_parallel: each rank holds some of every layer's experts; tokens go to them and back by all-to-all (by hand).
+
+    torchrun --nproc_per_node=2 scripts/expert_parallel.py --workload moe [--ep 2] [--capacity-factor 1.25]
+
+The diff from `single`: the N ranks are groups of `ep` (EP x DP: the expert-parallel groups borrow the
+data-parallel ranks, as torchtitan's ep does); every rank trains on its own share of the batch, and in
+each group rank j holds experts j E/ep .. (j+1) E/ep - 1 of every routed layer, the others dropped. In
+each routed layer, after the router (the model's own, moe.py):
+
+    rows sorted by expert ----- counts: all-to-all (E per rank) ----->  how many rows come from whom
+    rows --------- all-to-all, splits = rows per destination rank ---->  the rank's experts on them
+    y <------------------ all-to-all, the splits swapped -------------  outputs go home, gate-weighted there
+
+`_AllToAll` is a torch.autograd.Function: its backward is the all-to-all with the splits swapped, so
+each expert's gradient is of every token routed to it, from every rank of the group. The dense weights
+(attention, norms, embeddings, routers) are replicated: their gradients are averaged over all N ranks
+in one flat all-reduce; an expert's over the N/ep ranks that hold it, summed and divided by N (each
+rank's loss is the mean of its own tokens). Dropless by default; `--capacity-factor c` lets each expert
+take at most ceil(c x T x k / E) rows of a rank's T tokens per layer (moe.py): a run that drops any is
+judged not-expected, with the count.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as td
+from torch import nn
+
+from parallel.errors import ConfigError
+from parallel.moe import MoE, Routing, combine, run_experts
+from parallel.strategies import wire
+from parallel.strategies.base import (
+    Hooks,
+    Mutant,
+    Trainable,
+    every_rank,
+    injected,
+    model_state_every_rank,
+    options_of,
+    param_bytes,
+    ring_allreduce_bytes,
+)
+from parallel.usermodel import workload_of
+
+NAME = "expert_parallel"
+LAUNCH = "torchrun"
+SYNCHRONOUS = True
+EXPERTS = True  # it splits the model's routed experts (model.moe_layers())
+ROUTING = True  # its routers' counts are summed over every rank (trains with --aux-loss)
+CHECKPOINTS = False  # the experts a rank holds are named as on one device; DCP would take them for replicas
+DEFAULT_EP = 2  # on 4 devices: ep 2 x dp 2
+
+_MOE = {"workload": "moe"}
+UNGATED = Mutant("expert_parallel:combine-without-gates", "the experts' outputs summed back to their tokens "
+                 "without the router's gate weights", _MOE)
+ROUTER_UNREDUCED = Mutant("expert_parallel:router-grad-not-reduced", "the routers' gradients left out of the "
+                          "dense all-reduce: each rank's router learns from its own tokens", _MOE)
+TRANSPOSED = Mutant("expert_parallel:splits-transposed", "the received rows read as grouped by expert then "
+                    "source, not source then expert: rows go to the wrong expert", _MOE)
+LOCAL_AUX = Mutant("expert_parallel:aux-loss-local-counts", "the load-balancing loss's counts taken over the "
+                   "rank's own tokens, not summed over the batch",
+                   {**_MOE, "aux_loss": 1.0, "batch_size": 8, "seq_len": 8})  # 32 tokens a rank: counts that differ
+MUTANTS = (UNGATED, ROUTER_UNREDUCED, TRANSPOSED, LOCAL_AUX)
+
+
+@dataclass
+class Options:
+    ep: int = field(default=0, metadata={"help": f"ranks per expert-parallel group, dividing the devices and the "
+                                                 f"experts; the rest data parallel (0: {DEFAULT_EP})"})
+    capacity_factor: float = field(default=0.0, metadata={"help": "rows an expert takes per call, over its even "
+                                                                  "share (0: dropless); the rest are dropped"})
+
+    def __post_init__(self):
+        if self.ep < 0:
+            raise ConfigError(f"--ep must be 0 (the default) or more, got {self.ep}")
+        if not self.capacity_factor >= 0:
+            raise ConfigError(f"--capacity-factor must be 0 (dropless) or more, got {self.capacity_factor}")
+
+
+def ep_of(config) -> int:
+    return options_of(Options, config).ep or min(DEFAULT_EP, config.world_size)
+
+
+def experts_per_layer(model: nn.Module) -> int:
+    return model.moe_layers()[0].num_experts
+
+
+def check(config) -> None:
+    n, ep = config.world_size, ep_of(config)
+    if n % ep:
+        raise ConfigError(f"--ep {ep} does not divide the {n} devices")
+    experts = experts_per_layer(workload_of(config).build_model(config.seed))
+    if experts % ep:
+        raise ConfigError(f"--ep {ep} does not divide the {experts} experts of each layer")
+    config.check_divisible(n, "devices")
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows to the ranks of `group`: in_splits[r] of them to rank r, out_splits[r] from it. Backward: the
+    gradients back the same way, the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        td.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        td.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+@dataclass
+class Dispatch:
+    """The routed layers' `dispatch` on this rank (moe.MoE's seam), and what it saw in the counted steps."""
+
+    group: object  # the expert-parallel group (None: a world of one)
+    ep: int
+    world_group: object  # every rank: the routers' counts for the auxiliary loss
+    gated: bool = True
+    transposed: bool = False  # mutant
+    local_counts: bool = False  # mutant
+    counting: bool = True  # the counted (warm-up) steps: record the rows below
+    rows_out: int = 0  # rows sent to other ranks (dispatch), over the counted steps
+    rows_in: int = 0  # rows received from other ranks
+    rows_routed: int = 0  # every kept row of this rank's tokens (its own experts' included)
+    dropped: int = 0  # assignments dropped past the capacity, every step
+    assigned: int = 0  # assignments made, every step
+    load: list = field(default_factory=list)  # per call: rows each of this rank's experts computed
+    expert_s: float = 0.0  # seconds in this rank's experts (counted steps)
+    calls: int = 0
+
+    def global_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        if self.local_counts or self.world_group is None:
+            return counts
+        total = counts.detach().clone()
+        td.all_reduce(total, group=self.world_group)
+        return total
+
+    def __call__(self, moe: MoE, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        ep, local = self.ep, moe.num_experts // self.ep
+        self.dropped += routing.dropped
+        self.assigned += x.shape[0] * moe.top_k
+        rows = x[routing.token]  # (R, C), sorted by expert: the rows for rank r are contiguous
+        counts = routing.counts
+        got_counts = torch.empty_like(counts)
+        if self.group is not None:
+            td.all_to_all_single(got_counts, counts, group=self.group)  # [source][my expert] counts
+        else:
+            got_counts = counts
+        send = counts.view(ep, local).sum(1).tolist()
+        grid = got_counts.view(ep, local)
+        recv = grid.sum(1).tolist()
+        got = _AllToAll.apply(rows, recv, send, self.group) if self.group is not None else rows
+        # the received rows are source-major (all of rank 0's, then rank 1's ...), each source's by expert
+        expert = torch.arange(local, device=x.device).repeat(ep)
+        sizes = grid.reshape(-1)
+        if self.transposed:  # read as expert-major: the same total, other rows per expert
+            expert, sizes = torch.arange(local, device=x.device).repeat_interleave(ep), grid.t().reshape(-1)
+        order = torch.argsort(expert.repeat_interleave(sizes), stable=True)
+        per_expert = grid.sum(0).tolist()
+        start = time.perf_counter()
+        out = run_experts(moe.experts, got[order], per_expert)
+        out = out[torch.argsort(order)]  # back to the order received
+        if self.counting:
+            self.expert_s += time.perf_counter() - start
+            rank = td.get_rank(self.group) if self.group is not None else 0
+            self.rows_out += sum(send) - send[rank]
+            self.rows_in += sum(recv) - recv[rank]
+            self.rows_routed += sum(send)
+            self.load.append(per_expert)
+            self.calls += 1
+        back = _AllToAll.apply(out, send, recv, self.group) if self.group is not None else out
+        return combine(x, routing, back, gated=self.gated)
+
+
+@dataclass
+class State:
+    dispatch: Dispatch
+    owned: list[int]  # the global index of each expert this rank holds, in every layer
+    dense: list[nn.Parameter]  # replicated: averaged over every rank
+    experts: list[nn.Parameter]  # this rank's experts: summed over the ranks holding them, divided by N
+    expert_group: object  # the ranks holding the same experts (None: one)
+    counter: wire.Counter
+    world: int
+    capacity_factor: float
+
+
+def _groups(world: int, ep: int, rank: int):
+    """(the rank's expert-parallel group: ep neighbours; its expert-replica group: every ep-th rank), each
+    None when of one rank. Every rank creates every group, in the same order (torch.distributed's rule)."""
+    mine = [None, None]
+    for g in range(world // ep):
+        ranks = list(range(g * ep, (g + 1) * ep))
+        group = td.new_group(ranks) if ep > 1 else None
+        if rank in ranks:
+            mine[0] = group
+    for j in range(ep):
+        ranks = list(range(j, world, ep))
+        group = td.new_group(ranks) if world > ep else None
+        if rank in ranks:
+            mine[1] = group
+    return mine
+
+
+def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
+    o = options_of(Options, config)
+    model = model.to(dist.device)
+    for p in model.parameters():  # every rank starts from rank 0's weights (they are built alike anyway)
+        td.broadcast(p.detach(), src=0)
+    n, ep = dist.world_size, ep_of(config)
+    ep_group, expert_group = _groups(n, ep, dist.rank)
+    layers = model.moe_layers()
+    local = layers[0].num_experts // ep
+    owned = list(range(dist.rank % ep * local, (dist.rank % ep + 1) * local))
+    dispatch = Dispatch(ep_group, ep, td.group.WORLD if n > 1 else None, gated=not injected(config, UNGATED),
+                        transposed=injected(config, TRANSPOSED), local_counts=injected(config, LOCAL_AUX))
+    for moe in layers:
+        moe.experts = nn.ModuleList(moe.experts[i] for i in owned)  # the others are freed
+        moe.dispatch, moe.capacity_factor = dispatch, o.capacity_factor
+    expert_params = {id(p) for moe in layers for p in moe.experts.parameters()}
+    skip = {id(p) for moe in layers for p in moe.router.parameters()} if injected(config, ROUTER_UNREDUCED) else set()
+    dense = [p for p in model.parameters() if id(p) not in expert_params | skip]
+    state = State(dispatch, owned, dense, [p for p in model.parameters() if id(p) in expert_params], expert_group,
+                  wire.Counter(config.warmup), n, o.capacity_factor)
+    return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device, comm_bytes=0, state=state)
+
+
+def _all_reduce_mean(params: list[nn.Parameter], group, world: int) -> None:
+    """The gradients of `params` summed over `group` (None: this rank alone) in one flat all-reduce, / world."""
+    if not params:
+        return
+    for p in params:
+        if p.grad is None:  # unused this step (a router whose gates went unused, an expert no row reached)
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    if group is not None:
+        td.all_reduce(flat, group=group)
+    flat /= world
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def train_step(t: Trainable, batch, dist):
+    s = t.state
+    s.dispatch.counting = not s.counter.steps or s.counter.seen < s.counter.steps
+    with s.counter.step():
+        t.optimizer.zero_grad(set_to_none=True)
+        x, y = (b.to(t.device, non_blocking=True) for b in batch)
+        loss = t.loss_fn(t.model(x), y)
+        loss.backward()  # the all-to-alls' backward brings every expert the gradients of its rows
+        _all_reduce_mean(s.dense, td.group.WORLD if s.world > 1 else None, s.world)
+        _all_reduce_mean(s.experts, s.expert_group, s.world)
+        t.optimizer.step()
+    t.comm_bytes, t.comm_steps = s.counter.total, s.counter.counted
+    if s.dispatch.dropped:
+        t.not_expected = (f"capacity factor {s.capacity_factor:g} dropped "
+                          f"{s.dispatch.dropped} of {s.dispatch.assigned} routed assignments on rank {dist.rank} "
+                          "(`single` drops none)")
+    return loss.detach()
+
+
+def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
+    """The whole model on rank 0 under one device's names: every rank's experts gathered (a collective)."""
+    s, layers = t.state, t.model.moe_layers()
+    mine = {}
+    for moe in layers:
+        prefix = f"{_name(t.model, moe)}.experts."
+        for j, expert in zip(s.owned, moe.experts, strict=True):
+            mine.update({f"{prefix}{j}.{k}": v.detach().cpu().clone() for k, v in expert.state_dict().items()})
+    out = {k: v.detach().cpu().clone() for k, v in t.model.state_dict().items() if ".experts." not in k}
+    for part in every_rank(mine):
+        out.update(part)
+    return out
+
+
+def _name(model: nn.Module, module: nn.Module) -> str:
+    return next(n for n, m in model.named_modules() if m is module)
+
+
+def expert_bytes(model: nn.Module) -> int:
+    return param_bytes(p for moe in model.moe_layers() for p in moe.experts.parameters())
+
+
+def predicted_bytes(model: nn.Module, config, rows_moved: float, element: int) -> dict[str, float]:
+    """Bytes a rank sends per step, by collective, given the rows it moved per step (out and in, every
+    layer): each row crosses twice forward (there and back) and twice backward, 4 rows' worth per routed
+    row that leaves; the counts (E int64 per layer, forward); the gradients' all-reduces."""
+    n, ep = config.world_size, ep_of(config)
+    layers, width = model.moe_layers(), model.moe_layers()[0].router.in_features
+    experts = layers[0].num_experts
+    a2a = 2 * rows_moved * width * element + (ep - 1) / ep * experts * 8 * len(layers)
+    total_experts = expert_bytes(model)  # one device's: every expert
+    dense = param_bytes(model.parameters()) - total_experts
+    reduce = ring_allreduce_bytes(dense, n) + ring_allreduce_bytes(total_experts / ep, n // ep)
+    if workload_of(config).aux_loss:
+        reduce += ring_allreduce_bytes(experts * 4, n) * len(layers)
+    return {"all_to_all": a2a, "all_reduce": reduce}
+
+
+def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
+    """Bytes beside the prediction from this run's routing; rows per expert; drops; expert state per rank."""
+    s, d = t.state, t.state.dispatch
+    steps = max(1, s.counter.counted)
+    layers = len(t.model.moe_layers())
+    tokens = config.batch_size // config.world_size * workload_of(config).input_shape[0]
+    k = t.model.moe_layers()[0].top_k
+    element = 2 if config.precision == "bf16" else 4
+    single_model = workload_of(config).build_model(config.seed)
+    predicted = predicted_bytes(single_model, config, (d.rows_out + d.rows_in) / steps, element)
+    loads = [[sum(c[j] for c in d.load[i::layers]) / steps for j in range(len(s.owned))] for i in range(layers)]
+    leaving = d.rows_out / max(1, d.rows_routed)
+    width = t.model.moe_layers()[0].router.in_features
+    return {"comm_bytes_predicted": sum(predicted.values()),
+            "bytes_per_step_by_collective": s.counter.per_step(),
+            "bytes_predicted_by_collective": predicted,
+            "ep": ep_of(config), "experts_per_rank": every_rank(s.owned),
+            "rows_leaving_share_per_rank": every_rank(round(leaving, 4)),
+            "all_to_all_uniform_formula": 4 * tokens * k * width * element * (ep_of(config) - 1) / ep_of(config)
+            * layers,
+            "rows_per_expert_per_layer_per_rank": every_rank(loads),
+            "expert_ms_per_step_per_rank": every_rank(round(d.expert_s * 1e3 / steps, 3)),
+            "dropped_assignments_per_rank": every_rank(d.dropped),
+            "assignments_per_rank": every_rank(d.assigned),
+            "capacity_factor": options_of(Options, config).capacity_factor,
+            "expert_state_bytes_per_rank": every_rank(param_bytes(s.experts)),
+            "single_expert_state_bytes": expert_bytes(single_model)}
+
+
+HOOKS = Hooks(check=check, state_dict=state_dict, extra_measurements=extra_measurements,
+              model_state_bytes=model_state_every_rank)
