@@ -84,11 +84,12 @@ class _AuxLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, aux):
+        ctx.dtype = aux.dtype
         return y
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, torch.ones((), dtype=torch.float32, device=grad.device)
+        return grad, torch.ones((), dtype=ctx.dtype, device=grad.device)
 
 
 class MoE(nn.Module):
@@ -109,7 +110,9 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[Routing, torch.Tensor]:
         """(the sorted assignments, the router's probabilities (N, E))."""
         n, e, k = x.shape[0], self.num_experts, self.top_k
-        probs = F.softmax(self.router(x).float(), dim=-1)  # fp32 routing, as Megatron and torchtitan do
+        logits = self.router(x)
+        probs = F.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)  # at least fp32
+        #   (Megatron and torchtitan route in fp32: under bf16 autocast the logits are bf16)
         gate, expert = probs.topk(k, dim=-1)  # (N, k) each
         gate = gate / gate.sum(dim=-1, keepdim=True)
         expert, gate = expert.reshape(-1), gate.reshape(-1)  # token-major: token 0's k, then token 1's, ...
@@ -127,7 +130,7 @@ class MoE(nn.Module):
 
     def aux_loss(self, probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """w x E x sum_e f_e P_e, f from every rank's counts (dispatch.global_counts), P from this rank's."""
-        total = self.dispatch.global_counts(counts.float())
+        total = self.dispatch.global_counts(counts.to(probs.dtype))
         share = total / total.sum()
         return self.aux_weight * self.num_experts * (share * probs.mean(0)).sum()
 

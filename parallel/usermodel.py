@@ -43,6 +43,7 @@ import importlib
 import importlib.util
 import inspect
 import math
+import re
 import sys
 import zlib
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ from torch import nn
 
 from parallel import hf
 from parallel.errors import ConfigError
+from parallel.moe import MoE
 from parallel.workloads import WORKLOADS, SyntheticData, TPPlan, Workload, logits_of, tp_plan_of
 
 HELD_OUT = 8  # a data file's last 1/HELD_OUT (at most 2048 samples) is the held-out set
@@ -221,6 +223,8 @@ class UserWorkload(Workload):
     data_file: str = ""
     causes: tuple[str, ...] = ()  # cannot_match's texts, found once on the model validate built
     hf_seq_len: int = 0  # > 0: the layers are a Hugging Face decoder's, made by parallel.hf for this length
+    has_experts: bool = False  # its routed layers are parallel.moe.MoE (declared by moe_layers(), or found)
+    aux_weight: float = 0.0  # their load-balancing loss's weight (MoE.aux_weight), the largest
 
     @property
     def multi_part(self) -> bool:
@@ -234,6 +238,14 @@ class UserWorkload(Workload):
     def layers(self) -> bool:
         return self.layer_names is not None
 
+    @property
+    def experts(self) -> bool:
+        return self.has_experts
+
+    @property
+    def aux_loss(self) -> float:
+        return self.aux_weight
+
     def build_model(self, seed: int) -> nn.Module:
         out = _call(self.factory, seed, self.spec)
         model = out["model"]
@@ -244,6 +256,8 @@ class UserWorkload(Workload):
             model.pipeline_layers = functools.partial(_hf_layers, model, self.hf_seq_len)
         elif self.layer_names is not None and not hasattr(type(model), "pipeline_layers"):
             model.pipeline_layers = functools.partial(_submodules, model, self.layer_names)
+        if self.has_experts and not hasattr(type(model), "moe_layers"):
+            model.moe_layers = functools.partial(moe_layers_of, model)
         return model
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -406,8 +420,34 @@ def _user(spec: str, input_shape: str, classes: int, vocab: int, seq_len: int, d
         sample_x, sample_y = SyntheticData(workload, 0, 4).batch(0)
     _check_data(label, model, out.get("loss"), sample_x, sample_y, source)
     names, why, from_hf = _in_order(model, out.get("layers"), sample_x)
+    has_experts, no_experts = experts_of(model)
     return dataclasses.replace(workload, layer_names=names, no_layers=why,
-                               hf_seq_len=sample_x.shape[1] if from_hf else 0)
+                               hf_seq_len=sample_x.shape[1] if from_hf else 0, has_experts=has_experts,
+                               no_experts=no_experts,
+                               aux_weight=max((m.aux_weight for m in moe_layers_of(model) if isinstance(m, MoE)),
+                                              default=0.0))
+
+
+def moe_layers_of(model: nn.Module) -> list[MoE]:
+    """The model's routed layers: its moe_layers(), else every parallel.moe.MoE it holds, in order."""
+    return list(model.moe_layers()) if hasattr(type(model), "moe_layers") else \
+        [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def experts_of(model: nn.Module) -> tuple[bool, str]:
+    """(expert parallelism can split it, why not): its routed layers must be parallel.moe.MoE (whose
+    `dispatch` expert_parallel replaces) with one expert count."""
+    layers = moe_layers_of(model)
+    if layers and all(isinstance(m, MoE) for m in layers):
+        if len({m.num_experts for m in layers}) > 1:
+            return False, "its MoE layers have different expert counts"
+        return True, ""
+    other = sorted({type(m).__name__ for m in model.modules() if re.search(r"moe|expert", type(m).__name__, re.I)})
+    if other or hasattr(type(model), "moe_layers"):
+        found = f" ({', '.join(other[:3])})" if other else ""
+        return False, (f"its experts{found} are not parallel.moe.MoE layers, whose dispatch expert_parallel "
+                       "replaces (docs/experts.md)")
+    return False, "it has no parallel.moe.MoE layers (docs/experts.md)"
 
 
 def tied_names(model: nn.Module) -> str:
@@ -446,8 +486,9 @@ def describe(workload: Workload) -> str:
         return ""
     layers = (f"pipeline layers {', '.join(workload.layer_names)}" if workload.layer_names
               else f"no pipeline layers: {workload.no_layers}")
-    return "\n".join([f"{workload.description}; {layers}; tensor-parallel plan: {'yes' if workload.has_plan else 'no'}",
-                      *(f"note: {text}" for text in workload.causes)])  # said before the run, again in a mismatch
+    experts = "; experts: parallel.moe.MoE layers" if workload.has_experts else ""
+    return "\n".join([f"{workload.description}; {layers}; tensor-parallel plan: {'yes' if workload.has_plan else 'no'}"
+                      f"{experts}", *(f"note: {text}" for text in workload.causes)])  # notes: again in a mismatch
 
 
 def add_arguments(p) -> None:

@@ -338,6 +338,7 @@ class Workload:
     no_layers: str = ""  # why its model has no pipeline_layers(), where it has none
     tied: str = ""  # the weights its model ties, "a = b" (GPT-2's head and token embedding), where it ties any
     model_args: tuple = ()  # (name, value) pairs make_module is called with: the transformer's context (--seq-len)
+    no_experts: str = ""  # why expert parallelism cannot split its model, where it cannot
 
     @property
     def multi_part(self) -> bool:

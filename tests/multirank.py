@@ -5,6 +5,7 @@ from parallel import strategies
 from parallel.dist import Dist
 from parallel.harness import equivalence
 from parallel.harness.ranks import RankError, run_ranks
+from parallel.usermodel import workload_of
 
 __all__ = ["RankError", "judged_on_ranks", "run_ranks"]
 
@@ -34,9 +35,10 @@ def judged_on_ranks(world: int, runs: list, make_config, timeout: float = 150) -
     results = run_ranks(_train, world, (runs, make_config), timeout=timeout)[0]
     for (name, workload, options), (row, state) in zip(runs, results, strict=True):
         config = make_config(workload, world, options)
-        if workload not in refs:
-            refs[workload] = equivalence.reference_of(config, *_execute(strategies.get("single"), config, Dist()))
-        verdict = equivalence.judge(strategies.get(name), config, refs[workload], row, state)
+        key = workload_of(config)  # the model as built: its name and its arguments (--seq-len, --aux-loss)
+        if key not in refs:
+            refs[key] = equivalence.reference_of(config, *_execute(strategies.get("single"), config, Dist()))
+        verdict = equivalence.judge(strategies.get(name), config, refs[key], row, state)
         assert verdict.verdict == "match" and verdict.ratio < 0.1, (name, workload, options, verdict)
         out.append(row)
     return out

@@ -87,7 +87,8 @@ class Strategy:
             return ("it has no attention to split by the sequence: only the built-in transformer says where "
                     "its attention is (model.attentions())")
         if self.EXPERTS and not workload.experts:
-            return ("it has no routed experts to split: a model says where they are with moe_layers() "
+            return (f"it has no routed experts to split: {workload.no_experts}" if workload.no_experts else
+                    "it has no routed experts to split: a model says where they are with moe_layers() "
                     "(--workload moe; docs/experts.md)")
         if workload.aux_loss and not self.ROUTING:
             runs = ", ".join(n for n in NAMES if get(n).ROUTING)
