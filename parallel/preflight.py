@@ -88,24 +88,37 @@ def strategy_checks(config: RunConfig, chosen: list[tuple], skipped: dict[str, s
 
 
 SEQUENCE_RUN = {"workload": "transformer", "seq_len": 256, "batch_size": 8}
+EXPERTS_RUN = {"workload": "moe", "batch_size": 8}
+# Strategies that need what the preflight's workload may not have, checked on GPUs on a workload that has it:
+# (the strategy's constant, the workload's property, the run, its folder under OUT)
+ELSEWHERE = (("SEQUENCE", "splits_sequence", SEQUENCE_RUN, "sequence"), ("EXPERTS", "experts", EXPERTS_RUN, "experts"))
 
 
-def sequence_names(config: RunConfig, names: list[str]) -> list[str]:
-    """On GPUs, the strategies that split the sequence when the preflight's workload has no attention for
-    them: they are checked on the transformer instead (torch's context_parallel() runs only on GPUs)."""
-    if not config.spec.real or usermodel.workload_of(config).splits_sequence:
-        return []
-    return [n for n in (strategies.NAMES if "all" in names else names) if strategies.get(n).SEQUENCE]
+def elsewhere_names(config: RunConfig, names: list[str]) -> dict[str, list[str]]:
+    """On GPUs, {folder: strategies} that the preflight's workload cannot feed (no attention to split by the
+    sequence, no experts), to check on the transformer at T = 256 or the MoE instead (torch's
+    context_parallel() and every nccl path run only on GPUs; the suite covers the CPU)."""
+    if not config.spec.real:
+        return {}
+    workload, wanted = usermodel.workload_of(config), strategies.NAMES if "all" in names else names
+    out = {}
+    for constant, offers, _, folder in ELSEWHERE:
+        if not getattr(workload, offers) and (found := [n for n in wanted if getattr(strategies.get(n), constant)]):
+            out[folder] = found
+    return out
 
 
-def sequence_checks(config: RunConfig, names: list[str]) -> list[Check]:
-    if not names:
-        return []
-    seq = dataclasses.replace(config, model="", input_shape="", classes=0, vocab=0, data="", **SEQUENCE_RUN,
-                              out=str(Path(config.out) / "sequence")).validate()
-    chosen, skipped = plan(seq, names, strict=False)
-    prepare_out(Path(seq.out))
-    return strategy_checks(seq, chosen, skipped)
+def elsewhere_checks(config: RunConfig, found: dict[str, list[str]]) -> list[Check]:
+    checks = []
+    for _, _, run, folder in ELSEWHERE:
+        if folder not in found:
+            continue
+        fields = {"model": "", "input_shape": "", "classes": 0, "vocab": 0, "data": "", "seq_len": 0, "aux_loss": 0.0}
+        other = dataclasses.replace(config, **{**fields, **run}, out=str(Path(config.out) / folder)).validate()
+        chosen, skipped = plan(other, found[folder], strict=False)
+        prepare_out(Path(other.out))
+        checks += strategy_checks(other, chosen, skipped)
+    return checks
 
 
 def _child(name: str, proves: str, argv: list[str], config: RunConfig, env: dict | None = None) -> Check:
@@ -197,9 +210,10 @@ def main(args, console) -> int:
     config = _config(args)
     chosen, skipped = plan(config, strategies.parse_list(args.strategies))  # bad input refused before any write
     prepare_out(Path(config.out))
-    seq = sequence_names(config, strategies.parse_list(args.strategies))  # on GPUs: on the transformer, below
-    checks = strategy_checks(config, chosen, {n: why for n, why in skipped.items() if n not in seq})
-    checks += sequence_checks(config, seq)  # each makes its OUT/logs/, with its own progress bar
+    other = elsewhere_names(config, strategies.parse_list(args.strategies))  # on GPUs: their own workloads, below
+    moved = {n for names in other.values() for n in names}
+    checks = strategy_checks(config, chosen, {n: why for n, why in skipped.items() if n not in moved})
+    checks += elsewhere_checks(config, other)  # each makes its OUT/logs/, with its own progress bar
     with make_progress(console) as progress:
         task = progress.add_task("GPU basics, torchrun restart", total=2)
         checks += basics_checks(config)

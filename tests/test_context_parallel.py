@@ -157,9 +157,10 @@ def test_preflight_on_gpus_plans_the_sequence_strategies_on_the_transformer(stri
 
     strict_cuda.count = 2
     config = RunConfig(devices="cuda:0,1").validate()  # the preflight's own workload, cnn: no attention
-    names = preflight.sequence_names(config, ["all"])
-    assert names == ["context_parallel", "fsdp_cp", "torch_cp"]
-    assert preflight.sequence_names(RunConfig(devices="cpu:2").validate(), ["all"]) == []  # the suite covers CPU
+    found = preflight.elsewhere_names(config, ["all"])
+    names = found["sequence"]
+    assert names == ["context_parallel", "fsdp_cp", "torch_cp"] and found["experts"] == ["expert_parallel"]
+    assert preflight.elsewhere_names(RunConfig(devices="cpu:2").validate(), ["all"]) == {}  # the suite covers CPU
     seq = RunConfig(devices="cuda:0,1", **preflight.SEQUENCE_RUN).validate()
     chosen, skipped = plan(seq, names, strict=False)
     assert [s.name for s, _, _ in chosen] == ["single", *names] and not skipped

@@ -158,7 +158,7 @@ def judge(strategy, config, ref: Reference | None, row, state: dict | None) -> E
     under the rule that run is judged by."""
     if not strategy.synchronous:
         return Equivalence("not-expected", reason=strategy.NOT_EXPECTED_REASON or "asynchronous")
-    if why := (getattr(row, "details", None) or {}).get("not_expected"):  # decided by the run itself (an expert dropped tokens)
+    if why := (getattr(row, "details", None) or {}).get("not_expected"):  # decided by the run (tokens dropped)
         return Equivalence("not-expected", reason=why)
     if ref is None or state is None:
         return Equivalence("unchecked", reason="no baseline in this run" if ref is None else "no parameters")

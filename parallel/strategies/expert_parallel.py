@@ -29,6 +29,7 @@ import torch
 import torch.distributed as td
 from torch import nn
 
+from parallel.devices import synchronizer
 from parallel.errors import ConfigError
 from parallel.moe import MoE, Routing, combine, run_experts
 from parallel.strategies import wire
@@ -166,9 +167,11 @@ class Dispatch:
             expert, sizes = torch.arange(local, device=x.device).repeat_interleave(ep), grid.t().reshape(-1)
         order = torch.argsort(expert.repeat_interleave(sizes), stable=True)
         per_expert = grid.sum(0).tolist()
+        sync = synchronizer(x.device) if self.counting else lambda: None  # only in the counted, untimed steps
+        sync()
         start = time.perf_counter()
         out = run_experts(moe.experts, got[order], per_expert)
-        out = out[torch.argsort(order)]  # back to the order received
+        sync()
         if self.counting:
             self.expert_s += time.perf_counter() - start
             rank = td.get_rank(self.group) if self.group is not None else 0
@@ -177,6 +180,7 @@ class Dispatch:
             self.rows_routed += sum(send)
             self.load.append(per_expert)
             self.calls += 1
+        out = out[torch.argsort(order)]  # back to the order received
         back = _AllToAll.apply(out, send, recv, self.group) if self.group is not None else out
         return combine(x, routing, back, gated=self.gated)
 
