@@ -187,6 +187,38 @@ def context(rows: list[Row]) -> str | None:
     return _svg(fig)
 
 
+def experts(rows: list[Row]) -> str | None:
+    """Each expert-parallel row's ranks: the rows its experts computed per step, every layer summed, one
+    segment per expert (bars, left), and the time it spent in them (dots, right): the busiest rank sets
+    the pace, since every rank waits for it at the combine's all-to-all."""
+    chosen = report.expert_rows(rows)
+    if not chosen:
+        return None
+    plt = _plt()
+    bars = []
+    for r in chosen:
+        d = r.details
+        ms = _per_rank(d.get("expert_ms_per_step_per_rank"), r.world_size)
+        for k, layers in enumerate(d["rows_per_expert_per_layer_per_rank"][:d.get("ep", r.world_size)]):
+            held = d["experts_per_rank"][k]
+            bars.append((f"{r.label} rank {k}", held, [sum(layer[j] for layer in layers) for j in range(len(held))],
+                         ms[k] if k < len(ms) else None))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, _height(len(bars))), sharey=True)
+    colours = plt.get_cmap("tab10").colors
+    for y, (_, held, counts, _) in enumerate(bars):
+        start = 0.0
+        for expert, n in zip(held, counts, strict=True):
+            left.barh(y, n, left=start, color=colours[expert % 10], edgecolor="white")
+            left.text(start + n / 2, y, f"e{expert}", ha="center", va="center", fontsize=7, color="white")
+            start += n
+    left.set_xlabel("rows its experts computed per step (every layer)")
+    right.plot([b[3] or 0 for b in bars], range(len(bars)), "o", color="#dd8452")
+    right.set_xlabel("ms in its experts per step")
+    left.set_yticks(range(len(bars)), [b[0] for b in bars])
+    left.invert_yaxis()
+    return _svg(fig)
+
+
 _PIECE = re.compile(r"(?:stage (\d+) )?([FBIW])(\d+)$")
 
 
@@ -328,7 +360,10 @@ def page(rows: list[Row], environment: dict, skipped: dict | None, out: Path) ->
                  "What one rank sends in an optimiser step, counted at the collective; the tick: the textbook's."),
                 ("Context parallel: each rank's attention work", context(rows),
                  "The causal pairs each rank's positions give it (zig-zag: equal; contiguous: the last rank the "
-                 "most), and its attention time measured alone.")]
+                 "most), and its attention time measured alone."),
+                ("Experts: each rank's load", experts(rows),
+                 "The rows each rank's experts computed (one colour per expert) and its time in them: the busiest "
+                 "rank sets the step, since every rank waits for it at the combine's all-to-all.")]
     sections += [(f"Pipeline schedule: {r.label}", gantt(r), f"{r.details.get('schedule', 'one stage at a time')}, "
                   f"m = {r.details.get('microbatches', 1)}, stages {r.details.get('stages', '')}: idle "
                   f"{r.measured.bubble_measured or 0:.0%} measured, {r.measured.bubble_theory:.0%} in theory")
