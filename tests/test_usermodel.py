@@ -205,7 +205,7 @@ def test_a_model_the_tests_never_saw_matches_single_under_ddp_manual_dp_and_fsdp
 
 
 def test_the_built_in_workloads_are_unchanged():
-    assert set(WORKLOADS) == {"mlp", "cnn", "transformer", "dcgan"}
+    assert set(WORKLOADS) == {"mlp", "cnn", "transformer", "moe", "dcgan"}
     assert usermodel.workload_of(RunConfig().validate()) is WORKLOADS["cnn"]
 
 

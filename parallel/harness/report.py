@@ -108,7 +108,9 @@ def _speedup(r: Row, spread: bool = True) -> str:
 def equivalence_text(r: Row) -> str:
     """The verdict, and the largest difference over its tolerance: "match 0.0025"."""
     eq = r.equivalence
-    return eq.verdict + (f" {eq.ratio:.2g}" if eq.ratio is not None and eq.verdict != "baseline" else "")
+    if eq.ratio is None or eq.verdict == "baseline":
+        return eq.verdict
+    return f"{eq.verdict} {'<0.001' if 0 < eq.ratio < 0.001 else format(eq.ratio, '.2g')}"  # 12 columns at most
 
 
 def main_cells(r: Row, run_kind: str, spread: bool = False) -> list[str]:
