@@ -35,7 +35,7 @@ def judged_on_ranks(world: int, runs: list, make_config, timeout: float = 150) -
     results = run_ranks(_train, world, (runs, make_config), timeout=timeout)[0]
     for (name, workload, options), (row, state) in zip(runs, results, strict=True):
         config = make_config(workload, world, options)
-        key = workload_of(config)  # the model as built: its name and its arguments (--seq-len, --aux-loss)
+        key = (workload_of(config), config.precision)  # the model as built (--seq-len, --aux-loss), its precision
         if key not in refs:
             refs[key] = equivalence.reference_of(config, *_execute(strategies.get("single"), config, Dist()))
         verdict = equivalence.judge(strategies.get(name), config, refs[key], row, state)

@@ -136,6 +136,7 @@ class Dispatch:
     assigned: int = 0  # assignments made, every step
     load: list = field(default_factory=list)  # per call: rows each of this rank's experts computed
     expert_s: float = 0.0  # seconds in this rank's experts (counted steps)
+    element: tuple = (4, 4)  # bytes per element of the rows going out and of the outputs coming back (bf16: 4, 2)
     calls: int = 0
 
     def global_counts(self, counts: torch.Tensor) -> torch.Tensor:
@@ -180,6 +181,7 @@ class Dispatch:
             self.rows_routed += sum(send)
             self.load.append(per_expert)
             self.calls += 1
+            self.element = (rows.element_size(), out.element_size())
         out = out[torch.argsort(order)]  # back to the order received
         back = _AllToAll.apply(out, send, recv, self.group) if self.group is not None else out
         return combine(x, routing, back, gated=self.gated)
@@ -296,14 +298,16 @@ def expert_bytes(model: nn.Module) -> int:
     return param_bytes(p for moe in model.moe_layers() for p in moe.experts.parameters())
 
 
-def predicted_bytes(model: nn.Module, config, rows_moved: float, element: int) -> dict[str, float]:
+def predicted_bytes(model: nn.Module, config, rows_moved: float, element: tuple) -> dict[str, float]:
     """Bytes a rank sends per step, by collective, given the rows it moved per step (out and in, every
-    layer): each row crosses twice forward (there and back) and twice backward, 4 rows' worth per routed
-    row that leaves; the counts (E int64 per layer, forward); the gradients' all-reduces."""
+    layer) and the element sizes of a row going out and of an output coming back: each row crosses
+    twice forward (there, and its output back) and twice backward (the output's gradient there, the
+    row's gradient back), so 4 rows' worth per routed row that leaves; the counts (E int64 per layer,
+    forward); the gradients' all-reduces."""
     n, ep = config.world_size, ep_of(config)
     layers, width = model.moe_layers(), model.moe_layers()[0].router.in_features
     experts = layers[0].num_experts
-    a2a = 2 * rows_moved * width * element + (ep - 1) / ep * experts * 8 * len(layers)
+    a2a = rows_moved * width * sum(element) + (ep - 1) / ep * experts * 8 * len(layers)
     total_experts = expert_bytes(model)  # one device's: every expert
     dense = param_bytes(model.parameters()) - total_experts
     reduce = ring_allreduce_bytes(dense, n) + ring_allreduce_bytes(total_experts / ep, n // ep)
@@ -319,9 +323,8 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
     layers = len(t.model.moe_layers())
     tokens = config.batch_size // config.world_size * workload_of(config).input_shape[0]
     k = t.model.moe_layers()[0].top_k
-    element = 2 if config.precision == "bf16" else 4
     single_model = workload_of(config).build_model(config.seed)
-    predicted = predicted_bytes(single_model, config, (d.rows_out + d.rows_in) / steps, element)
+    predicted = predicted_bytes(single_model, config, (d.rows_out + d.rows_in) / steps, d.element)
     loads = [[sum(c[j] for c in d.load[i::layers]) / steps for j in range(len(s.owned))] for i in range(layers)]
     leaving = d.rows_out / max(1, d.rows_routed)
     width = t.model.moe_layers()[0].router.in_features
@@ -330,8 +333,8 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
             "bytes_predicted_by_collective": predicted,
             "ep": ep_of(config), "experts_per_rank": every_rank(s.owned),
             "rows_leaving_share_per_rank": every_rank(round(leaving, 4)),
-            "all_to_all_uniform_formula": 4 * tokens * k * width * element * (ep_of(config) - 1) / ep_of(config)
-            * layers,
+            "all_to_all_uniform_formula": 2 * tokens * k * width * sum(d.element) * (ep_of(config) - 1)
+            / ep_of(config) * layers,
             "rows_per_expert_per_layer_per_rank": every_rank(loads),
             "expert_ms_per_step_per_rank": every_rank(round(d.expert_s * 1e3 / steps, 3)),
             "dropped_assignments_per_rank": every_rank(d.dropped),
