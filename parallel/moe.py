@@ -106,8 +106,6 @@ class MoE(nn.Module):
         self.num_experts, self.top_k, self.aux_weight = experts, top_k, aux_weight
         self.capacity_factor = 0.0  # 0: dropless
         self.dispatch = run_here  # (moe, x, routing) -> y: where the experts run (expert parallelism's seam)
-        self.seen: list[Routing] = []  # the calls' routings, kept where a strategy asks (measurements)
-        self.keep_routing = False
 
     def route(self, x: torch.Tensor) -> tuple[Routing, torch.Tensor]:
         """(the sorted assignments, the router's probabilities (N, E))."""
@@ -140,8 +138,6 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         routing, probs = self.route(x)
-        if self.keep_routing:
-            self.seen.append(routing)
         y = self.dispatch(self, x, routing)
         if self.aux_weight and self.training:
             # f counts every assignment the router made (dropped ones too): the balance it asks for is the router's
