@@ -167,23 +167,32 @@ def collectives(rows: list[Row]) -> str | None:
     return _svg(fig)
 
 
+def _per_rank_figure(labels: list[str], ms: list, left_label: str, right_label: str):
+    """Two panels sharing one row per rank: the caller draws bars on the left (returned), and the time on
+    the right as dots."""
+    plt = _plt()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, _height(len(labels))), sharey=True)
+    left.set_xlabel(left_label)
+    right.plot([v or 0 for v in ms], range(len(labels)), "o", color="#dd8452")
+    right.set_xlabel(right_label)
+    left.set_yticks(range(len(labels)), labels)
+    left.invert_yaxis()
+    return fig, left
+
+
 def context(rows: list[Row]) -> str | None:
     """Each context-parallel row's ranks: the causal (q, k) pairs its layout gives them (bars, left) and
     the attention time measured on them (dots, right)."""
     chosen = report.context_rows(rows)
     if not chosen:
         return None
-    plt = _plt()
     bars = [(f"{r.label} rank {k}", pairs, ms) for r in chosen for k, (pairs, ms) in enumerate(zip(
         r.details["causal_pairs_per_rank"][:r.details.get("cp", r.world_size)],
         _per_rank(r.details.get("attention_ms_per_rank"), r.world_size), strict=False))]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, _height(len(bars))), sharey=True)
+    fig, left = _per_rank_figure([b[0] for b in bars], [b[2] for b in bars],
+                                 "causal (q, k) pairs per head and sequence",
+                                 "attention ms (forward + backward, no communication)")
     left.barh(range(len(bars)), [b[1] for b in bars], color="#4c72b0")
-    left.set_xlabel("causal (q, k) pairs per head and sequence")
-    right.plot([b[2] or 0 for b in bars], range(len(bars)), "o", color="#dd8452")
-    right.set_xlabel("attention ms (forward + backward, no communication)")
-    left.set_yticks(range(len(bars)), [b[0] for b in bars])
-    left.invert_yaxis()
     return _svg(fig)
 
 
@@ -194,7 +203,6 @@ def experts(rows: list[Row]) -> str | None:
     chosen = report.expert_rows(rows)
     if not chosen:
         return None
-    plt = _plt()
     bars = []
     for r in chosen:
         d = r.details
@@ -203,19 +211,15 @@ def experts(rows: list[Row]) -> str | None:
             held = d["experts_per_rank"][k]
             bars.append((f"{r.label} rank {k}", held, [sum(layer[j] for layer in layers) for j in range(len(held))],
                          ms[k] if k < len(ms) else None))
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, _height(len(bars))), sharey=True)
-    colours = plt.get_cmap("tab10").colors
+    fig, left = _per_rank_figure([b[0] for b in bars], [b[3] for b in bars],
+                                 "rows its experts computed per step (every layer)", "ms in its experts per step")
+    colours = _plt().get_cmap("tab10").colors
     for y, (_, held, counts, _) in enumerate(bars):
         start = 0.0
         for expert, n in zip(held, counts, strict=True):
             left.barh(y, n, left=start, color=colours[expert % 10], edgecolor="white")
             left.text(start + n / 2, y, f"e{expert}", ha="center", va="center", fontsize=7, color="white")
             start += n
-    left.set_xlabel("rows its experts computed per step (every layer)")
-    right.plot([b[3] or 0 for b in bars], range(len(bars)), "o", color="#dd8452")
-    right.set_xlabel("ms in its experts per step")
-    left.set_yticks(range(len(bars)), [b[0] for b in bars])
-    left.invert_yaxis()
     return _svg(fig)
 
 

@@ -240,6 +240,29 @@ def extra_measurements(trainable: Trainable, data, config, dist, result) -> dict
     return {}
 
 
+def sum_gradients(params, divide_by: int, group=None) -> None:
+    """The gradients of `params` summed over `group` (None: every rank) in one flat all-reduce, then divided
+    by `divide_by` (the ranks whose mean losses make the step's: context and expert parallelism). A
+    parameter with no gradient this step (an expert no row reached, a router whose gates were unused)
+    counts as zero, so every rank sends the same flat tensor."""
+    import torch.distributed as td
+
+    params = list(params)
+    if not params:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    td.all_reduce(flat, group=group)
+    flat /= divide_by
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
 def ring_allreduce_bytes(payload_bytes: float, world: int) -> float:
     """Bytes each rank sends to all-reduce `payload_bytes` with a ring: reduce-scatter then all-gather,
     each moving (N-1)/N of the payload (the nccl-tests busbw convention)."""

@@ -43,6 +43,7 @@ from parallel.strategies.base import (
     injected,
     local,
     options_of,
+    sum_gradients,
 )
 from parallel.strategies.ring_attention import COMMS, LAYOUTS, Layout, Ring, split_check, work_alone
 from parallel.usermodel import workload_of
@@ -170,14 +171,7 @@ def train_step(t: Trainable, batch, dist):
 def average_gradients(params: list[nn.Parameter], world: int) -> None:
     """Every gradient averaged over the world, in one flat all-reduce (the sum over dp x cp: each rank's
     gradient is of its own tokens' mean)."""
-    grads = [p.grad for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    td.all_reduce(flat)
-    flat /= world
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    sum_gradients(params, world)
 
 
 def kv_bytes(model: nn.Module, config, cp: int) -> float:

@@ -43,6 +43,7 @@ from parallel.strategies.base import (
     options_of,
     param_bytes,
     ring_allreduce_bytes,
+    sum_gradients,
 )
 from parallel.usermodel import workload_of
 
@@ -239,24 +240,6 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device, comm_bytes=0, state=state)
 
 
-def _all_reduce_mean(params: list[nn.Parameter], group, world: int) -> None:
-    """The gradients of `params` summed over `group` (None: this rank alone) in one flat all-reduce, / world."""
-    if not params:
-        return
-    for p in params:
-        if p.grad is None:  # unused this step (a router whose gates went unused, an expert no row reached)
-            p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    if group is not None:
-        td.all_reduce(flat, group=group)
-    flat /= world
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
 def train_step(t: Trainable, batch, dist):
     s = t.state
     s.dispatch.counting = not s.counter.steps or s.counter.seen < s.counter.steps
@@ -265,8 +248,14 @@ def train_step(t: Trainable, batch, dist):
         x, y = (b.to(t.device, non_blocking=True) for b in batch)
         loss = t.loss_fn(t.model(x), y)
         loss.backward()  # the all-to-alls' backward brings every expert the gradients of its rows
-        _all_reduce_mean(s.dense, td.group.WORLD if s.world > 1 else None, s.world)
-        _all_reduce_mean(s.experts, s.expert_group, s.world)
+        if s.world > 1:  # dense: summed over every rank; an expert: over the ranks holding it; / N both
+            sum_gradients(s.dense, s.world)
+        if s.expert_group is not None:
+            sum_gradients(s.experts, s.world, s.expert_group)
+        elif s.world > 1:
+            for p in s.experts:  # held by this rank alone: its gradient already has every row routed to it
+                if p.grad is not None:
+                    p.grad /= s.world
         t.optimizer.step()
     t.comm_bytes, t.comm_steps = s.counter.total, s.counter.counted
     if s.dispatch.dropped:
