@@ -103,8 +103,7 @@ def _check_measured(row, world):
 
 def _four_runs(rank, world):
     """On 2 ranks: dropless; with the load-balancing loss (its counts summed over both ranks make the
-    batch's); capacity factor 1 (drops); 4 = E / k x 2 (an expert could take every token twice: none drops);
-    under bf16 autocast (rows go out in fp32, the experts' outputs come back in bf16)."""
+    batch's); capacity factor 1 (drops); 4 = E / k x 2 (an expert could take every token twice: none drops)."""
     dist = Dist(rank=rank, local_rank=rank, world_size=world, local_world_size=world)
     out = []
     for options in RUNS:
@@ -113,7 +112,7 @@ def _four_runs(rank, world):
     return out
 
 
-RUNS = [{}, {"aux_loss": 0.1}, {"capacity_factor": 1.0}, {"capacity_factor": 4.0}, {"precision": "bf16"}]
+RUNS = [{}, {"aux_loss": 0.1}, {"capacity_factor": 1.0}, {"capacity_factor": 4.0}]
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +130,7 @@ def two_ranks():
 
 def test_expert_parallel_matches_single_on_2_ranks_with_the_bytes_of_its_routing(two_ranks):
     rows, verdicts = two_ranks
-    for row, verdict in zip(rows[:2] + rows[4:], verdicts[:2] + verdicts[4:], strict=True):
+    for row, verdict in zip(rows[:2], verdicts[:2], strict=True):
         assert verdict.verdict == "match" and verdict.ratio < 0.1, verdict  # float noise: far below the rule
         _check_measured(row, 2)
 
@@ -145,11 +144,15 @@ def test_a_run_that_drops_tokens_is_not_expected_to_match_and_one_that_drops_non
 
 
 @pytest.mark.slow
-def test_expert_parallel_by_itself_and_composed_with_data_parallel_matches_single_on_4_ranks():
+def test_expert_parallel_alone_and_with_data_parallel_on_4_ranks_and_under_bf16_matches_single():
     runs = [("expert_parallel", "moe", {}), ("expert_parallel", "moe", {"ep": 4})]  # ep 2 x dp 2, then ep 4
     rows = judged_on_ranks(4, runs, _config, timeout=200)
     for row in rows:
         _check_measured(row, 4)
+    # Under bf16 autocast, on 2 ranks (at 0.025 of the bf16 rule; 4 ranks' bf16 rounding came to 0.13, above
+    # the tenth judged_on_ranks asks of float noise): rows go out in fp32, the experts' outputs come back in
+    # bf16, and the bytes are predicted per direction.
+    _check_measured(judged_on_ranks(2, [("expert_parallel", "moe", {"precision": "bf16"})], _config)[0], 2)
     assert rows[0].details["experts_per_rank"] == [[0, 1], [2, 3], [0, 1], [2, 3]]  # the dp replicas hold the same
 
 
