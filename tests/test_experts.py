@@ -195,3 +195,39 @@ def test_preflight_on_gpus_checks_expert_parallel_on_the_moe(strict_cuda):
         chosen, skipped = plan(RunConfig(devices=devices, **preflight.EXPERTS_RUN).validate(), ["expert_parallel"],
                                strict=False)
         assert [s.name for s, _, _ in chosen] == ["single", "expert_parallel"] and not skipped
+
+
+def _checkpointed(rank, world, folder):
+    """expert_parallel three times in one spawn: uninterrupted; failing on every rank before step 3; re-run
+    from its last checkpoint (test_sharded.py's pattern)."""
+    from parallel.train import InjectedFault
+
+    out = {}
+    for run, fail, resume in (("whole", False, False), ("interrupted", True, False), ("resumed", False, True)):
+        config = RunConfig(workload="moe", devices=f"cpu:{world}", batch_size=8, steps=5, warmup=1,
+                           out=f"{folder}/{'whole' if run == 'whole' else 'faulted'}", checkpoint_every=2,
+                           fail_at_step=3 if fail else -1, fail_rank=rank, resume=resume).validate()
+        dist = Dist(rank=rank, local_rank=rank, world_size=world, local_world_size=world)
+        try:
+            _, state = _execute(strategies.get("expert_parallel"), config, dist)
+        except InjectedFault as e:
+            out[run] = str(e)
+            continue
+        out[run] = state if rank == 0 else None
+    return out
+
+
+@pytest.mark.slow
+def test_a_resume_after_a_fault_ends_bitwise_like_an_uninterrupted_run(tmp_path):
+    # Each rank saves its experts under their names on one device (rank 1's first expert is experts.2), so
+    # DCP keeps both ranks' experts and their momentum; the param_groups, one object DCP keeps once, get
+    # each rank's own names back on load.
+    out = run_ranks(_checkpointed, 2, (str(tmp_path),), timeout=120)[0]
+    assert out["interrupted"].startswith("injected fault at step 3")
+    a, b = out["whole"], out["resumed"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(tmp_path / "faulted" / "checkpoints" / "expert_parallel")).read_metadata()
+    keys = set(saved.state_dict_metadata)
+    assert {f"model.blocks.{i}.mlp.experts.{e}.w1.weight" for i in range(2) for e in range(4)} <= keys

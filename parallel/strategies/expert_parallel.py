@@ -29,6 +29,7 @@ import torch
 import torch.distributed as td
 from torch import nn
 
+from parallel import checkpoint
 from parallel.devices import synchronizer
 from parallel.errors import ConfigError
 from parallel.moe import MoE, Routing, combine, run_experts
@@ -52,7 +53,6 @@ LAUNCH = "torchrun"
 SYNCHRONOUS = True
 EXPERTS = True  # it splits the model's routed experts (model.moe_layers())
 ROUTING = True  # its routers' counts are summed over every rank (trains with --aux-loss)
-CHECKPOINTS = False  # the experts a rank holds are named as on one device; DCP would take them for replicas
 DEFAULT_EP = 2  # on 4 devices: ep 2 x dp 2
 
 _MOE = {"workload": "moe"}
@@ -279,6 +279,44 @@ def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
     return out
 
 
+def _global_names(t: Trainable) -> dict[str, str]:
+    """This rank's expert parameters, from the name they have here (experts.0 is its first) to the one they
+    have on one device (experts.2 on the rank that holds experts 2 and 3)."""
+    out = {}
+    for moe in t.model.moe_layers():
+        prefix = f"{_name(t.model, moe)}.experts."
+        for j, (here, expert) in enumerate(zip(t.state.owned, moe.experts, strict=True)):
+            for k, _ in expert.named_parameters():
+                out[f"{prefix}{j}.{k}"] = f"{prefix}{here}.{k}"
+    return out
+
+
+def _renamed(sd: dict, names: dict[str, str]) -> dict:
+    """A checkpoint state (base.checkpoint_state's: model, optimiser by parameter name, step) renamed."""
+    optim = dict(sd["optim"])
+    optim["state"] = {names.get(k, k): v for k, v in optim["state"].items()}
+    optim["param_groups"] = [{**g, "params": [names.get(k, k) for k in g["params"]]} for g in optim["param_groups"]]
+    return {**sd, "model": {names.get(k, k): v for k, v in sd["model"].items()}, "optim": optim}
+
+
+def checkpoint_state(t: Trainable) -> dict:
+    """DCP's state with each expert under its name on one device, so that ranks holding different experts
+    save different keys (under the local names, DCP would keep rank 0's experts as if every rank's were
+    replicas of them); replicas of one expert (EP x DP) share a key, saved once."""
+    return _renamed(checkpoint.state(t), _global_names(t))
+
+
+def restore_checkpoint(t: Trainable, sd: dict) -> None:
+    """The loaded state back under this rank's local names. The optimiser's param_groups are an object DCP
+    keeps one copy of (rank 0's): each rank puts back its own parameters' names in them."""
+    mine = checkpoint.state(t)["optim"]["param_groups"]
+    local = {v: k for k, v in _global_names(t).items()}
+    sd = _renamed(sd, local)
+    sd["optim"]["param_groups"] = [{**g, "params": m["params"]}
+                                   for g, m in zip(sd["optim"]["param_groups"], mine, strict=True)]
+    checkpoint.restore(t, sd)
+
+
 def _name(model: nn.Module, module: nn.Module) -> str:
     return next(n for n, m in model.named_modules() if m is module)
 
@@ -334,4 +372,5 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
 
 
 HOOKS = Hooks(check=check, state_dict=state_dict, extra_measurements=extra_measurements,
-              model_state_bytes=model_state_every_rank)
+              model_state_bytes=model_state_every_rank, checkpoint_state=checkpoint_state,
+              restore_checkpoint=restore_checkpoint)
