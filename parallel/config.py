@@ -74,6 +74,9 @@ class RunConfig:
         user = {}
         if self.data and not Path(self.data).expanduser().is_file():
             raise ConfigError(f"--data {self.data}: no such file")
+        if self.model and self.aux_loss:
+            raise ConfigError("--aux-loss weights the built-in moe workload's load-balancing loss; your model's "
+                              "parallel.moe.MoE layers carry their own (MoE(..., aux_weight=w))")
         if self.model:  # imported, built twice, one forward on a sample: every mistake found here
             user = {"model": usermodel.resolve_spec(self.model),
                     "data": str(Path(self.data).expanduser().resolve()) if self.data else ""}

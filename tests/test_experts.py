@@ -163,6 +163,10 @@ def test_what_expert_parallelism_and_the_load_balancing_loss_need_is_refused_in_
         ep.validate(RunConfig(workload="moe", devices="cpu:4", options={"ep": 3}).validate())
     with pytest.raises(ConfigError, match="the cnn workload has no experts"):
         RunConfig(workload="cnn", aux_loss=0.01).validate()
+    with pytest.raises(ConfigError, match="must be 0 .off. or a positive weight"):
+        RunConfig(workload="moe", aux_loss=-1).validate()
+    with pytest.raises(ConfigError, match="your model's parallel.moe.MoE layers carry their own"):
+        RunConfig(model=str(ROOT / "examples/moe.py:moe"), vocab=128, seq_len=32, aux_loss=0.01).validate()
     aux = workload_of(RunConfig(workload="moe", aux_loss=0.01).validate())
     assert strategies.get("ddp").unsupported(aux).startswith("--aux-loss needs each router's counts summed")
     assert strategies.get("single").unsupported(aux) is None and ep.unsupported(aux) is None
