@@ -28,6 +28,7 @@ from parallel.dist import Dist
 from parallel.errors import ConfigError
 from parallel.profiling import make_profiler
 from parallel.results import Measured, Row, atomic_write
+from parallel.strategies.base import every_rank
 from parallel.timing import summarize
 from parallel.train import make_optimizer, precision, step_lines
 from parallel.usermodel import workload_of
@@ -98,12 +99,9 @@ def execute(strategy, config: RunConfig, dist: Dist, data=None) -> tuple[Row, di
 
 
 def every_rank_reason(reason: str, dist: Dist) -> str:
-    """The first rank's reason, of those that have one, that its run cannot match `single` (a collective)."""
-    if dist.world_size > 1 and td.is_initialized():
-        reasons = [None] * dist.world_size
-        td.all_gather_object(reasons, reason)
-        return next((r for r in reasons if r), "")
-    return reason
+    """The first rank's reason, of those that have one, that its run cannot match `single` (a collective;
+    an in-process strategy inside a bigger group, as the oracle runs it, is a world of one)."""
+    return next((r for r in (every_rank(reason) if dist.world_size > 1 else [reason]) if r), "")
 
 
 def devices_driven(strategy, config: RunConfig, dist: Dist) -> list[torch.device]:
@@ -119,9 +117,7 @@ def _peak_per_rank(peak: int, kind: str, dist: Dist) -> dict:
     in-process strategy run inside a bigger group, as the oracle's runs do, is a world of one)."""
     if dist.world_size == 1 or not td.is_initialized():
         return {}
-    peaks = [None] * dist.world_size
-    td.all_gather_object(peaks, peak)
-    return {f"{kind}_per_rank": peaks}
+    return {f"{kind}_per_rank": every_rank(peak)}
 
 
 def run_here(strategy, config: RunConfig, dist: Dist | None = None) -> tuple[Row, dict] | None:

@@ -11,8 +11,9 @@ each routed layer, after the router (the model's own, moe.py):
     rows --------- all-to-all, splits = rows per destination rank ---->  the rank's experts on them
     y <------------------ all-to-all, the splits swapped -------------  outputs go home, gate-weighted there
 
-`_AllToAll` is a torch.autograd.Function: its backward is the all-to-all with the splits swapped, so
-each expert's gradient is of every token routed to it, from every rank of the group. The dense weights
+`expert_dispatch.py` holds the all-to-all, a torch.autograd.Function whose backward is the all-to-all with
+the splits swapped, so each expert's gradient is of every token routed to it, from every rank of the group.
+The dense weights
 (attention, norms, embeddings, routers) are replicated: their gradients are averaged over all N ranks
 in one flat all-reduce; an expert's over the N/ep ranks that hold it, summed and divided by N (each
 rank's loss is the mean of its own tokens). Dropless by default; `--capacity-factor c` lets each expert
@@ -22,7 +23,6 @@ judged not-expected, with the count.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -30,9 +30,7 @@ import torch.distributed as td
 from torch import nn
 
 from parallel import checkpoint
-from parallel.devices import synchronizer
 from parallel.errors import ConfigError
-from parallel.moe import MoE, Routing, combine, run_experts
 from parallel.strategies import wire
 from parallel.strategies.base import (
     Hooks,
@@ -46,6 +44,7 @@ from parallel.strategies.base import (
     ring_allreduce_bytes,
     sum_gradients,
 )
+from parallel.strategies.expert_dispatch import Dispatch
 from parallel.usermodel import workload_of
 
 NAME = "expert_parallel"
@@ -100,94 +99,6 @@ def check(config) -> None:
     config.check_divisible(n, "devices")
 
 
-class _AllToAll(torch.autograd.Function):
-    """Rows to the ranks of `group`: in_splits[r] of them to rank r, out_splits[r] from it. Backward: the
-    gradients back the same way, the splits swapped."""
-
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        td.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        td.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return back, None, None, None
-
-
-@dataclass
-class Dispatch:
-    """The routed layers' `dispatch` on this rank (moe.MoE's seam), and what it saw in the counted steps."""
-
-    group: object  # the expert-parallel group (None: a world of one)
-    ep: int
-    world_group: object  # every rank: the routers' counts for the auxiliary loss
-    gated: bool = True
-    transposed: bool = False  # mutant
-    local_counts: bool = False  # mutant
-    counting: bool = True  # the counted (warm-up) steps: record the rows below
-    rows_out: int = 0  # rows sent to other ranks (dispatch), over the counted steps
-    rows_in: int = 0  # rows received from other ranks
-    rows_routed: int = 0  # every kept row of this rank's tokens (its own experts' included)
-    dropped: int = 0  # assignments dropped past the capacity, every step
-    assigned: int = 0  # assignments made, every step
-    load: list = field(default_factory=list)  # per call: rows each of this rank's experts computed
-    expert_s: float = 0.0  # seconds in this rank's experts (counted steps)
-    element: tuple = (4, 4)  # bytes per element of the rows going out and of the outputs coming back (bf16: 4, 2)
-    calls: int = 0
-
-    def global_counts(self, counts: torch.Tensor) -> torch.Tensor:
-        if self.local_counts or self.world_group is None:
-            return counts
-        total = counts.detach().clone()
-        td.all_reduce(total, group=self.world_group)
-        return total
-
-    def __call__(self, moe: MoE, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        ep, local = self.ep, moe.num_experts // self.ep
-        self.dropped += routing.dropped
-        self.assigned += x.shape[0] * moe.top_k
-        rows = x[routing.token]  # (R, C), sorted by expert: the rows for rank r are contiguous
-        counts = routing.counts
-        got_counts = torch.empty_like(counts)
-        if self.group is not None:
-            td.all_to_all_single(got_counts, counts, group=self.group)  # [source][my expert] counts
-        else:
-            got_counts = counts
-        send = counts.view(ep, local).sum(1).tolist()
-        grid = got_counts.view(ep, local)
-        recv = grid.sum(1).tolist()
-        got = _AllToAll.apply(rows, recv, send, self.group) if self.group is not None else rows
-        # the received rows are source-major (all of rank 0's, then rank 1's ...), each source's by expert
-        expert = torch.arange(local, device=x.device).repeat(ep)
-        sizes = grid.reshape(-1)
-        if self.transposed:  # read as expert-major: the same total, other rows per expert
-            expert, sizes = torch.arange(local, device=x.device).repeat_interleave(ep), grid.t().reshape(-1)
-        order = torch.argsort(expert.repeat_interleave(sizes), stable=True)
-        per_expert = grid.sum(0).tolist()
-        sync = synchronizer(x.device) if self.counting else lambda: None  # only in the counted, untimed steps
-        sync()
-        start = time.perf_counter()
-        out = run_experts(moe.experts, got[order], per_expert)
-        sync()
-        if self.counting:
-            self.expert_s += time.perf_counter() - start
-            rank = td.get_rank(self.group) if self.group is not None else 0
-            self.rows_out += sum(send) - send[rank]
-            self.rows_in += sum(recv) - recv[rank]
-            self.rows_routed += sum(send)
-            self.load.append(per_expert)
-            self.calls += 1
-            self.element = (rows.element_size(), out.element_size())
-        out = out[torch.argsort(order)]  # back to the order received
-        back = _AllToAll.apply(out, send, recv, self.group) if self.group is not None else out
-        return combine(x, routing, back, gated=self.gated)
-
-
 @dataclass
 class State:
     dispatch: Dispatch
@@ -197,7 +108,6 @@ class State:
     expert_group: object  # the ranks holding the same experts (None: one)
     counter: wire.Counter
     world: int
-    capacity_factor: float
 
 
 def _groups(world: int, ep: int, rank: int):
@@ -236,14 +146,14 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     skip = {id(p) for moe in layers for p in moe.router.parameters()} if injected(config, ROUTER_UNREDUCED) else set()
     dense = [p for p in model.parameters() if id(p) not in expert_params | skip]
     state = State(dispatch, owned, dense, [p for p in model.parameters() if id(p) in expert_params], expert_group,
-                  wire.Counter(config.warmup), n, o.capacity_factor)
+                  wire.Counter(config.warmup), n)
     return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device, comm_bytes=0, state=state)
 
 
 def train_step(t: Trainable, batch, dist):
     s = t.state
-    s.dispatch.counting = not s.counter.steps or s.counter.seen < s.counter.steps
     with s.counter.step():
+        s.dispatch.counting = s.counter.counting
         t.optimizer.zero_grad(set_to_none=True)
         x, y = (b.to(t.device, non_blocking=True) for b in batch)
         loss = t.loss_fn(t.model(x), y)
@@ -259,7 +169,7 @@ def train_step(t: Trainable, batch, dist):
         t.optimizer.step()
     t.comm_bytes, t.comm_steps = s.counter.total, s.counter.counted
     if s.dispatch.dropped:
-        t.not_expected = (f"capacity factor {s.capacity_factor:g} dropped "
+        t.not_expected = (f"capacity factor {t.model.moe_layers()[0].capacity_factor:g} dropped "
                           f"{s.dispatch.dropped} of {s.dispatch.assigned} routed assignments on rank {dist.rank} "
                           "(`single` drops none)")
     return loss.detach()
@@ -267,26 +177,22 @@ def train_step(t: Trainable, batch, dist):
 
 def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
     """The whole model on rank 0 under one device's names: every rank's experts gathered (a collective)."""
-    s, layers = t.state, t.model.moe_layers()
-    mine = {}
-    for moe in layers:
-        prefix = f"{_name(t.model, moe)}.experts."
-        for j, expert in zip(s.owned, moe.experts, strict=True):
-            mine.update({f"{prefix}{j}.{k}": v.detach().cpu().clone() for k, v in expert.state_dict().items()})
-    out = {k: v.detach().cpu().clone() for k, v in t.model.state_dict().items() if ".experts." not in k}
-    for part in every_rank(mine):
+    names = _global_names(t)
+    sd = {k: v.detach().cpu().clone() for k, v in t.model.state_dict().items()}
+    out = {k: v for k, v in sd.items() if k not in names}
+    for part in every_rank({names[k]: v for k, v in sd.items() if k in names}):
         out.update(part)
     return out
 
 
 def _global_names(t: Trainable) -> dict[str, str]:
-    """This rank's expert parameters, from the name they have here (experts.0 is its first) to the one they
-    have on one device (experts.2 on the rank that holds experts 2 and 3)."""
+    """This rank's expert tensors (parameters, and buffers if any), from the name they have here (experts.0
+    is its first) to the one they have on one device (experts.2 on the rank that holds experts 2 and 3)."""
     out = {}
     for moe in t.model.moe_layers():
         prefix = f"{_name(t.model, moe)}.experts."
         for j, (here, expert) in enumerate(zip(t.state.owned, moe.experts, strict=True)):
-            for k, _ in expert.named_parameters():
+            for k in expert.state_dict():
                 out[f"{prefix}{j}.{k}"] = f"{prefix}{here}.{k}"
     return out
 

@@ -171,6 +171,11 @@ class Counter:
             self.in_blocks_bytes[kind] = self.in_blocks_bytes.get(kind, 0.0) + nbytes
 
     @property
+    def counting(self) -> bool:
+        """Inside `step()`: whether this step is one of the counted ones."""
+        return not self.steps or self.seen <= self.steps
+
+    @property
     def total(self) -> float:
         return sum(self.sent.values())
 
