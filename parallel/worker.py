@@ -21,7 +21,7 @@ import torch
 import torch.distributed as td
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from parallel import strategies
+from parallel import activations, strategies
 from parallel.config import RunConfig
 from parallel.devices import activate, exact_fp32, peak_memory, reset_peak_memory
 from parallel.dist import Dist
@@ -53,6 +53,7 @@ def execute(strategy, config: RunConfig, dist: Dist, data=None) -> tuple[Row, di
     reset_peak_memory(local)
     trainable = strategy.setup(model, make_optimizer(config), workload.loss, dist, config)
     trainable.mutant = config.mutant  # the injected bug, if any, that train_step may carry (--mutant)
+    layer = activations.meter_for(strategy, trainable.model, workload, config)
     with make_profiler(config.profile, config.out, strategy.name, dist.rank, dist.device) as prof:
         result = strategy.train(strategy, trainable, data, config, dist, prof)
     comm_bytes, comm_steps = trainable.comm_bytes, trainable.comm_steps
@@ -61,6 +62,7 @@ def execute(strategy, config: RunConfig, dist: Dist, data=None) -> tuple[Row, di
     peak = max(peaks)
     with precision(config, trainable.device):  # what it times is the run's own step
         extra = strategy.extra_measurements(trainable, data, config, dist, result) if config.extras else {}
+        extra |= layer.details(workload.input_shape[0], config.precision) if layer is not None else {}
     measured = extra.pop("measured", Measured())
     details = {"model_state_bytes_per_device": strategy.model_state_bytes(trainable, config),
                **({f"{peak_kind}_per_device": peaks} if len(peaks) > 1 else {}),

@@ -104,6 +104,9 @@ def _check_measured(row, world):
     else:  # contiguous: rank r computes c (r c) + c (c + 1) / 2 pairs, c = T / cp
         c = 64 // cp
         assert pairs[:cp] == [c * r * c + c * (c + 1) // 2 for r in range(cp)]
+    if "layer_activation_bytes" in d:  # one layer on T/cp positions: the formula (activations.py), to the byte
+        assert d["layer_activation_bytes"] == d["layer_activation_predicted"]
+        assert d["layer_activation_layout"]["cp"] == cp
     for kind in ("activation_bytes", "attention_activation_bytes"):  # everything a rank saves is per token
         ratio = d[f"{kind}_per_rank"][0] / d[f"single_{kind}_per_rank"][0]
         assert abs(ratio * cp - 1) < 0.10, (kind, ratio, cp)

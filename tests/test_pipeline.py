@@ -11,6 +11,7 @@ import torch
 from parallel import strategies
 from parallel.config import RunConfig
 from parallel.dist import Dist
+from parallel.harness import pictures
 from parallel.strategies import pipeline, stages, tied
 from parallel.worker import execute
 from parallel.workloads import WORKLOADS
@@ -43,14 +44,20 @@ def test_pipeline_matches_single(workload, microbatches, schedule):
 
 
 def test_1f1b_holds_fewer_activations_than_gpipe():
-    peaks = {}
+    peaks, rows = {}, {}
     for schedule in ("gpipe", "1f1b"):
         config = RunConfig(workload="cnn", devices="cpu:2", batch_size=64, steps=2, warmup=0,
                            options={"microbatches": 8, "schedule": schedule, "balance": "params"}).validate()
-        peaks[schedule] = execute(strategies.get("pipeline"), config, Dist())[0].details["stage_peak_activation_bytes"]
+        rows[schedule] = execute(strategies.get("pipeline"), config, Dist())[0]
+        peaks[schedule] = rows[schedule].details["stage_peak_activation_bytes"]
     # Split by parameters: a split by measured time may cut the two runs differently on a loaded machine.
     # Stage 0 holds all 8 micro-batches under GPipe, at most p = 2 under 1F1B; stage 1 (last) holds 1.
     assert peaks["1f1b"][0] * 4 == peaks["gpipe"][0] and peaks["1f1b"][1] * 8 == peaks["gpipe"][1]
+    # what the meter saw is what each schedule's order holds (stage_time.held), and the replay drew it
+    assert rows["gpipe"].details["held_measured"] == rows["gpipe"].details["held_predicted"] == [8, 8]
+    assert rows["1f1b"].details["held_measured"] == rows["1f1b"].details["held_predicted"] == [2, 1]
+    replay = rows["1f1b"].details["replay_timeline"]
+    assert [len(stage) for stage in replay] == [16, 16] and pictures.gantt(rows["1f1b"]).startswith("<svg")
 
 
 def test_partition_is_the_best_contiguous_split():
@@ -108,7 +115,7 @@ def test_scripts_run(tmp_path):
         p = subprocess.run([sys.executable, f"scripts/{name}.py", "--steps", "2", "--batch-size", "32",
                             "--devices", "cpu:2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert p.returncode == 0, p.stderr
-        assert "Pipelines: idle time against theory" in p.stdout
+        assert "Pipelines: idle and step against the schedule replayed" in p.stdout
 
 
 def test_balance_by_params_puts_the_convolutions_together():

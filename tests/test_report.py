@@ -133,18 +133,9 @@ def test_report_html_is_self_contained_with_every_picture(tmp_path):
     page = pictures.write(tmp_path / "report.html", rows, env, skipped).read_text()
     assert not re.search(r"""(src|href)=['"]?(https?:)?//""", page) and "<script" not in page
     for title in ("Speedup over one device", "Model state per rank, by kind", "Bytes sent per step, by collective",
-                  "Pipeline schedule: pipeline_dist", "played out: the same pieces", "Equivalence: every tensor"):
+                  "Pipeline schedule: pipeline_dist", "measured: the last step", "Equivalence: every tensor"):
         assert title in page, title
     assert page.count("<svg") >= 8
-
-
-def test_the_played_out_schedule_is_the_formula_on_equal_stages():
-    """1F1B with p = 2, m = 4, F = 1, B = 2 on both stages: each stage idle (p-1)/(m+p-1) of the step."""
-    pieces = pictures.played("1f1b", 2, 4, [1.0, 1.0], [2.0, 2.0])
-    span = max(e for _, _, e, _, _ in pieces)
-    idle = [1 - sum(e - b for s, b, e, _, _ in pieces if s == k) / span for k in range(2)]
-    assert span == 15.0 and idle == [pytest.approx(0.2)] * 2 and pictures.played("interleaved1f1b", 2, 4, [1], [1]) \
-        is None
 
 
 @pytest.mark.skipif(pictures.browser() is None, reason="no Chromium on PATH (Debian: apt-get install chromium)")

@@ -48,6 +48,14 @@ def test_tensor_parallel_matches_single_and_counts_megatrons_collectives():
     assert sp["bytes_per_block_per_step"]["reduce_scatter"] == pytest.approx(4 * share, rel=0.01)
     plain = rows[("tensor_parallel", "transformer", ())].details
     assert sp["activation_bytes_per_rank"] < plain["activation_bytes_per_rank"]
+    # one layer's activations: Megatron's split to the byte by hand and by DTensor (activations.formula)
+    for d in (plain, rows[("manual_tp", "transformer", ())].details):
+        assert d["layer_activation_bytes"] == d["layer_activation_predicted"] and d["layer_activation_layout"]["t"] == 2
+    # DTensor's sequence parallelism keeps the all-gathered input of its two column-parallel regions (q, k, v
+    # and mlp.0), where the formula (Megatron's) keeps the 1/t shard: the difference is exactly those two
+    only_sp = rows[("tensor_parallel", "transformer", ("sequence_parallel",))].details
+    assert only_sp["layer_activation_gathered"] == 2 and only_sp["layer_activation_layout"]["sp"]
+    assert only_sp["layer_activation_bytes"] - only_sp["layer_activation_predicted"] == 2 * 4 * BATCH * T * C / 2
 
 
 @pytest.mark.slow

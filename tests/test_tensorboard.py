@@ -35,7 +35,7 @@ def test_tensorboard_lists_every_profiled_strategy_and_rank_traces_do_not_collid
                        cwd=ROOT, capture_output=True, text=True, timeout=150)
     assert p.returncode == 0, p.stdout + p.stderr
     # What compare writes (one run serves these checks too: a compare costs 10-30 s here)
-    assert "baseline" in p.stdout and "simulated: cpu:2" in p.stdout and "Pipelines: idle time" in p.stdout
+    assert "baseline" in p.stdout and "simulated: cpu:2" in p.stdout and "Pipelines: idle and step" in p.stdout
     doc = json.loads((out / "results.json").read_text())
     assert set(doc) == {"config", "environment", "rows", "skipped", "cost_model"} and doc["skipped"] == {}
     assert {"torch", "devices", "threads_per_device", "hostname", "time", "run"} <= set(doc["environment"])

@@ -186,10 +186,40 @@ def memory(args, console) -> dict:
            "model state + the peak of the step's allocations (torch.profiler, profile_memory=True)")
     console.print(f"step memory: {how}. checkpointing: {savers.SEGMENTS} segments, recomputed in backward.",
                   markup=False)
+    layer = layer_recompute(args.workload, device, args.batch_size)
+    if layer:
+        console.print(_table("one transformer layer's activations by recomputation (fp32, each storage once)",
+                             ["recompute", "measured", "formula", "terms"],
+                             [[mode, f"{d['layer_activation_bytes'] / MiB:.2f} MiB",
+                               f"{d['layer_activation_predicted'] / MiB:.2f} MiB",
+                               ", ".join(f"{k} {v / MiB:.2f}" for k, v in d["layer_activation_terms"].items())]
+                              for mode, d in layer.items()], left=1, keep=0))
     noisy = {**_whole(watch), **{f"{mode} step time": "; ".join(why) for mode, why in flagged.items()}}
     _show_flags(console, noisy, "the memory figures stand; rerun for the speeds when the machine is quiet")
     return {"workload": args.workload, "device": str(device), "batch_size": args.batch_size,
-            "budget_bytes": budget, "results": [dataclasses.asdict(r) for r in results], "noisy": noisy}
+            "budget_bytes": budget, "results": [dataclasses.asdict(r) for r in results], "noisy": noisy,
+            "layer_recompute": layer}
+
+
+def layer_recompute(workload: str, device: torch.device, batch: int) -> dict[str, dict]:
+    """One block of a token workload, on one batch, without recomputation, with its attention core
+    recomputed ("selective") and with all of it ("full"): measured beside activations.formula ({} for
+    the workloads without transformer blocks)."""
+    from parallel import activations
+    from parallel.workloads import WORKLOADS
+
+    w = WORKLOADS[workload]
+    block = activations.block_of(w.build_model(0)) if w.data == "tokens" else None
+    if block is None:
+        return {}
+    block = block.to(device)
+    x = torch.randn(batch, w.input_shape[0], block.norm1.normalized_shape[0], device=device)
+    out = {}
+    for mode in ("none", "selective", "full"):
+        meter = activations.LayerMeter(block)
+        block(x)  # the meter keeps this input
+        out[mode] = meter.details(w.input_shape[0], "fp32", mode)
+    return out
 
 
 def _device(text: str, parse_devices) -> torch.device:

@@ -19,7 +19,7 @@ from parallel.results import Row, atomic_write
 KIND_COLOR = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52"}
 VERDICT_COLOR = {"match": "#55a868", "baseline": "#4c72b0", "not-expected": "#dd8452", "mismatch": "#c44e52",
                  "unchecked": "#999999"}
-PIECE_COLOR = {"F": "#4c72b0", "B": "#dd8452", "I": "#dd8452", "W": "#8172b3"}
+PIECE_COLOR = {"F": "#4c72b0", "B": "#dd8452", "I": "#dd8452", "W": "#8172b3", "L": "#55a868"}
 
 
 def _plt():
@@ -223,52 +223,31 @@ def experts(rows: list[Row]) -> str | None:
     return _svg(fig)
 
 
-_PIECE = re.compile(r"(?:stage (\d+) )?([FBIW])(\d+)$")
-
-
 def pieces(timeline: list) -> list[tuple[int, float, float, str, int]]:
-    """(row of the chart, start ms, end ms, kind, micro-batch) from a row's stage_timeline: in-process
-    pipelines give one list per stage; pipeline_dist one list per rank, whose labels name the stage."""
+    """(row of the chart, start ms, end ms, kind, micro-batch) from a row's stage_timeline or replay_timeline:
+    in-process pipelines give one list per stage; pipeline_dist one list per rank, whose labels name the stage."""
+    from parallel.strategies.stage_time import PIECE
+
     out = []
     for lane, intervals in enumerate(timeline):
         for start, end, label in intervals:
-            if m := _PIECE.search(str(label)):
+            if m := PIECE.search(str(label)):
                 out.append((lane, float(start), float(end), m.group(2), int(m.group(3))))
     return out
 
 
-def played(schedule: str, p: int, m: int, fwd: list[float], bwd: list[float]) -> list[tuple] | None:
-    """The schedule played out on these per-stage forward and backward times, hand-offs free
-    (stage_time.play): the pieces as `pieces` gives them. None for the schedules it does not model (looped)."""
-    from parallel.strategies.pipeline import SCHEDULES
-    from parallel.strategies.stage_time import play
-
-    if schedule not in SCHEDULES:
-        return None
-    return play([SCHEDULES[schedule](s, p, m) for s in range(p)], fwd, bwd)
-
-
-def _median(values: list[float]) -> float:
-    values = sorted(values)
-    return values[len(values) // 2] if values else 0.0
-
-
 def gantt(r: Row) -> str | None:
-    """The row's last step as each stage (or rank) spent it, beside its schedule played out on the
-    medians of those same pieces with free hand-offs: the gap between the two is what the theory leaves
-    out (unequal pieces, waiting, the hand-offs)."""
+    """The row's last step as each stage (or rank) spent it, beside every rank's actions replayed on the
+    medians of those same pieces and the measured hand-offs (stage_time.pipeline_theory): the gap between
+    the two is what the replay leaves out (the time between pieces: the schedule's own work, waiting)."""
     measured = pieces(r.details.get("stage_timeline") or [])
     if not measured:
         return None
     lanes = max(p[0] for p in measured) + 1
-    m = int(r.details.get("microbatches", 1))
-    fwd = [_median([e - b for s, b, e, k, _ in measured if s == lane and k == "F"]) for lane in range(lanes)]
-    bwd = [_median([e - b for s, b, e, k, _ in measured if s == lane and k in "BI"]) for lane in range(lanes)]
-    schedule = r.details.get("schedule") or "gpipe"
-    theory = played(schedule, lanes, m, fwd, bwd) if lanes == len(r.details.get("stage_bounds", [])) - 1 else None
+    theory = pieces(r.details.get("replay_timeline") or [])
     plt = _plt()
-    panels = [("measured: the last step", measured)] + ([("played out: the same pieces, hand-offs free", theory)]
-                                                         if theory else [])
+    panels = [("measured: the last step", measured)] + ([("replayed: every rank's actions on the median pieces",
+                                                           theory)] if theory else [])
     fig, axes = plt.subplots(len(panels), 1, figsize=(7.5, 0.8 + 0.45 * lanes * len(panels) + 0.4 * len(panels)),
                              sharex=True, squeeze=False)
     for ax, (title, ps) in zip(axes[:, 0], panels, strict=True):
@@ -281,10 +260,8 @@ def gantt(r: Row) -> str | None:
                                      f"{k}" for k in range(lanes)])
         ax.invert_yaxis()
         ax.set_title(title, fontsize=9, loc="left")
-    axes[-1, 0].set_xlabel("ms since the step's first piece of work (F forward, B backward, W weight gradient)")
-    if not theory:
-        axes[0, 0].set_title(f"measured: the last step ({schedule}: its looped order is not played out here)",
-                             fontsize=9, loc="left")
+    axes[-1, 0].set_xlabel("ms since the step's first piece of work (F forward, L loss, B backward, I input gradient, "
+                           "W weight gradient)")
     return _svg(fig)
 
 
@@ -370,7 +347,7 @@ def page(rows: list[Row], environment: dict, skipped: dict | None, out: Path) ->
                  "rank sets the step, since every rank waits for it at the combine's all-to-all.")]
     sections += [(f"Pipeline schedule: {r.label}", gantt(r), f"{r.details.get('schedule', 'one stage at a time')}, "
                   f"m = {r.details.get('microbatches', 1)}, stages {r.details.get('stages', '')}: idle "
-                  f"{r.measured.bubble_measured or 0:.0%} measured, {r.measured.bubble_theory:.0%} in theory")
+                  f"{r.measured.bubble_measured or 0:.0%} measured, {r.measured.bubble_replayed or 0:.0%} replayed")
                  for r in report.pipeline_rows(rows)]
     sections.append(("Equivalence: every tensor against one device", errors(rows),
                      "Each dot is one tensor's largest difference from `single`'s over its own tolerance."))

@@ -197,33 +197,100 @@ def sharding_tables(rows: list[Row]) -> list[Table]:
 
 
 def pipeline_rows(rows: list[Row]) -> list[Row]:
-    return [r for r in rows if r.status == "ok" and r.measured.bubble_theory is not None and "stages" in r.details]
+    return [r for r in rows if r.status == "ok" and "stages" in r.details and
+            (r.measured.bubble_theory is not None or r.measured.bubble_replayed is not None)]
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0%}"
+
+
+def _beside(measured: str, theory: str) -> str:
+    return measured if theory in ("", "-") else f"{measured} ({theory})"
 
 
 def pipeline_table(rows: list[Row], wide: bool = False) -> Table | None:
-    """Every pipeline row: its schedule and micro-batches, the cut, the idle fraction measured beside the
-    schedule's theory, the step predicted by playing the schedule out, and the activations each stage
-    held at once (wide: what goes point to point, the model state per rank)."""
+    """Every pipeline row: its schedule and micro-batches, the idle fraction and step measured beside
+    every rank's actions replayed on the run's own piece times (in brackets), the schedule's closed form,
+    and the micro-batches each stage held at once beside what its order holds (wide: the cut, the
+    activation bytes, the cost model's step, what goes point to point, the model state per rank)."""
     chosen = pipeline_rows(rows)
     if not chosen:
         return None
-    heads = [("strategy", "left"), ("schedule", "left"), ("m", "right"), ("stages (layers)", "left"),
-             ("idle", "right"), ("theory", "right"), ("ms (pred.)", "right"), ("activations", "right")]
+    heads = [("strategy", "left"), ("schedule", "left"), ("m", "right"), ("idle (replay)", "right"),
+             ("closed", "right"), ("ms (replay)", "right"), ("held (order)", "right")]
     if wide:
-        heads += [("sent/step", "right"), ("model state per rank", "right")]
-    t = _table("Pipelines: idle time against theory, and the activations each stage held at once", heads)
+        heads += [("stages (layers)", "left"), ("activations", "right"), ("ms (model)", "right"),
+                  ("sent/step", "right"), ("model state per rank", "right")]
+    t = _table("Pipelines: idle and step against the schedule replayed on its own pieces; micro-batches held", heads)
+    t.columns[0].min_width = 16
     for r in chosen:
         d, m = r.details, r.measured
-        idle = "-" if m.bubble_measured is None else f"{m.bubble_measured:.0%}"
-        pred = f"{r.step_ms_p50:.1f} ({r.step_ms_predicted:.1f})" if r.step_ms_predicted else f"{r.step_ms_p50:.1f}"
-        acts = d.get("stage_peak_activation_bytes") or d.get("stage_activation_bytes") or []
-        cells = [r.label, d.get("schedule", "-"), str(d.get("microbatches", 1)), d["stages"], idle,
-                 f"{m.bubble_theory:.0%}", pred, " / ".join(_bytes(b, short=True) for b in acts)]
+        replayed = d.get("replayed_step_ms")
+        label = " ".join(w for w in r.label.split(" ") if not w.startswith("schedule="))  # its own column
+        cells = [label, d.get("schedule", "-"), str(d.get("microbatches", 1)),
+                 _beside(_pct(m.bubble_measured), _pct(m.bubble_replayed)), _pct(m.bubble_theory),
+                 _beside(_num(r.step_ms_p50, ".1f"), _num(replayed, ".1f") if replayed else "-"),
+                 _beside(" ".join(map(str, d.get("held_measured") or [])) or "-",
+                         " ".join(map(str, d.get("held_predicted") or [])) or "-")]
         if wide:
-            cells += [_bytes(r.comm_bytes_per_step),
+            acts = d.get("stage_peak_activation_bytes") or d.get("stage_activation_bytes") or []
+            cells += [d["stages"], " / ".join(_bytes(b, short=True) for b in acts), _num(r.step_ms_predicted, ".1f"),
+                      _bytes(r.comm_bytes_per_step),
                       " / ".join(_bytes(b, short=True) for b in d.get("model_state_bytes_per_device") or [])]
         t.add_row(*cells)
     return t
+
+
+def layer_rows(rows: list[Row]) -> list[Row]:
+    return [r for r in rows if r.status == "ok" and r.details.get("layer_activation_predicted")]
+
+
+def _layout(d: dict) -> str:
+    lay = d.get("layer_activation_layout") or {}
+    if lay.get("t", 1) > 1:
+        return f"tp {lay['t']}{' sp' if lay.get('sp') else ''}"
+    return f"cp {lay['cp']}" if lay.get("cp", 1) > 1 else "one"
+
+
+def layer_table(rows: list[Row]) -> Table | None:
+    """One transformer layer's activations on one rank, measured (each storage once) beside the formula
+    (parallel/activations.py) and its named terms: what tensor, sequence and context parallelism split."""
+    chosen = layer_rows(rows)
+    if not chosen:
+        return None
+    t = _table("Activations of one transformer layer on one rank: measured against the formula's terms",
+               [("strategy", "left"), ("layout", "left"), ("measured", "right"), ("formula", "right"),
+                ("off", "right"), ("whole", "right"), ("split", "right"), ("core", "right"), ("kernel", "left")])
+    t.columns[0].min_width = 16
+    for r in chosen:
+        d = r.details
+        terms, measured, predicted = d["layer_activation_terms"], d["layer_activation_bytes"], d[
+            "layer_activation_predicted"]
+        t.add_row(r.label, _layout(d), _bytes(measured, short=True), _bytes(predicted, short=True),
+                  f"{measured / predicted - 1:+.1%}", _bytes(terms.get("whole"), short=True),
+                  _bytes(terms.get("split"), short=True), _bytes(terms.get("core"), short=True),
+                  (d.get("layer_activation_layout") or {}).get("kernel", "-"))
+    return t
+
+
+def layer_gaps(rows: list[Row]) -> list[str]:
+    """Where one layer's measured activations are over the formula by more than 1%, which tensor."""
+    out = []
+    for r in layer_rows(rows):
+        d = r.details
+        extra = d["layer_activation_bytes"] - d["layer_activation_predicted"]
+        if extra <= 0.01 * d["layer_activation_predicted"]:
+            continue
+        if n := d.get("layer_activation_gathered"):
+            lay = d["layer_activation_layout"]
+            out.append(f"{r.label}: {_bytes(extra)} over the formula: DTensor's sequence parallelism keeps the "
+                       f"all-gathered input of its {n} column-parallel regions (q, k, v; mlp.0), "
+                       f"{lay['b']} x {lay['s']} x {lay['h']} each, for backward, where Megatron keeps its 1/"
+                       f"{lay['t']} and gathers it again.")
+        else:
+            out.append(f"{r.label}: {_bytes(extra)} over the formula, in no tensor it names.")
+    return out
 
 
 def context_rows(rows: list[Row]) -> list[Row]:
@@ -405,7 +472,7 @@ def long_notes(rows: list[Row], environment: dict, skipped: dict | None = None, 
     out += [f"{r.label}: {f}" for r in rows for f in r.flags]
     out += skipped_in_full(skipped or {})
     out += [f"{r.label}: {r.equivalence.reason}" for r in rows if r.equivalence.verdict == "not-expected"]
-    out += _reduce_scatter_caveat(rows) + pipeline_gaps(rows) + cost_lines(cost_model)
+    out += _reduce_scatter_caveat(rows) + pipeline_gaps(rows) + layer_gaps(rows) + cost_lines(cost_model)
     kinds = {r.peak_mem_kind for r in rows if r.peak_mem_kind}
     if "process_peak_rss" in kinds:
         out.append("peak mem on CPU is the peak resident memory of rank 0's process (torch itself included); "
@@ -418,21 +485,26 @@ def long_notes(rows: list[Row], environment: dict, skipped: dict | None = None, 
 
 
 def pipeline_gaps(rows: list[Row]) -> list[str]:
-    """Why a pipeline row idled more than its schedule's theory (by over a quarter of it): the theory
-    assumes equal stages and free hand-offs."""
+    """Why a pipeline row idled more than its schedule replayed on its own pieces (by over a quarter of
+    it), or, where it was not replayed, than its closed form (which assumes equal stages)."""
     out = []
     for r in rows:
         m, busy = r.measured, r.details.get("stage_busy_ms")
         if r.status != "ok" or m.bubble_measured is None or not busy or len(busy) < 2:
             continue
-        theory = m.bubble_theory or 0.0
+        replayed = m.bubble_replayed is not None
+        theory = (m.bubble_replayed if replayed else m.bubble_theory) or 0.0
         if m.bubble_measured <= theory * 1.25 or m.bubble_measured - theory <= 0.02:
             continue
-        why = (f"its stages were busy {' / '.join(f'{b:.1f}' for b in busy)} ms a step, and a faster stage waits for "
-               "a slower one, which the theory's equal stages leave out" if max(busy) > 1.1 * min(busy) else
+        why = ("the replay has every piece's own time and the hand-offs, so the rest is the time between pieces: "
+               "the schedule's own work (posting and waiting on sends and receives), which it does not price"
+               if replayed else
+               f"its stages were busy {' / '.join(f'{b:.1f}' for b in busy)} ms a step, and a faster stage waits for "
+               "a slower one, which the closed form's equal stages leave out" if max(busy) > 1.1 * min(busy) else
                f"its stages were equally busy ({' / '.join(f'{b:.1f}' for b in busy)} ms), so the rest is what each "
-               "of the m hand-offs costs (copies, queues, send/recv), which the theory leaves out")
-        out.append(f"{r.label}: idle {m.bubble_measured:.0%} of each step against {theory:.0%} in theory: {why}.")
+               "of the m hand-offs costs (copies, queues, send/recv), which the closed form leaves out")
+        out.append(f"{r.label}: idle {m.bubble_measured:.0%} of each step against {theory:.0%} "
+                   f"{'replayed' if replayed else 'in theory'}: {why}.")
     return out
 
 
@@ -610,7 +682,8 @@ def show(rows: list[Row], environment: dict, console: Console | None = None, ski
     console = console or make_console()
     console.print(header(environment), highlight=False, markup=False)
     console.print(table(rows, environment, wide))
-    for extra in (*sharding_tables(rows), pipeline_table(rows, wide), context_table(rows), expert_table(rows)):
+    for extra in (*sharding_tables(rows), pipeline_table(rows, wide), layer_table(rows), context_table(rows),
+                  expert_table(rows)):
         if extra is not None:
             console.print(extra)
     lines = notes(rows, environment, skipped) + (long_notes(rows, environment, skipped, cost_model) if wide else [])

@@ -41,7 +41,8 @@ CONSTANTS = {"Options": None, "NOT_EXPECTED_REASON": None, "CHECKPOINTS": True, 
              "TIES": True,  # TIES: it trains a model whose weights are tied (one object in two places)
              "SEQUENCE": False,  # SEQUENCE: it splits the sequence, replacing the model's attention
              "EXPERTS": False,  # EXPERTS: it splits the model's routed experts (model.moe_layers())
-             "ROUTING": False}  # ROUTING: its routers count over the whole batch (trains with --aux-loss)
+             "ROUTING": False,  # ROUTING: its routers count over the whole batch (trains with --aux-loss)
+             "LAYER_ACTIVATIONS": False}  # one transformer layer's activations measured beside the formula
 
 
 def _hooks(module: ModuleType) -> base.Hooks:

@@ -51,6 +51,7 @@ from parallel.usermodel import workload_of
 NAME = "context_parallel"
 LAUNCH = "torchrun"
 SYNCHRONOUS = True
+LAYER_ACTIVATIONS = True  # a transformer layer's activation bytes beside the formula (activations.py)
 SEQUENCE = True  # it replaces the model's attention (model.attentions())
 
 _ZIGZAG = {"workload": "transformer", "options": {"cp_layout": "zigzag"}}

@@ -49,6 +49,7 @@ from parallel.workloads import Attention, tp_plan_of
 NAME = "manual_tp"
 LAUNCH = "torchrun"
 SYNCHRONOUS = True
+LAYER_ACTIVATIONS = True  # a transformer layer's activation bytes beside the formula (activations.py)
 TENSOR_PARALLEL = True  # trains only workloads whose model has a tp_plan()
 
 # Bugs the oracle must catch (`--mutant NAME`; base.Mutant).

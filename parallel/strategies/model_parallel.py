@@ -118,16 +118,18 @@ def train_step(t: Trainable, batch, dist):
 
 
 def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
-    return stage_details(t, config, result, microbatches=1)
+    return stage_details(t, config, result, [[("F", 0), ("B", 0)]] * len(t.state.split.stages), "gpipe")
 
 
-def stage_details(t: Trainable, config, result, microbatches: int) -> dict:
+def stage_details(t: Trainable, config, result, ops: list[list[tuple[str, int]]], schedule: str) -> dict:
+    """What the stages were and held, and their idle time beside the theory of `schedule` (`ops`: each
+    stage's pieces in order; one stage at a time is gpipe of one micro-batch)."""
     sp, steps = t.state.split, t.state.metered()
     return {"balance": sp.balance, "stages": sp.describe(), "stage_bounds": sp.bounds,
             "stage_param_bytes": sp.param_bytes(),
             "stage_activation_bytes": [m.bytes // steps for m in t.state.meters],  # held at the end of forward
 
-            **t.state.busy.summary(config.warmup, len(sp.stages), microbatches)}
+            **t.state.busy.summary(config.warmup, ops, schedule, result.step_s)}
 
 
 def predict_step_ms(cal, config, row) -> float:

@@ -212,8 +212,11 @@ def train_step(t: Trainable, batch, dist):
 
 
 def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
-    return {**stage_details(t, config, result, microbatches=t.state.m), "microbatches": t.state.m,
-            "schedule": options_of(Options, config).schedule, "stage_peak_activation_bytes": t.state.peak}
+    schedule, m = options_of(Options, config).schedule, t.state.m
+    details = stage_details(t, config, result, t.state.ops, schedule)
+    one = [b / m for b in details["stage_activation_bytes"]]  # a step's, over its micro-batches (alike when m | batch)
+    return {**details, "microbatches": m, "schedule": schedule, "stage_peak_activation_bytes": t.state.peak,
+            "held_measured": [round(p / o) if o else 0 for p, o in zip(t.state.peak, one, strict=True)]}
 
 
 def predict_step_ms(cal, config, row) -> float | None:

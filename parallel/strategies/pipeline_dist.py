@@ -11,10 +11,17 @@ forward and their gradients back with isend/irecv (gloo on CPU, nccl on GPUs).
     gpipe, 1f1b        1                  (p-1)/(m+p-1)
     interleaved1f1b    2, in a loop       (p-1)/(2m+p-1): rank r holds stages r and r+p, so each
     loopedbfs          2, in a loop         fill and drain costs half a stage (Narayanan et al. 2021)
-    interleavedzb      2, in a loop       ~0 when forward, input-gradient and weight-gradient times are
-    zbv                2, in a V          equal: each backward is split into B (input) and W (weight) and
-                                          the W's fill the gaps (Qi et al. 2024). The V puts stages r
-                                          and 2p-1-r on rank r: rank 0 reads the inputs and computes the loss.
+    interleavedzb      2, in a loop       ZB-H1's (p-1)(F+I-W) of bubble: each backward is split into I
+    zbv                2, in a V          (input) and W (weight) and the W's fill the gaps (Qi et al. 2024);
+                                          ~0 when F = I = W. The V puts stages r and 2p-1-r on rank r: rank
+                                          0 reads the inputs and computes the loss.
+    dualpipev          2, in a V          DeepSeek-V3's (2024), at least 2p micro-batches; its overlapped
+                                          F&B runs as F then B here (torch has no overlap of its own)
+
+The theory beside each run is every rank's own action list (torch's pipeline_order; for gpipe and 1f1b,
+which torch runs without one, their order as torch's step runs them) replayed on the run's own median
+F, I, B and W times per stage and the hand-off measured after the run (stage_time.pipeline_theory), with
+the closed form above beside it: docs/pipelines.md.
 
 Only the rank with the first stage uses the inputs and only the one with the last stage the targets
 and the loss (ParallelDims.loss_pp says which). torch's stages receive into buffers shaped like the first
@@ -39,8 +46,8 @@ from parallel.layout import ParallelDims
 from parallel.results import Measured
 from parallel.strategies import pipeline, wire
 from parallel.strategies.base import Hooks, Mutant, Trainable, every_rank, injected, model_state_every_rank, options_of
-from parallel.strategies.stage_time import Busy, timed_stage
-from parallel.strategies.stages import ActivationMeter, agreed_cut, describe, layers_of
+from parallel.strategies.stage_time import Busy, closed_form_idle, pipeline_theory, timed_loss, timed_stage
+from parallel.strategies.stages import ActivationMeter, SentHop, agreed_cut, describe, layers_of
 from parallel.strategies.tied import TiedAcross
 from parallel.usermodel import workload_of
 
@@ -55,7 +62,8 @@ CHECKPOINTS = False  # each rank's stages depend on the split measured at start-
 # name -> (torch's schedule class, stages per rank, placement of stage i: "loop" rank i % p, "v" see above)
 SCHEDULES = {"gpipe": ("ScheduleGPipe", 1, "loop"), "1f1b": ("Schedule1F1B", 1, "loop"),
              "interleaved1f1b": ("ScheduleInterleaved1F1B", 2, "loop"), "loopedbfs": ("ScheduleLoopedBFS", 2, "loop"),
-             "interleavedzb": ("ScheduleInterleavedZeroBubble", 2, "loop"), "zbv": ("ScheduleZBVZeroBubble", 2, "v")}
+             "interleavedzb": ("ScheduleInterleavedZeroBubble", 2, "loop"), "zbv": ("ScheduleZBVZeroBubble", 2, "v"),
+             "dualpipev": ("ScheduleDualPipeV", 2, "v")}
 
 # A bug the oracle must catch (`--mutant NAME`; base.Mutant).
 SUMMED = Mutant("pipeline_dist:summed-microbatches", "scale_grads=False with the micro-batches' mean losses as they "
@@ -63,7 +71,11 @@ SUMMED = Mutant("pipeline_dist:summed-microbatches", "scale_grads=False with the
 TIE_UNSUMMED = Mutant("pipeline_dist:tie-unsummed", "the head tied to the token embedding has a copy in the first "
                       "and the last stage, and their gradients are never summed: each learns from one use",
                       {"model": EXAMPLES_GPT2 + ":gpt2_tied", "vocab": 64, "seq_len": 16, "workload": ""})
-MUTANTS = (SUMMED, TIE_UNSUMMED)
+TIE_IN_RANK = Mutant("pipeline_dist:tie-within-rank", "dualpipev's V puts the token embedding and the head tied to "
+                     "it on rank 0: their copies are summed across ranks only, so in the V nothing sums them",
+                     {"model": EXAMPLES_GPT2 + ":gpt2_tied", "vocab": 64, "seq_len": 16, "workload": "",
+                      "options": {"schedule": "dualpipev"}})
+MUTANTS = (SUMMED, TIE_UNSUMMED, TIE_IN_RANK)
 
 
 @dataclass
@@ -87,8 +99,8 @@ class Options(pipeline.Options):
             raise ConfigError(f"--schedule {self.schedule} loops over several stages per rank: --stages-per-rank 1 "
                               "is gpipe or 1f1b")
         if placement == "v" and self.stages_per_rank not in (0, 2):
-            raise ConfigError(f"--schedule zbv places its stages in a V, exactly 2 per rank; --stages-per-rank "
-                              f"{self.stages_per_rank} would make {self.stages_per_rank} per rank")
+            raise ConfigError(f"--schedule {self.schedule} places its stages in a V, exactly 2 per rank; "
+                              f"--stages-per-rank {self.stages_per_rank} would make {self.stages_per_rank} per rank")
 
     @property
     def v(self) -> int:
@@ -104,6 +116,11 @@ class Options(pipeline.Options):
 def stage_ids(rank: int, p: int, v: int, placement: str) -> list[int]:
     """The stages rank `rank` holds, of p x v: a loop (r, r + p, r + 2p, ...) or a V (r, 2p - 1 - r)."""
     return [rank, 2 * p - 1 - rank] if placement == "v" else [rank + i * p for i in range(v)]
+
+
+def least_microbatches(schedule: str, p: int) -> int:
+    """The fewest micro-batches torch runs `schedule` on over p ranks: DualPipeV's 2p (one per stage)."""
+    return 2 * p if schedule == "dualpipev" else 1
 
 
 def dims(config, dist) -> ParallelDims:
@@ -128,7 +145,7 @@ def fit_microbatches(config, p: int, batch: int) -> dict:
     `batch` samples it takes a step (torch's stages receive into buffers of one micro-batch's shape) and,
     for the looped schedules, come in whole rounds of p. None fits: the default stays, and check says why."""
     o = options_of(Options, config)
-    least = max(Options.microbatches, p)
+    least = max(Options.microbatches, p, least_microbatches(o.schedule, p))
     for m in range(least, batch + 1):
         if batch % m == 0 and (o.v == 1 or m % p == 0):
             return {"microbatches": m}
@@ -173,6 +190,9 @@ def check_pipeline(config, p: int, batch: int) -> None:
                           "stage without any has nothing to train (fewer ranks, or --stages-per-rank 1)")
     if o.schedule == "1f1b" and m < p:  # torch's conditions, checked here to fail before any process starts
         raise ConfigError(f"--schedule 1f1b needs at least as many micro-batches as stages: {m} < {p}")
+    if m < (least := least_microbatches(o.schedule, p)):
+        raise ConfigError(f"--schedule {o.schedule} needs at least as many micro-batches as its {least} stages (2 "
+                          f"on each of {p} ranks): --microbatches {m}")
     if o.schedule in ("interleaved1f1b", "interleavedzb") and m % (rounds := max(1, m // p)):
         raise ConfigError(f"--schedule {o.schedule} runs micro-batches in rounds of {p}: --microbatches {m} is not a "
                           f"multiple of its {rounds} rounds")
@@ -182,6 +202,7 @@ def check_pipeline(config, p: int, batch: int) -> None:
 class State:
     schedule: object  # torch's schedule over this rank's stages
     p: int  # ranks in this rank's pipeline
+    rank: int  # this rank's place in it
     stages: list  # this rank's PipelineStages, in stage order
     names: dict[int, list[str]]  # stage index -> the model's name of each of its layers
     bounds: list[int]  # stage i = layers[bounds[i]:bounds[i+1]], every stage of the run
@@ -222,13 +243,14 @@ def build(model, make_optimizer, loss_fn, dist, config, o: Options, rank: int, p
         stages.append(timed_stage(module, i, p * v, dist.device, group, busy, ActivationMeter(module)))
 
     schedule = getattr(pipelining.schedules, torch_name)(stages[0] if v == 1 else stages, n_microbatches=o.microbatches,
-                                                         loss_fn=loss_fn, scale_grads=not injected(config, SUMMED))
+                                                         loss_fn=timed_loss(loss_fn, busy, p * v - 1),
+                                                         scale_grads=not injected(config, SUMMED))
     rank_of = {i: r for r in range(p) for i in stage_ids(r, p, v, placement)}
     # fsdp_pp (shard) takes no tied model (its TIES): a sharded weight's copies are not summed here
     tied = TiedAcross(layers, bounds, rank_of.__getitem__, modules, config.pg_timeout) if shard is None else None
     local = nn.ModuleList(modules)
-    state = State(schedule, p, stages, names, bounds, 0 in ids, p * v - 1 in ids, busy, wire.Counter(config.warmup),
-                  tied)
+    state = State(schedule, p, rank, stages, names, bounds, 0 in ids, p * v - 1 in ids, busy,
+                  wire.Counter(config.warmup), tied)
     return Trainable(local, make_optimizer(local.parameters()), loss_fn, dist.device, comm_bytes=0, state=state)
 
 
@@ -244,7 +266,7 @@ def train_step(t: Trainable, batch, dist):
         s.schedule.step(*([x] if s.first else []), **({"target": y, "losses": losses} if s.last else {}),
                         return_outputs=False)
     if s.tied is not None and not injected(t, TIE_UNSUMMED):
-        s.tied.sum()
+        s.tied.sum(within_rank=not injected(t, TIE_IN_RANK))
     t.optimizer.step()
     s.busy.end_step()
     t.comm_bytes, t.comm_steps = s.counter.total, s.counter.counted
@@ -268,20 +290,59 @@ def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
     return {k: v for part in every_rank(mine) for k, v in part.items()}
 
 
-def theory(o: Options, p: int) -> float:
-    """The idle fraction each schedule's authors give for balanced stages (v stages per rank)."""
-    if o.schedule in ("interleavedzb", "zbv"):
-        return 0.0
-    return (p - 1) / (o.v * o.microbatches + p - 1)
+def rank_of(stage: int, p: int, placement: str) -> int:
+    """The rank holding `stage` (stage_ids' inverse)."""
+    return stage % p if placement == "loop" else min(stage, 2 * p - 1 - stage)
+
+
+def orders(schedule, o: Options, p: int) -> dict[int, list]:
+    """Every rank's compute actions in the order torch runs them, as (stage, "F" | "I" | "B" | "W",
+    micro-batch): the runtime schedules' pipeline_order (an overlapped F&B as its two parts, in order);
+    gpipe and 1f1b step without one (torch 2.13's Schedule1F1B IR even numbers the last rank's forwards
+    1..m), so theirs is written out here as their _step_microbatches runs: every F then every B in
+    micro-batch order; p-s forwards of warm-up then B, F pairs."""
+    m = o.microbatches
+    if o.schedule == "gpipe":
+        return {r: [(r, "F", j) for j in range(m)] + [(r, "B", j) for j in range(m)] for r in range(p)}
+    if o.schedule == "1f1b":
+        return {r: [(r, kind, j) for kind, j in pipeline.one_f_one_b(r, p, m)] for r in range(p)}
+    out = {}
+    for r in range(p):
+        acts = [sub for a in schedule.pipeline_order[r] if a is not None for sub in (a.sub_actions or (a,))]
+        out[r] = [(a.stage_index, a.computation_type.value, a.microbatch_index) for a in acts
+                  if a.computation_type.value in ("F", "I", "B", "W")]
+    return out
+
+
+def hop_ms(stage_out: dict[int, int], p: int, placement: str, dist) -> dict[int, float]:
+    """Each boundary's hand-off between two ranks, measured after the run (off the clock): the sending
+    rank sends one micro-batch's output bytes to the receiving rank and takes as many back (the gradient),
+    SentHop's median round trip; half of it is one hand-off (ms). Boundaries within a rank (the V's turn)
+    cost nothing and are left out."""
+    mine = {}
+    for b in range(len(stage_out) - 1):
+        a, c = rank_of(b, p, placement), rank_of(b + 1, p, placement)
+        if a == c or not stage_out.get(b):
+            continue
+        if dist.rank == a:
+            hop = SentHop(c, dist.device)
+            mine[b] = hop(torch.empty(stage_out[b], dtype=torch.uint8, device=dist.device)) * 1e3 / 2
+            hop.close()
+        elif dist.rank == c:
+            SentHop.echo(a, dist.device)
+    return {k: v for part in every_rank(mine) for k, v in part.items()}
 
 
 def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
     """The bubble: per step, each rank idle for the part of the step's span (start to the last piece of
-    work on any rank, one host's clock) it was not computing; point-to-point bytes; activations held."""
+    work on any rank, one host's clock) it was not computing; point-to-point bytes; activations held; and
+    the theory (pipeline_theory): every rank's actions replayed on the pieces' median times measured here
+    and the hand-offs measured after the run (fsdp_pp's pipelines: hand-offs left out)."""
     s, o = t.state, options_of(Options, config)
     skip = config.warmup
     mine = {"busy": [b[0] for b in s.busy.busy_ms[skip:]], "end": s.busy.ends_ms[skip:],
-            "peak": {st.stage_index: st.peak for st in s.stages},
+            "peak": {st.stage_index: st.peak for st in s.stages}, "one": {st.stage_index: st.one for st in s.stages},
+            "out": {st.stage_index: st.out_bytes for st in s.stages}, "pieces": s.busy.piece_ms(skip),
             "timeline": s.busy.timeline[0] if s.busy.timeline else []}
     ranks = every_rank(mine)
     bubbles, per_rank = [], [[] for _ in ranks]
@@ -291,20 +352,28 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
         bubbles.append(statistics.fmean(idle))
         for i, f in enumerate(idle):
             per_rank[i].append(f)
-    peaks = {k: v for r in ranks for k, v in r["peak"].items()}
+    peaks, ones, outs, pieces = ({k: v for r in ranks for k, v in r[key].items()}
+                                 for key in ("peak", "one", "out", "pieces"))
     out = {"schedule": o.schedule, "microbatches": o.microbatches, "balance": o.balance,
            "stages": describe(s.bounds),
            "stage_bounds": s.bounds,
            "stage_peak_activation_bytes": [peaks[i] for i in sorted(peaks)],
+           "held_measured": [round(peaks[i] / ones[i]) if ones[i] else 0 for i in sorted(peaks)],
            **s.counter.measurements()}
-    th = theory(o, s.p)
-    if bubbles:
+    placement, p = SCHEDULES[o.schedule][2], s.p
+    hop = hop_ms(outs, p, placement, dist) if p == dist.world_size else {}
+    closed = closed_form_idle(o.schedule, p, o.microbatches, o.v, pieces)
+    if bubbles and result.step_s:
+        theory = pipeline_theory(o.schedule, orders(s.schedule, o, p), pieces, hop, o.microbatches, o.v,
+                                 s.busy.outside_ms(result.step_s), rank=s.rank)  # this rank's: its step times
         out["rank_idle_fraction"] = [round(statistics.median(r), 3) for r in per_rank]
         out["stage_busy_ms"] = [round(statistics.median(r["busy"]), 2) for r in ranks]  # per rank: its stages
         out["stage_timeline"] = [r["timeline"] for r in ranks]  # the last step, per rank (report.html)
-        out["measured"] = Measured(bubble_measured=statistics.median(bubbles), bubble_theory=th)
+        out["measured"] = Measured(bubble_measured=statistics.median(bubbles), bubble_theory=closed,
+                                   bubble_replayed=theory.pop("replayed_idle"))
+        out.update(theory)
     else:
-        out["measured"] = Measured(bubble_theory=th)
+        out["measured"] = Measured(bubble_theory=closed)
     return out
 
 

@@ -11,6 +11,7 @@ from parallel.strategies.base import Hooks, Trainable, make_optimizers
 NAME = "single"
 LAUNCH = "inprocess"
 SYNCHRONOUS = True
+LAYER_ACTIVATIONS = True  # a transformer layer's activation bytes beside the formula (activations.py)
 MULTI_PART = True  # also trains models with separately optimised parts (the DCGAN)
 ROUTING = True  # one process: a router's counts are the whole batch's (trains with --aux-loss)
 

@@ -48,6 +48,7 @@ from parallel.workloads import tp_plan_of
 NAME = "tensor_parallel"
 LAUNCH = "torchrun"
 SYNCHRONOUS = True
+LAYER_ACTIVATIONS = True  # a transformer layer's activation bytes beside the formula (activations.py)
 TENSOR_PARALLEL = True
 
 # A bug the oracle must catch (`--mutant NAME`; base.Mutant).

@@ -1,0 +1,158 @@
+"""Activation memory of one transformer layer: the formula beside what autograd really keeps.
+
+Korthikanti et al. (2022) count sbh(34 + 5as/h) bytes per layer (16-bit, with dropout). Adapted to this
+project's block (workloads.Block: fp32, pre-norm, GELU MLP of 4h, no dropout), with s positions, b
+sequences, h features, a heads, 4-byte elements, each tensor counted once however often it is saved:
+
+    whole     16 sbh   the two norms' inputs and the column-parallel layers' input (norm1(x) for q, k, v;
+                       norm2(x) for mlp.0): tensor parallelism leaves them whole, sequence parallelism
+                       splits them over its t ranks
+    split     48 sbh   q, k, v, proj's input (the heads' output), GELU's input and output: 1/t each under
+                       tensor parallelism
+    core      4 as^2 b the softmax of the math attention kernel, 1/t under tensor parallelism; the fused
+              (4 abs)  kernels keep their log-sum-exp instead (a b s floats), and no s^2 term at all
+    norms     16 sb    each norm's mean and 1/std (the paper leaves them out: 1/h of the rest)
+
+so sbh(64 + 4as/h) with the math kernel and 64 sbh (+ the log-sum-exp) with the fused one. Recomputation:
+"selective" (the attention core recomputed in backward) drops the core; "full" (the whole layer) keeps
+only its input, sbh. Context parallelism gives each rank s/cp positions.
+
+`LayerMeter` measures it: the bytes autograd saves during one forward of a model's first Block, each
+storage counted once (q, k and v save the same input three times; the pipelines' ActivationMeter counts
+every save). The worker runs it for the strategies that declare LAYER_ACTIVATIONS (single, the tensor-
+and context-parallel ones): one more forward of one block, after the run, off the clock.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+BYTES = 4  # fp32
+
+
+def formula(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, kernel: str = "fused",
+            recompute: str = "none") -> dict[str, float]:
+    """The named terms, in bytes, of one layer on one rank (`s`: the positions this rank's layer sees
+    outside its split regions; `t`: tensor-parallel ranks; `sp`: sequence parallel). Their sum is the
+    prediction."""
+    sbh = s * b * h
+    if recompute == "full":
+        return {"input": BYTES * sbh / (t if sp else 1)}
+    whole = t if sp else 1
+    terms = {"whole": 4 * BYTES * sbh / whole, "split": 12 * BYTES * sbh / t, "norms": 4 * BYTES * s * b / whole}
+    if recompute == "none":
+        terms["core"] = BYTES * a * s * s * b / t if kernel == "math" else BYTES * a * s * b / t
+    return terms
+
+
+def local(x) -> torch.Tensor:
+    return x.to_local() if hasattr(x, "to_local") else x
+
+
+def block_of(model: nn.Module) -> nn.Module | None:
+    """The model's first transformer Block whose MLP is the dense one the formula counts (an MoE
+    block's is not), or None."""
+    from parallel.workloads import Block
+
+    for m in model.modules():
+        if isinstance(m, Block) and isinstance(m.mlp, nn.Sequential):
+            return m
+    return None
+
+
+def meter_for(strategy, model: nn.Module, workload, config) -> LayerMeter | None:
+    """A LayerMeter on the model's first block, where the strategy declares LAYER_ACTIVATIONS, the
+    workload is a token model and the run measures its extras."""
+    if not (strategy.LAYER_ACTIVATIONS and config.extras and getattr(workload, "data", None) == "tokens"):
+        return None
+    block = block_of(model)
+    return LayerMeter(block) if block is not None else None
+
+
+class LayerMeter:
+    """The activation bytes of one forward of `block`, each storage once, parameters left out: the
+    block's input is kept from its first call in training (a hook, removed then), and `measure()`, after
+    the run, on every rank alike (its forward may hold collectives: tensor and context parallelism), runs
+    the block once more on it with the saves counted, then drops the graph. `shapes`: every saved
+    tensor's shape, for naming the one that makes a difference."""
+
+    def __init__(self, block: nn.Module):
+        self.block, self.bytes, self.shapes, self.input, self.kernel = block, None, [], None, "fused"
+        self._storages: dict[int, int] = {}
+        self._params = {local(p).data_ptr() for p in block.parameters()}
+        self._handle = block.register_forward_pre_hook(self._keep)
+
+    def _keep(self, module, args):
+        self.input = args[0].detach()
+        self._handle.remove()
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        held = local(t)
+        if held.data_ptr() not in self._params:
+            storage = held.untyped_storage()
+            if storage.data_ptr() not in self._storages:
+                self.shapes.append(tuple(held.shape))  # each storage's first saved shape
+            self._storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def measure(self, recompute: str = "none") -> None:
+        """`recompute`: "full", the block under torch.utils.checkpoint; "selective", its attention core
+        (Attention.attend) under it. Reentrant checkpoints: they keep their inputs through the saved-
+        tensor hooks this meter reads (the non-reentrant ones keep the same inputs out of their sight)."""
+        from torch.utils.checkpoint import checkpoint
+
+        self._handle.remove()
+        if self.input is None:
+            return
+        x = self.input.requires_grad_() if self.input.is_floating_point() else self.input
+        attn, attend = self.block.attn, self.block.attn.attend
+        if recompute == "selective":
+            attn.attend = lambda q, k, v: checkpoint(attend, q, k, v, use_reentrant=True)
+        try:
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+                out = checkpoint(self.block, x, use_reentrant=True) if recompute == "full" else self.block(x)
+            del out
+        finally:
+            attn.attend = attend
+        # a fused kernel keeps a log-sum-exp of (b, heads, s) or (b, heads, s, 1); the math one keeps none
+        b, _, mine = self.input_shape[0], *self.heads()
+        fused = any(x[:2] == (b, mine) and (len(x) == 3 or x[3:] == (1,)) for x in self.shapes)
+        self.kernel = "recomputed" if recompute != "none" else "fused" if fused else "math"
+        self.bytes = sum(self._storages.values())
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(local(self.input).shape)
+
+    def heads(self) -> tuple[int, int]:
+        """(heads of the whole layer, heads this rank computes): the input's width and q's local rows,
+        over the head size."""
+        attn = self.block.attn
+        return self.input_shape[-1] // attn.head_size, local(attn.q.weight).shape[0] // attn.head_size
+
+    def details(self, seq_len: int, precision: str = "fp32", recompute: str = "none") -> dict:
+        """Measured (a collective: `measure` on every rank) beside the formula, for results.json: t from
+        the heads this rank holds, sequence parallel where the block's input holds 1/t of the positions
+        under tensor parallelism, context parallel (cp) where it holds fewer without it. The formula
+        counts 4-byte elements: under bf16 only the measurement is given."""
+        self.measure(recompute)
+        if self.bytes is None:
+            return {}
+        if precision != "fp32":
+            return {"layer_activation_bytes": self.bytes}
+        b, s_in, h = self.input_shape
+        a, mine = self.heads()
+        t = a // mine
+        sp = t > 1 and s_in * t == seq_len
+        cp = seq_len // s_in if t == 1 else 1
+        s = s_in * t if sp else s_in  # the positions inside the split regions
+        terms = formula(s, b, h, a, t, sp, self.kernel, recompute)
+        gathered = [x for x in self.shapes if sp and x[-1] == h and math.prod(x[:-1]) == b * seq_len]
+        return {"layer_activation_bytes": self.bytes, "layer_activation_terms": terms,
+                "layer_activation_gathered": len(gathered),  # saved whole-sequence (b, s, h) under SP
+                "layer_activation_predicted": sum(terms.values()),
+                "layer_activation_layout": {"s": s, "b": b, "h": h, "a": a, "t": t, "sp": sp, "cp": cp,
+                                            "kernel": self.kernel, "recompute": recompute}}
