@@ -54,7 +54,7 @@ class Measured:
     reduce_scatter_all_grads_ms: float | None = None  # one reduce-scatter of every gradient (sharded DP)
     all_gather_all_params_ms: float | None = None  # one all-gather of every parameter (sharded DP)
     bubble_measured: float | None = None  # fraction of a step the pipeline's stages were idle
-    bubble_theory: float | None = None  # the schedule's closed form, e.g. (p-1)/(m+p-1) (stage_time.CLOSED_FORMS)
+    bubble_theory: float | None = None  # the schedule's closed form, e.g. (p-1)/(m+p-1) (replay.CLOSED_FORMS)
     bubble_replayed: float | None = None  # every rank's actions replayed on the run's own piece times
 
 

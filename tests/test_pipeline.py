@@ -53,7 +53,7 @@ def test_1f1b_holds_fewer_activations_than_gpipe():
     # Split by parameters: a split by measured time may cut the two runs differently on a loaded machine.
     # Stage 0 holds all 8 micro-batches under GPipe, at most p = 2 under 1F1B; stage 1 (last) holds 1.
     assert peaks["1f1b"][0] * 4 == peaks["gpipe"][0] and peaks["1f1b"][1] * 8 == peaks["gpipe"][1]
-    # what the meter saw is what each schedule's order holds (stage_time.held), and the replay drew it
+    # what the meter saw is what each schedule's order holds (replay.held), and the replay drew it
     assert rows["gpipe"].details["held_measured"] == rows["gpipe"].details["held_predicted"] == [8, 8]
     assert rows["1f1b"].details["held_measured"] == rows["1f1b"].details["held_predicted"] == [2, 1]
     replay = rows["1f1b"].details["replay_timeline"]

@@ -1,4 +1,4 @@
-"""The theory beside every pipeline run (stage_time.replay, pipeline_theory): each rank's own action list
+"""The theory beside every pipeline run (strategies/replay.py): each rank's own action list
 played out on piece times, the closed forms it must agree with where their assumptions hold, and the
 micro-batches each order keeps at once. Pure arithmetic on torch's own action lists: no process starts."""
 
@@ -8,20 +8,27 @@ import pytest
 
 from parallel.config import ConfigError, RunConfig
 from parallel.strategies import pipeline, pipeline_dist
-from parallel.strategies.base import options_of
-from parallel.strategies.stage_time import CLOSED_FORMS, closed_form_idle, held, needs, replay, replayed
+from parallel.strategies.replay import (
+    CLOSED_FORMS,
+    closed_form_idle,
+    held,
+    needs,
+    rank_of,
+    replay,
+    replayed,
+    torch_orders,
+)
 
 
-def torch_orders(schedule: str, p: int, m: int) -> dict[int, list]:
-    """pipeline_dist.orders for `schedule` as torch 2.13 builds it (its visualiser's mock stages give the
+def orders(schedule: str, p: int, m: int) -> dict[int, list]:
+    """replay.torch_orders for `schedule` as torch 2.13 builds it (its visualiser's mock stages give the
     same pipeline_order a run's schedule object holds)."""
     from torch.distributed.pipelining import schedules
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
     name, v, _ = pipeline_dist.SCHEDULES[schedule]
     ops = get_schedule_ops(getattr(schedules, name), p, m, v if v > 1 else None)
-    o = options_of(pipeline_dist.Options, RunConfig(options={"schedule": schedule, "microbatches": m}))
-    return pipeline_dist.orders(types.SimpleNamespace(pipeline_order=dict(enumerate(ops))), o, p)
+    return torch_orders(types.SimpleNamespace(pipeline_order=dict(enumerate(ops))), schedule, p, m)
 
 
 def times(stages: int, f=1.0, i=1.0, w=1.0) -> dict:
@@ -31,7 +38,7 @@ def times(stages: int, f=1.0, i=1.0, w=1.0) -> dict:
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (3, 12)])
 def test_one_stage_schedules_replay_to_their_closed_form_on_equal_stages(schedule, p, m):
-    r = replayed(torch_orders(schedule, p, m), times(p, f=1.0, i=1.5, w=0.5))
+    r = replayed(orders(schedule, p, m), times(p, f=1.0, i=1.5, w=0.5))
     assert r["span_ms"] == pytest.approx((m + p - 1) * 3.0)  # (m + p - 1)(F + B)
     assert r["idle"] == pytest.approx(closed_form_idle(schedule, p, m, 1, times(p, 1.0, 1.5, 0.5)))
 
@@ -39,7 +46,7 @@ def test_one_stage_schedules_replay_to_their_closed_form_on_equal_stages(schedul
 @pytest.mark.parametrize("p, m", [(2, 8), (4, 8), (4, 16)])
 def test_torchs_zb1p_replays_to_zb_h1s_bubble_while_w_fills_it(p, m):
     for f, i, w in [(1, 1, 1), (2, 1, 1), (1, 2, 0.5)]:  # W no longer than F + I: it fits in the bubble
-        r = replayed(torch_orders("interleavedzb", p, m), times(2 * p, f, i, w))
+        r = replayed(orders("interleavedzb", p, m), times(2 * p, f, i, w))
         assert r["span_ms"] - 2 * m * (f + i + w) == pytest.approx(CLOSED_FORMS["interleavedzb"](p, f, i + w, i, w))
 
 
@@ -48,43 +55,43 @@ def test_dualpipev_replays_below_deepseeks_closed_form_since_torch_runs_f_and_b_
     idles (p-1) F at F = I = W, half of it; the column beside the replay says so in every run."""
     for p in (2, 4):
         m = 4 * p
-        r = replayed(torch_orders("dualpipev", p, m), times(2 * p))
+        r = replayed(orders("dualpipev", p, m), times(2 * p))
         bubble = r["span_ms"] - 2 * m * 3
         assert bubble == pytest.approx(p - 1) and CLOSED_FORMS["dualpipev"](p, 1, 2, 1, 1) == 2 * (p - 1)
 
 
 def test_a_wrong_dependency_moves_the_replay():
-    orders = torch_orders("1f1b", 4, 8)
+    one_f_one_b = orders("1f1b", 4, 8)
 
     def sent_a_micro_batch_late(action, stages):  # a forward waits for the next micro-batch's on the stage before
         s, kind, j = action
         return needs(action, stages) + ([(s - 1, "F", j + 1)] if kind == "F" and s > 0 and j < 7 else [])
 
-    right = max(p[5] for p in replay(orders, times(4)))
-    assert right == 33.0 and max(p[5] for p in replay(orders, times(4), needs=sent_a_micro_batch_late)) == 81.0
+    right = max(p[5] for p in replay(one_f_one_b, times(4)))
+    assert right == 33.0 and max(p[5] for p in replay(one_f_one_b, times(4), needs=sent_a_micro_batch_late)) == 81.0
 
     def input_gradient_after_the_weights(action, stages):  # the I/W split ignored: I waits for the next W
         s, kind, j = action
         return needs(action, stages) + ([(s + 1, "W", j)] if kind in "IB" and s < stages - 1 else [])
 
     with pytest.raises(ValueError, match="waits on itself"):  # zbv's order cannot be met then at all
-        replay(torch_orders("zbv", 4, 8), times(8), needs=input_gradient_after_the_weights)
+        replay(orders("zbv", 4, 8), times(8), needs=input_gradient_after_the_weights)
 
 
 def test_a_hand_off_between_ranks_is_paid_and_the_vs_turn_within_one_rank_is_not():
-    orders, p = torch_orders("zbv", 2, 4), 2
-    assert [pipeline_dist.rank_of(s, p, "v") for s in range(4)] == [0, 1, 1, 0]  # hop_ms measures 0|1 and 2|3
-    free = replayed(orders, times(4))["span_ms"]
-    assert replayed(orders, times(4), hop={0: 0.5, 2: 0.5})["span_ms"] > free
+    zbv, p = orders("zbv", 2, 4), 2
+    assert [rank_of(s, p, "v") for s in range(4)] == [0, 1, 1, 0]  # hop_ms measures 0|1 and 2|3
+    free = replayed(zbv, times(4))["span_ms"]
+    assert replayed(zbv, times(4), hop={0: 0.5, 2: 0.5})["span_ms"] > free
 
 
 def test_the_micro_batches_each_order_holds():
     for p, m in [(2, 4), (4, 8)]:
-        assert held(torch_orders("1f1b", p, m))[0] == min(m, p)  # PipeDream-Flush: p on the first stage
-        assert set(held(torch_orders("gpipe", p, m)).values()) == {m}  # GPipe: all of them, everywhere
+        assert held(orders("1f1b", p, m))[0] == min(m, p)  # PipeDream-Flush: p on the first stage
+        assert set(held(orders("gpipe", p, m)).values()) == {m}  # GPipe: all of them, everywhere
         # DualPipeV: PP + 1 chunks a rank (PP = 2p stages), ZBV 2p: as DeepSeek's table and ZB's paper give
-        assert set(held(torch_orders("dualpipev", p, 2 * m), by="rank").values()) == {2 * p + 1}
-        assert set(held(torch_orders("zbv", p, 2 * m), by="rank").values()) == {2 * p}
+        assert set(held(orders("dualpipev", p, 2 * m), by="rank").values()) == {2 * p + 1}
+        assert set(held(orders("zbv", p, 2 * m), by="rank").values()) == {2 * p}
 
 
 def test_play_is_the_replay_of_one_stage_per_device():

@@ -238,7 +238,7 @@ def pieces(timeline: list) -> list[tuple[int, float, float, str, int]]:
 
 def gantt(r: Row) -> str | None:
     """The row's last step as each stage (or rank) spent it, beside every rank's actions replayed on the
-    medians of those same pieces and the measured hand-offs (stage_time.pipeline_theory): the gap between
+    medians of those same pieces and the measured hand-offs (replay.pipeline_theory): the gap between
     the two is what the replay leaves out (the time between pieces: the schedule's own work, waiting)."""
     measured = pieces(r.details.get("stage_timeline") or [])
     if not measured:

@@ -20,7 +20,7 @@ forward and their gradients back with isend/irecv (gloo on CPU, nccl on GPUs).
 
 The theory beside each run is every rank's own action list (torch's pipeline_order; for gpipe and 1f1b,
 which torch runs without one, their order as torch's step runs them) replayed on the run's own median
-F, I, B and W times per stage and the hand-off measured after the run (stage_time.pipeline_theory), with
+F, I, B and W times per stage and the hand-off measured after the run (replay.pipeline_theory), with
 the closed form above beside it: docs/pipelines.md.
 
 Only the rank with the first stage uses the inputs and only the one with the last stage the targets
@@ -46,8 +46,9 @@ from parallel.layout import ParallelDims
 from parallel.results import Measured
 from parallel.strategies import pipeline, wire
 from parallel.strategies.base import Hooks, Mutant, Trainable, every_rank, injected, model_state_every_rank, options_of
-from parallel.strategies.stage_time import Busy, closed_form_idle, pipeline_theory, timed_loss, timed_stage
-from parallel.strategies.stages import ActivationMeter, SentHop, agreed_cut, describe, layers_of
+from parallel.strategies.replay import closed_form_idle, hop_ms, pipeline_theory, torch_orders
+from parallel.strategies.stage_time import Busy, timed_loss, timed_stage
+from parallel.strategies.stages import ActivationMeter, agreed_cut, describe, layers_of
 from parallel.strategies.tied import TiedAcross
 from parallel.usermodel import workload_of
 
@@ -290,49 +291,6 @@ def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
     return {k: v for part in every_rank(mine) for k, v in part.items()}
 
 
-def rank_of(stage: int, p: int, placement: str) -> int:
-    """The rank holding `stage` (stage_ids' inverse)."""
-    return stage % p if placement == "loop" else min(stage, 2 * p - 1 - stage)
-
-
-def orders(schedule, o: Options, p: int) -> dict[int, list]:
-    """Every rank's compute actions in the order torch runs them, as (stage, "F" | "I" | "B" | "W",
-    micro-batch): the runtime schedules' pipeline_order (an overlapped F&B as its two parts, in order);
-    gpipe and 1f1b step without one (torch 2.13's Schedule1F1B IR even numbers the last rank's forwards
-    1..m), so theirs is written out here as their _step_microbatches runs: every F then every B in
-    micro-batch order; p-s forwards of warm-up then B, F pairs."""
-    m = o.microbatches
-    if o.schedule == "gpipe":
-        return {r: [(r, "F", j) for j in range(m)] + [(r, "B", j) for j in range(m)] for r in range(p)}
-    if o.schedule == "1f1b":
-        return {r: [(r, kind, j) for kind, j in pipeline.one_f_one_b(r, p, m)] for r in range(p)}
-    out = {}
-    for r in range(p):
-        acts = [sub for a in schedule.pipeline_order[r] if a is not None for sub in (a.sub_actions or (a,))]
-        out[r] = [(a.stage_index, a.computation_type.value, a.microbatch_index) for a in acts
-                  if a.computation_type.value in ("F", "I", "B", "W")]
-    return out
-
-
-def hop_ms(stage_out: dict[int, int], p: int, placement: str, dist) -> dict[int, float]:
-    """Each boundary's hand-off between two ranks, measured after the run (off the clock): the sending
-    rank sends one micro-batch's output bytes to the receiving rank and takes as many back (the gradient),
-    SentHop's median round trip; half of it is one hand-off (ms). Boundaries within a rank (the V's turn)
-    cost nothing and are left out."""
-    mine = {}
-    for b in range(len(stage_out) - 1):
-        a, c = rank_of(b, p, placement), rank_of(b + 1, p, placement)
-        if a == c or not stage_out.get(b):
-            continue
-        if dist.rank == a:
-            hop = SentHop(c, dist.device)
-            mine[b] = hop(torch.empty(stage_out[b], dtype=torch.uint8, device=dist.device)) * 1e3 / 2
-            hop.close()
-        elif dist.rank == c:
-            SentHop.echo(a, dist.device)
-    return {k: v for part in every_rank(mine) for k, v in part.items()}
-
-
 def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
     """The bubble: per step, each rank idle for the part of the step's span (start to the last piece of
     work on any rank, one host's clock) it was not computing; point-to-point bytes; activations held; and
@@ -364,7 +322,8 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
     hop = hop_ms(outs, p, placement, dist) if p == dist.world_size else {}
     closed = closed_form_idle(o.schedule, p, o.microbatches, o.v, pieces)
     if bubbles and result.step_s:
-        theory = pipeline_theory(o.schedule, orders(s.schedule, o, p), pieces, hop, o.microbatches, o.v,
+        theory = pipeline_theory(o.schedule, torch_orders(s.schedule, o.schedule, p, o.microbatches), pieces, hop,
+                                 o.microbatches, o.v,
                                  s.busy.outside_ms(result.step_s), rank=s.rank)  # this rank's: its step times
         out["rank_idle_fraction"] = [round(statistics.median(r), 3) for r in per_rank]
         out["stage_busy_ms"] = [round(statistics.median(r["busy"]), 2) for r in ranks]  # per rank: its stages
