@@ -324,7 +324,8 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
     if bubbles and result.step_s:
         theory = pipeline_theory(o.schedule, torch_orders(s.schedule, o.schedule, p, o.microbatches), pieces, hop,
                                  o.microbatches, o.v,
-                                 s.busy.outside_ms(result.step_s), rank=s.rank)  # this rank's: its step times
+                                 s.busy.outside_ms(result.step_s), rank=s.rank,  # this rank's: its step times
+                                 late=o.v == 1)  # gpipe, 1f1b: each receive posted right before its use
         out["rank_idle_fraction"] = [round(statistics.median(r), 3) for r in per_rank]
         out["stage_busy_ms"] = [round(statistics.median(r["busy"]), 2) for r in ranks]  # per rank: its stages
         out["stage_timeline"] = [r["timeline"] for r in ranks]  # the last step, per rank (report.html)

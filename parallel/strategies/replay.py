@@ -38,11 +38,14 @@ def _makes(action: Action) -> list[tuple]:
 
 
 def replay(orders: dict[int, list[Action]], ms: dict[tuple[int, str], float], hop: dict[int, float] | None = None,
-           needs=needs) -> list[tuple]:
+           needs=needs, late: bool = False) -> list[tuple]:
     """Every rank's action list played out on piece times: rank r runs orders[r] in order, each action
     (s, kind, j) taking ms[(s, kind)] and starting once its rank is free and what it `needs` has ended,
     plus hop[b] where that crosses boundary b (between stages b and b+1; a boundary within one rank is
-    left out of `hop`: free). Returns every piece as (rank, stage, kind, micro-batch, start, end)."""
+    left out of `hop`: free). `late`: the receiver posts its receive only when it reaches the action
+    (torch's one-stage schedules), and gloo moves the data only once both ends are there, so the hand-off
+    starts then, not when the sender finished. Returns every piece as (rank, stage, kind, micro-batch,
+    start, end)."""
     hop = hop or {}
     stages = 1 + max(s for acts in orders.values() for s, _, _ in acts)
     done, free, at, out = {}, dict.fromkeys(orders, 0.0), dict.fromkeys(orders, 0), []
@@ -56,7 +59,8 @@ def replay(orders: dict[int, list[Action]], ms: dict[tuple[int, str], float], ho
                 if any(d not in done for d in deps):
                     break
                 s, kind, j = action
-                start = max([free[r]] + [done[d] + (hop.get(min(d[0], s), 0.0) if d[0] != s else 0.0) for d in deps])
+                start = max([free[r]] + [(max(done[d], free[r]) if late else done[d]) + hop.get(min(d[0], s), 0.0)
+                                         if d[0] != s else done[d] for d in deps])
                 free[r] = end = start + ms[(s, kind)]
                 done.update(dict.fromkeys(_makes(action), end))
                 out.append((r, s, kind, j, start, end))
@@ -68,10 +72,10 @@ def replay(orders: dict[int, list[Action]], ms: dict[tuple[int, str], float], ho
 
 
 def replayed(orders: dict[int, list[Action]], ms: dict[tuple[int, str], float],
-             hop: dict[int, float] | None = None) -> dict:
+             hop: dict[int, float] | None = None, late: bool = False) -> dict:
     """`replay`'s verdict: the schedule's span (ms, from the first piece to the last on any rank) and
     each rank's idle fraction of it (1 - its pieces' time over the span)."""
-    pieces = replay(orders, ms, hop)
+    pieces = replay(orders, ms, hop, late=late)
     span = max(p[5] for p in pieces)
     idle = [1 - sum(e - b for q, *_, b, e in pieces if q == r) / span for r in orders]
     return {"span_ms": span, "idle": statistics.fmean(idle), "rank_idle": idle, "pieces": pieces}
@@ -120,13 +124,14 @@ def closed_form_idle(schedule: str, p: int, m: int, v: int, ms: dict[tuple[int, 
 
 
 def pipeline_theory(schedule: str, orders: dict[int, list[Action]], ms: dict[tuple[int, str], float],
-                    hop: dict[int, float], m: int, v: int, outside_ms: float, rank: int | None = 0) -> dict:
+                    hop: dict[int, float], m: int, v: int, outside_ms: float, rank: int | None = 0,
+                    late: bool = False) -> dict:
     """The theory beside a pipeline's measurements (details): every rank's actions replayed on the run's
     own median piece times and hand-offs (`replayed`), its idle fraction and step (rank `rank`'s replayed
     end plus `outside_ms`, the time its measured step spent outside the schedule: zero_grad, the optimiser
     step), the closed form where one applies, the micro-batches each stage holds at once by the order
-    (`held`), and the replay's pieces for report.html."""
-    r = replayed(orders, ms, hop)
+    (`held`), and the replay's pieces for report.html. `late`: see `replay`."""
+    r = replayed(orders, ms, hop, late)
     end = max(e for q, *_, e in r["pieces"] if rank is None or q == rank)  # None: every rank (one process)
     return {"replayed_idle": round(r["idle"], 4), "replayed_step_ms": round(end + outside_ms, 3),
             "replayed_rank_idle": [round(f, 3) for f in r["rank_idle"]],
