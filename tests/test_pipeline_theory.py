@@ -85,6 +85,15 @@ def test_a_hand_off_between_ranks_is_paid_and_the_vs_turn_within_one_rank_is_not
     assert replayed(zbv, times(4), hop={0: 0.5, 2: 0.5})["span_ms"] > free
 
 
+def test_a_receive_posted_at_its_use_pays_the_hand_off_after_the_receiver_is_free():
+    """GPipe, p = 2: rank 1's forwards queue behind each other, so its inputs, sent early, wait for it;
+    posted late (torch's one-stage schedules), each of its m forwards pays the hand-off once it is free."""
+    gpipe, ms, hop = orders("gpipe", 2, 4), {(s, k): t for s in (0, 1) for k, t in (("F", 1.0), ("B", 2.0))}, {0: 0.5}
+    early, late = replayed(gpipe, ms, hop)["span_ms"], replayed(gpipe, ms, hop, late=True)["span_ms"]
+    assert early == 0.5 + 1 + 4 * 1 + 4 * 2 + 0.5 + 2  # the hand-offs that wait for data only: two
+    assert late == early + 3 * 0.5 + 3 * 0.5  # and each later forward and backward of rank 1 and 0 pays one
+
+
 def test_the_micro_batches_each_order_holds():
     for p, m in [(2, 4), (4, 8)]:
         assert held(orders("1f1b", p, m))[0] == min(m, p)  # PipeDream-Flush: p on the first stage
