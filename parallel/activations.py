@@ -74,9 +74,10 @@ def meter_for(strategy, model: nn.Module, workload, config) -> LayerMeter | None
 
 class LayerMeter:
     """The activation bytes of one forward of `block`, each storage once, parameters left out: the
-    block's input is kept from its first call in training (a hook, removed then), and `measure()`, after
-    the run, on every rank alike (its forward may hold collectives: tensor and context parallelism), runs
-    the block once more on it with the saves counted, then drops the graph. `shapes`: every saved
+    shape and layout of the block's input are taken from its first call in training (a hook, removed
+    then), and `measure()`, after the run, on every rank alike (its forward may hold collectives: tensor
+    and context parallelism), runs the block once more on an input like it with the saves counted, then
+    drops the graph. `shapes`: every saved
     tensor's shape, for naming the one that makes a difference."""
 
     def __init__(self, block: nn.Module):
@@ -84,9 +85,16 @@ class LayerMeter:
         self._storages: dict[int, int] = {}
         self._params = {local(p).data_ptr() for p in block.parameters()}
         self._handle = block.register_forward_pre_hook(self._keep)
+        self._layout = None  # a DTensor input's (mesh, placements)
 
     def _keep(self, module, args):
-        self.input = args[0].detach()
+        """The input's shape, dtype, device (and DTensor layout): which tensors a forward saves, and their
+        sizes, do not depend on its values, so none are kept (the run's peak memory stays its own)."""
+        x = args[0]
+        if hasattr(x, "to_local"):
+            self._layout = (x.device_mesh, x.placements)
+        self.input = torch.empty_like(local(x), device="meta")
+        self._device = local(x).device
         self._handle.remove()
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -107,7 +115,11 @@ class LayerMeter:
         self._handle.remove()
         if self.input is None:
             return
-        x = self.input.requires_grad_() if self.input.is_floating_point() else self.input
+        x = torch.randn(self.input.shape, dtype=self.input.dtype, device=self._device, requires_grad=True)
+        if self._layout is not None:
+            from torch.distributed.tensor import DTensor
+
+            x = DTensor.from_local(x, *self._layout, run_check=False)
         attn, attend = self.block.attn, self.block.attn.attend
         if recompute == "selective":
             attn.attend = lambda q, k, v: checkpoint(attend, q, k, v, use_reentrant=True)
@@ -117,9 +129,11 @@ class LayerMeter:
             del out
         finally:
             attn.attend = attend
-        # a fused kernel keeps a log-sum-exp of (b, heads, s) or (b, heads, s, 1); the math one keeps none
-        b, _, mine = self.input_shape[0], *self.heads()
-        fused = any(x[:2] == (b, mine) and (len(x) == 3 or x[3:] == (1,)) for x in self.shapes)
+        # a fused kernel keeps a log-sum-exp of (b, heads, s), (b, heads, s, 1) or (CUDA's memory-efficient
+        # one) s padded to 32; the math one keeps none
+        b, s_in, mine = self.input_shape[0], self.input_shape[1], self.heads()[1]
+        lse = {(b, mine, s_in), (b, mine, s_in, 1), (b, mine, -(-s_in // 32) * 32)}
+        fused = any(x in lse for x in self.shapes)
         self.kernel = "recomputed" if recompute != "none" else "fused" if fused else "math"
         self.bytes = sum(self._storages.values())
 

@@ -76,6 +76,9 @@ def test_fsdp_x_pipelining_matches_single_on_four_ranks():
     (["--strategies", "pipeline_dist", "--devices", "cpu:2", "--microbatches", "3"], "must divide the 512 samples"),
     (["--strategies", "fsdp_pp", "--devices", "cpu:4", "--dp-mode", "ddp"], "internal assert"),
     (["--strategies", "fsdp_pp", "--devices", "cpu:4", "--schedule", "zbv"], "zero-bubble"),
+    (["--strategies", "fsdp_pp", "--devices", "cpu:4", "--schedule", "dualpipev"], "31x for dualpipev"),
+    (["--strategies", "pipeline_dist", "--devices", "cpu:2", "--workload", "transformer", "--schedule", "dualpipev",
+      "--microbatches", "2"], "needs at least as many micro-batches as its 4 stages"),
     (["--strategies", "fsdp_pp", "--devices", "cpu:4", "--pp", "4"], "data-parallel groups of at least 2"),
     (["--strategies", "pipeline_dist", "--workload", "dcgan", "--devices", "cpu:2"], "two optimisers"),
 ])

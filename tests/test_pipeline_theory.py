@@ -16,19 +16,22 @@ from parallel.strategies.replay import (
     rank_of,
     replay,
     replayed,
+    torch_groups,
     torch_orders,
 )
 
 
-def orders(schedule: str, p: int, m: int) -> dict[int, list]:
+def orders(schedule: str, p: int, m: int, groups: bool = False):
     """replay.torch_orders for `schedule` as torch 2.13 builds it (its visualiser's mock stages give the
-    same pipeline_order a run's schedule object holds)."""
+    same pipeline_order a run's schedule object holds); with `groups`, (orders, torch_groups)."""
     from torch.distributed.pipelining import schedules
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
     name, v, _ = pipeline_dist.SCHEDULES[schedule]
     ops = get_schedule_ops(getattr(schedules, name), p, m, v if v > 1 else None)
-    return torch_orders(types.SimpleNamespace(pipeline_order=dict(enumerate(ops))), schedule, p, m)
+    held_by = types.SimpleNamespace(pipeline_order=dict(enumerate(ops)))
+    out = torch_orders(held_by, schedule, p, m)
+    return (out, torch_groups(held_by, schedule, p)) if groups else out
 
 
 def times(stages: int, f=1.0, i=1.0, w=1.0) -> dict:
@@ -50,14 +53,18 @@ def test_torchs_zb1p_replays_to_zb_h1s_bubble_while_w_fills_it(p, m):
         assert r["span_ms"] - 2 * m * (f + i + w) == pytest.approx(CLOSED_FORMS["interleavedzb"](p, f, i + w, i, w))
 
 
-def test_dualpipev_replays_below_deepseeks_closed_form_since_torch_runs_f_and_b_in_turn():
-    """The published (PP/2-1)(F&B+B-3W), PP = 2p stages, F&B = F + B without overlap: torch's order
-    idles (p-1) F at F = I = W, half of it; the column beside the replay says so in every run."""
+def test_dualpipev_replays_to_deepseeks_closed_form_on_equal_pieces_with_torchs_sends():
+    """(PP/2-1)(F&B+B-3W), PP = 2p stages, F&B = F + B (torch runs the pair in turn): 2(p-1) at F = I = W,
+    once each overlapped pair's outputs leave after the pair, as torch posts their sends; sent at once,
+    the order would idle half that. At unequal pieces the closed form and the replay part."""
     for p in (2, 4):
         m = 4 * p
-        r = replayed(orders("dualpipev", p, m), times(2 * p))
-        bubble = r["span_ms"] - 2 * m * 3
-        assert bubble == pytest.approx(p - 1) and CLOSED_FORMS["dualpipev"](p, 1, 2, 1, 1) == 2 * (p - 1)
+        dualpipev, groups = orders("dualpipev", p, m, groups=True)
+        grouped = replayed(dualpipev, times(2 * p), groups=groups)["span_ms"] - 2 * m * 3
+        assert grouped == pytest.approx(CLOSED_FORMS["dualpipev"](p, 1, 2, 1, 1)) == 2 * (p - 1)
+        assert replayed(dualpipev, times(2 * p))["span_ms"] - 2 * m * 3 == pytest.approx(p - 1)
+    dualpipev, groups = orders("dualpipev", 4, 8, groups=True)  # F = 2: 12 replayed against the form's 9
+    assert replayed(dualpipev, times(8, f=2.0), groups=groups)["span_ms"] - 8 * 2 * 4 == pytest.approx(12)
 
 
 def test_a_wrong_dependency_moves_the_replay():

@@ -347,7 +347,8 @@ def page(rows: list[Row], environment: dict, skipped: dict | None, out: Path) ->
                  "rank sets the step, since every rank waits for it at the combine's all-to-all.")]
     sections += [(f"Pipeline schedule: {r.label}", gantt(r), f"{r.details.get('schedule', 'one stage at a time')}, "
                   f"m = {r.details.get('microbatches', 1)}, stages {r.details.get('stages', '')}: idle "
-                  f"{r.measured.bubble_measured or 0:.0%} measured, {r.measured.bubble_replayed or 0:.0%} replayed")
+                  f"{report._pct(r.measured.bubble_measured)} measured, "
+                  f"{report._pct(r.measured.bubble_replayed)} replayed")
                  for r in report.pipeline_rows(rows)]
     sections.append(("Equivalence: every tensor against one device", errors(rows),
                      "Each dot is one tensor's largest difference from `single`'s over its own tolerance."))

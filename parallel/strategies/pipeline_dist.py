@@ -46,7 +46,7 @@ from parallel.layout import ParallelDims
 from parallel.results import Measured
 from parallel.strategies import pipeline, wire
 from parallel.strategies.base import Hooks, Mutant, Trainable, every_rank, injected, model_state_every_rank, options_of
-from parallel.strategies.replay import closed_form_idle, hop_ms, pipeline_theory, torch_orders
+from parallel.strategies.replay import closed_form_idle, hop_ms, pipeline_theory, torch_groups, torch_orders
 from parallel.strategies.stage_time import Busy, timed_loss, timed_stage
 from parallel.strategies.stages import ActivationMeter, agreed_cut, describe, layers_of
 from parallel.strategies.tied import TiedAcross
@@ -244,7 +244,7 @@ def build(model, make_optimizer, loss_fn, dist, config, o: Options, rank: int, p
         stages.append(timed_stage(module, i, p * v, dist.device, group, busy, ActivationMeter(module)))
 
     schedule = getattr(pipelining.schedules, torch_name)(stages[0] if v == 1 else stages, n_microbatches=o.microbatches,
-                                                         loss_fn=timed_loss(loss_fn, busy, p * v - 1),
+                                                         loss_fn=timed_loss(loss_fn, busy, p * v - 1, o.microbatches),
                                                          scale_grads=not injected(config, SUMMED))
     rank_of = {i: r for r in range(p) for i in stage_ids(r, p, v, placement)}
     # fsdp_pp (shard) takes no tied model (its TIES): a sharded weight's copies are not summed here
@@ -325,12 +325,13 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
         theory = pipeline_theory(o.schedule, torch_orders(s.schedule, o.schedule, p, o.microbatches), pieces, hop,
                                  o.microbatches, o.v,
                                  s.busy.outside_ms(result.step_s), rank=s.rank,  # this rank's: its step times
-                                 late=o.v == 1)  # gpipe, 1f1b: each receive posted right before its use
+                                 late=o.v == 1,  # gpipe, 1f1b: each receive posted right before its use
+                                 groups=torch_groups(s.schedule, o.schedule, p))
         out["rank_idle_fraction"] = [round(statistics.median(r), 3) for r in per_rank]
         out["stage_busy_ms"] = [round(statistics.median(r["busy"]), 2) for r in ranks]  # per rank: its stages
         out["stage_timeline"] = [r["timeline"] for r in ranks]  # the last step, per rank (report.html)
         out["measured"] = Measured(bubble_measured=statistics.median(bubbles), bubble_theory=closed,
-                                   bubble_replayed=theory.pop("replayed_idle"))
+                                   bubble_replayed=theory.pop("replayed_idle", None))
         out.update(theory)
     else:
         out["measured"] = Measured(bubble_theory=closed)

@@ -38,17 +38,21 @@ def _makes(action: Action) -> list[tuple]:
 
 
 def replay(orders: dict[int, list[Action]], ms: dict[tuple[int, str], float], hop: dict[int, float] | None = None,
-           needs=needs, late: bool = False) -> list[tuple]:
+           needs=needs, late: bool = False, groups: dict[int, list[int]] | None = None) -> list[tuple]:
     """Every rank's action list played out on piece times: rank r runs orders[r] in order, each action
     (s, kind, j) taking ms[(s, kind)] and starting once its rank is free and what it `needs` has ended,
     plus hop[b] where that crosses boundary b (between stages b and b+1; a boundary within one rank is
     left out of `hop`: free). `late`: the receiver posts its receive only when it reaches the action
     (torch's one-stage schedules), and gloo moves the data only once both ends are there, so the hand-off
-    starts then, not when the sender finished. Returns every piece as (rank, stage, kind, micro-batch,
+    starts then, not when the sender finished. `groups[r][i]`: the index of the last action of the group
+    action i of rank r runs in (DualPipeV's overlapped F&B): torch sends a group's outputs after all of
+    it, so other ranks see them at its end. Returns every piece as (rank, stage, kind, micro-batch,
     start, end)."""
     hop = hop or {}
     stages = 1 + max(s for acts in orders.values() for s, _, _ in acts)
-    done, free, at, out = {}, dict.fromkeys(orders, 0.0), dict.fromkeys(orders, 0), []
+    owner = {s: r for r, acts in orders.items() for s, _, _ in acts}
+    done, sent, free, at, out = {}, {}, dict.fromkeys(orders, 0.0), dict.fromkeys(orders, 0), []
+    pending: dict[int, list] = {r: [] for r in orders}  # outputs made in a group not yet over
     left = sum(map(len, orders.values()))
     while left:
         moved = False
@@ -56,13 +60,18 @@ def replay(orders: dict[int, list[Action]], ms: dict[tuple[int, str], float], ho
             while at[r] < len(acts):
                 action = acts[at[r]]
                 deps = needs(action, stages)
-                if any(d not in done for d in deps):
+                if any(d not in (done if owner.get(d[0]) == r else sent) for d in deps):
                     break
                 s, kind, j = action
-                start = max([free[r]] + [(max(done[d], free[r]) if late else done[d]) + hop.get(min(d[0], s), 0.0)
-                                         if d[0] != s else done[d] for d in deps])
+                start = max([free[r]] + [done[d] if owner.get(d[0]) == r else
+                                         (max(sent[d], free[r]) if late else sent[d]) + hop.get(min(d[0], s), 0.0)
+                                         for d in deps])
                 free[r] = end = start + ms[(s, kind)]
                 done.update(dict.fromkeys(_makes(action), end))
+                pending[r] += _makes(action)
+                if groups is None or groups[r][at[r]] == at[r]:  # the group is over: what it made goes out
+                    sent.update(dict.fromkeys(pending[r], end))
+                    pending[r] = []
                 out.append((r, s, kind, j, start, end))
                 at[r], left, moved = at[r] + 1, left - 1, True
         if not moved:
@@ -71,11 +80,11 @@ def replay(orders: dict[int, list[Action]], ms: dict[tuple[int, str], float], ho
     return out
 
 
-def replayed(orders: dict[int, list[Action]], ms: dict[tuple[int, str], float],
-             hop: dict[int, float] | None = None, late: bool = False) -> dict:
+def replayed(orders: dict[int, list[Action]], ms: dict[tuple[int, str], float], hop: dict[int, float] | None = None,
+             late: bool = False, groups: dict[int, list[int]] | None = None) -> dict:
     """`replay`'s verdict: the schedule's span (ms, from the first piece to the last on any rank) and
     each rank's idle fraction of it (1 - its pieces' time over the span)."""
-    pieces = replay(orders, ms, hop, late=late)
+    pieces = replay(orders, ms, hop, late=late, groups=groups)
     span = max(p[5] for p in pieces)
     idle = [1 - sum(e - b for q, *_, b, e in pieces if q == r) / span for r in orders]
     return {"span_ms": span, "idle": statistics.fmean(idle), "rank_idle": idle, "pieces": pieces}
@@ -125,13 +134,16 @@ def closed_form_idle(schedule: str, p: int, m: int, v: int, ms: dict[tuple[int, 
 
 def pipeline_theory(schedule: str, orders: dict[int, list[Action]], ms: dict[tuple[int, str], float],
                     hop: dict[int, float], m: int, v: int, outside_ms: float, rank: int | None = 0,
-                    late: bool = False) -> dict:
+                    late: bool = False, groups: dict[int, list[int]] | None = None) -> dict:
     """The theory beside a pipeline's measurements (details): every rank's actions replayed on the run's
     own median piece times and hand-offs (`replayed`), its idle fraction and step (rank `rank`'s replayed
     end plus `outside_ms`, the time its measured step spent outside the schedule: zero_grad, the optimiser
     step), the closed form where one applies, the micro-batches each stage holds at once by the order
-    (`held`), and the replay's pieces for report.html. `late`: see `replay`."""
-    r = replayed(orders, ms, hop, late)
+    (`held`), and the replay's pieces for report.html. `late`, `groups`: see `replay`. {} where a piece of
+    the orders was never timed (a stage that never ran its backward: model_parallel's injected bug)."""
+    if {(s, kind) for acts in orders.values() for s, kind, _ in acts} - ms.keys():
+        return {}
+    r = replayed(orders, ms, hop, late, groups)
     end = max(e for q, *_, e in r["pieces"] if rank is None or q == rank)  # None: every rank (one process)
     return {"replayed_idle": round(r["idle"], 4), "replayed_step_ms": round(end + outside_ms, 3),
             "replayed_rank_idle": [round(f, 3) for f in r["rank_idle"]],
@@ -160,11 +172,30 @@ def torch_orders(schedule, name: str, p: int, m: int) -> dict[int, list]:
         from parallel.strategies.pipeline import one_f_one_b
 
         return {r: [(r, kind, j) for kind, j in one_f_one_b(r, p, m)] for r in range(p)}
+    return {r: [a for a, _ in _flat(schedule.pipeline_order[r])] for r in range(p)}
+
+
+def torch_groups(schedule, name: str, p: int) -> dict[int, list[int]] | None:
+    """replay's `groups` for torch's order (torch_orders): each action's group end, an overlapped F&B's
+    two parts one group; None for gpipe and 1f1b."""
+    if name in ("gpipe", "1f1b"):
+        return None
     out = {}
     for r in range(p):
-        acts = [sub for a in schedule.pipeline_order[r] if a is not None for sub in (a.sub_actions or (a,))]
-        out[r] = [(a.stage_index, a.computation_type.value, a.microbatch_index) for a in acts
-                  if a.computation_type.value in ("F", "I", "B", "W")]
+        flat = _flat(schedule.pipeline_order[r])
+        out[r] = [i + left for i, (_, left) in enumerate(flat)]
+    return out
+
+
+def _flat(actions: list) -> list[tuple[Action, int]]:
+    """torch's actions as (Action, how many parts of its group follow it), compute actions only."""
+    out = []
+    for a in actions:
+        if a is None:
+            continue
+        parts = [x for x in (a.sub_actions or (a,)) if x.computation_type.value in ("F", "I", "B", "W")]
+        out += [((x.stage_index, x.computation_type.value, x.microbatch_index), len(parts) - 1 - i)
+                for i, x in enumerate(parts)]
     return out
 
 

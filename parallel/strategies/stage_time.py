@@ -126,18 +126,19 @@ class Busy:
         outside = self.outside_ms(step_s)
         out = pipeline_theory(schedule, orders, self.piece_ms(skip), {}, m, 1, outside, rank=None)
         return {"measured": Measured(bubble_measured=statistics.median(kept), bubble_theory=theory,
-                                     bubble_replayed=out.pop("replayed_idle")),
+                                     bubble_replayed=out.pop("replayed_idle", None)),
                 "stage_busy_ms": [round(statistics.median(s), 2) for s in per_stage], "stage_timeline": self.timeline,
                 **out}
 
 
-def timed_loss(loss_fn, busy: Busy, stage: int):
-    """`loss_fn` with its time on `busy` as stage `stage`'s "L" piece: torch's schedules compute the loss
-    outside the last stage's forward_one_chunk (the transformer's logits make it a tenth of a step)."""
+def timed_loss(loss_fn, busy: Busy, stage: int, m: int):
+    """`loss_fn` with its time on `busy` as stage `stage`'s "L" piece, micro-batch by micro-batch (m a
+    step): torch's schedules compute the loss outside the last stage's forward_one_chunk (the
+    transformer's logits make it a tenth of a step)."""
     count = itertools.count()
 
     def loss(*args, **kwargs):
-        with busy(0, f"stage {stage} L{next(count)}"):
+        with busy(0, f"stage {stage} L{next(count) % m}"):
             return loss_fn(*args, **kwargs)
 
     return loss
