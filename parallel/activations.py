@@ -34,17 +34,24 @@ BYTES = 4  # fp32
 
 
 def formula(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, kernel: str = "fused",
-            recompute: str = "none") -> dict[str, float]:
+            recompute: str = "none", elem: int = BYTES, dropout: bool = False, kv: float = 1.0, ffn: float = 4.0,
+            gated: bool = False) -> dict[str, float]:
     """The named terms, in bytes, of one layer on one rank (`s`: the positions this rank's layer sees
     outside its split regions; `t`: tensor-parallel ranks; `sp`: sequence parallel). Their sum is the
-    prediction."""
+    prediction. The defaults are this project's block; the planner (parallel/plan) gives Megatron's:
+    `elem` 2 (16-bit), `dropout` (a 1-byte mask after attention, after the MLP and on the softmax: the
+    paper's 34 sbh + 5 as^2 b), `kv` the share of K, V heads (grouped-query attention), `ffn` the MLP's
+    width over h and `gated` (SwiGLU keeps gate, up and their product)."""
     sbh = s * b * h
     if recompute == "full":
-        return {"input": BYTES * sbh / (t if sp else 1)}
+        return {"input": elem * sbh / (t if sp else 1)}
     whole = t if sp else 1
-    terms = {"whole": 4 * BYTES * sbh / whole, "split": 12 * BYTES * sbh / t, "norms": 4 * BYTES * s * b / whole}
+    kept = 1 + 2 * kv + 1 + (3 if gated else 2) * ffn  # q, k, v, the heads' output, the MLP's inner tensors
+    terms = {"whole": (4 * elem + 2 * dropout) * sbh / whole, "split": kept * elem * sbh / t,
+             "norms": 4 * BYTES * s * b / whole}
     if recompute == "none":
-        terms["core"] = BYTES * a * s * s * b / t if kernel == "math" else BYTES * a * s * b / t
+        softmax = elem + (1 + elem) * dropout  # its output (and the dropout's mask and output)
+        terms["core"] = softmax * a * s * s * b / t if kernel == "math" else BYTES * a * s * b / t
     return terms
 
 

@@ -38,6 +38,7 @@ from parallel.dist import Dist, script_devices
 from parallel.harness import costmodel, mutants, pictures, report, scaling
 from parallel.harness.report import make_console
 from parallel.harness.runner import plan, run_strategies
+from parallel.plan import cli as plan_cli
 from parallel.results import Equivalence, Row, atomic_write, prepare_out, write_results
 from parallel.usermodel import workload_of
 from parallel.worker import leave, run_here
@@ -250,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_parser(sub)
     preflight.add_parser(sub)
     mutants.add_parser(sub)
+    plan_cli.add_parser(sub)
     return readable_metavars(p)
 
 
@@ -397,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "preflight":
             signal.signal(signal.SIGTERM, _interrupt)
             return preflight.main(args, make_console())
+        if args.command == "plan":
+            return plan_cli.main(args, make_console())
         if args.command == "compare":
             return cmd_compare(args, strategies.parse_list(args.strategies), baseline=True)
         return cmd_compare(args, [strategies.get(args.strategy).name], baseline=False)

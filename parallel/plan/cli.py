@@ -1,0 +1,143 @@
+"""`python -m parallel plan`: a model and a cluster in, a layout (or the ranking of all) out."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+from parallel.errors import ConfigError
+from parallel.plan import models, search
+from parallel.plan.cost import ELEM, Training
+from parallel.plan.hardware import GPUS, cluster
+
+STACKS = {  # the software a plan assumes: torch's today, or the one the published Megatron runs used
+    "torch": {"attention": "flash", "dropout": False, "dp_overlap": True},
+    "megatron-2022": {"attention": "unfused", "dropout": True, "dp_overlap": False},
+}
+NO_CONTEXT_PARALLEL = {"megatron-2022"}  # context parallelism came to Megatron-LM later (2024)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="which parallel layout for a model on a cluster: memory and step time, "
+                                    "predicted; --validate checks the model against published runs")
+    m = p.add_argument_group("model (a preset, flags, or --model; flags override a preset's fields)")
+    m.add_argument("--preset", choices=sorted(models.PRESETS), help="a published model's shape")
+    m.add_argument("--model", metavar="FILE.py:FACTORY", help="your model: its Hugging Face config is read")
+    m.add_argument("--arch", choices=("gpt", "llama"), help="gpt: GELU, biases, tied head; llama: SwiGLU, GQA")
+    for flag, what in (("layers", "L"), ("hidden", "H"), ("heads", "A"), ("vocab", "V"), ("seq", "S"),
+                       ("ffn", "F (default 4H)"), ("kv-heads", "G (default A)"), ("experts", "E"), ("top-k", "K")):
+        m.add_argument(f"--{flag}", type=int, metavar=what.split()[0], help=what)
+    c = p.add_argument_group("cluster")
+    c.add_argument("--gpus", type=int, help="GPUs in all")
+    c.add_argument("--gpu", default="a100-80gb", choices=sorted(GPUS), help="kind (a100-80gb)")
+    c.add_argument("--gpus-per-node", type=int, default=8, metavar="N", help="GPUs joined by NVLink (8)")
+    for flag in ("nvlink", "network", "hbm"):
+        c.add_argument(f"--{flag}", type=float, metavar="GB/s", help=f"override the kind's {flag} bandwidth per GPU")
+    c.add_argument("--peak", type=float, metavar="TFLOP/s", help="override the kind's dense 16-bit peak")
+    t = p.add_argument_group("training")
+    t.add_argument("--global-batch", type=int, metavar="B", help="sequences per optimizer step")
+    t.add_argument("--precision", default="bf16", choices=sorted(ELEM), help="bf16 (default), fp16, fp32")
+    t.add_argument("--stack", default="torch", choices=sorted(STACKS), help="torch: flash attention, no "
+                   "dropout, overlapped data parallel (default); megatron-2022: as the published runs")
+    f = p.add_argument_group("a fixed configuration (any subset; the rest is searched)")
+    for flag in ("tp", "pp", "dp", "cp", "ep", "mbs", "stages-per-rank", "zero-stage", "sequence-parallel"):
+        f.add_argument(f"--{flag}", type=int, metavar="N")
+    f.add_argument("--recompute", choices=("none", "selective", "full"))
+    f.add_argument("--schedule", choices=("gpipe", "1f1b", "interleavedzb"), help="pipeline schedule (1f1b; "
+                   "interleaved when --stages-per-rank > 1)")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="a JSON list of configurations on stdout, nothing else")
+    o.add_argument("--top", type=int, default=10, metavar="N", help="layouts listed when searching (10)")
+    o.add_argument("--validate", action="store_true", help="predict every published run in parallel/plan/"
+                   "published.py and this machine's latest comparison; errors per row, mean and worst")
+    o.add_argument("--results", metavar="DIR", help="--validate: the comparison to check (default: the newest "
+                   "results/run-*)")
+
+
+def model_of(args) -> models.ModelSpec:
+    fields = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "vocab": args.vocab,
+              "seq": args.seq, "ffn": args.ffn, "kv_heads": args.kv_heads, "experts": args.experts,
+              "top_k": args.top_k, "arch": args.arch}
+    given = {k: v for k, v in fields.items() if v is not None}
+    try:
+        if args.preset and args.model:
+            raise ValueError("give --preset or --model, not both")
+        if args.preset or args.model:
+            base = models.PRESETS[args.preset] if args.preset else models.from_module(args.model)
+            return dataclasses.replace(base, **given)
+        missing = [f"--{k}" for k in ("layers", "hidden", "heads", "vocab", "seq") if k not in given]
+        if missing:
+            raise ValueError(f"the model needs {' '.join(missing)} (or --preset NAME, or --model FILE.py:FACTORY)")
+        return models.ModelSpec(**given)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+
+
+def fixed_of(args) -> dict:
+    keys = ("tp", "pp", "dp", "cp", "ep", "mbs", "stages_per_rank", "zero_stage", "recompute", "schedule")
+    fixed = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
+    if args.sequence_parallel is not None:
+        fixed["sequence_parallel"] = bool(args.sequence_parallel)
+    for k, v in fixed.items():
+        if isinstance(v, int) and not isinstance(v, bool) and v < (0 if k == "zero_stage" else 1):
+            raise ConfigError(f"--{k.replace('_', '-')} {v}: must be at least {0 if k == 'zero_stage' else 1}")
+    if fixed.get("zero_stage", 0) > 3:
+        raise ConfigError(f"--zero-stage {fixed['zero_stage']}: 0, 1, 2 or 3")
+    return fixed
+
+
+def check(model, cl, train, fixed) -> None:
+    if cl.gpus < 1:
+        raise ConfigError("--gpus: at least 1")
+    if train.global_batch < 1:
+        raise ConfigError("--global-batch: at least 1 sequence")
+    dims = [fixed[k] for k in ("tp", "pp", "dp", "cp") if k in fixed]
+    if len(dims) == 4 and math.prod(dims) != cl.gpus:
+        raise ConfigError(f"--tp x --pp x --dp x --cp = {math.prod(dims)}, not --gpus {cl.gpus}")
+    if "pp" in fixed and model.layers % fixed["pp"]:
+        raise ConfigError(f"--pp {fixed['pp']} does not divide the {model.layers} layers")
+    if "tp" in fixed and model.kv % fixed["tp"]:
+        raise ConfigError(f"--tp {fixed['tp']} does not divide the {model.kv} key/value heads")
+
+
+def main(args, console) -> int:
+    if args.validate:
+        from parallel.plan import report
+
+        return report.validate(args, console)
+    model = model_of(args)
+    if args.gpus is None or args.global_batch is None:
+        raise ConfigError("plan needs --gpus N and --global-batch B (or --validate)")
+    over = {"nvlink": args.nvlink, "network": args.network, "hbm": args.hbm}
+    over = {k: v * 1e9 for k, v in over.items() if v is not None} | ({"peak": args.peak * 1e12} if args.peak else {})
+    try:
+        cl = cluster(args.gpus, args.gpu, args.gpus_per_node, **over)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    train = Training(args.global_batch, args.precision, **STACKS[args.stack])
+    fixed = fixed_of(args)
+    if args.stack in NO_CONTEXT_PARALLEL:
+        if fixed.get("cp", 1) != 1:
+            raise ConfigError(f"--stack {args.stack} has no context parallelism: --cp 1 or --stack torch")
+        fixed["cp"] = 1
+    check(model, cl, train, fixed)
+    results, tried, nearest = search.search(model, cl, train, fixed)
+    if not tried:
+        raise ConfigError(f"no layout of {cl.gpus} GPUs matches the flags given (the GPUs must be tp x pp x dp x "
+                          f"cp, the global batch divide into dp x mbs, pp divide the layers)")
+    if not results:
+        results = [nearest]  # nothing fits: the one that comes closest, fits false
+    if all(k in fixed for k in ("tp", "pp", "dp")):
+        results = results[:1]  # a fixed configuration: the best of what was left open
+    if args.json:
+        print(json.dumps([_public(r) for r in results[:max(1, args.top)]], indent=1))
+        return 0
+    from parallel.plan import report
+
+    report.show(console, model, cl, train, results, tried, args.top)
+    return 0
+
+
+def _public(r: dict) -> dict:
+    return {k: v for k, v in r.items() if k != "describe"} | {"layout_text": r["describe"]}

@@ -1,0 +1,102 @@
+"""GPU kinds and clusters: the constants the planner's cost model reads, with where each was read.
+
+Per GPU: dense 16-bit matrix peak, memory, HBM bandwidth, NVLink bandwidth per direction, and the inter-node
+bandwidth of the NIC each GPU has (rail-optimised clusters: one NIC per GPU). Sources are in
+../shared/planner/published.md, table D, which cites each (NVIDIA datasheets as quoted by torchtitan's
+`tools/utils.py`, glennklockwood.com, Narayanan et al. 2021 section 5 for Selene's InfiniBand).
+
+The efficiencies are what a kind reaches of those peaks in training, named and set once per kind. They
+were set for the A100 by fitting the 18 published A100 rows (docs/planner.md says how): matrix
+multiplies follow eff(x) = MM_MAX x / (x + MM_HALF), x the width a GPU's share of a layer's matrices has
+(h / tp), which is why wide models reach more of the peak. The H100, H200 and B200 take the A100's
+efficiencies: no published run of this kind was read for them, so their figures are the A100's habits
+scaled to their peaks (docs/planner.md, "what it does not model").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from parallel.plan.formulas import ring_seconds
+
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Efficiency:
+    mm_max: float = 0.80  # matrix multiplies: the share of peak a very wide one reaches
+    mm_half: float = 50.0  # ... and the width h/tp at which it reaches half of that
+    memory: float = 0.90  # elementwise kernels (norms, softmax, dropout, GELU, Adam): share of HBM bandwidth
+    nvlink: float = 0.65  # NCCL ring collectives inside a node: share of NVLink's bandwidth per direction
+    network: float = 0.85  # ... across nodes: share of the NIC's bandwidth
+    latency_s: float = 20e-6  # per ring step of a collective, and per pipeline hand-off
+
+    def matmul(self, width: float) -> float:
+        return self.mm_max * width / (width + self.mm_half)
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+    name: str
+    peak: float  # dense bf16/fp16 matrix FLOP/s
+    peak_fp32: float  # TF32 matrix FLOP/s (what fp32 matmuls run at with TF32 allowed)
+    memory_gib: float
+    hbm: float  # bytes/s
+    nvlink: float  # bytes/s per direction per GPU
+    network: float  # bytes/s per GPU across nodes
+    source: str
+    efficiency: Efficiency = Efficiency()
+
+
+GPUS = {g.name: g for g in (
+    Gpu("a100-40gb", 312e12, 156e12, 40, 1555e9, 300e9, 25e9,
+        "312 TF (Narayanan §5, torchtitan); 1,555 GB/s, NVLink 600 GB/s both ways (NVIDIA datasheet via "
+        "glennklockwood.com); HDR 200 Gb/s per GPU (Selene, Narayanan §5)"),
+    Gpu("a100-80gb", 312e12, 156e12, 80, 2039e9, 300e9, 25e9,
+        "as the 40 GB; HBM2e 2,039 GB/s (NVIDIA datasheet via glennklockwood.com)"),
+    Gpu("h100", 989e12, 494.5e12, 80, 3350e9, 450e9, 50e9,
+        "H100 SXM: 989 TF dense (torchtitan utils), 3.35 TB/s, NVLink 900 GB/s both ways, 400 Gb/s NIC"),
+    Gpu("h200", 989e12, 494.5e12, 141, 4800e9, 450e9, 50e9,
+        "H200 SXM: 989 TF dense (torchtitan utils; 1,979 is the sparse figure), 141 GB, 4.8 TB/s, 400 Gb/s"),
+    Gpu("b200", 2250e12, 1125e12, 180, 8000e9, 900e9, 50e9,
+        "HGX B200: 2,250 TF dense (torchtitan utils, NVIDIA Blackwell datasheet), 180 GB (sources differ: "
+        "179-192), 8 TB/s, NVLink 1.8 TB/s both ways; 400 Gb/s NIC assumed (no source read)"),
+)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    gpu: Gpu
+    gpus: int
+    per_node: int = 8
+
+    def peak(self, precision: str) -> float:
+        return self.gpu.peak_fp32 if precision == "fp32" else self.gpu.peak
+
+    def link(self, span: int) -> tuple[float, str]:
+        """(bytes/s a ring of `span` consecutive ranks moves per GPU, "nvlink" | "network"): a group that
+        fits in a node rides NVLink; one that spans nodes is held to each GPU's NIC."""
+        e = self.gpu.efficiency
+        if span <= self.per_node:
+            return self.gpu.nvlink * e.nvlink, "nvlink"
+        return self.gpu.network * e.network, "network"
+
+    def collective_s(self, kind: str, nbytes: float, n: int, span: int | None = None) -> float:
+        """Seconds of one ring collective of `nbytes` (the whole tensor) over `n` ranks whose group spans
+        `span` consecutive ranks (n by default): all-reduce moves 2(n-1)/n of it per GPU, all-gather and
+        reduce-scatter (n-1)/n, all-to-all (n-1)/n, send 1."""
+        if n <= 1:
+            return 0.0
+        return ring_seconds(kind, nbytes, n, *self._alpha_beta(span or n))
+
+    def _alpha_beta(self, span: int) -> tuple[float, float]:
+        bw, _ = self.link(span)
+        return self.gpu.efficiency.latency_s, 1 / bw
+
+
+def cluster(gpus: int, gpu: str = "a100-80gb", per_node: int = 8, **override) -> Cluster:
+    """A cluster of `gpus` of a kind, with any Gpu field (nvlink, network, hbm, peak...) overridden."""
+    if gpu not in GPUS:
+        raise ValueError(f"--gpu {gpu}: not a GPU kind the planner knows ({', '.join(GPUS)})")
+    kind = dataclasses.replace(GPUS[gpu], **{k: v for k, v in override.items() if v is not None})
+    return Cluster(kind, gpus, per_node)

@@ -1,0 +1,152 @@
+"""The model a plan is for: a transformer's shape, from flags, a preset, or the user's own module.
+
+Parameters and FLOPs are counted from the shape. FLOPs are model FLOPs as PaLM (appendix B) and Narayanan
+et al. (2021, eq. 3 without its recomputation) count them: 2 per multiply-add of every weight matrix a
+token passes (the embedding lookup is free; the output projection to the vocabulary counts) and 4 s h per
+token per layer for the attention scores and their product with V, in full (no causal halving, which
+Megatron's newer code applies and torchtitan does not). A training step is 3 forwards; recomputation's
+extra forward is hardware FLOPs, not model FLOPs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq: int
+    ffn: int = 0  # 0: 4 x hidden
+    kv_heads: int = 0  # 0: heads (multi-head attention)
+    experts: int = 0  # 0: a dense MLP
+    top_k: int = 1
+    arch: str = "gpt"  # gpt: GELU MLP, biases, learned positions, tied head; llama: SwiGLU, RMSNorm, untied
+    name: str = ""
+
+    def __post_init__(self):
+        for field in ("layers", "hidden", "heads", "vocab", "seq"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"--{field.replace('_', '-')} must be at least 1")
+        if self.hidden % self.heads or self.heads % self.kv:
+            raise ValueError(f"--hidden {self.hidden} must divide into --heads {self.heads}, and those into "
+                             f"--kv-heads {self.kv}")
+        if self.arch not in ("gpt", "llama"):
+            raise ValueError(f"--arch {self.arch}: gpt or llama")
+
+    @property
+    def F(self) -> int:
+        return self.ffn or 4 * self.hidden
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def gated(self) -> bool:
+        return self.arch == "llama"
+
+    @property
+    def attention_params(self) -> int:
+        h, kvd = self.hidden, self.hidden * self.kv // self.heads
+        return 2 * h * h + 2 * h * kvd + (2 * h + 2 * kvd if self.arch == "gpt" else 0)
+
+    @property
+    def expert_params(self) -> int:
+        """One MLP (one expert's)."""
+        return (3 if self.gated else 2) * self.hidden * self.F + (self.F + self.hidden if self.arch == "gpt" else 0)
+
+    @property
+    def norm_params(self) -> int:
+        return (4 if self.arch == "gpt" else 2) * self.hidden
+
+    @property
+    def layer_params(self) -> int:
+        """Every parameter of one layer (all experts and the router)."""
+        mlp = self.expert_params * max(1, self.experts) + (self.hidden * self.experts if self.experts else 0)
+        return self.attention_params + mlp + self.norm_params
+
+    @property
+    def embedding_params(self) -> int:
+        """Token (and learned position) embeddings; the head too where it is not tied; the final norm."""
+        pos = self.seq * self.hidden if self.arch == "gpt" else 0
+        head = 0 if self.arch == "gpt" else self.vocab * self.hidden
+        return self.vocab * self.hidden + pos + head + self.norm_params // 2
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + self.embedding_params
+
+    @property
+    def active_params(self) -> int:
+        """Parameters a token passes: top_k experts of each layer's."""
+        if not self.experts:
+            return self.params
+        return self.params - self.layers * self.expert_params * (self.experts - self.top_k)
+
+    def layer_matmul_flops(self, tokens: float) -> float:
+        """Forward FLOPs of one layer's weight matrices (and router) on `tokens`, all experts' shares."""
+        k = self.top_k if self.experts else 1
+        mm = 2 * self.hidden * self.hidden + 2 * self.hidden * self.hidden * self.kv // self.heads
+        mm += k * (3 if self.gated else 2) * self.hidden * self.F + self.hidden * self.experts
+        return 2 * tokens * mm
+
+    def core_flops(self, sequences: float, q_len: float) -> float:
+        """Forward FLOPs of attention's scores and weighted sum, q_len queries against the whole sequence."""
+        return 4 * sequences * q_len * self.seq * self.hidden
+
+    def logits_flops(self, tokens: float) -> float:
+        return 2 * tokens * self.hidden * self.vocab
+
+    def model_flops(self, sequences: float) -> float:
+        """Model FLOPs of a training step on `sequences`: 3 forwards (no recomputation)."""
+        tokens = sequences * self.seq
+        layer = self.layer_matmul_flops(tokens) + self.core_flops(sequences, self.seq)
+        return 3 * (self.layers * layer + self.logits_flops(tokens))
+
+
+def gpt(name, layers, hidden, heads, seq=2048, vocab=51200):
+    return ModelSpec(layers, hidden, heads, vocab, seq, name=name)
+
+
+def llama(name, layers, hidden, heads, kv, ffn, vocab=128256, seq=8192, experts=0, top_k=1):
+    return ModelSpec(layers, hidden, heads, vocab, seq, ffn, kv, experts, top_k, "llama", name)
+
+
+# Shapes from each model's paper or released config (Brown et al. 2020 table 2.1; Korthikanti et al. 2022
+# table 3; Meta's Llama 3 model cards / config.json; Mistral's Mixtral 8x7B config.json).
+PRESETS = {p.name: p for p in (
+    gpt("gpt3-175b", 96, 12288, 96),
+    gpt("megatron-22b", 48, 6144, 64),
+    gpt("mt-nlg-530b", 105, 20480, 128),
+    gpt("megatron-1t", 128, 25600, 160),
+    llama("llama3-8b", 32, 4096, 32, 8, 14336),
+    llama("llama3-70b", 80, 8192, 64, 8, 28672),
+    llama("llama3-405b", 126, 16384, 128, 8, 53248),
+    llama("mixtral-8x7b", 32, 4096, 32, 8, 14336, vocab=32000, seq=4096, experts=8, top_k=2),
+)}
+
+
+def from_module(spec: str) -> ModelSpec:
+    """FILE.py:FACTORY: the user's model built on the meta device (no memory), its shape read from a
+    Hugging Face config (`model.config`) when it has one. A model without one is refused: a parameter
+    count alone does not say the layers, width and heads the plan needs."""
+    import torch
+
+    from parallel.usermodel import _call, _import, resolve_spec
+
+    spec = resolve_spec(spec)
+    with torch.device("meta"):
+        model = _call(_import(spec), 0, spec)["model"]
+    c = getattr(model, "config", None)
+    if c is None or not hasattr(c, "hidden_size"):
+        raise ValueError(f"--model {spec}: no Hugging Face config on the model; give its shape with --layers "
+                         "--hidden --heads --vocab --seq instead")
+    gated = getattr(c, "hidden_act", "gelu") in ("silu", "swiglu")
+    return ModelSpec(c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.vocab_size,
+                     getattr(c, "max_position_embeddings", 2048), getattr(c, "intermediate_size", 0) or 0,
+                     getattr(c, "num_key_value_heads", 0) or 0, getattr(c, "num_local_experts", 0) or 0,
+                     getattr(c, "num_experts_per_tok", 1) or 1, "llama" if gated else "gpt", spec)
