@@ -25,6 +25,7 @@ import torch
 from parallel import strategies
 from parallel.devices import synchronizer, synchronizer_all
 from parallel.dist import Dist
+from parallel.plan.formulas import model_state, ring_seconds
 from parallel.strategies.base import grad_bytes
 from parallel.timing import median_time
 from parallel.train import make_optimizer
@@ -92,7 +93,7 @@ class Calibration:
     def allreduce_ms(self, nbytes: float, world: int) -> float | None:
         if self.alpha is None or self.beta is None or world < 2:
             return None if world >= 2 else 0.0
-        return (2 * (world - 1) * self.alpha + 2 * (world - 1) / world * nbytes * self.beta) * 1e3
+        return ring_seconds("all_reduce", nbytes, world, self.alpha, self.beta) * 1e3  # the planner's ring
 
     def projection(self) -> dict[int, float]:
         """µs to all-reduce this model's gradients at the published bus bandwidth, by GPU count."""
@@ -102,12 +103,10 @@ class Calibration:
 # Model state per GPU in the ZeRO paper's setting (Rajbhandari et al., SC 2020, section 3): mixed-precision
 # Adam, 2 bytes of fp16 parameters + 2 of fp16 gradients + K = 12 of fp32 copy, momentum and variance per
 # parameter, Psi parameters over N GPUs. Activations, buffers and fragmentation come on top.
-ZERO_MODEL_STATE = {
-    "DDP (no sharding)": lambda psi, n: 16 * psi,
-    "ZeRO-1 (zero)": lambda psi, n: 4 * psi + 12 * psi / n,
-    "ZeRO-2 (zero --zero-stage 2)": lambda psi, n: 2 * psi + 14 * psi / n,
-    "ZeRO-3 (FSDP)": lambda psi, n: 16 * psi / n,
-}
+# plan/formulas.model_state, the planner's (whose own default counts Megatron's fp32 gradients: 18 bytes).
+ZERO_STAGES = {"DDP (no sharding)": 0, "ZeRO-1 (zero)": 1, "ZeRO-2 (zero --zero-stage 2)": 2, "ZeRO-3 (FSDP)": 3}
+ZERO_MODEL_STATE = {name: (lambda psi, n, stage=stage: sum(model_state(psi, stage, n, 2, 2, 12).values()))
+                    for name, stage in ZERO_STAGES.items()}
 GPU_COUNTS = (8, 64, 1024)
 
 

@@ -182,6 +182,23 @@ def head_time(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> fl
     return 3 * model.logits_flops(tokens) / lay.tp / peak + loss
 
 
+def dp_traffic(psi: float, lay: Layout, train: Training) -> list[tuple[str, float, int]]:
+    """The data-parallel collectives of a step, as (kind, bytes of the whole tensor, times): ZeRO-0 one
+    all-reduce of the gradients; ZeRO-1/2 a reduce-scatter of them and an all-gather of the updated
+    parameters; ZeRO-3 (FSDP) every micro-batch gathers the parameters for forward and for backward (and
+    for a full recompute) and reduce-scatters the gradients. The strategies' comm_bytes_predicted are the
+    same collectives (tests/test_plan.py holds them equal; each run measures them)."""
+    param = 4 if train.precision == "fp32" else ELEM[train.precision]
+    grads = psi * train.grad_bytes
+    if lay.zero_stage == 3:
+        gathers = 2 + (lay.recompute == "full")
+        m = micro_batches(lay, train)
+        return [("all_gather", psi * param, gathers * m), ("reduce_scatter", grads, m)]
+    if lay.zero_stage in (1, 2):
+        return [("reduce_scatter", grads, 1), ("all_gather", psi * param, 1)]
+    return [("all_reduce", grads, 1)]
+
+
 USABLE = 0.95  # of a GPU's memory a run can fill: the CUDA context, NCCL's buffers and fragmentation take the rest
 
 
@@ -207,15 +224,11 @@ def predict(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> dict
         comm["pp"] = 2 * v * m * cl.collective_s("send", act, 2, span)
     psi, _ = params_per_gpu(model, lay)
     shards, span = lay.dp * lay.cp, lay.dp * lay.cp * lay.tp
-    grads = psi * train.grad_bytes
-    if lay.zero_stage == 3:  # FSDP: gather the parameters for forward and backward (and a recompute),
-        gathers = 2 + (lay.recompute == "full")  # reduce-scatter the gradients, every micro-batch
-        dp = m * (gathers * cl.collective_s("all_gather", psi * elem, shards, span)
-                  + cl.collective_s("reduce_scatter", grads, shards, span))
+    dp = sum(count * cl.collective_s(kind, nbytes, shards, span) for kind, nbytes, count in dp_traffic(psi, lay, train))
+    if lay.zero_stage == 3:  # FSDP's gathers prefetch under the whole step's compute
         hidden = parts["compute"] if train.dp_overlap else 0.0
-    else:  # one all-reduce (ZeRO-1/2: a reduce-scatter and an all-gather, the same bytes) per step,
-        dp = cl.collective_s("all_reduce", grads, shards, span)  # under the last micro-batch's backward
-        hidden = layers * lt.compute / 1.5 if train.dp_overlap else 0.0  # ~ backward's compute
+    else:  # DDP's buckets all-reduce under the last micro-batch's backward
+        hidden = layers * lt.compute / 1.5 if train.dp_overlap else 0.0  # backward: 2/3 of the arithmetic
     if shards > 1:
         comm["dp"] = max(0.0, dp - hidden)
     optimizer = psi / (shards if lay.zero_stage else 1) * 30 / (cl.gpu.hbm * e.memory)  # Adam: 30 B/param

@@ -33,3 +33,9 @@ def model_state(psi: float, zero_stage: int, shards: int, param_bytes: int = 2, 
         return psi * nbytes / (shards if zero_stage >= from_stage else 1)
     return {"parameters": part(param_bytes, 3), "gradients": part(grad_bytes, 2),
             "optimizer": part(optimizer_bytes, 1)}
+
+
+def sgd_state(params: int, zero_stage: int, shards: int) -> float:
+    """Model state bytes per rank of an fp32 model under SGD with momentum (K = 4), as this project's
+    sharded strategies train it: what their runs measure per rank against (tests/test_sharded.py)."""
+    return sum(model_state(params, zero_stage, shards, 4, 4, 4).values())

@@ -14,6 +14,7 @@ from torch import nn
 
 from parallel import checkpoint
 from parallel.layout import ParallelDims
+from parallel.plan.formulas import wire_bytes
 from parallel.results import Rule
 
 
@@ -265,8 +266,8 @@ def sum_gradients(params, divide_by: int, group=None) -> None:
 
 def ring_allreduce_bytes(payload_bytes: float, world: int) -> float:
     """Bytes each rank sends to all-reduce `payload_bytes` with a ring: reduce-scatter then all-gather,
-    each moving (N-1)/N of the payload (the nccl-tests busbw convention)."""
-    return 2 * (world - 1) / world * payload_bytes
+    each moving (N-1)/N of the payload (the nccl-tests busbw convention; the planner's formulas.wire_bytes)."""
+    return wire_bytes("all_reduce", payload_bytes, world)
 
 
 def options_of(options_cls, config):

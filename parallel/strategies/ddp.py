@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from parallel.devices import synchronizer
 from parallel.errors import ConfigError
+from parallel.plan.formulas import sgd_state
 from parallel.results import Measured, Rule
 from parallel.strategies import sync_batchnorm
 from parallel.strategies.base import (
@@ -232,7 +233,7 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
             # the unsharded reference for the sharded strategies' table: every rank holds all of it
             "param_bytes_per_rank": full, "grad_bytes_per_rank": full,
             "optimizer_state_bytes_per_rank": optimizer_state_bytes(params, t.optimizer),
-            "zero_formula_bytes": 3 * full,  # (4 + 4 + K = 4) Psi: fp32 SGD with momentum
+            "zero_formula_bytes": sgd_state(full // 4, 0, config.world_size),  # (4 + 4 + K = 4) Psi
             "measured": Measured(exposed_comm_ms=exposed, exposed_over_allreduce=exposed / ms["allreduce"],
                                  allreduce_all_grads_ms=ms["allreduce"], allreduce_4B_ms=ms["allreduce_4B"])}
 

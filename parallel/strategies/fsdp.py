@@ -37,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from parallel.errors import ConfigError
 from parallel.layout import ParallelDims
+from parallel.plan.formulas import sgd_state, wire_bytes
 from parallel.results import Rule
 from parallel.strategies import wire
 from parallel.strategies.base import (
@@ -189,8 +190,9 @@ def comm_bytes_predicted(model, config) -> float:
     n, r = config.world_size // o.replicate, o.replicate  # shards per replica, replicas
     p = sum(q.numel() for q in model.parameters()) * 4
     gathered = p / 2 if o.mixed_precision else p
-    across = 2 * (r - 1) / r * p / n  # HSDP: each rank's reduced shard all-reduced across the replicas
-    return (n - 1) / n * ((2 if o.reshard else 1) * gathered + p) + across
+    gathers = (2 if o.reshard else 1) * wire_bytes("all_gather", gathered, n)
+    # HSDP: each rank's reduced shard is then all-reduced across the replicas
+    return gathers + wire_bytes("reduce_scatter", p, n) + wire_bytes("all_reduce", p / n, r)
 
 
 class _UnshardedPeak(TorchDispatchMode):
@@ -233,7 +235,8 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
             **{f"{k}_per_rank": every_rank(v) for k, v in local.items()},
             "unsharded_peak_bytes_per_rank": every_rank(peak.peak),
             # ZeRO-3's model state per device for fp32 SGD with momentum (K = 4): (4 + 4 + 4) Psi / N.
-            "zero_formula_bytes": 3 * psi / n, "groups": len(t.state.groups), "fsdp_groups": group_names(t),
+            "zero_formula_bytes": sgd_state(psi // 4, 3, n), "groups": len(t.state.groups),
+            "fsdp_groups": group_names(t),
             "measured": wire.measured_collectives(t.device, psi // 4, rounds=max(3, min(10, config.steps)))}
 
 

@@ -37,6 +37,7 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from parallel.errors import ConfigError
+from parallel.plan.formulas import sgd_state, wire_bytes
 from parallel.strategies import wire
 from parallel.strategies.base import (
     Hooks,
@@ -195,7 +196,7 @@ def comm_bytes_predicted(model, config) -> float:
     """Reduce-scatter and all-gather of every parameter's worth, ring: 2(N-1)/N x P bytes (2 Psi)."""
     n = config.world_size
     padded = math.ceil(sum(p.numel() for p in model.parameters() if p.requires_grad) / n) * n
-    return 2 * (n - 1) / n * padded * 4
+    return wire_bytes("reduce_scatter", padded * 4, n) + wire_bytes("all_gather", padded * 4, n)
 
 
 def model_state_bytes(t: Trainable, config) -> list[int]:
@@ -220,8 +221,9 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
             "grad_bytes_per_rank": tensor_bytes(z.grads) if z.grads is not None else psi // n,
             "optimizer_state_bytes_per_rank": optimizer_state_bytes(z.shards, t.optimizer),
             # ZeRO's model state per device for fp32 SGD with momentum (K = 4 bytes of optimizer state per
-            # parameter): DDP 12 Psi; stage 1: 4 + 4 + 4/N; stage 2: 4 + (4 + 4)/N (Psi = parameter count).
-            "zero_formula_bytes": psi + (psi if z.stage == 1 else psi / n) + psi / n,
+            # parameter): DDP 12 Psi; stage 1: 4 + 4 + 4/N; stage 2: 4 + (4 + 4)/N (Psi = parameter count),
+            # by the formula the planner uses (plan/formulas.model_state)
+            "zero_formula_bytes": sgd_state(psi // 4, z.stage, n),
             "measured": wire.measured_collectives(t.device, z.flat.numel(), rounds=max(3, min(10, config.steps)))}
 
 

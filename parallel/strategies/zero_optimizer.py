@@ -25,6 +25,7 @@ from torch.autograd.profiler import record_function
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from parallel.plan.formulas import sgd_state, wire_bytes
 from parallel.strategies import wire
 from parallel.strategies.base import (
     Hooks,
@@ -100,7 +101,7 @@ def model_state_bytes(t: Trainable, config) -> list[int]:
 def comm_bytes_predicted(model, config) -> float:
     """DDP's all-reduce (2(N-1)/N x P) + the parameters broadcast from their owners ((N-1)/N x P)."""
     n, p = config.world_size, sum(tensor_bytes(q) for q in model.parameters())
-    return 3 * (n - 1) / n * p
+    return wire_bytes("all_reduce", p, n) + wire_bytes("all_gather", p, n)  # a broadcast each: (N-1)/N
 
 
 def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
@@ -113,7 +114,7 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
             "owned_param_bytes_per_rank": owned,  # greedy by size: uneven
             "param_bytes_per_rank": full, "grad_bytes_per_rank": full, "optimizer_state_bytes_per_rank": optimizer,
             # ZeRO-1's model state for fp32 SGD with momentum: (4 + 4) Psi + 4 Psi / N (an even share)
-            "zero_formula_bytes": 2 * full + full / n}
+            "zero_formula_bytes": sgd_state(full // 4, 1, n)}
 
 
 def predict_step_ms(cal, config, row) -> float | None:
