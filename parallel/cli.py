@@ -128,6 +128,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default=d.precision, help="fp32, or bf16: every strategy's steps (and "
                                                             "`single`'s) under torch.autocast(bfloat16)")
     p.add_argument("--profile", action="store_true", help="write torch.profiler traces to OUT/tb/")
+    p.add_argument("--memory-cap", dest="memory_cap_mb", type=float, default=d.memory_cap_mb, metavar="MiB",
+                   help="memory a device may hold: a strategy the planner puts over it is left out (named: "
+                        "refused); on GPUs the allocator is capped too, so one over it runs out of memory (0: none)")
     p.add_argument("--repeat", type=int, default=d.repeat, help="rounds of every strategy, interleaved; speedups "
                    "are paired with each round's own `single`: median [min-max] (3: the benchmark mode)")
     p.add_argument("--out", default=d.out, help="results folder (default results/run-<time>)")

@@ -56,6 +56,7 @@ class RunConfig:
     checkpoint_every: int = 0  # save model + optimiser every K steps and at the end (0: never)
     resume: bool = False  # continue from OUT/checkpoints/<strategy>/ if it exists (what a restart uses)
     resume_from: str = ""  # continue from this checkpoint; it must exist
+    memory_cap_mb: float = 0.0  # MiB a device may hold (0: no cap): the planner refuses, CUDA's allocator enforces
     fail_at_step: int = -1  # for demos and tests: raise in the training loop at this step ...
     fail_rank: int = 0  # ... on this rank (or Hogwild worker); only in torchrun's first attempt
     hang_rank: int = -1  # for demos and tests: this rank stops responding at step 1
@@ -101,6 +102,8 @@ class RunConfig:
             raise ConfigError(f"--lr must be a positive finite number, got {self.lr}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if not (math.isfinite(self.memory_cap_mb) and self.memory_cap_mb >= 0):
+            raise ConfigError(f"--memory-cap must be 0 (none) or a positive number of MiB, got {self.memory_cap_mb}")
         if not (0 <= self.momentum < 1):
             raise ConfigError(f"momentum must be in [0, 1), got {self.momentum}")
         for name in ("timeout", "pg_timeout"):

@@ -203,6 +203,13 @@ class Cuda:
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
 
+    def cap_memory(self, device: torch.device, nbytes: int) -> None:
+        """This process may allocate at most `nbytes` on `device`: torch's caching allocator raises out of
+        memory beyond total memory x fraction (torch/cuda/memory.py: the fraction must be a float in
+        [0, 1]; the call initialises CUDA lazily by itself)."""
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(float(min(1.0, nbytes / total)), device)
+
     def event(self, device: torch.device):
         """A timing event; `record()` puts it on the current stream of `device` (the caller's)."""
         return torch.cuda.Event(enable_timing=True)
@@ -320,6 +327,14 @@ def exact_fp32(devices) -> None:
 
 
 TF32 = "off: matrix products and cuDNN convolutions in IEEE fp32 (devices.exact_fp32), as the tolerances assume"
+
+
+def cap_memory(devices, nbytes: int) -> None:
+    """--memory-cap on GPUs: each CUDA device's allocator held to `nbytes` (CPU devices have no allocator
+    of their own to cap: there the planner's refusal before the run is what holds)."""
+    for d in devices:
+        if d.type == "cuda":
+            CUDA.cap_memory(d, nbytes)
 
 
 def reset_peak_memory(devices) -> None:

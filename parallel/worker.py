@@ -23,7 +23,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from parallel import activations, strategies
 from parallel.config import RunConfig
-from parallel.devices import activate, exact_fp32, peak_memory, reset_peak_memory
+from parallel.devices import activate, cap_memory, exact_fp32, peak_memory, reset_peak_memory
 from parallel.dist import Dist
 from parallel.errors import ConfigError
 from parallel.profiling import make_profiler
@@ -45,6 +45,8 @@ def execute(strategy, config: RunConfig, dist: Dist, data=None) -> tuple[Row, di
     torch.set_num_threads(threads)
     activate(local)  # CUDA initialised (and the rank's device current) before any memory statistic
     exact_fp32(local)  # no TF32 on GPUs: every run is checked against `single` at fp32's tolerances
+    if config.memory_cap_mb:
+        cap_memory(local, int(config.memory_cap_mb * 2**20))
 
     workload = workload_of(config)
     model = workload.build_model(config.seed)

@@ -93,6 +93,13 @@ class StrictCuda(Cuda):
             raise RuntimeError("empty_cache before CUDA was initialised")
         self.note("empty_cache")
 
+    def cap_memory(self, device: torch.device, nbytes: int) -> None:
+        """torch.cuda.set_per_process_memory_fraction's rules: a float fraction of the total in [0, 1]."""
+        fraction = min(1.0, nbytes / (80 << 30))
+        if not isinstance(fraction, float) or not 0 <= fraction <= 1:
+            raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
+        self.note("cap", self._index(device), fraction)
+
     def event(self, device: torch.device):
         return StrictEvent(self, self._index(device))
 

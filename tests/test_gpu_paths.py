@@ -325,3 +325,11 @@ def test_gpus_that_this_torch_cannot_use_are_named_not_hidden(monkeypatch):
     assert "CPU-only build" in devices.unusable_gpus()
     monkeypatch.setattr(devices, "_nvidia_present", lambda: (0, ""))
     assert devices.unusable_gpus() is None  # no GPU at all: nothing to say
+
+
+def test_a_memory_cap_holds_the_allocator_of_every_gpu_a_process_drives(strict_cuda, monkeypatch):
+    _execute("manual_dp", _config("cuda:0,1", memory_cap_mb=512.0), strict_cuda, monkeypatch)
+    assert strict_cuda.entries("cap") == [("cap", 0, 512 / (80 * 1024)), ("cap", 1, 512 / (80 * 1024))]
+    strict_cuda.log.clear()
+    _execute("single", _config("cuda:0"), strict_cuda, monkeypatch)
+    assert strict_cuda.entries("cap") == []  # no cap asked: the allocator left alone

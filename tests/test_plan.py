@@ -13,7 +13,7 @@ import pytest
 from torch.nn.attention import SDPBackend
 
 from parallel import cli, strategies
-from parallel.config import RunConfig
+from parallel.config import ConfigError, RunConfig
 from parallel.plan import cost, formulas, models, search, validate
 from parallel.plan.cost import Layout, Training
 from parallel.plan.hardware import Cluster, Efficiency, Gpu, cluster
@@ -203,3 +203,56 @@ def test_the_command_prints_a_ranking_and_the_validation_in_100_columns(capsys, 
     assert "crossover reproduced" in out and "This machine's comparison" in out and "pipeline_dist" in out
     assert max(len(line) for line in out.splitlines()) <= 100
     assert cli.main(["plan", "--validate", "--results", str(tmp_path / "none")]) == 2  # one line, exit 2
+
+
+# --memory-cap: a layout the planner says does not fit is one compare refuses (GPUs: and runs out of memory)
+
+CAP_MB = 4.0  # between fsdp's need on 2 ranks (2.6 MiB) and what ddp keeps of the model alone (4.8 MiB)
+
+
+def _cap_config(**kw) -> RunConfig:
+    return RunConfig(workload="transformer", devices="cpu:2", batch_size=2, steps=1, warmup=1, **kw).validate()
+
+
+def test_a_strategy_the_planner_puts_over_the_cap_is_refused_or_left_out():
+    from parallel.harness.runner import plan as run_plan
+
+    config = _cap_config(memory_cap_mb=CAP_MB)
+    with pytest.raises(ConfigError, match=r"^ddp: the planner puts it at 5\.\d MiB a device \(model state 4\.8, "
+                                          r"activations 0\.\d\), over --memory-cap 4 MiB$"):
+        run_plan(config, ["ddp"], baseline=False)
+    chosen, skipped = run_plan(config, ["fsdp"], baseline=False)
+    assert [s.name for s, _, _ in chosen] == ["fsdp"] and not skipped
+    with pytest.raises(ConfigError, match="^single: the planner puts it at"):  # compare's baseline: no compare
+        run_plan(config, ["all"])
+    chosen, skipped = run_plan(_cap_config(memory_cap_mb=6.0), ["all"])  # single fits 6: the rest are sorted
+    assert {"single", "fsdp", "zero"} <= {s.name for s, _, _ in chosen}
+    assert "ddp" not in skipped and "tensor_parallel" not in skipped  # ddp fits 6; no layout: not checked
+
+
+def _run_two(rank, world):
+    from parallel.dist import Dist
+    from parallel.worker import execute
+
+    dist = Dist(rank=rank, local_rank=rank, world_size=world, local_world_size=world)
+    out = {}
+    for name, cap in (("ddp", 0.0), ("fsdp", CAP_MB)):
+        row, _ = execute(strategies.get(name), _cap_config(memory_cap_mb=cap), dist)
+        out[name] = max(row.details["model_state_bytes_per_device"])
+    return out
+
+
+@pytest.mark.slow
+def test_the_cap_separates_what_the_runs_really_hold():
+    """Measured: ddp keeps more model state per device than the cap by itself; fsdp, run under the cap,
+    keeps the planner's figure, and with the planner's activations stays under it."""
+    from parallel.plan import local
+    from tests.multirank import run_ranks
+
+    held = run_ranks(_run_two, 2, (), timeout=120)[0]
+    model = WORKLOADS["transformer"].build_model(0)
+    cap = CAP_MB * 2**20
+    for name in ("ddp", "fsdp"):
+        need = local.need(name, _cap_config(), model)
+        assert held[name] == pytest.approx(need["model_state"], rel=0.01), name
+    assert held["ddp"] > cap > held["fsdp"] + local.need("fsdp", _cap_config(), model)["activations"]

@@ -191,6 +191,11 @@ def plan(config: RunConfig, names: list[str], baseline: bool = True,
                 raise
             skipped[s.name] = re.sub(rf"^{s.name} cannot (run on \S+|train the .*? workload): ", "", str(e))
             continue
+        if over := over_cap(s.name, variants, workload, config):
+            if s.name == BASELINE or not may_skip(s.name):
+                raise ConfigError(f"{s.name}: {over}")
+            skipped[s.name] = over
+            continue
         chosen += [(s, label, cfg) for label, cfg in variants]
     considered = [s for s, _, _ in chosen] + [strategies.get(n) for n in skipped]
     taken = {f.name for s in considered for f in s.option_fields()}
@@ -204,6 +209,23 @@ def plan(config: RunConfig, names: list[str], baseline: bool = True,
         checkpoint.check_fits(Path(config.resume_from), workload.build_model(config.seed),
                               f"the {config.workload} model")
     return chosen, skipped
+
+
+def over_cap(name: str, variants: list, workload, config: RunConfig) -> str:
+    """Under --memory-cap: why the planner says a variant of `name` does not fit ("" if all fit or the
+    planner has no layout for it)."""
+    if not config.memory_cap_mb:
+        return ""
+    from parallel.plan import local
+
+    model = workload.build_model(config.seed)
+    for _, cfg in variants:
+        need = local.need(name, cfg, model)
+        if need and need["total"] > config.memory_cap_mb * 2**20:
+            return (f"the planner puts it at {need['total'] / 2**20:.1f} MiB a device (model state "
+                    f"{need['model_state'] / 2**20:.1f}, activations {need['activations'] / 2**20:.1f}), over "
+                    f"--memory-cap {config.memory_cap_mb:g} MiB")
+    return ""
 
 
 def run_strategies(config: RunConfig, chosen: list[tuple], baseline: bool = True,

@@ -1,0 +1,57 @@
+"""The planner on this machine's own runs: the memory a strategy needs per device for `compare`'s model,
+batch and optimizer (fp32, SGD with momentum), so that `--memory-cap` refuses what the planner says
+does not fit, before anything starts.
+
+Model state is plan/formulas.sgd_state, the figure each sharded run measures per rank (test_sharded.py);
+activations are activations.formula per block (what LayerMeter measures, test_plan.py) times the blocks
+and the sequences a device holds, plus the logits; a model without the project's transformer blocks is
+counted by its model state alone. Strategies the planner has no layout for (pipelines, tensor, context and
+expert parallelism, Hogwild) are not checked here: docs/planner.md.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from parallel.plan.cost import Layout, Training, layer_activations
+from parallel.plan.formulas import sgd_state
+from parallel.plan.models import ModelSpec
+
+# strategy -> the ZeRO stage its model state is sharded by (None: read the zero option)
+DATA_PARALLEL = {"single": 0, "data_parallel": 0, "manual_dp": 0, "ddp": 0, "manual_ddp": 0, "zero": None,
+                 "zero_optimizer": 1, "fsdp": 3}
+
+
+def spec_of(model: nn.Module) -> ModelSpec | None:
+    """The project's transformer (workloads.TinyTransformer: embed, blocks of Block, head) as a ModelSpec."""
+    from parallel.workloads import Block
+
+    blocks = [m for m in getattr(model, "blocks", []) if isinstance(m, Block) and isinstance(m.mlp, nn.Sequential)]
+    embed = getattr(model, "embed", None)
+    if not blocks or embed is None or len(blocks) != len(model.blocks):
+        return None
+    vocab, width = embed.tokens.weight.shape
+    heads = width // blocks[0].attn.head_size
+    return ModelSpec(len(blocks), width, heads, vocab, embed.positions.weight.shape[0])
+
+
+def need(name: str, config, model: nn.Module) -> dict | None:
+    """Bytes a device needs for `name` on `config`: model state, activations, total; None where the
+    planner has no layout for the strategy."""
+    if name not in DATA_PARALLEL:
+        return None
+    stage = DATA_PARALLEL[name]
+    if stage is None:
+        stage = int(config.options.get("zero_stage", 1))
+    world = 1 if name == "single" else config.world_size
+    shards = world // int(config.options.get("replicate", 1)) if name == "fsdp" else world
+    psi = sum(p.numel() for p in model.parameters())
+    state = sgd_state(psi, stage, shards)
+    acts = 0.0
+    spec = spec_of(model)
+    if spec is not None:
+        per_device = config.batch_size // world // int(config.options.get("accum", 1) if name == "ddp" else 1)
+        layer = layer_activations(spec, Layout(mbs=max(1, per_device)), Training(1, "fp32", "flash"))
+        logits = per_device * spec.seq * spec.vocab * 4 * 2  # the logits and their softmax for the loss
+        acts = spec.layers * layer + logits
+    return {"model_state": state, "activations": acts, "total": state + acts}
