@@ -183,7 +183,7 @@ def test_json_has_the_fields_the_issue_names_and_nothing_else_on_stdout():
     (["--preset", "llama3-8b", "--gpus", "16", "--global-batch", "64", "--tp", "2", "--pp", "2", "--dp", "2",
       "--cp", "1"], "--tp x --pp x --dp x --cp = 8, not --gpus 16"),
     (["--layers", "2", "--gpus", "8", "--global-batch", "8"],
-     "the model needs --hidden --heads --vocab --seq (or --preset NAME, or --model FILE.py:FACTORY)"),
+     "the model needs --hidden --heads --vocab --seq (give them, or --preset NAME, or --model FILE.py:FACTORY)"),
     (["--preset", "gpt3-175b", "--gpus", "8", "--global-batch", "8", "--stack", "megatron-2022", "--cp", "2"],
      "--stack megatron-2022 has no context parallelism: --cp 1 or --stack torch"),
 ])
@@ -256,3 +256,19 @@ def test_the_cap_separates_what_the_runs_really_hold():
         need = local.need(name, _cap_config(), model)
         assert held[name] == pytest.approx(need["model_state"], rel=0.01), name
     assert held["ddp"] > cap > held["fsdp"] + local.need("fsdp", _cap_config(), model)["activations"]
+
+
+def test_your_model_is_read_from_its_modules_or_its_hugging_face_config(tmp_path, capsys):
+    """examples/gpt2.py has no config: its blocks, width, heads, vocabulary and positions are read from
+    its modules (4 blocks of width 128, 4 heads, MLP 512, vocabulary 256, context 64)."""
+    read = models.from_module(str(ROOT / "examples" / "gpt2.py") + ":gpt2")
+    assert {k: read[k] for k in ("layers", "hidden", "heads", "ffn", "vocab", "seq")} == {
+        "layers": 4, "hidden": 128, "heads": 4, "ffn": 512, "vocab": 256, "seq": 64}
+    hf = tmp_path / "tiny_llama.py"
+    hf.write_text("import transformers\n\ndef build():\n    return transformers.LlamaForCausalLM(transformers."
+                  "LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,"
+                  " intermediate_size=96, vocab_size=100, max_position_embeddings=128))\n")
+    spec = models.ModelSpec(**models.from_module(f"{hf}:build"))
+    assert (spec.arch, spec.kv, spec.F, spec.seq) == ("llama", 2, 96, 128)
+    assert cli.main(["plan", "--model", f"{hf}:build", "--seq", "64", "--gpus", "4", "--global-batch", "8"]) == 0
+    assert "64" in capsys.readouterr().out  # --seq beside --model overrides what the model says

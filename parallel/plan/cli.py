@@ -63,12 +63,14 @@ def model_of(args) -> models.ModelSpec:
     try:
         if args.preset and args.model:
             raise ValueError("give --preset or --model, not both")
-        if args.preset or args.model:
-            base = models.PRESETS[args.preset] if args.preset else models.from_module(args.model)
-            return dataclasses.replace(base, **given)
+        if args.preset:
+            return dataclasses.replace(models.PRESETS[args.preset], **given)
+        read = models.from_module(args.model) if args.model else {}
+        given = read | given
         missing = [f"--{k}" for k in ("layers", "hidden", "heads", "vocab", "seq") if k not in given]
         if missing:
-            raise ValueError(f"the model needs {' '.join(missing)} (or --preset NAME, or --model FILE.py:FACTORY)")
+            where = f"{args.model} does not say" if args.model else "the model needs"
+            raise ValueError(f"{where} {' '.join(missing)} (give them, or --preset NAME, or --model FILE.py:FACTORY)")
         return models.ModelSpec(**given)
     except (ValueError, TypeError) as e:
         raise ConfigError(str(e).splitlines()[0]) from None

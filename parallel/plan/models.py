@@ -130,10 +130,13 @@ PRESETS = {p.name: p for p in (
 )}
 
 
-def from_module(spec: str) -> ModelSpec:
-    """FILE.py:FACTORY: the user's model built on the meta device (no memory), its shape read from a
-    Hugging Face config (`model.config`) when it has one. A model without one is refused: a parameter
-    count alone does not say the layers, width and heads the plan needs."""
+def from_module(spec: str) -> dict:
+    """FILE.py:FACTORY: the user's model built on the meta device (no memory), its shape read from its
+    Hugging Face config (`model.config`) where it has one, else from its modules: the layers are the
+    longest list of same-class blocks, the width their norm's, the vocabulary the largest embedding's,
+    the sequence a position embedding's rows, the heads a block's head count or head size, the MLP's width
+    its widest Linear out of the width. Returns the fields it read; the flags fill in (and override) the
+    rest."""
     import torch
 
     from parallel.usermodel import _call, _import, resolve_spec
@@ -142,11 +145,41 @@ def from_module(spec: str) -> ModelSpec:
     with torch.device("meta"):
         model = _call(_import(spec), 0, spec)["model"]
     c = getattr(model, "config", None)
-    if c is None or not hasattr(c, "hidden_size"):
-        raise ValueError(f"--model {spec}: no Hugging Face config on the model; give its shape with --layers "
-                         "--hidden --heads --vocab --seq instead")
-    gated = getattr(c, "hidden_act", "gelu") in ("silu", "swiglu")
-    return ModelSpec(c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.vocab_size,
-                     getattr(c, "max_position_embeddings", 2048), getattr(c, "intermediate_size", 0) or 0,
-                     getattr(c, "num_key_value_heads", 0) or 0, getattr(c, "num_local_experts", 0) or 0,
-                     getattr(c, "num_experts_per_tok", 1) or 1, "llama" if gated else "gpt", spec)
+    if c is not None and hasattr(c, "hidden_size"):
+        gated = getattr(c, "hidden_act", "gelu") in ("silu", "swiglu")
+        fields = {"layers": c.num_hidden_layers, "hidden": c.hidden_size, "heads": c.num_attention_heads,
+                  "vocab": c.vocab_size, "seq": getattr(c, "max_position_embeddings", None),
+                  "ffn": getattr(c, "intermediate_size", None), "kv_heads": getattr(c, "num_key_value_heads", None),
+                  "experts": getattr(c, "num_local_experts", None), "top_k": getattr(c, "num_experts_per_tok", None),
+                  "arch": "llama" if gated else "gpt"}
+    else:
+        fields = _read_modules(model)
+    return {k: v for k, v in fields.items() if v is not None} | {"name": spec.rpartition("/")[2]}
+
+
+def _read_modules(model) -> dict:
+    from torch import nn
+
+    lists = [m for m in model.modules() if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 1
+             and len({type(b) for b in m}) == 1 and any(True for _ in m[0].parameters())]
+    blocks = max(lists, key=len, default=None)
+    embeddings = sorted((m for m in model.modules() if isinstance(m, nn.Embedding)), key=lambda e: -e.num_embeddings)
+    fields: dict = {"vocab": embeddings[0].num_embeddings if embeddings else None,
+                    "seq": embeddings[1].num_embeddings if len(embeddings) > 1 else None}
+    if blocks is None:
+        return fields
+    block = blocks[0]
+    norms = [m for m in block.modules()
+             if "norm" in type(m).__name__.lower() and getattr(m, "weight", None) is not None]
+    hidden = norms[0].weight.shape[0] if norms else (embeddings[0].embedding_dim if embeddings else None)
+    heads = None
+    for m in block.modules():
+        for name in ("num_heads", "n_head", "heads", "num_attention_heads"):
+            if isinstance(getattr(m, name, None), int):
+                heads = getattr(m, name)
+        for name in ("head_size", "head_dim"):
+            if isinstance(getattr(m, name, None), int) and hidden:
+                heads = hidden // getattr(m, name)
+    widths = [m.out_features for m in block.modules() if isinstance(m, nn.Linear) and m.in_features == hidden]
+    return fields | {"layers": len(blocks), "hidden": hidden, "heads": heads,
+                     "ffn": max(widths) if widths and max(widths) != hidden else None}

@@ -13,8 +13,8 @@ from parallel.plan import validate as v
 
 def show(console, model, cl, train, results: list[dict], tried: int, top: int) -> None:
     best = results[0]
-    console.print(f"[bold]{model.name or 'model'}[/]: {model.params / 1e9:.1f}B parameters "
-                  f"({model.active_params / 1e9:.1f}B active), {model.layers} layers, h {model.hidden}, seq "
+    console.print(f"[bold]{model.name or 'model'}[/]: {_count(model.params)} parameters "
+                  f"({_count(model.active_params)} active), {model.layers} layers, h {model.hidden}, seq "
                   f"{model.seq}; {cl.gpus} x {cl.gpu.name}, {cl.per_node} a node; global batch "
                   f"{train.global_batch}, {train.precision}, {train.attention} attention")
     t = _table("Layouts, fastest first" if len(results) > 1 else "The layout",
@@ -22,7 +22,7 @@ def show(console, model, cl, train, results: list[dict], tried: int, top: int) -
                 ("MFU", "right"), ("GiB", "right"), ("bubble", "right"), ("exposed comm", "left")])
     t.columns[0].no_wrap = True
     for r in results[:top]:
-        comm = " ".join(f"{k} {s / r['step_s']:.0%}" for k, s in r["exposed_comm_s"].items() if s / r["step_s"] >= .005)
+        comm = " ".join(f"{k}{s / r['step_s']:.0%}" for k, s in r["exposed_comm_s"].items() if s / r["step_s"] >= .005)
         t.add_row(r["describe"], f"{r['step_s']:.2f}", f"{r['tokens_per_s_per_gpu']:,.0f}",
                   f"{r['tflops_per_gpu']:.0f}", f"{r['mfu']:.0%}",
                   f"{r['memory_gib']['total']:.1f}" + ("" if r["fits"] else " (no fit)"),
@@ -39,6 +39,10 @@ def show(console, model, cl, train, results: list[dict], tried: int, top: int) -
         console.print(search.explain(best, results[1:], tried))
     console.print(f"TFLOP/s and MFU: {best['flops']}; peak {cl.peak(train.precision) / 1e12:.0f} TFLOP/s. "
                   "docs/planner.md says what the model leaves out.")
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
 def _errors(title: str, rows: list[dict], unit: str):

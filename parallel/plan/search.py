@@ -69,18 +69,23 @@ def shares(r: dict) -> dict[str, float]:
 
 
 def explain(best: dict, others: list[dict], tried: int) -> str:
-    """One sentence: why the winner, against the runner-up that differs from it."""
+    """One sentence: where the winner's step goes, and what sets it apart: the layouts within 1% of it
+    (what they change), or else the runner-up and the part it loses in."""
     s = shares(best)
     cost = ", ".join(f"{k} {v:.0%}" for k, v in sorted(s.items(), key=lambda kv: -kv[1])[:3])
     text = (f"{best['describe']} is the fastest of {len(others) + 1} layouts that fit ({tried} tried): "
             f"{best['step_s']:.2f} s a step ({cost}), {best['memory_gib']['total']:.0f} GiB a GPU")
-    rival = next((r for r in others if r["describe"] != best["describe"]), None)
-    if rival is None:
+    if not others:
         return text + "."
+    close = [r for r in others if r["step_s"] <= 1.01 * best["step_s"]]
+    if close:
+        changed = sorted({k for r in close for k in FIELDS if r["layout"][k] != best["layout"][k]})
+        verb = "is" if len(close) == 1 else "are"
+        return text + (f"; {len(close)} more {verb} within 1% (changing {', '.join(changed)}): those choices "
+                       f"hardly matter here, the ones they share do.")
+    rival = others[0]
     mine, theirs = shares(best), shares(rival)
     worse = max(theirs, key=lambda k: theirs[k] * rival["step_s"] - mine.get(k, 0) * best["step_s"])
-    diff = {k: (a, b) for k in FIELDS if (a := best["layout"][k]) != (b := rival["layout"][k])}
-    changed = ", ".join(f"{k} {b}" for k, (a, b) in diff.items())
+    changed = ", ".join(f"{k} {rival['layout'][k]}" for k in FIELDS if rival["layout"][k] != best["layout"][k])
     return text + (f"; the runner-up ({changed}) is {rival['step_s'] / best['step_s'] - 1:.1%} slower, "
                    f"mostly in {worse}.")
-
