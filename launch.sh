@@ -9,6 +9,7 @@
 #   ./launch.sh devices             what hardware is here, and its memory
 #   ./launch.sh bench KIND [args]   GPU basics: cpu-vs-gpu | streams | memory  (python -m parallel bench)
 #   ./launch.sh sweep [args]        a grid of runs, RunManager-style           (python -m parallel sweep)
+#   ./launch.sh plan [args]         which layout for a model on a cluster; --validate (python -m parallel plan)
 #   ./launch.sh tensorboard OUT     TensorBoard (with the profiler plugin) on 127.0.0.1 for a results folder
 #   ./launch.sh python ...          anything else inside the environment
 #   ./launch.sh multinode --nnodes N --rdzv-endpoint HOST:PORT [--nproc-per-node P] [--rdzv-id ID]
@@ -93,7 +94,7 @@ multinode() {
 cmd=${1:-help}
 [ $# -gt 0 ] && shift
 case "$cmd" in
-    compare|run|devices|bench|sweep|preflight)
+    compare|run|devices|bench|sweep|preflight|plan)
         setup
         exec "$VENV/bin/python" -m parallel "$cmd" "$@" ;;
     test)
@@ -120,6 +121,6 @@ case "$cmd" in
     help|-h|--help)
         awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" ;;
     *)
-        echo "launch.sh: unknown command '$cmd' (compare, test, run, preflight, devices, bench, sweep, tensorboard, python, setup, multinode)" >&2
+        echo "launch.sh: unknown command '$cmd' (compare, test, run, preflight, devices, bench, sweep, plan, tensorboard, python, setup, multinode)" >&2
         exit 2 ;;
 esac

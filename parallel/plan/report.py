@@ -80,6 +80,7 @@ def validate(args, console) -> int:
         for r in machine["rows"]:
             t.add_row(r["strategy"], _f(r["step_ms"]), _f(r["step_ms_predicted"]), _f(r["step_ratio"], ".2f"),
                       _f(r["sent"], ",.0f"), _f(r["sent_predicted"], ",.0f"))
+        t.caption = f"predicted over measured step: median {_f(machine['median_ratio'], '.2f')}"
         console.print(t)
     else:
         console.print("No comparison of this machine to check (run ./launch.sh compare, or give --results DIR).")
