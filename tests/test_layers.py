@@ -12,9 +12,9 @@ PACKAGE = ROOT / "parallel"
 LAYERS = {
     "cli": 5, "__main__": 5, "sweep": 5, "preflight": 5, "basics": 5, "envinfo": 5,
     "harness": 4,
-    "worker": 3,
+    "worker": 3, "plan": 3,
     "strategies": 2,
-    "train": 1, "timing": 1, "profiling": 1, "checkpoint": 1, "results": 1, "activations": 1,
+    "train": 1, "timing": 1, "profiling": 1, "checkpoint": 1, "results": 1, "activations": 1, "formulas": 1,
     "config": 0, "dist": 0, "devices": 0, "workloads": 0, "moe": 0, "errors": 0, "layout": 0, "usermodel": 0, "hf": 0,
 }
 

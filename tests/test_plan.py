@@ -12,9 +12,9 @@ import sys
 import pytest
 from torch.nn.attention import SDPBackend
 
-from parallel import cli, strategies
+from parallel import cli, formulas, strategies
 from parallel.config import ConfigError, RunConfig
-from parallel.plan import cost, formulas, models, search, validate
+from parallel.plan import cost, models, search, validate
 from parallel.plan.cost import Layout, Training
 from parallel.plan.hardware import Cluster, Efficiency, Gpu, cluster
 from parallel.workloads import WORKLOADS

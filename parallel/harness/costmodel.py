@@ -25,7 +25,7 @@ import torch
 from parallel import strategies
 from parallel.devices import synchronizer, synchronizer_all
 from parallel.dist import Dist
-from parallel.plan.formulas import model_state, ring_seconds
+from parallel.formulas import model_state, ring_seconds
 from parallel.strategies.base import grad_bytes
 from parallel.timing import median_time
 from parallel.train import make_optimizer
@@ -103,7 +103,7 @@ class Calibration:
 # Model state per GPU in the ZeRO paper's setting (Rajbhandari et al., SC 2020, section 3): mixed-precision
 # Adam, 2 bytes of fp16 parameters + 2 of fp16 gradients + K = 12 of fp32 copy, momentum and variance per
 # parameter, Psi parameters over N GPUs. Activations, buffers and fragmentation come on top.
-# plan/formulas.model_state, the planner's (whose own default counts Megatron's fp32 gradients: 18 bytes).
+# formulas.model_state, the planner's (whose own default counts Megatron's fp32 gradients: 18 bytes).
 ZERO_STAGES = {"DDP (no sharding)": 0, "ZeRO-1 (zero)": 1, "ZeRO-2 (zero --zero-stage 2)": 2, "ZeRO-3 (FSDP)": 3}
 ZERO_MODEL_STATE = {name: (lambda psi, n, stage=stage: sum(model_state(psi, stage, n, 2, 2, 12).values()))
                     for name, stage in ZERO_STAGES.items()}

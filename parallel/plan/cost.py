@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from parallel import activations
-from parallel.plan.formulas import model_state
+from parallel.formulas import model_state
 from parallel.plan.hardware import Cluster, GiB
 from parallel.plan.models import ModelSpec
 from parallel.strategies.replay import CLOSED_FORMS

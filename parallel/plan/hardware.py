@@ -9,15 +9,16 @@ The efficiencies are what a kind reaches of those peaks in training, named and s
 were set for the A100 by fitting the 18 published A100 rows (docs/planner.md says how): matrix
 multiplies follow eff(x) = MM_MAX x / (x + MM_HALF), x the width a GPU's share of a layer's matrices has
 (h / tp), which is why wide models reach more of the peak. The H100, H200 and B200 take the A100's
-efficiencies: no published run of this kind was read for them, so their figures are the A100's habits
-scaled to their peaks (docs/planner.md, "what it does not model").
+efficiencies (the H100's and H200's NVLink excepted, from NCCL's measured bus bandwidth): no published
+training run of theirs was read, so their figures are the A100's habits scaled to their peaks
+(docs/planner.md, "what it does not model").
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from parallel.plan.formulas import ring_seconds
+from parallel.formulas import ring_seconds
 
 GiB = 2**30
 
@@ -33,6 +34,12 @@ class Efficiency:
 
     def matmul(self, width: float) -> float:
         return self.mm_max * width / (width + self.mm_half)
+
+
+# NVLink 4 through NVSwitch (H100, H200): NCCL's all-reduce bus bandwidth on 8 x H200 is 347 GB/s at 64 MiB
+# (stas00/ml-engineering, as ../shared/FIELD-NOTES.md quotes it), 0.77 of 450 GB/s per direction; the rest
+# of their efficiencies are the A100's (no published run of theirs was read).
+NVLINK4 = Efficiency(nvlink=0.77)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,9 +62,11 @@ GPUS = {g.name: g for g in (
     Gpu("a100-80gb", 312e12, 156e12, 80, 2039e9, 300e9, 25e9,
         "as the 40 GB; HBM2e 2,039 GB/s (NVIDIA datasheet via glennklockwood.com)"),
     Gpu("h100", 989e12, 494.5e12, 80, 3350e9, 450e9, 50e9,
-        "H100 SXM: 989 TF dense (torchtitan utils), 3.35 TB/s, NVLink 900 GB/s both ways, 400 Gb/s NIC"),
+        "H100 SXM: 989 TF dense (torchtitan utils), 3.35 TB/s, NVLink 900 GB/s both ways, 400 Gb/s NIC",
+        NVLINK4),
     Gpu("h200", 989e12, 494.5e12, 141, 4800e9, 450e9, 50e9,
-        "H200 SXM: 989 TF dense (torchtitan utils; 1,979 is the sparse figure), 141 GB, 4.8 TB/s, 400 Gb/s"),
+        "H200 SXM: 989 TF dense (torchtitan utils; 1,979 is the sparse figure), 141 GB, 4.8 TB/s, 400 Gb/s",
+        NVLINK4),
     Gpu("b200", 2250e12, 1125e12, 180, 8000e9, 900e9, 50e9,
         "HGX B200: 2,250 TF dense (torchtitan utils, NVIDIA Blackwell datasheet), 180 GB (sources differ: "
         "179-192), 8 TB/s, NVLink 1.8 TB/s both ways; 400 Gb/s NIC assumed (no source read)"),

@@ -2,7 +2,7 @@
 batch and optimizer (fp32, SGD with momentum), so that `--memory-cap` refuses what the planner says
 does not fit, before anything starts.
 
-Model state is plan/formulas.sgd_state, the figure each sharded run measures per rank (test_sharded.py);
+Model state is formulas.sgd_state, the figure each sharded run measures per rank (test_sharded.py);
 activations are activations.formula per block (what LayerMeter measures, test_plan.py) times the blocks
 and the sequences a device holds, plus the logits; a model without the project's transformer blocks is
 counted by its model state alone. Strategies the planner has no layout for (pipelines, tensor, context and
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from parallel.formulas import sgd_state
 from parallel.plan.cost import Layout, Training, layer_activations
-from parallel.plan.formulas import sgd_state
 from parallel.plan.models import ModelSpec
 
 # strategy -> the ZeRO stage its model state is sharded by (None: read the zero option)

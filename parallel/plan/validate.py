@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import statistics
 
+from parallel.formulas import model_state
 from parallel.plan import published as pub
 from parallel.plan.cost import Layout, Training, predict
-from parallel.plan.formulas import model_state
 from parallel.plan.hardware import GPUS, Cluster, Efficiency, GiB
 
 MEGATRON = dict(precision="fp16", attention="unfused", dropout=True, grad_bytes=4, dp_overlap=False)

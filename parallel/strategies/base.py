@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from parallel import checkpoint
+from parallel.formulas import wire_bytes
 from parallel.layout import ParallelDims
-from parallel.plan.formulas import wire_bytes
 from parallel.results import Rule
 
 

@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from parallel.devices import synchronizer
 from parallel.errors import ConfigError
-from parallel.plan.formulas import sgd_state
+from parallel.formulas import sgd_state
 from parallel.results import Measured, Rule
 from parallel.strategies import sync_batchnorm
 from parallel.strategies.base import (

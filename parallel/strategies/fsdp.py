@@ -36,8 +36,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from parallel.errors import ConfigError
+from parallel.formulas import sgd_state, wire_bytes
 from parallel.layout import ParallelDims
-from parallel.plan.formulas import sgd_state, wire_bytes
 from parallel.results import Rule
 from parallel.strategies import wire
 from parallel.strategies.base import (

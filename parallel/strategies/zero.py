@@ -37,7 +37,7 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from parallel.errors import ConfigError
-from parallel.plan.formulas import sgd_state, wire_bytes
+from parallel.formulas import sgd_state, wire_bytes
 from parallel.strategies import wire
 from parallel.strategies.base import (
     Hooks,
@@ -222,7 +222,7 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
             "optimizer_state_bytes_per_rank": optimizer_state_bytes(z.shards, t.optimizer),
             # ZeRO's model state per device for fp32 SGD with momentum (K = 4 bytes of optimizer state per
             # parameter): DDP 12 Psi; stage 1: 4 + 4 + 4/N; stage 2: 4 + (4 + 4)/N (Psi = parameter count),
-            # by the formula the planner uses (plan/formulas.model_state)
+            # by the formula the planner uses (formulas.model_state)
             "zero_formula_bytes": sgd_state(psi // 4, z.stage, n),
             "measured": wire.measured_collectives(t.device, z.flat.numel(), rounds=max(3, min(10, config.steps)))}
 

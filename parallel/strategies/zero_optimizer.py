@@ -25,7 +25,7 @@ from torch.autograd.profiler import record_function
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from parallel.plan.formulas import sgd_state, wire_bytes
+from parallel.formulas import sgd_state, wire_bytes
 from parallel.strategies import wire
 from parallel.strategies.base import (
     Hooks,
