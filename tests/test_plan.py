@@ -272,3 +272,12 @@ def test_your_model_is_read_from_its_modules_or_its_hugging_face_config(tmp_path
     assert (spec.arch, spec.kv, spec.F, spec.seq) == ("llama", 2, 96, 128)
     assert cli.main(["plan", "--model", f"{hf}:build", "--seq", "64", "--gpus", "4", "--global-batch", "8"]) == 0
     assert "64" in capsys.readouterr().out  # --seq beside --model overrides what the model says
+
+
+def test_stages_may_be_uneven_by_a_layer_as_llama_3_405bs_were():
+    """126 layers in 16 stages (Llama 3 405B's pipeline): the busiest stage holds 8, interleaved 2 x 4."""
+    assert Layout(pp=16).layers(126) == 8 and Layout(pp=16, stages_per_rank=2).layers(126) == 8
+    assert Layout(pp=16, stages_per_rank=4).layers(126) == 8 and Layout(pp=7).layers(126) == 18
+    model = models.PRESETS["llama3-405b"]
+    fits, _, _ = search.search(model, cluster(2048, "h100"), Training(512), {"tp": 8, "pp": 16, "cp": 1})
+    assert fits and all(r["layout"]["pp"] == 16 for r in fits)

@@ -97,8 +97,9 @@ def check(model, cl, train, fixed) -> None:
     dims = [fixed[k] for k in ("tp", "pp", "dp", "cp") if k in fixed]
     if len(dims) == 4 and math.prod(dims) != cl.gpus:
         raise ConfigError(f"--tp x --pp x --dp x --cp = {math.prod(dims)}, not --gpus {cl.gpus}")
-    if "pp" in fixed and model.layers % fixed["pp"]:
-        raise ConfigError(f"--pp {fixed['pp']} does not divide the {model.layers} layers")
+    if fixed.get("pp", 1) * fixed.get("stages_per_rank", 1) > model.layers:
+        raise ConfigError(f"--pp x --stages-per-rank = {fixed.get('pp', 1) * fixed.get('stages_per_rank', 1)}, "
+                          f"more stages than the {model.layers} layers")
     if "tp" in fixed and model.kv % fixed["tp"]:
         raise ConfigError(f"--tp {fixed['tp']} does not divide the {model.kv} key/value heads")
 

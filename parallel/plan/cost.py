@@ -13,6 +13,7 @@ the report checks against its replay of each pipeline run). Activations are acti
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from parallel import activations
 from parallel.formulas import model_state
@@ -41,6 +42,11 @@ class Layout:
     def gpus(self) -> int:
         return self.tp * self.pp * self.dp * self.cp
 
+    def layers(self, model_layers: int) -> int:
+        """Layers on the busiest rank: stages of ceil(L / (pp v)) layers, v of them (pp need not divide L:
+        Llama 3 405B ran 126 layers in 16 stages)."""
+        return math.ceil(model_layers / (self.pp * self.stages_per_rank)) * self.stages_per_rank
+
     def describe(self) -> str:
         """tp4 pp16 dp16 mbs1 v3 z1 sp sel: the dimensions over 1, micro-batch, interleaving, ZeRO stage,
         sequence parallel, recompute (sel | full)."""
@@ -67,7 +73,7 @@ class Training:
 def params_per_gpu(model: ModelSpec, lay: Layout) -> tuple[float, float]:
     """(parameters on the first stage's GPU before any ZeRO sharding, of which expert parameters). Layers
     split evenly over pp; the first stage also holds the embeddings (the last the untied head, no more)."""
-    layers = model.layers / lay.pp
+    layers = lay.layers(model.layers)
     experts = model.expert_params * model.experts * layers / (lay.tp * lay.ep) if model.experts else 0.0
     dense = (model.layer_params - (model.expert_params * model.experts if model.experts else 0)) * layers / lay.tp
     return dense + model.embedding_params / lay.tp + experts, experts
@@ -103,7 +109,7 @@ def memory(model: ModelSpec, lay: Layout, train: Training) -> dict[str, float]:
         state = model_state(psi, lay.zero_stage, shards, 4, 4, train.optimizer_bytes - 4)
     else:
         state = model_state(psi, lay.zero_stage, shards, elem, train.grad_bytes, train.optimizer_bytes)
-    layers = model.layers / lay.pp
+    layers = lay.layers(model.layers)
     acts = layer_activations(model, lay, train) * layers * in_flight(lay, m)
     tokens = lay.mbs * model.seq / lay.cp
     logits = tokens * model.vocab / lay.tp * (elem + 4 + 4)  # logits, fp32 softmax and its gradient
@@ -210,7 +216,7 @@ def predict(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> dict
     """One layout's prediction: step time by part, throughput, memory by kind and whether it fits."""
     e, elem = cl.gpu.efficiency, ELEM[train.precision]
     m, p, v = micro_batches(lay, train), lay.pp, lay.stages_per_rank
-    layers = model.layers / p
+    layers = lay.layers(model.layers)
     lt = layer_time(model, lay, train, cl)
     head = head_time(model, lay, train, cl)
     busiest = layers * (lt.forward + lt.backward) + head  # the last stage (pp = 1: the only one)

@@ -17,10 +17,10 @@ def _powers(limit: int) -> list[int]:
 
 
 def candidates(model: ModelSpec, cl: Cluster, train: Training, fixed: dict) -> list[Layout]:
-    """Layouts of exactly cl.gpus GPUs: tp a power of two within a node dividing the heads (and K, V
-    heads), pp dividing the layers, cp a power of two up to 8 dividing the sequence, ep dividing the
-    experts and dp x cp, mbs dividing each data-parallel rank's share of the batch; anything in `fixed`
-    (the flags given) held."""
+    """Layouts of exactly cl.gpus GPUs: tp a power of two within a node dividing the K, V heads; pp
+    dividing the layers or a power of two (the stages then uneven by a layer); cp a power of two up to 8
+    dividing the sequence; ep dividing the experts and dp x cp; mbs dividing each data-parallel rank's
+    share of the batch; anything in `fixed` (the flags given) held."""
     n = cl.gpus
 
     def pick(name, options):
@@ -28,7 +28,8 @@ def candidates(model: ModelSpec, cl: Cluster, train: Training, fixed: dict) -> l
     out = []
     for tp, cp in itertools.product(pick("tp", [t for t in _powers(cl.per_node) if model.kv % t == 0]),
                                     pick("cp", [c for c in _powers(8) if model.seq % (2 * c) == 0 or c == 1])):
-        for pp in pick("pp", [p for p in range(1, model.layers + 1) if model.layers % p == 0]):
+        pps = sorted({p for p in range(1, model.layers + 1) if model.layers % p == 0} | set(_powers(model.layers)))
+        for pp in pick("pp", pps):
             if n % (tp * cp * pp):
                 continue
             dp = n // (tp * cp * pp)
@@ -36,7 +37,7 @@ def candidates(model: ModelSpec, cl: Cluster, train: Training, fixed: dict) -> l
                 continue
             eps = [e for e in range(1, model.experts + 1) if model.experts % e == 0 and (dp * cp) % e == 0] or [1]
             mbss = [b for b in _powers(train.global_batch // dp) if (train.global_batch // dp) % b == 0]
-            vs = [v for v in (1, 2, 3, 4) if pp > 1 and model.layers % (pp * v) == 0] or [1]
+            vs = [v for v in (1, 2, 3, 4) if pp > 1 and pp * v <= model.layers] or [1]
             for ep, mbs, v, zero, rc, sp in itertools.product(
                     pick("ep", eps), pick("mbs", mbss), pick("stages_per_rank", vs),
                     pick("zero_stage", [0, 1, 3] if dp * cp > 1 else [0]),
