@@ -11,13 +11,13 @@ import dataclasses
 import os
 import re
 
-from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
 from parallel.results import Row
+from parallel.tables import table as _table
 
 WIDTH = 100  # the report's width when the output is not a terminal (a pipe, a file, CI's log)
 VERDICT_STYLE = {"match": "green", "baseline": "cyan", "mismatch": "bold red", "not-expected": "yellow",
@@ -38,15 +38,6 @@ def _bytes(n, short: bool = False) -> str:
             return text.replace(" ", "").replace("iB", "") if short else text
         n /= 1024
     return str(n)
-
-
-def _table(title: str, heads: list[tuple[str, str]]) -> Table:
-    """A report table: no vertical rules (they cost 3 columns each), cells that wrap instead of being cut."""
-    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0),
-              title_style="bold")
-    for name, justify in heads:
-        t.add_column(name, justify=justify, overflow="fold")
-    return t
 
 
 # The run ------------------------------------------------------------------------------------------------

@@ -5,12 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rich import box
-from rich.table import Table
-
 from parallel.errors import ConfigError
 from parallel.plan import search
 from parallel.plan import validate as v
+from parallel.tables import table as _table
 
 
 def show(console, model, cl, train, results: list[dict], tried: int, top: int) -> None:
@@ -41,15 +39,6 @@ def show(console, model, cl, train, results: list[dict], tried: int, top: int) -
         console.print(search.explain(best, results[1:], tried))
     console.print(f"TFLOP/s and MFU: {best['flops']}; peak {cl.peak(train.precision) / 1e12:.0f} TFLOP/s. "
                   "docs/planner.md says what the model leaves out.")
-
-
-def _table(title: str, heads: list[tuple[str, str]]) -> Table:
-    """The report's table style (harness/report.py, a layer above this one): no vertical rules."""
-    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0),
-              title_style="bold")
-    for name, justify in heads:
-        t.add_column(name, justify=justify, overflow="fold")
-    return t
 
 
 def _count(n: float) -> str:

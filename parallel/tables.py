@@ -1,0 +1,15 @@
+"""The style of every table the package prints (the report's, the planner's): rich, no vertical rules."""
+
+from __future__ import annotations
+
+from rich import box
+from rich.table import Table
+
+
+def table(title: str, heads: list[tuple[str, str]]) -> Table:
+    """A report table: no vertical rules (they cost 3 columns each), cells that wrap instead of being cut."""
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0),
+              title_style="bold")
+    for name, justify in heads:
+        t.add_column(name, justify=justify, overflow="fold")
+    return t
