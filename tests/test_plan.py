@@ -60,7 +60,9 @@ def test_memory_terms_of_a_layout_by_hand():
     train = Training(global_batch=4, precision="bf16", attention="unfused")
     mem = cost.memory(TINY, lay, train)
     gib = 2**30
-    psi = TINY.layer_params * 1 / 2 + TINY.embedding_params / 2  # one layer per stage, halved by tp, + embeddings
+    # the first stage (2 micro-batches held against the last's 1): one layer and the token and position
+    # embeddings, halved by tp
+    psi = TINY.layer_params * 1 / 2 + (16 * 8 + 4 * 8) / 2
     assert mem["parameters"] * gib == pytest.approx(2 * psi)
     assert mem["gradients"] * gib == pytest.approx(4 * psi)  # fp32 gradients (Megatron's main_grad)
     assert mem["optimizer"] * gib == pytest.approx(12 * psi / 2)  # ZeRO-1 over dp 2
@@ -68,6 +70,38 @@ def test_memory_terms_of_a_layout_by_hand():
     one = 2 * (4 * s * b * h + 12 * s * b * h / t + a * s * s * b / t) + 16 * s * b  # bf16, math kernel, norms
     assert mem["activations"] * gib == pytest.approx(one * 1 * 2)  # 1 layer x p = 2 micro-batches held (1F1B)
     assert mem["total"] == pytest.approx(sum(v for k, v in mem.items() if k != "total"))
+
+
+def test_expert_state_is_sharded_only_over_the_ranks_holding_the_same_experts():
+    """Mixtral on dp 8 = ep 8, ZeRO-1: each rank holds 1 of 8 experts a layer, whole (its optimizer state
+    cannot be split among ranks that hold other experts); the dense parameters' state is split 8 ways."""
+    model = models.PRESETS["mixtral-8x7b"]
+    lay = Layout(dp=8, ep=8, zero_stage=1)
+    dense, experts = cost.params_per_gpu(model, lay)
+    assert experts == model.expert_params * model.experts * model.layers / 8
+    mem = cost.memory(model, lay, Training(64))
+    assert mem["optimizer"] * 2**30 == pytest.approx(12 * dense / 8 + 12 * experts / 1)
+    assert mem["total"] > 80  # the reviewer's 134 GiB: it does not fit an 80 GiB GPU
+
+
+def test_the_ends_of_a_pipeline_hold_the_embedding_and_the_head():
+    llama, gpt = models.PRESETS["llama3-8b"], models.PRESETS["gpt3-175b"]
+    first, last = (cost.params_per_gpu(llama, Layout(pp=2), s)[0] for s in ("first", "last"))
+    assert first + last == llama.params  # embedding on the first stage, untied head and final norm on the last
+    assert first == llama.layer_params * 16 + llama.vocab * llama.hidden
+    first, last = (cost.params_per_gpu(gpt, Layout(pp=2), s)[0] for s in ("first", "last"))
+    assert first + last == gpt.params + gpt.vocab * gpt.hidden  # a tied head's copy on the last stage
+    assert cost.params_per_gpu(gpt, Layout(pp=1))[0] == gpt.params
+
+
+def test_zero_2_reduce_scatters_every_micro_batch():
+    train = Training(global_batch=32, dp_overlap=False)
+    one, two = (dict((k, c) for k, _, c in cost.dp_traffic(1e6, Layout(dp=4, mbs=2, zero_stage=z), train))
+                for z in (1, 2))
+    assert one == {"reduce_scatter": 1, "all_gather": 1} and two == {"reduce_scatter": 4, "all_gather": 1}
+    z1, z2 = (cost.predict(TINY, Layout(dp=4, mbs=2, zero_stage=z), train, FLAT) for z in (1, 2))
+    assert z2["exposed_comm_s"]["dp"] > z1["exposed_comm_s"]["dp"]
+    assert z2["memory_gib"]["total"] < z1["memory_gib"]["total"]
 
 
 def test_held_micro_batches_follow_each_schedule():
@@ -184,6 +218,23 @@ def test_json_has_the_fields_the_issue_names_and_nothing_else_on_stdout():
       "--cp", "1"], "--tp x --pp x --dp x --cp = 8, not --gpus 16"),
     (["--layers", "2", "--gpus", "8", "--global-batch", "8"],
      "the model needs --hidden --heads --vocab --seq (give them, or --preset NAME, or --model FILE.py:FACTORY)"),
+    (["--preset", "llama3-8b", "--gpus", "8", "--global-batch", "64", "--dp", "8", "--mbs", "3"],
+     "--global-batch 64 does not divide into --dp 8 x --mbs 3"),
+    (["--preset", "llama3-8b", "--gpus", "8", "--global-batch", "64", "--ep", "4"],
+     "--ep 4: the model has no experts (--experts E)"),
+    (["--preset", "mixtral-8x7b", "--gpus", "8", "--global-batch", "64", "--ep", "3"],
+     "--ep 3 does not divide the 8 experts"),
+    (["--preset", "llama3-8b", "--gpus", "8", "--global-batch", "64", "--pp", "1", "--stages-per-rank", "2"],
+     "--stages-per-rank interleaves pipeline stages: it needs --pp 2 or more"),
+    (["--preset", "llama3-8b", "--gpus", "8", "--global-batch", "64", "--tp", "1", "--sequence-parallel", "1"],
+     "--sequence-parallel 1 splits what tensor parallelism leaves whole: it needs --tp 2 or more"),
+    (["--preset", "llama3-8b", "--gpus", "8", "--global-batch", "64", "--nvlink", "0"],
+     "--nvlink must be a positive number, got 0"),
+    (["--preset", "llama3-8b", "--gpus", "8", "--global-batch", "64", "--top", "0"], "--top must be at least 1, got 0"),
+    (["--preset", "llama3-8b", "--ffn", "-5", "--gpus", "8", "--global-batch", "64"],
+     "--ffn must be 0 (the default) or more"),
+    (["--preset", "mixtral-8x7b", "--top-k", "9", "--gpus", "8", "--global-batch", "64"],
+     "--top-k 9: from 1 to the 8 experts"),
     (["--preset", "gpt3-175b", "--gpus", "8", "--global-batch", "8", "--stack", "megatron-2022", "--cp", "2"],
      "--stack megatron-2022 has no context parallelism: --cp 1 or --stack torch"),
 ])

@@ -90,18 +90,36 @@ def fixed_of(args) -> dict:
 
 
 def check(model, cl, train, fixed) -> None:
+    """The flags' own conditions, each refused in one line (what depends on the search is left to it)."""
+    def fail(text):
+        raise ConfigError(text)
     if cl.gpus < 1:
-        raise ConfigError("--gpus: at least 1")
+        fail("--gpus: at least 1")
     if train.global_batch < 1:
-        raise ConfigError("--global-batch: at least 1 sequence")
+        fail("--global-batch: at least 1 sequence")
     dims = [fixed[k] for k in ("tp", "pp", "dp", "cp") if k in fixed]
     if len(dims) == 4 and math.prod(dims) != cl.gpus:
-        raise ConfigError(f"--tp x --pp x --dp x --cp = {math.prod(dims)}, not --gpus {cl.gpus}")
-    if fixed.get("pp", 1) * fixed.get("stages_per_rank", 1) > model.layers:
-        raise ConfigError(f"--pp x --stages-per-rank = {fixed.get('pp', 1) * fixed.get('stages_per_rank', 1)}, "
-                          f"more stages than the {model.layers} layers")
+        fail(f"--tp x --pp x --dp x --cp = {math.prod(dims)}, not --gpus {cl.gpus}")
     if "tp" in fixed and model.kv % fixed["tp"]:
-        raise ConfigError(f"--tp {fixed['tp']} does not divide the {model.kv} key/value heads")
+        fail(f"--tp {fixed['tp']} does not divide the {model.kv} key/value heads")
+    if "cp" in fixed and model.seq % fixed["cp"]:
+        fail(f"--cp {fixed['cp']} does not divide the sequence of {model.seq}")
+    if fixed.get("ep", 1) > 1 and not model.experts:
+        fail(f"--ep {fixed['ep']}: the model has no experts (--experts E)")
+    if model.experts and model.experts % fixed.get("ep", 1):
+        fail(f"--ep {fixed['ep']} does not divide the {model.experts} experts")
+    if fixed.get("pp", 1) * fixed.get("stages_per_rank", 1) > model.layers:
+        fail(f"--pp x --stages-per-rank = {fixed.get('pp', 1) * fixed.get('stages_per_rank', 1)}, more stages "
+             f"than the {model.layers} layers")
+    if fixed.get("stages_per_rank", 1) > 1 and fixed.get("pp") == 1:
+        fail("--stages-per-rank interleaves pipeline stages: it needs --pp 2 or more")
+    if fixed.get("sequence_parallel") and fixed.get("tp") == 1:
+        fail("--sequence-parallel 1 splits what tensor parallelism leaves whole: it needs --tp 2 or more")
+    if cl.gpus % math.prod(dims):
+        fail(f"the dimensions given multiply to {math.prod(dims)}, which does not divide --gpus {cl.gpus}")
+    if "dp" in fixed and train.global_batch % (fixed["dp"] * fixed.get("mbs", 1)):
+        fail(f"--global-batch {train.global_batch} does not divide into --dp {fixed['dp']} x --mbs "
+             f"{fixed.get('mbs', 1)}")
 
 
 def main(args, console) -> int:
@@ -112,8 +130,13 @@ def main(args, console) -> int:
     model = model_of(args)
     if args.gpus is None or args.global_batch is None:
         raise ConfigError("plan needs --gpus N and --global-batch B (or --validate)")
-    over = {"nvlink": args.nvlink, "network": args.network, "hbm": args.hbm}
-    over = {k: v * 1e9 for k, v in over.items() if v is not None} | ({"peak": args.peak * 1e12} if args.peak else {})
+    over = {"nvlink": args.nvlink, "network": args.network, "hbm": args.hbm, "peak": args.peak}
+    for k, v in over.items():
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise ConfigError(f"--{k} must be a positive number, got {v:g}")
+    if args.top < 1:
+        raise ConfigError(f"--top must be at least 1, got {args.top}")
+    over = {k: v * (1e12 if k == "peak" else 1e9) for k, v in over.items() if v is not None}
     try:
         cl = cluster(args.gpus, args.gpu, args.gpus_per_node, **over)
     except ValueError as e:

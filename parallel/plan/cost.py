@@ -7,7 +7,7 @@ at the kind's efficiency for the layer's width on a GPU (h/tp), elementwise kern
 and tensor-, context- and expert-parallel collectives on the ring model (hardware.ring_seconds, the one the
 report fits to each run). The bubble is the schedule's closed form (strategies/replay.CLOSED_FORMS, the one
 the report checks against its replay of each pipeline run). Activations are activations.formula per layer
-(the one each run's LayerMeter checks exactly) times the micro-batches the first stage holds. docs/planner.md.
+(the one each run's LayerMeter checks exactly) times the micro-batches a stage holds. docs/planner.md.
 """
 
 from __future__ import annotations
@@ -70,13 +70,33 @@ class Training:
     optimizer_bytes: int = 12  # fp32 master copy, Adam's two moments (a fp32 run has no master: 8)
 
 
-def params_per_gpu(model: ModelSpec, lay: Layout) -> tuple[float, float]:
-    """(parameters on the first stage's GPU before any ZeRO sharding, of which expert parameters). Layers
-    split evenly over pp; the first stage also holds the embeddings (the last the untied head, no more)."""
+def params_per_gpu(model: ModelSpec, lay: Layout, stage: str = "first") -> tuple[float, float]:
+    """(dense, expert) parameters on a GPU of the `stage` ("first" or "last") before any ZeRO sharding: its
+    layers, split by tp (experts by tp x ep); the first stage adds the token (and position) embedding, the
+    last the head (a tied head's copy too, as Megatron keeps one there) and the final norm; pp = 1 both."""
     layers = lay.layers(model.layers)
     experts = model.expert_params * model.experts * layers / (lay.tp * lay.ep) if model.experts else 0.0
     dense = (model.layer_params - (model.expert_params * model.experts if model.experts else 0)) * layers / lay.tp
-    return dense + model.embedding_params / lay.tp + experts, experts
+    positions = model.seq * model.hidden if model.arch == "gpt" else 0
+    head = model.vocab * model.hidden + model.norm_params // 2
+    ends = {"first": model.vocab * model.hidden + positions, "last": head}
+    extra = sum(ends.values()) - (model.vocab * model.hidden if model.arch == "gpt" else 0) if lay.pp == 1 \
+        else ends[stage]  # one GPU, a tied head is the embedding itself
+    return dense + extra / lay.tp, experts
+
+
+def state_of(model: ModelSpec, lay: Layout, train: Training, stage: str = "first") -> dict[str, float]:
+    """Model state bytes by kind: dense parameters sharded (by the ZeRO stage) over dp x cp, expert
+    parameters over the dp x cp / ep ranks that hold copies of the same experts."""
+    dense, experts = params_per_gpu(model, lay, stage)
+    shards = lay.dp * lay.cp
+    sizes = (4, 4, train.optimizer_bytes - 4) if train.precision == "fp32" else \
+        (ELEM[train.precision], train.grad_bytes, train.optimizer_bytes)
+    state = model_state(dense, lay.zero_stage, shards, *sizes)
+    if experts:
+        for k, v in model_state(experts, lay.zero_stage, max(1, shards // lay.ep), *sizes).items():
+            state[k] += v
+    return state
 
 
 def in_flight(lay: Layout, m: int) -> float:
@@ -100,24 +120,28 @@ def layer_activations(model: ModelSpec, lay: Layout, train: Training) -> float:
 
 
 def memory(model: ModelSpec, lay: Layout, train: Training) -> dict[str, float]:
-    """Bytes per GPU by kind, on the first stage (the most parameters, the most micro-batches held)."""
+    """GiB per GPU by kind on the stage that needs the most: the first (the embedding, the most
+    micro-batches held) or the last (the head, the logits; under 1F1B one micro-batch held, interleaved
+    counted as the first's, an upper bound)."""
     elem = ELEM[train.precision]
     m = micro_batches(lay, train)
-    psi, experts = params_per_gpu(model, lay)
-    shards = lay.dp * lay.cp
-    if train.precision == "fp32":
-        state = model_state(psi, lay.zero_stage, shards, 4, 4, train.optimizer_bytes - 4)
-    else:
-        state = model_state(psi, lay.zero_stage, shards, elem, train.grad_bytes, train.optimizer_bytes)
     layers = lay.layers(model.layers)
-    acts = layer_activations(model, lay, train) * layers * in_flight(lay, m)
+    per_layer = layer_activations(model, lay, train)
     tokens = lay.mbs * model.seq / lay.cp
-    logits = tokens * model.vocab / lay.tp * (elem + 4 + 4)  # logits, fp32 softmax and its gradient
-    buffers = logits + (4 * tokens * model.hidden * elem if lay.recompute == "full" else 0)
+    common = (4 * tokens * model.hidden * elem if lay.recompute == "full" else 0)  # the layer being recomputed
     if lay.zero_stage == 3:  # the gathered parameters of the layer in use and the one prefetched
-        buffers += 2 * model.layer_params / lay.tp * elem
-    out = {**state, "activations": acts, "buffers": buffers}
-    return {k: v / GiB for k, v in out.items()} | {"total": sum(out.values()) / GiB}
+        common += 2 * model.layer_params / lay.tp * elem
+    logits = tokens * model.vocab / lay.tp * (elem + 4 + 4)  # logits, fp32 softmax and its gradient
+    held_last = in_flight(lay, m) if lay.pp == 1 or lay.stages_per_rank > 1 or lay.schedule == "gpipe" else 1
+    stages = []
+    for stage, held, buffers in (("first", in_flight(lay, m), common + (logits if lay.pp == 1 else 0)),
+                                 ("last", held_last, common + logits)):
+        out = {**state_of(model, lay, train, stage), "activations": per_layer * layers * held, "buffers": buffers}
+        stages.append({k: v / GiB for k, v in out.items()} | {"total": sum(out.values()) / GiB, "stage": stage})
+        if lay.pp == 1:
+            break
+    worst = max(stages, key=lambda d: d["total"])
+    return {k: v for k, v in worst.items() if k != "stage"}
 
 
 def micro_batches(lay: Layout, train: Training) -> int:
@@ -190,8 +214,9 @@ def head_time(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> fl
 
 def dp_traffic(psi: float, lay: Layout, train: Training) -> list[tuple[str, float, int]]:
     """The data-parallel collectives of a step, as (kind, bytes of the whole tensor, times): ZeRO-0 one
-    all-reduce of the gradients; ZeRO-1/2 a reduce-scatter of them and an all-gather of the updated
-    parameters; ZeRO-3 (FSDP) every micro-batch gathers the parameters for forward and for backward (and
+    all-reduce of the gradients; ZeRO-1 a reduce-scatter of them and an all-gather of the updated
+    parameters; ZeRO-2 the reduce-scatter every micro-batch (no whole gradient is kept to accumulate
+    into); ZeRO-3 (FSDP) every micro-batch gathers the parameters for forward and for backward (and
     for a full recompute) and reduce-scatters the gradients. The strategies' comm_bytes_predicted are the
     same collectives (tests/test_plan.py holds them equal; each run measures them)."""
     param = 4 if train.precision == "fp32" else ELEM[train.precision]
@@ -201,7 +226,8 @@ def dp_traffic(psi: float, lay: Layout, train: Training) -> list[tuple[str, floa
         m = micro_batches(lay, train)
         return [("all_gather", psi * param, gathers * m), ("reduce_scatter", grads, m)]
     if lay.zero_stage in (1, 2):
-        return [("reduce_scatter", grads, 1), ("all_gather", psi * param, 1)]
+        times = micro_batches(lay, train) if lay.zero_stage == 2 else 1
+        return [("reduce_scatter", grads, times), ("all_gather", psi * param, 1)]
     return [("all_reduce", grads, 1)]
 
 
@@ -228,16 +254,21 @@ def predict(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> dict
         act = lay.mbs * model.seq / lay.cp * model.hidden * elem / (lay.tp if train.pp_scatter_gather else 1)
         span = lay.tp * lay.cp * lay.dp + 1  # pipeline neighbours sit a data-parallel group apart
         comm["pp"] = 2 * v * m * cl.collective_s("send", act, 2, span)
-    psi, _ = params_per_gpu(model, lay)
+    dense, experts = max(params_per_gpu(model, lay, "first"), params_per_gpu(model, lay, "last"))
     shards, span = lay.dp * lay.cp, lay.dp * lay.cp * lay.tp
-    dp = sum(count * cl.collective_s(kind, nbytes, shards, span) for kind, nbytes, count in dp_traffic(psi, lay, train))
+    dp = sum(count * cl.collective_s(kind, nbytes, shards, span)
+             for kind, nbytes, count in dp_traffic(dense, lay, train))
+    if experts:  # expert weights: reduced over the dp x cp / ep ranks that hold the same experts
+        dp += sum(count * cl.collective_s(kind, nbytes, max(1, shards // lay.ep), span // lay.ep)
+                  for kind, nbytes, count in dp_traffic(experts, lay, train))
     if lay.zero_stage == 3:  # FSDP's gathers prefetch under the whole step's compute
         hidden = parts["compute"] if train.dp_overlap else 0.0
     else:  # DDP's buckets all-reduce under the last micro-batch's backward
         hidden = layers * lt.compute / 1.5 if train.dp_overlap else 0.0  # backward: 2/3 of the arithmetic
     if shards > 1:
         comm["dp"] = max(0.0, dp - hidden)
-    optimizer = psi / (shards if lay.zero_stage else 1) * 30 / (cl.gpu.hbm * e.memory)  # Adam: 30 B/param
+    owned = dense / (shards if lay.zero_stage else 1) + experts / (max(1, shards // lay.ep) if lay.zero_stage else 1)
+    optimizer = owned * 30 / (cl.gpu.hbm * e.memory)  # Adam: 30 bytes a parameter it owns
     parts["optimizer"] = optimizer
     step = m * busiest + bubble + sum(v for k, v in comm.items() if k in ("pp", "dp")) + optimizer
     gpus = lay.gpus

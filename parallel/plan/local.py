@@ -36,22 +36,27 @@ def spec_of(model: nn.Module) -> ModelSpec | None:
 
 
 def need(name: str, config, model: nn.Module) -> dict | None:
-    """Bytes a device needs for `name` on `config`: model state, activations, total; None where the
-    planner has no layout for the strategy."""
+    """Bytes the busiest device needs for `name` on `config`: model state, activations, total; None where
+    the planner has no layout for the strategy. The in-process strategies (data_parallel, manual_dp)
+    gather every replica's output on their first device, so its logits are the whole batch's; fsdp
+    offloaded to the host keeps no model state on the device."""
     if name not in DATA_PARALLEL:
         return None
+    from parallel import strategies
+
     stage = DATA_PARALLEL[name]
     if stage is None:
         stage = int(config.options.get("zero_stage", 1))
-    world = 1 if name == "single" else config.world_size
+    world = strategies.get(name).world_size(config)  # data_parallel on virtual CPU devices: one
     shards = world // int(config.options.get("replicate", 1)) if name == "fsdp" else world
     psi = sum(p.numel() for p in model.parameters())
-    state = sgd_state(psi, stage, shards)
+    state = 0.0 if name == "fsdp" and config.options.get("offload") == "cpu" else sgd_state(psi, stage, shards)
     acts = 0.0
     spec = spec_of(model)
     if spec is not None:
         per_device = config.batch_size // world // int(config.options.get("accum", 1) if name == "ddp" else 1)
         layer = layer_activations(spec, Layout(mbs=max(1, per_device)), Training(1, "fp32", "flash"))
-        logits = per_device * spec.seq * spec.vocab * 4 * 2  # the logits and their softmax for the loss
+        gathered = config.batch_size if name in ("data_parallel", "manual_dp") else per_device
+        logits = gathered * spec.seq * spec.vocab * 4 * 2  # the logits and their softmax for the loss
         acts = spec.layers * layer + logits
     return {"model_state": state, "activations": acts, "total": state + acts}

@@ -31,6 +31,11 @@ class ModelSpec:
         for field in ("layers", "hidden", "heads", "vocab", "seq"):
             if getattr(self, field) < 1:
                 raise ValueError(f"--{field.replace('_', '-')} must be at least 1")
+        for field in ("ffn", "kv_heads", "experts"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"--{field.replace('_', '-')} must be 0 (the default) or more")
+        if self.top_k < 1 or (self.experts and self.top_k > self.experts):
+            raise ValueError(f"--top-k {self.top_k}: from 1 to the {self.experts or 'number of'} experts")
         if self.hidden % self.heads or self.heads % self.kv:
             raise ValueError(f"--hidden {self.hidden} must divide into --heads {self.heads}, and those into "
                              f"--kv-heads {self.kv}")

@@ -28,7 +28,7 @@ def show(console, model, cl, train, results: list[dict], tried: int, top: int) -
                   f"{r['memory_gib']['total']:.1f}" + ("" if r["fits"] else " (no fit)"),
                   f"{r['parts_s']['bubble'] / r['step_s']:.0%}", comm or "-")
     console.print(t)
-    mem = _table("Memory per GPU, GiB", [("kind", "left"), ("first stage", "right")])
+    mem = _table("Memory per GPU, GiB", [("kind", "left"), ("busiest stage", "right")])
     for k, gib in best["memory_gib"].items():
         mem.add_row(k, f"{gib:.2f}")
     console.print(mem)

@@ -19,35 +19,33 @@ def _powers(limit: int) -> list[int]:
 def candidates(model: ModelSpec, cl: Cluster, train: Training, fixed: dict) -> list[Layout]:
     """Layouts of exactly cl.gpus GPUs: tp a power of two within a node dividing the K, V heads; pp
     dividing the layers or a power of two (the stages then uneven by a layer); cp a power of two up to 8
-    dividing the sequence; ep dividing the experts and dp x cp; mbs dividing each data-parallel rank's
-    share of the batch; anything in `fixed` (the flags given) held."""
-    n = cl.gpus
+    dividing the sequence; ep dividing the experts and dp x cp; mbs a power of two dividing each
+    data-parallel rank's share of the batch; interleaving only with micro-batches in rounds of pp. A value
+    in `fixed` (the flags given) replaces the options, and must pass the same conditions."""
+    n, batch = cl.gpus, train.global_batch
 
-    def pick(name, options):
-        return [fixed[name]] if fixed.get(name) is not None else options
+    def pick(name, options, ok=lambda x: True):
+        if fixed.get(name) is None:
+            return [x for x in options if ok(x)]
+        return [fixed[name]] if ok(fixed[name]) else []
     out = []
-    for tp, cp in itertools.product(pick("tp", [t for t in _powers(cl.per_node) if model.kv % t == 0]),
-                                    pick("cp", [c for c in _powers(8) if model.seq % (2 * c) == 0 or c == 1])):
-        pps = sorted({p for p in range(1, model.layers + 1) if model.layers % p == 0} | set(_powers(model.layers)))
-        for pp in pick("pp", pps):
-            if n % (tp * cp * pp):
+    pps = sorted({p for p in range(1, model.layers + 1) if model.layers % p == 0} | set(_powers(model.layers)))
+    for tp, cp, pp in itertools.product(pick("tp", _powers(cl.per_node), lambda t: model.kv % t == 0),
+                                        pick("cp", _powers(8), lambda c: model.seq % c == 0), pick("pp", pps)):
+        if n % (tp * cp * pp) or fixed.get("dp") not in (None, n // (tp * cp * pp)) or batch % (n // (tp * cp * pp)):
+            continue
+        dp = n // (tp * cp * pp)
+        for ep, mbs, v, zero, rc, sp in itertools.product(
+                pick("ep", range(1, max(1, model.experts) + 1),
+                     lambda e, dp=dp, cp=cp: e == 1 or (model.experts % e == 0 and (dp * cp) % e == 0)),
+                pick("mbs", _powers(batch // dp), lambda b, dp=dp: (batch // dp) % b == 0),
+                pick("stages_per_rank", (1, 2, 3, 4), lambda v, pp=pp: v == 1 or 1 < pp and pp * v <= model.layers),
+                pick("zero_stage", (0, 1, 2, 3), lambda z, dp=dp, cp=cp: z == 0 or dp * cp > 1),
+                pick("recompute", ("none", "selective", "full")),
+                pick("sequence_parallel", (True, False), lambda on, tp=tp: not on or tp > 1)):
+            if v > 1 and (batch // (dp * mbs)) % pp:  # torch's interleaved schedules: micro-batches in rounds of pp
                 continue
-            dp = n // (tp * cp * pp)
-            if fixed.get("dp") not in (None, dp) or train.global_batch % dp:
-                continue
-            eps = [e for e in range(1, model.experts + 1) if model.experts % e == 0 and (dp * cp) % e == 0] or [1]
-            mbss = [b for b in _powers(train.global_batch // dp) if (train.global_batch // dp) % b == 0]
-            vs = [v for v in (1, 2, 3, 4) if pp > 1 and pp * v <= model.layers] or [1]
-            for ep, mbs, v, zero, rc, sp in itertools.product(
-                    pick("ep", eps), pick("mbs", mbss), pick("stages_per_rank", vs),
-                    pick("zero_stage", [0, 1, 3] if dp * cp > 1 else [0]),
-                    pick("recompute", ["none", "selective", "full"]),
-                    pick("sequence_parallel", [True, False] if tp > 1 else [False])):
-                m = train.global_batch // (dp * mbs)
-                if v > 1 and m % pp:  # torch's interleaved schedules take micro-batches in rounds of pp
-                    continue
-                out.append(Layout(tp, pp, dp, cp, ep, mbs, v, zero, rc, bool(sp) and tp > 1, fixed.get("schedule")
-                                  or "1f1b"))
+            out.append(Layout(tp, pp, dp, cp, ep, mbs, v, zero, rc, sp, fixed.get("schedule") or "1f1b"))
     return out
 
 
