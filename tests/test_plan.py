@@ -15,8 +15,9 @@ from torch.nn.attention import SDPBackend
 from parallel import cli, formulas, strategies
 from parallel.config import ConfigError, RunConfig
 from parallel.plan import cost, models, search, validate
-from parallel.plan.cost import Layout, Training
+from parallel.plan import memory as pm
 from parallel.plan.hardware import Cluster, Efficiency, Gpu, cluster
+from parallel.plan.layouts import Layout, Training
 from parallel.workloads import WORKLOADS
 from tests.conftest import ROOT
 from tests.test_activations import measured
@@ -58,7 +59,7 @@ def test_model_state_by_zero_stage_by_hand():
 def test_memory_terms_of_a_layout_by_hand():
     lay = Layout(tp=2, pp=2, dp=2, mbs=1, zero_stage=1)
     train = Training(global_batch=4, precision="bf16", attention="unfused")
-    mem = cost.memory(TINY, lay, train)
+    mem = pm.memory(TINY, lay, train)
     gib = 2**30
     # the first stage (2 micro-batches held against the last's 1): one layer and the token and position
     # embeddings, halved by tp
@@ -77,21 +78,21 @@ def test_expert_state_is_sharded_only_over_the_ranks_holding_the_same_experts():
     cannot be split among ranks that hold other experts); the dense parameters' state is split 8 ways."""
     model = models.PRESETS["mixtral-8x7b"]
     lay = Layout(dp=8, ep=8, zero_stage=1)
-    dense, experts = cost.params_per_gpu(model, lay)
+    dense, experts = pm.params_per_gpu(model, lay)
     assert experts == model.expert_params * model.experts * model.layers / 8
-    mem = cost.memory(model, lay, Training(64))
+    mem = pm.memory(model, lay, Training(64))
     assert mem["optimizer"] * 2**30 == pytest.approx(12 * dense / 8 + 12 * experts / 1)
     assert mem["total"] > 80  # the reviewer's 134 GiB: it does not fit an 80 GiB GPU
 
 
 def test_the_ends_of_a_pipeline_hold_the_embedding_and_the_head():
     llama, gpt = models.PRESETS["llama3-8b"], models.PRESETS["gpt3-175b"]
-    first, last = (cost.params_per_gpu(llama, Layout(pp=2), s)[0] for s in ("first", "last"))
+    first, last = (pm.params_per_gpu(llama, Layout(pp=2), s)[0] for s in ("first", "last"))
     assert first + last == llama.params  # embedding on the first stage, untied head and final norm on the last
     assert first == llama.layer_params * 16 + llama.vocab * llama.hidden
-    first, last = (cost.params_per_gpu(gpt, Layout(pp=2), s)[0] for s in ("first", "last"))
+    first, last = (pm.params_per_gpu(gpt, Layout(pp=2), s)[0] for s in ("first", "last"))
     assert first + last == gpt.params + gpt.vocab * gpt.hidden  # a tied head's copy on the last stage
-    assert cost.params_per_gpu(gpt, Layout(pp=1))[0] == gpt.params
+    assert pm.params_per_gpu(gpt, Layout(pp=1))[0] == gpt.params
 
 
 def test_zero_2_reduce_scatters_every_micro_batch():
@@ -105,10 +106,10 @@ def test_zero_2_reduce_scatters_every_micro_batch():
 
 
 def test_held_micro_batches_follow_each_schedule():
-    assert cost.in_flight(Layout(pp=4), m=16) == 4
-    assert cost.in_flight(Layout(pp=4, schedule="gpipe"), m=16) == 16
-    assert cost.in_flight(Layout(pp=4, stages_per_rank=2), m=16) == pytest.approx(4 * (1 + 3 / 8))
-    assert cost.in_flight(Layout(pp=1), m=16) == 1
+    assert pm.in_flight(Layout(pp=4), m=16) == 4
+    assert pm.in_flight(Layout(pp=4, schedule="gpipe"), m=16) == 16
+    assert pm.in_flight(Layout(pp=4, stages_per_rank=2), m=16) == pytest.approx(4 * (1 + 3 / 8))
+    assert pm.in_flight(Layout(pp=1), m=16) == 1
 
 
 # a GPU with round numbers and no latency: 1 TB/s NVLink, 100 GB/s network, efficiencies 1
@@ -121,11 +122,15 @@ def test_communication_terms_by_hand():
     act = 2 * 4 * 8 * 2  # mbs x s x h x 2 bytes
     m = 8 // (4 * 2)
     assert r["exposed_comm_s"]["tp"] == pytest.approx(m * 2 * 4 * (2 * 3 / 4 * act) / 1e12)  # 4 all-reduces a layer
-    psi, _ = cost.params_per_gpu(TINY, Layout(tp=4, dp=4))
+    psi, _ = pm.params_per_gpu(TINY, Layout(tp=4, dp=4))
     span_net = 16 > 8  # dp 4 x tp 4 spans two nodes: the network
     assert span_net and r["exposed_comm_s"]["dp"] == pytest.approx(2 * 3 / 4 * psi * 4 / 1e11)  # fp32 gradients
     sp = cost.predict(TINY, Layout(tp=4, dp=4, mbs=2, sequence_parallel=True), train, FLAT)
     assert sp["exposed_comm_s"]["tp"] == pytest.approx(r["exposed_comm_s"]["tp"] * 5 / 4)  # + backward's gathers
+    # context parallel: 2 x 4 tokens over 2 ranks, K and V of 8 features in bf16: (cp-1) passes forward, twice back
+    assert cost.layer_traffic(TINY, Layout(cp=2, mbs=2), train) == {"cp": ("send", 2 * (2 * 4 / 2) * 8 * 2, 1, 2)}
+    moe = models.ModelSpec(2, 8, 2, 16, 4, experts=4, top_k=2)  # each token's row sent to 2 experts and back
+    assert cost.layer_traffic(moe, Layout(ep=4, mbs=2), train) == {"ep": ("all_to_all", 2 * 4 * 2 * 8 * 2, 2, 2)}
     pp = cost.predict(TINY, Layout(pp=2, dp=8, mbs=1), train, FLAT)
     assert pp["exposed_comm_s"]["pp"] == pytest.approx(2 * 1 * 1 * (1 * 4 * 8 * 2) / 1e11)  # m=1: one each way
 
@@ -144,6 +149,26 @@ def test_data_parallel_bytes_are_the_ones_the_runs_measure(zero, name, options):
     assert sent == pytest.approx(strategies.get(name).module.comm_bytes_predicted(model, config), rel=1e-5)
 
 
+@pytest.mark.parametrize("name, lay", [("manual_tp", Layout(tp=2, mbs=8)), ("context_parallel", Layout(cp=2, mbs=8))])
+def test_tensor_and_context_parallel_bytes_are_the_ones_the_runs_measure(name, lay):
+    """The planner's per-layer collectives on this project's transformer (2 blocks, width 128, context 32,
+    batch 8 on 2 ranks, fp32): Megatron's 4 all-reduces a block, and ring attention's 3 (cp-1) K, V blocks,
+    send what manual_tp and context_parallel predict, which their runs measure within 1%
+    (test_tensor_parallel.py, test_context_parallel.py)."""
+    from parallel.plan import local
+    from parallel.strategies import context_parallel, manual_tp
+
+    model = WORKLOADS["transformer"].build_model(0)
+    spec = local.spec_of(model)
+    config = RunConfig(devices="cpu:2", workload="transformer", batch_size=8).validate()
+    group = lay.tp * lay.cp
+    per_layer = sum((fwd + bwd) * formulas.wire_bytes(kind, nbytes, group)
+                    for kind, nbytes, fwd, bwd in cost.layer_traffic(spec, lay, Training(1, "fp32")).values())
+    theirs = manual_tp.comm_bytes_predicted(model, config) if name == "manual_tp" else \
+        context_parallel.attention_bytes_predicted(model, config, 2)
+    assert spec.layers * per_layer == pytest.approx(theirs, rel=1e-9) and theirs > 0
+
+
 @pytest.mark.parametrize("backend, attention, recompute", [
     (SDPBackend.MATH, "unfused", "none"), (SDPBackend.FLASH_ATTENTION, "flash", "none"),
     (SDPBackend.MATH, "unfused", "selective"), (SDPBackend.MATH, "unfused", "full")])
@@ -153,7 +178,7 @@ def test_a_layers_activations_are_what_autograd_keeps(backend, attention, recomp
     the kernel makes no difference there)."""
     b, s, h, a = 4, 64, 128, 4
     spec = models.ModelSpec(1, h, a, 16, s)
-    got = cost.layer_activations(spec, Layout(mbs=b, recompute=recompute), Training(1, "fp32", attention))
+    got = pm.layer_activations(spec, Layout(mbs=b, recompute=recompute), Training(1, "fp32", attention))
     assert got == measured(b, s, h, a, backend, recompute)["layer_activation_bytes"]
 
 

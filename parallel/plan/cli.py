@@ -8,8 +8,8 @@ import math
 
 from parallel.errors import ConfigError
 from parallel.plan import models, search
-from parallel.plan.cost import ELEM, Training
 from parallel.plan.hardware import GPUS, cluster
+from parallel.plan.layouts import ELEM, Training
 
 STACKS = {  # the software a plan assumes: torch's today, or the one the published Megatron runs used
     "torch": {"attention": "flash", "dropout": False, "dp_overlap": True},

@@ -13,139 +13,12 @@ the report checks against its replay of each pipeline run). Activations are acti
 from __future__ import annotations
 
 import dataclasses
-import math
 
-from parallel import activations
-from parallel.formulas import model_state
-from parallel.plan.hardware import Cluster, GiB
+from parallel.plan.hardware import Cluster
+from parallel.plan.layouts import ELEM, Layout, Training, micro_batches
+from parallel.plan.memory import memory, params_per_gpu
 from parallel.plan.models import ModelSpec
 from parallel.strategies.replay import CLOSED_FORMS
-
-ELEM = {"bf16": 2, "fp16": 2, "fp32": 4}
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    cp: int = 1
-    ep: int = 1  # expert parallel: carved out of dp x cp, as torchtitan does
-    mbs: int = 1  # sequences per micro-batch
-    stages_per_rank: int = 1  # interleaving (v)
-    zero_stage: int = 0
-    recompute: str = "none"  # none | selective | full
-    sequence_parallel: bool = False
-    schedule: str = "1f1b"
-
-    @property
-    def gpus(self) -> int:
-        return self.tp * self.pp * self.dp * self.cp
-
-    def layers(self, model_layers: int) -> int:
-        """Layers on the busiest rank: stages of ceil(L / (pp v)) layers, v of them (pp need not divide L:
-        Llama 3 405B ran 126 layers in 16 stages)."""
-        return math.ceil(model_layers / (self.pp * self.stages_per_rank)) * self.stages_per_rank
-
-    def describe(self) -> str:
-        """tp4 pp16 dp16 mbs1 v3 z1 sp sel: the dimensions over 1, micro-batch, interleaving, ZeRO stage,
-        sequence parallel, recompute (sel | full)."""
-        parts = [f"{k}{getattr(self, k)}" for k in ("tp", "pp", "dp", "cp", "ep") if getattr(self, k) > 1] or ["dp1"]
-        parts += [f"mbs{self.mbs}"] + ([f"v{self.stages_per_rank}"] if self.stages_per_rank > 1 else [])
-        parts += [f"z{self.zero_stage}"] * (self.zero_stage > 0) + ["sp"] * self.sequence_parallel
-        parts += [{"none": "", "selective": "sel", "full": "full"}[self.recompute]]
-        parts += [self.schedule] * (self.schedule != "1f1b")
-        return " ".join(p for p in parts if p)
-
-
-@dataclasses.dataclass(frozen=True)
-class Training:
-    global_batch: int  # sequences per optimizer step
-    precision: str = "bf16"
-    attention: str = "flash"  # flash: fused kernel, no s^2 tensors, causal half skipped; unfused: Megatron 2021-22
-    dropout: bool = False  # Megatron's published runs: dropout on (masks kept, more elementwise traffic)
-    grad_bytes: int = 4  # fp32 gradients (Megatron's main_grad; FSDP2 reduces in fp32 by default)
-    dp_overlap: bool = True  # data-parallel collectives under backward (DDP, FSDP2); Megatron 2021-22: False
-    pp_scatter_gather: bool = True  # Narayanan's: a hand-off sends 1/tp of the activation across nodes
-    optimizer_bytes: int = 12  # fp32 master copy, Adam's two moments (a fp32 run has no master: 8)
-
-
-def params_per_gpu(model: ModelSpec, lay: Layout, stage: str = "first") -> tuple[float, float]:
-    """(dense, expert) parameters on a GPU of the `stage` ("first" or "last") before any ZeRO sharding: its
-    layers, split by tp (experts by tp x ep); the first stage adds the token (and position) embedding, the
-    last the head (a tied head's copy too, as Megatron keeps one there) and the final norm; pp = 1 both."""
-    layers = lay.layers(model.layers)
-    experts = model.expert_params * model.experts * layers / (lay.tp * lay.ep) if model.experts else 0.0
-    dense = (model.layer_params - (model.expert_params * model.experts if model.experts else 0)) * layers / lay.tp
-    positions = model.seq * model.hidden if model.arch == "gpt" else 0
-    head = model.vocab * model.hidden + model.norm_params // 2
-    ends = {"first": model.vocab * model.hidden + positions, "last": head}
-    extra = sum(ends.values()) - (model.vocab * model.hidden if model.arch == "gpt" else 0) if lay.pp == 1 \
-        else ends[stage]  # one GPU, a tied head is the embedding itself
-    return dense + extra / lay.tp, experts
-
-
-def state_of(model: ModelSpec, lay: Layout, train: Training, stage: str = "first") -> dict[str, float]:
-    """Model state bytes by kind: dense parameters sharded (by the ZeRO stage) over dp x cp, expert
-    parameters over the dp x cp / ep ranks that hold copies of the same experts."""
-    dense, experts = params_per_gpu(model, lay, stage)
-    shards = lay.dp * lay.cp
-    sizes = (4, 4, train.optimizer_bytes - 4) if train.precision == "fp32" else \
-        (ELEM[train.precision], train.grad_bytes, train.optimizer_bytes)
-    state = model_state(dense, lay.zero_stage, shards, *sizes)
-    if experts:
-        for k, v in model_state(experts, lay.zero_stage, max(1, shards // lay.ep), *sizes).items():
-            state[k] += v
-    return state
-
-
-def in_flight(lay: Layout, m: int) -> float:
-    """Micro-batches' worth of L/pp layers the first stage holds at its peak: GPipe all m; 1F1B p
-    (Narayanan 2021); interleaved, p (1 + (p-1)/(p v)) (Korthikanti 2022, section 4.2.3)."""
-    p, v = lay.pp, lay.stages_per_rank
-    if p == 1:
-        return 1.0
-    if lay.schedule == "gpipe":
-        return m
-    return min(p, m) * (1 + (p - 1) / (p * v) if v > 1 else 1)
-
-
-def layer_activations(model: ModelSpec, lay: Layout, train: Training) -> float:
-    """activations.formula for one layer and micro-batch on one GPU (context parallel: s/cp positions)."""
-    terms = activations.formula(model.seq // lay.cp, lay.mbs, model.hidden, model.heads, lay.tp,
-                                lay.sequence_parallel, "math" if train.attention == "unfused" else "fused",
-                                lay.recompute, ELEM[train.precision], train.dropout, model.kv / model.heads,
-                                model.F / model.hidden * (model.top_k if model.experts else 1), model.gated)
-    return sum(terms.values())
-
-
-def memory(model: ModelSpec, lay: Layout, train: Training) -> dict[str, float]:
-    """GiB per GPU by kind on the stage that needs the most: the first (the embedding, the most
-    micro-batches held) or the last (the head, the logits; under 1F1B one micro-batch held, interleaved
-    counted as the first's, an upper bound)."""
-    elem = ELEM[train.precision]
-    m = micro_batches(lay, train)
-    layers = lay.layers(model.layers)
-    per_layer = layer_activations(model, lay, train)
-    tokens = lay.mbs * model.seq / lay.cp
-    common = (4 * tokens * model.hidden * elem if lay.recompute == "full" else 0)  # the layer being recomputed
-    if lay.zero_stage == 3:  # the gathered parameters of the layer in use and the one prefetched
-        common += 2 * model.layer_params / lay.tp * elem
-    logits = tokens * model.vocab / lay.tp * (elem + 4 + 4)  # logits, fp32 softmax and its gradient
-    held_last = in_flight(lay, m) if lay.pp == 1 or lay.stages_per_rank > 1 or lay.schedule == "gpipe" else 1
-    stages = []
-    for stage, held, buffers in (("first", in_flight(lay, m), common + (logits if lay.pp == 1 else 0)),
-                                 ("last", held_last, common + logits)):
-        out = {**state_of(model, lay, train, stage), "activations": per_layer * layers * held, "buffers": buffers}
-        stages.append({k: v / GiB for k, v in out.items()} | {"total": sum(out.values()) / GiB, "stage": stage})
-        if lay.pp == 1:
-            break
-    worst = max(stages, key=lambda d: d["total"])
-    return {k: v for k, v in worst.items() if k != "stage"}
-
-
-def micro_batches(lay: Layout, train: Training) -> int:
-    return max(1, train.global_batch // (lay.dp * lay.mbs))
 
 
 @dataclasses.dataclass
@@ -163,6 +36,29 @@ class Parts:
     @property
     def compute(self) -> float:
         return self.forward + self.backward - sum(self.comm.values())
+
+
+def layer_traffic(model: ModelSpec, lay: Layout, train: Training) -> dict[str, tuple[str, float, int, int]]:
+    """One layer's collectives on one micro-batch, by dimension: (kind, bytes of the tensor, times forward,
+    times backward). Tensor parallel (Megatron): 2 all-reduces of the activation forward and 2 backward;
+    sequence parallel swaps each for a reduce-scatter and an all-gather of the same bytes, and backward
+    gathers its inputs again (2 all-gathers: one all-reduce's bytes); a full recompute redoes forward's
+    2. Context parallel (ring attention): K and V passed cp - 1 times forward, K, V and dK, dV twice that
+    backward: 3 (cp - 1) blocks, as this project's ring sends (context_parallel.attention_bytes_predicted).
+    Experts: the dispatch and combine all-to-alls, forward and backward. tests/test_plan.py holds them to
+    the bytes the tensor- and context-parallel runs predict and measure."""
+    elem = ELEM[train.precision]
+    tokens = lay.mbs * model.seq / lay.cp
+    out = {}
+    if lay.tp > 1:
+        backward = 2 + 2 * (lay.recompute == "full") + lay.sequence_parallel
+        out["tp"] = ("all_reduce", tokens * model.hidden * elem, 2, backward)
+    if lay.cp > 1:
+        kv = 2 * tokens * model.hidden * model.kv / model.heads / lay.tp * elem
+        out["cp"] = ("send", kv, lay.cp - 1, 2 * (lay.cp - 1))
+    if model.experts and lay.ep > 1:
+        out["ep"] = ("all_to_all", tokens * model.top_k * model.hidden * elem, 2, 2)
+    return out
 
 
 def layer_time(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> Parts:
@@ -187,20 +83,13 @@ def layer_time(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> P
         t.backward += t.forward
     elif lay.recompute == "selective":
         t.backward += core + ew_core
-    if lay.tp > 1:  # Megatron: 2 all-reduces forward, 2 backward (SP: reduce-scatter + all-gather pairs,
-        act = tokens * model.hidden * elem  # the same bytes), 2 more in a full recompute; SP's backward
-        n = 4 + 2 * (lay.recompute == "full")  # gathers its inputs again (2 all-gathers = 1 all-reduce)
-        n += lay.sequence_parallel
-        one = cl.collective_s("all_reduce", act, lay.tp)
-        t.add_comm("tp", 2 * one, (n - 2) * one)
-    if lay.cp > 1:  # ring attention: K and V around the ring forward, with dK, dV back in backward; hidden
-        kv = 2 * tokens * model.hidden * model.kv / model.heads / lay.tp * elem  # under the attention core
-        ring = (lay.cp - 1) * cl.collective_s("send", kv, 2, lay.cp * lay.tp)
-        t.add_comm("cp", max(0.0, ring - core), max(0.0, 2 * ring - 2 * core))
-    if model.experts and lay.ep > 1:  # dispatch and combine all-to-alls, forward and backward
-        rows = tokens * model.top_k * model.hidden * elem
-        one = cl.collective_s("all_to_all", rows, lay.ep, lay.ep * lay.cp * lay.tp)
-        t.add_comm("ep", 2 * one, 2 * one)
+    traffic = layer_traffic(model, lay, train)
+    for dim, (kind, nbytes, forward, backward) in traffic.items():
+        group, span = {"tp": (lay.tp, lay.tp), "cp": (2, lay.cp * lay.tp),
+                       "ep": (lay.ep, lay.ep * lay.cp * lay.tp)}[dim]
+        one = cl.collective_s(kind, nbytes, group, span)
+        hidden = core if dim == "cp" else 0.0  # the ring's passes run under the attention core
+        t.add_comm(dim, max(0.0, forward * one - hidden), max(0.0, backward * one - 2 * hidden))
     return t
 
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 from torch import nn
 
 from parallel.formulas import sgd_state
-from parallel.plan.cost import Layout, Training, layer_activations
+from parallel.plan.layouts import Layout, Training
+from parallel.plan.memory import layer_activations
 from parallel.plan.models import ModelSpec
 
 # strategy -> the ZeRO stage its model state is sharded by (None: read the zero option)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import itertools
 
-from parallel.plan.cost import Layout, Training, predict
+from parallel.plan.cost import predict
 from parallel.plan.hardware import Cluster
+from parallel.plan.layouts import Layout, Training
 from parallel.plan.models import ModelSpec
 
 FIELDS = ("tp", "pp", "dp", "cp", "ep", "mbs", "stages_per_rank", "zero_stage", "recompute", "sequence_parallel")

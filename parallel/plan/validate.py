@@ -6,8 +6,9 @@ import statistics
 
 from parallel.formulas import model_state
 from parallel.plan import published as pub
-from parallel.plan.cost import Layout, Training, predict
+from parallel.plan.cost import predict
 from parallel.plan.hardware import GPUS, Cluster, Efficiency, GiB
+from parallel.plan.layouts import Layout, Training
 
 MEGATRON = dict(precision="fp16", attention="unfused", dropout=True, grad_bytes=4, dp_overlap=False)
 

@@ -1,0 +1,58 @@
+"""What a plan is about: a layout of the GPUs (`Layout`) and how the model is trained (`Training`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+ELEM = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1  # expert parallel: carved out of dp x cp, as torchtitan does
+    mbs: int = 1  # sequences per micro-batch
+    stages_per_rank: int = 1  # interleaving (v)
+    zero_stage: int = 0
+    recompute: str = "none"  # none | selective | full
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
+
+    def layers(self, model_layers: int) -> int:
+        """Layers on the busiest rank: stages of ceil(L / (pp v)) layers, v of them (pp need not divide L:
+        Llama 3 405B ran 126 layers in 16 stages)."""
+        return math.ceil(model_layers / (self.pp * self.stages_per_rank)) * self.stages_per_rank
+
+    def describe(self) -> str:
+        """tp4 pp16 dp16 mbs1 v3 z1 sp sel: the dimensions over 1, micro-batch, interleaving, ZeRO stage,
+        sequence parallel, recompute (sel | full)."""
+        parts = [f"{k}{getattr(self, k)}" for k in ("tp", "pp", "dp", "cp", "ep") if getattr(self, k) > 1] or ["dp1"]
+        parts += [f"mbs{self.mbs}"] + ([f"v{self.stages_per_rank}"] if self.stages_per_rank > 1 else [])
+        parts += [f"z{self.zero_stage}"] * (self.zero_stage > 0) + ["sp"] * self.sequence_parallel
+        parts += [{"none": "", "selective": "sel", "full": "full"}[self.recompute]]
+        parts += [self.schedule] * (self.schedule != "1f1b")
+        return " ".join(p for p in parts if p)
+
+
+@dataclasses.dataclass(frozen=True)
+class Training:
+    global_batch: int  # sequences per optimizer step
+    precision: str = "bf16"
+    attention: str = "flash"  # flash: fused kernel, no s^2 tensors, causal half skipped; unfused: Megatron 2021-22
+    dropout: bool = False  # Megatron's published runs: dropout on (masks kept, more elementwise traffic)
+    grad_bytes: int = 4  # fp32 gradients (Megatron's main_grad; FSDP2 reduces in fp32 by default)
+    dp_overlap: bool = True  # data-parallel collectives under backward (DDP, FSDP2); Megatron 2021-22: False
+    pp_scatter_gather: bool = True  # Narayanan's: a hand-off sends 1/tp of the activation across nodes
+    optimizer_bytes: int = 12  # fp32 master copy, Adam's two moments (a fp32 run has no master: 8)
+
+
+def micro_batches(lay: Layout, train: Training) -> int:
+    return max(1, train.global_batch // (lay.dp * lay.mbs))
