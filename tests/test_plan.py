@@ -95,6 +95,17 @@ def test_the_ends_of_a_pipeline_hold_the_embedding_and_the_head():
     assert pm.params_per_gpu(gpt, Layout(pp=1))[0] == gpt.params
 
 
+def test_expert_weights_reduce_across_nodes_where_their_holders_are_strided():
+    """dp 64 = 8 nodes, ep 8: the ranks holding the same experts are 8 apart, so their gradients cross the
+    network (the reviewer's case: 0.15 s on NVLink was wrong, 1.39 s across nodes)."""
+    model = models.PRESETS["mixtral-8x7b"]
+    train = Training(64, dp_overlap=False)
+    r = cost.predict(model, Layout(dp=64, ep=8, zero_stage=1), train, cluster(64, "a100-80gb"))
+    _, experts = pm.params_per_gpu(model, Layout(dp=64, ep=8))
+    network = cluster(64, "a100-80gb").collective_s("reduce_scatter", experts * 4, 8, 64)
+    assert r["exposed_comm_s"]["dp"] > network  # at least the experts' reduce-scatter across nodes
+
+
 def test_zero_2_reduce_scatters_every_micro_batch():
     train = Training(global_batch=32, dp_overlap=False)
     one, two = (dict((k, c) for k, _, c in cost.dp_traffic(1e6, Layout(dp=4, mbs=2, zero_stage=z), train))
@@ -260,6 +271,15 @@ def test_json_has_the_fields_the_issue_names_and_nothing_else_on_stdout():
      "--ffn must be 0 (the default) or more"),
     (["--preset", "mixtral-8x7b", "--top-k", "9", "--gpus", "8", "--global-batch", "64"],
      "--top-k 9: from 1 to the 8 experts"),
+    (["--preset", "llama3-8b", "--gpus", "8", "--global-batch", "64", "--pp", "8", "--schedule", "interleavedzb",
+      "--stages-per-rank", "1"],
+     "--schedule interleavedzb holds 2 or more stages a rank (torch asserts it): --stages-per-rank 2+"),
+    (["--preset", "llama3-8b", "--gpus", "8", "--global-batch", "64", "--tp", "8", "--dp", "1", "--zero-stage", "3"],
+     "--zero-stage 3 shards over data-parallel ranks: --dp 1 (and --cp 1) has none"),
+    (["--preset", "llama3-8b", "--top-k", "2", "--gpus", "8", "--global-batch", "64"],
+     "--top-k 2 routes to experts: give --experts E"),
+    (["--preset", "llama3-8b", "--gpus", "8", "--global-batch", "64", "--gpus-per-node", "0"],
+     "--gpus-per-node must be at least 1, got 0"),
     (["--preset", "gpt3-175b", "--gpus", "8", "--global-batch", "8", "--stack", "megatron-2022", "--cp", "2"],
      "--stack megatron-2022 has no context parallelism: --cp 1 or --stack torch"),
 ])
@@ -279,6 +299,10 @@ def test_the_command_prints_a_ranking_and_the_validation_in_100_columns(capsys, 
     assert "crossover reproduced" in out and "This machine's comparison" in out and "pipeline_dist" in out
     assert max(len(line) for line in out.splitlines()) <= 100
     assert cli.main(["plan", "--validate", "--results", str(tmp_path / "none")]) == 2  # one line, exit 2
+    for bad in ('{"rows": [{"status": "ok", "strategy": "ddp"}]}', '{"rows": [1]}', "{}"):  # no variant, not rows
+        (tmp_path / "results.json").write_text(bad)
+        code = cli.main(["plan", "--validate", "--results", str(tmp_path)])
+        assert code == (0 if "ddp" in bad else 2), bad
 
 
 # --memory-cap: a layout the planner says does not fit is one compare refuses (GPUs: and runs out of memory)

@@ -41,8 +41,9 @@ def add_parser(sub) -> None:
     t.add_argument("--stack", default="torch", choices=sorted(STACKS), help="torch: flash attention, no "
                    "dropout, overlapped data parallel (default); megatron-2022: as the published runs")
     f = p.add_argument_group("a fixed configuration (any subset; the rest is searched)")
-    for flag in ("tp", "pp", "dp", "cp", "ep", "mbs", "stages-per-rank", "zero-stage", "sequence-parallel"):
+    for flag in ("tp", "pp", "dp", "cp", "ep", "mbs", "stages-per-rank", "zero-stage"):
         f.add_argument(f"--{flag}", type=int, metavar="N")
+    f.add_argument("--sequence-parallel", type=int, choices=(0, 1), metavar="0|1")
     f.add_argument("--recompute", choices=("none", "selective", "full"))
     f.add_argument("--schedule", choices=("gpipe", "1f1b", "interleavedzb"), help="pipeline schedule (1f1b; "
                    "interleaved when --stages-per-rank > 1)")
@@ -113,6 +114,12 @@ def check(model, cl, train, fixed) -> None:
              f"than the {model.layers} layers")
     if fixed.get("stages_per_rank", 1) > 1 and fixed.get("pp") == 1:
         fail("--stages-per-rank interleaves pipeline stages: it needs --pp 2 or more")
+    if fixed.get("schedule") == "interleavedzb" and fixed.get("stages_per_rank", 2) < 2:
+        fail("--schedule interleavedzb holds 2 or more stages a rank (torch asserts it): --stages-per-rank 2+")
+    if fixed.get("zero_stage", 0) and fixed.get("dp", 2) * fixed.get("cp", 1) == 1:
+        fail(f"--zero-stage {fixed['zero_stage']} shards over data-parallel ranks: --dp 1 (and --cp 1) has none")
+    if model.top_k > 1 and not model.experts:
+        fail(f"--top-k {model.top_k} routes to experts: give --experts E")
     if fixed.get("sequence_parallel") and fixed.get("tp") == 1:
         fail("--sequence-parallel 1 splits what tensor parallelism leaves whole: it needs --tp 2 or more")
     if cl.gpus % math.prod(dims):
@@ -134,6 +141,8 @@ def main(args, console) -> int:
     for k, v in over.items():
         if v is not None and not (math.isfinite(v) and v > 0):
             raise ConfigError(f"--{k} must be a positive number, got {v:g}")
+    if args.gpus_per_node < 1:
+        raise ConfigError(f"--gpus-per-node must be at least 1, got {args.gpus_per_node}")
     if args.top < 1:
         raise ConfigError(f"--top must be at least 1, got {args.top}")
     over = {k: v * (1e12 if k == "peak" else 1e9) for k, v in over.items() if v is not None}
@@ -151,7 +160,7 @@ def main(args, console) -> int:
     results, tried, nearest = search.search(model, cl, train, fixed)
     if not tried:
         raise ConfigError(f"no layout of {cl.gpus} GPUs matches the flags given (the GPUs must be tp x pp x dp x "
-                          f"cp, the global batch divide into dp x mbs, pp divide the layers)")
+                          f"cp, the global batch divide into dp x mbs, interleaving fit the micro-batches)")
     if not results:
         results = [nearest]  # nothing fits: the one that comes closest, fits false
     if all(k in fixed for k in ("tp", "pp", "dp")):

@@ -39,25 +39,27 @@ class Parts:
 
 
 def layer_traffic(model: ModelSpec, lay: Layout, train: Training) -> dict[str, tuple[str, float, int, int]]:
-    """One layer's collectives on one micro-batch, by dimension: (kind, bytes of the tensor, times forward,
-    times backward). Tensor parallel (Megatron): 2 all-reduces of the activation forward and 2 backward;
-    sequence parallel swaps each for a reduce-scatter and an all-gather of the same bytes, and backward
-    gathers its inputs again (2 all-gathers: one all-reduce's bytes); a full recompute redoes forward's
-    2. Context parallel (ring attention): K and V passed cp - 1 times forward, K, V and dK, dV twice that
-    backward: 3 (cp - 1) blocks, as this project's ring sends (context_parallel.attention_bytes_predicted).
-    Experts: the dispatch and combine all-to-alls, forward and backward. tests/test_plan.py holds them to
-    the bytes the tensor- and context-parallel runs predict and measure."""
+    """One layer's collectives on one micro-batch, by dimension: (kind, bytes of the tensor, times forward, times
+    backward). Tensor parallel (Megatron): 2 all-reduces of the activation forward and 2 backward; sequence
+    parallel swaps each for a reduce-scatter and an all-gather of the same bytes, and backward gathers its
+    inputs again (2 all-gathers: one all-reduce's bytes). A full recompute runs each dimension's forward
+    collectives again in backward. Context parallel (ring attention): K and V passed cp - 1 times forward, K, V
+    and dK, dV twice that backward: 3 (cp - 1) blocks, as this project's ring sends
+    (context_parallel.attention_bytes_predicted). Experts: the dispatch and combine all-to-alls, forward and
+    backward. tests/test_plan.py holds them to the bytes the tensor- and context-parallel runs predict and
+    measure."""
     elem = ELEM[train.precision]
     tokens = lay.mbs * model.seq / lay.cp
     out = {}
     if lay.tp > 1:
         backward = 2 + 2 * (lay.recompute == "full") + lay.sequence_parallel
         out["tp"] = ("all_reduce", tokens * model.hidden * elem, 2, backward)
+    redo = lay.recompute == "full"  # backward runs the forward's collectives again
     if lay.cp > 1:
         kv = 2 * tokens * model.hidden * model.kv / model.heads / lay.tp * elem
-        out["cp"] = ("send", kv, lay.cp - 1, 2 * (lay.cp - 1))
+        out["cp"] = ("send", kv, lay.cp - 1, (2 + redo) * (lay.cp - 1))
     if model.experts and lay.ep > 1:
-        out["ep"] = ("all_to_all", tokens * model.top_k * model.hidden * elem, 2, 2)
+        out["ep"] = ("all_to_all", tokens * model.top_k * model.hidden * elem, 2, 2 + 2 * redo)
     return out
 
 
@@ -89,7 +91,7 @@ def layer_time(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> P
                        "ep": (lay.ep, lay.ep * lay.cp * lay.tp)}[dim]
         one = cl.collective_s(kind, nbytes, group, span)
         hidden = core if dim == "cp" else 0.0  # the ring's passes run under the attention core
-        t.add_comm(dim, max(0.0, forward * one - hidden), max(0.0, backward * one - 2 * hidden))
+        t.add_comm(dim, max(0.0, forward * one - hidden), max(0.0, backward * one - backward / forward * hidden))
     return t
 
 
@@ -148,12 +150,13 @@ def predict(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> dict
     dp = sum(count * cl.collective_s(kind, nbytes, shards, span)
              for kind, nbytes, count in dp_traffic(dense, lay, train))
     if experts:  # expert weights: reduced over the dp x cp / ep ranks that hold the same experts
-        dp += sum(count * cl.collective_s(kind, nbytes, max(1, shards // lay.ep), span // lay.ep)
+        dp += sum(count * cl.collective_s(kind, nbytes, max(1, shards // lay.ep), span)  # strided: as wide
                   for kind, nbytes, count in dp_traffic(experts, lay, train))
     if lay.zero_stage == 3:  # FSDP's gathers prefetch under the whole step's compute
         hidden = parts["compute"] if train.dp_overlap else 0.0
     else:  # DDP's buckets all-reduce under the last micro-batch's backward
-        hidden = layers * lt.compute / 1.5 if train.dp_overlap else 0.0  # backward: 2/3 of the arithmetic
+        # backward is 2/3 of the arithmetic; ZeRO-2's reduce-scatter runs under every micro-batch's
+        hidden = (m if lay.zero_stage == 2 else 1) * layers * lt.compute / 1.5 if train.dp_overlap else 0.0
     if shards > 1:
         comm["dp"] = max(0.0, dp - hidden)
     owned = dense / (shards if lay.zero_stage else 1) + experts / (max(1, shards // lay.ep) if lay.zero_stage else 1)

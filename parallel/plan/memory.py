@@ -71,7 +71,8 @@ def memory(model: ModelSpec, lay: Layout, train: Training) -> dict[str, float]:
     tokens = lay.mbs * model.seq / lay.cp
     common = (4 * tokens * model.hidden * elem if lay.recompute == "full" else 0)  # the layer being recomputed
     if lay.zero_stage == 3:  # the gathered parameters of the layer in use and the one prefetched
-        common += 2 * model.layer_params / lay.tp * elem
+        experts = model.expert_params * model.experts * (1 - 1 / lay.ep) if model.experts else 0
+        common += 2 * (model.layer_params - experts) / lay.tp * elem  # a rank gathers its own experts only
     logits = tokens * model.vocab / lay.tp * (elem + 4 + 4)  # logits, fp32 softmax and its gradient
     held_last = in_flight(lay, m) if lay.pp == 1 or lay.stages_per_rank > 1 or lay.schedule == "gpipe" else 1
     stages = []

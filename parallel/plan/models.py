@@ -152,8 +152,9 @@ def from_module(spec: str) -> dict:
     c = getattr(model, "config", None)
     if c is not None and hasattr(c, "hidden_size"):
         gated = getattr(c, "hidden_act", "gelu") in ("silu", "swiglu")
-        fields = {"layers": c.num_hidden_layers, "hidden": c.hidden_size, "heads": c.num_attention_heads,
-                  "vocab": c.vocab_size, "seq": getattr(c, "max_position_embeddings", None),
+        fields = {"layers": getattr(c, "num_hidden_layers", None), "hidden": c.hidden_size,
+                  "heads": getattr(c, "num_attention_heads", None), "vocab": getattr(c, "vocab_size", None),
+                  "seq": getattr(c, "max_position_embeddings", None),
                   "ffn": getattr(c, "intermediate_size", None), "kv_heads": getattr(c, "num_key_value_heads", None),
                   "experts": getattr(c, "num_local_experts", None), "top_k": getattr(c, "num_experts_per_tok", None),
                   "arch": "llama" if gated else "gpt"}

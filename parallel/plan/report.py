@@ -102,15 +102,16 @@ def this_machine(folder: str | None) -> dict | None:
         path = Path(folder) / "results.json"
     try:
         doc = json.loads(path.read_text())
-        rows = [r for r in doc["rows"] if r.get("status") == "ok"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        out = []
+        for r in doc["rows"]:
+            if r.get("status") != "ok":
+                continue
+            ms, pred = r.get("step_ms_p50"), r.get("step_ms_predicted")
+            out.append({"strategy": (r["strategy"] + " " + r.get("variant", "")).strip(), "step_ms": ms,
+                        "step_ms_predicted": pred, "step_ratio": pred / ms if ms and pred else None,
+                        "sent": r.get("comm_bytes_per_step"), "sent_predicted": r.get("comm_bytes_predicted")})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ConfigError(f"--results {path.parent}: no readable results.json ({e.__class__.__name__})") from None
-    out = []
-    for r in rows:
-        ms, pred = r.get("step_ms_p50"), r.get("step_ms_predicted")
-        out.append({"strategy": (r["strategy"] + " " + r["variant"]).strip(), "step_ms": ms,
-                    "step_ms_predicted": pred, "step_ratio": pred / ms if ms and pred else None,
-                    "sent": r.get("comm_bytes_per_step"), "sent_predicted": r.get("comm_bytes_predicted")})
     ratios = [r["step_ratio"] for r in out if r["step_ratio"]]
     return {"folder": str(path.parent), "rows": out,
             "median_ratio": sorted(ratios)[len(ratios) // 2] if ratios else None}
