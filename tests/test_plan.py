@@ -71,6 +71,9 @@ def test_memory_terms_of_a_layout_by_hand():
     one = 2 * (4 * s * b * h + 12 * s * b * h / t + a * s * s * b / t) + 16 * s * b  # bf16, math kernel, norms
     assert mem["activations"] * gib == pytest.approx(one * 1 * 2)  # 1 layer x p = 2 micro-batches held (1F1B)
     assert mem["total"] == pytest.approx(sum(v for k, v in mem.items() if k != "total"))
+    assert mem["buffers"] == 0  # the first stage: no logits, no recomputed layer, no gathered ZeRO-3 layer
+    one_gpu = pm.memory(TINY, Layout(tp=2, mbs=1), train)  # pp 1: the logits (bf16), their fp32 softmax and grad
+    assert one_gpu["buffers"] * gib == pytest.approx(4 * 16 / 2 * (2 + 4 + 4))
 
 
 def test_expert_state_is_sharded_only_over_the_ranks_holding_the_same_experts():
