@@ -322,8 +322,7 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
     hop = hop_ms(outs, p, placement, dist) if p == dist.world_size else {}
     closed = closed_form_idle(o.schedule, p, o.microbatches, o.v, pieces)
     if bubbles and result.step_s:
-        theory = pipeline_theory(o.schedule, torch_orders(s.schedule, o.schedule, p, o.microbatches), pieces, hop,
-                                 o.microbatches, o.v,
+        theory = pipeline_theory(torch_orders(s.schedule, o.schedule, p, o.microbatches), pieces, hop,
                                  s.busy.outside_ms(result.step_s), rank=s.rank,  # this rank's: its step times
                                  late=o.v == 1,  # gpipe, 1f1b: each receive posted right before its use
                                  groups=torch_groups(s.schedule, o.schedule, p))

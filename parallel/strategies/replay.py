@@ -132,22 +132,22 @@ def closed_form_idle(schedule: str, p: int, m: int, v: int, ms: dict[tuple[int, 
     return bubble / (bubble + m * v * (f + b))
 
 
-def pipeline_theory(schedule: str, orders: dict[int, list[Action]], ms: dict[tuple[int, str], float],
-                    hop: dict[int, float], m: int, v: int, outside_ms: float, rank: int | None = 0,
-                    late: bool = False, groups: dict[int, list[int]] | None = None) -> dict:
+def pipeline_theory(orders: dict[int, list[Action]], ms: dict[tuple[int, str], float], hop: dict[int, float],
+                    outside_ms: float, rank: int | None = 0, late: bool = False,
+                    groups: dict[int, list[int]] | None = None) -> dict:
     """The theory beside a pipeline's measurements (details): every rank's actions replayed on the run's
     own median piece times and hand-offs (`replayed`), its idle fraction and step (rank `rank`'s replayed
     end plus `outside_ms`, the time its measured step spent outside the schedule: zero_grad, the optimiser
-    step), the closed form where one applies, the micro-batches each stage holds at once by the order
-    (`held`), and the replay's pieces for report.html. `late`, `groups`: see `replay`. {} where a piece of
-    the orders was never timed (a stage that never ran its backward: model_parallel's injected bug)."""
+    step), the micro-batches each stage holds at once by the order (`held`), and the replay's pieces for
+    report.html (the closed form, closed_form_idle, is the row's Measured.bubble_theory). `late`,
+    `groups`: see `replay`. {} where a piece of the orders was never timed (a stage that never ran its
+    backward: model_parallel's injected bug)."""
     if {(s, kind) for acts in orders.values() for s, kind, _ in acts} - ms.keys():
         return {}
     r = replayed(orders, ms, hop, late, groups)
     end = max(e for q, *_, e in r["pieces"] if rank is None or q == rank)  # None: every rank (one process)
     return {"replayed_idle": round(r["idle"], 4), "replayed_step_ms": round(end + outside_ms, 3),
             "replayed_rank_idle": [round(f, 3) for f in r["rank_idle"]],
-            "closed_form_idle": closed_form_idle(schedule, len(orders), m, v, ms),
             "held_predicted": [n for _, n in sorted(held(orders).items())],
             "piece_ms": {f"{s}{k}": round(t, 3) for (s, k), t in sorted(ms.items())},
             "hop_ms": {str(b): round(t, 3) for b, t in sorted(hop.items())},

@@ -118,13 +118,14 @@ class Busy:
         timed steps' seconds (the warm-up's are not timed), for the time a step spends outside the pieces."""
         p, m = len(ops), 1 + max(j for stage in ops for _, j in stage)
         orders = {s: [(s, kind, j) for kind, j in stage] for s, stage in enumerate(ops)}
-        theory = closed_form_idle(schedule, p, m, 1, self.piece_ms(skip)) if self.pieces else (p - 1) / (m + p - 1)
+        pieces = self.piece_ms(skip)
+        theory = closed_form_idle(schedule, p, m, 1, pieces) if self.pieces else (p - 1) / (m + p - 1)
         if not self.bubbles:
             return {"measured": Measured(bubble_theory=theory)}
         kept = self.bubbles[skip:] or self.bubbles
         per_stage = list(zip(*(self.busy_ms[skip:] or self.busy_ms), strict=True))
         outside = self.outside_ms(step_s)
-        out = pipeline_theory(schedule, orders, self.piece_ms(skip), {}, m, 1, outside, rank=None)
+        out = pipeline_theory(orders, pieces, {}, outside, rank=None)
         return {"measured": Measured(bubble_measured=statistics.median(kept), bubble_theory=theory,
                                      bubble_replayed=out.pop("replayed_idle", None)),
                 "stage_busy_ms": [round(statistics.median(s), 2) for s in per_stage], "stage_timeline": self.timeline,
