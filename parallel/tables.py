@@ -1,9 +1,14 @@
-"""The style of every table the package prints (the report's, the planner's): rich, no vertical rules."""
+"""The style of every table the package prints (the report's, the planner's): rich, no vertical rules;
+and a number's cell ("-" where there is none)."""
 
 from __future__ import annotations
 
 from rich import box
 from rich.table import Table
+
+
+def num(x, fmt: str = ".1f") -> str:
+    return "-" if x is None else format(x, fmt)
 
 
 def table(title: str, heads: list[tuple[str, str]]) -> Table:

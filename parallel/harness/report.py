@@ -17,15 +17,12 @@ from rich.table import Table
 from rich.text import Text
 
 from parallel.results import Row
+from parallel.tables import num as _num
 from parallel.tables import table as _table
 
 WIDTH = 100  # the report's width when the output is not a terminal (a pipe, a file, CI's log)
 VERDICT_STYLE = {"match": "green", "baseline": "cyan", "mismatch": "bold red", "not-expected": "yellow",
                  "unchecked": "dim"}
-
-
-def _num(x, fmt: str) -> str:
-    return "-" if x is None else format(x, fmt)
 
 
 def _bytes(n, short: bool = False) -> str:

@@ -49,7 +49,7 @@ def layer_traffic(model: ModelSpec, lay: Layout, train: Training) -> dict[str, t
     backward. tests/test_plan.py holds them to the bytes the tensor- and context-parallel runs predict and
     measure."""
     elem = ELEM[train.precision]
-    tokens = lay.mbs * model.seq / lay.cp
+    tokens = lay.tokens(model.seq)
     out = {}
     if lay.tp > 1:
         backward = 2 + 2 * (lay.recompute == "full") + lay.sequence_parallel
@@ -65,10 +65,10 @@ def layer_traffic(model: ModelSpec, lay: Layout, train: Training) -> dict[str, t
 
 def layer_time(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> Parts:
     e, elem = cl.gpu.efficiency, ELEM[train.precision]
-    peak = cl.peak(train.precision) * e.matmul(model.hidden / lay.tp)
+    peak = cl.matmul_rate(train.precision, model.hidden / lay.tp)
     hbm = cl.gpu.hbm * e.memory
     q_len = model.seq / lay.cp
-    tokens = lay.mbs * q_len
+    tokens = lay.tokens(model.seq)
     mm = model.layer_matmul_flops(tokens) / lay.tp / peak
     core = model.core_flops(lay.mbs, q_len) / lay.tp / peak * (0.5 if train.attention == "flash" else 1.0)
     whole = tokens * model.hidden / (lay.tp if lay.sequence_parallel else 1)
@@ -97,8 +97,8 @@ def layer_time(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> P
 
 def head_time(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> float:
     """The last stage's extra: the output projection to the vocabulary and the loss, forward and back."""
-    tokens = lay.mbs * model.seq / lay.cp
-    peak = cl.peak(train.precision) * cl.gpu.efficiency.matmul(model.hidden / lay.tp)
+    tokens = lay.tokens(model.seq)
+    peak = cl.matmul_rate(train.precision, model.hidden / lay.tp)
     loss = tokens * model.vocab / lay.tp * 16 / (cl.gpu.hbm * cl.gpu.efficiency.memory)
     return 3 * model.logits_flops(tokens) / lay.tp / peak + loss
 
@@ -142,16 +142,14 @@ def predict(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> dict
     parts = {"compute": m * (layers * lt.compute + head), "bubble": bubble}
     comm = {dim: m * layers * s for dim, s in lt.comm.items()}
     if p > 1:  # each micro-batch's hand-offs, forward and back, once per chunk a rank holds
-        act = lay.mbs * model.seq / lay.cp * model.hidden * elem / (lay.tp if train.pp_scatter_gather else 1)
+        act = lay.tokens(model.seq) * model.hidden * elem / (lay.tp if train.pp_scatter_gather else 1)
         span = lay.tp * lay.cp * lay.dp + 1  # pipeline neighbours sit a data-parallel group apart
         comm["pp"] = 2 * v * m * cl.collective_s("send", act, 2, span)
     dense, experts = max(params_per_gpu(model, lay, "first"), params_per_gpu(model, lay, "last"))
-    shards, span = lay.dp * lay.cp, lay.dp * lay.cp * lay.tp
-    dp = sum(count * cl.collective_s(kind, nbytes, shards, span)
-             for kind, nbytes, count in dp_traffic(dense, lay, train))
-    if experts:  # expert weights: reduced over the dp x cp / ep ranks that hold the same experts
-        dp += sum(count * cl.collective_s(kind, nbytes, max(1, shards // lay.ep), span)  # strided: as wide
-                  for kind, nbytes, count in dp_traffic(experts, lay, train))
+    (shards, expert_shards), span = lay.shards(), lay.dp * lay.cp * lay.tp
+    dp = sum(count * cl.collective_s(kind, nbytes, group, span)  # experts' holders strided: as wide
+             for psi, group in ((dense, shards), (experts, expert_shards)) if psi
+             for kind, nbytes, count in dp_traffic(psi, lay, train))
     if lay.zero_stage == 3:  # FSDP's gathers prefetch under the whole step's compute
         hidden = parts["compute"] if train.dp_overlap else 0.0
     else:  # DDP's buckets all-reduce under the last micro-batch's backward
@@ -159,7 +157,7 @@ def predict(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> dict
         hidden = (m if lay.zero_stage == 2 else 1) * layers * lt.compute / 1.5 if train.dp_overlap else 0.0
     if shards > 1:
         comm["dp"] = max(0.0, dp - hidden)
-    owned = dense / (shards if lay.zero_stage else 1) + experts / (max(1, shards // lay.ep) if lay.zero_stage else 1)
+    owned = dense / (shards if lay.zero_stage else 1) + experts / (expert_shards if lay.zero_stage else 1)
     optimizer = owned * 30 / (cl.gpu.hbm * e.memory)  # Adam: 30 bytes a parameter it owns
     parts["optimizer"] = optimizer
     step = m * busiest + bubble + sum(v for k, v in comm.items() if k in ("pp", "dp")) + optimizer

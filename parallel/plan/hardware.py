@@ -82,25 +82,21 @@ class Cluster:
     def peak(self, precision: str) -> float:
         return self.gpu.peak_fp32 if precision == "fp32" else self.gpu.peak
 
-    def link(self, span: int) -> tuple[float, str]:
-        """(bytes/s a ring of `span` consecutive ranks moves per GPU, "nvlink" | "network"): a group that
-        fits in a node rides NVLink; one that spans nodes is held to each GPU's NIC."""
+    def matmul_rate(self, precision: str, width: float) -> float:
+        """FLOP/s a GPU's matrix multiplies reach on a layer `width` wide on it (h / tp)."""
+        return self.peak(precision) * self.gpu.efficiency.matmul(width)
+
+    def link(self, span: int) -> float:
+        """Bytes/s a ring of `span` consecutive ranks moves per GPU: a group that fits in a node rides
+        NVLink; one that spans nodes is held to each GPU's NIC."""
         e = self.gpu.efficiency
-        if span <= self.per_node:
-            return self.gpu.nvlink * e.nvlink, "nvlink"
-        return self.gpu.network * e.network, "network"
+        return self.gpu.nvlink * e.nvlink if span <= self.per_node else self.gpu.network * e.network
 
     def collective_s(self, kind: str, nbytes: float, n: int, span: int | None = None) -> float:
         """Seconds of one ring collective of `nbytes` (the whole tensor) over `n` ranks whose group spans
         `span` consecutive ranks (n by default): all-reduce moves 2(n-1)/n of it per GPU, all-gather and
         reduce-scatter (n-1)/n, all-to-all (n-1)/n, send 1."""
-        if n <= 1:
-            return 0.0
-        return ring_seconds(kind, nbytes, n, *self._alpha_beta(span or n))
-
-    def _alpha_beta(self, span: int) -> tuple[float, float]:
-        bw, _ = self.link(span)
-        return self.gpu.efficiency.latency_s, 1 / bw
+        return ring_seconds(kind, nbytes, n, self.gpu.efficiency.latency_s, 1 / self.link(span or n))
 
 
 def cluster(gpus: int, gpu: str = "a100-80gb", per_node: int = 8, **override) -> Cluster:

@@ -26,6 +26,15 @@ class Layout:
     def gpus(self) -> int:
         return self.tp * self.pp * self.dp * self.cp
 
+    def tokens(self, seq: int) -> float:
+        """Positions a micro-batch puts through one GPU's layers (context parallel: s / cp of each)."""
+        return self.mbs * seq / self.cp
+
+    def shards(self) -> tuple[int, int]:
+        """(ranks a dense parameter's ZeRO shards and data-parallel reductions span: dp x cp; ranks holding
+        the same experts: dp x cp / ep)."""
+        return self.dp * self.cp, max(1, self.dp * self.cp // self.ep)
+
     def layers(self, model_layers: int) -> int:
         """Layers on the busiest rank: stages of ceil(L / (pp v)) layers, v of them (pp need not divide L:
         Llama 3 405B ran 126 layers in 16 stages)."""

@@ -30,12 +30,12 @@ def state_of(model: ModelSpec, lay: Layout, train: Training, stage: str = "first
     """Model state bytes by kind: dense parameters sharded (by the ZeRO stage) over dp x cp, expert
     parameters over the dp x cp / ep ranks that hold copies of the same experts."""
     dense, experts = params_per_gpu(model, lay, stage)
-    shards = lay.dp * lay.cp
+    shards, expert_shards = lay.shards()
     sizes = (4, 4, train.optimizer_bytes - 4) if train.precision == "fp32" else \
         (ELEM[train.precision], train.grad_bytes, train.optimizer_bytes)
     state = model_state(dense, lay.zero_stage, shards, *sizes)
     if experts:
-        for k, v in model_state(experts, lay.zero_stage, max(1, shards // lay.ep), *sizes).items():
+        for k, v in model_state(experts, lay.zero_stage, expert_shards, *sizes).items():
             state[k] += v
     return state
 
@@ -68,7 +68,7 @@ def memory(model: ModelSpec, lay: Layout, train: Training) -> dict[str, float]:
     m = micro_batches(lay, train)
     layers = lay.layers(model.layers)
     per_layer = layer_activations(model, lay, train)
-    tokens = lay.mbs * model.seq / lay.cp
+    tokens = lay.tokens(model.seq)
     common = (4 * tokens * model.hidden * elem if lay.recompute == "full" else 0)  # the layer being recomputed
     if lay.zero_stage == 3:  # the gathered parameters of the layer in use and the one prefetched
         experts = model.expert_params * model.experts * (1 - 1 / lay.ep) if model.experts else 0

@@ -8,6 +8,7 @@ from pathlib import Path
 from parallel.errors import ConfigError
 from parallel.plan import search
 from parallel.plan import validate as v
+from parallel.tables import num
 from parallel.tables import table as _table
 
 
@@ -78,17 +79,13 @@ def validate(args, console) -> int:
                    "in the run", [("strategy", "left"), ("step ms", "right"), ("pred.", "right"), ("ratio", "right"),
                                   ("sent/step", "right"), ("pred.", "right")])
         for r in machine["rows"]:
-            t.add_row(r["strategy"], _f(r["step_ms"]), _f(r["step_ms_predicted"]), _f(r["step_ratio"], ".2f"),
-                      _f(r["sent"], ",.0f"), _f(r["sent_predicted"], ",.0f"))
-        t.caption = f"predicted over measured step: median {_f(machine['median_ratio'], '.2f')}"
+            t.add_row(r["strategy"], num(r["step_ms"]), num(r["step_ms_predicted"]), num(r["step_ratio"], ".2f"),
+                      num(r["sent"], ",.0f"), num(r["sent_predicted"], ",.0f"))
+        t.caption = f"predicted over measured step: median {num(machine['median_ratio'], '.2f')}"
         console.print(t)
     else:
         console.print("No comparison of this machine to check (run ./launch.sh compare, or give --results DIR).")
     return 0
-
-
-def _f(x, spec: str = ".1f") -> str:
-    return "-" if x is None else format(x, spec)
 
 
 def this_machine(folder: str | None) -> dict | None:

@@ -34,9 +34,9 @@ def candidates(model: ModelSpec, cl: Cluster, train: Training, fixed: dict) -> l
     pps = sorted({p for p in range(1, model.layers + 1) if model.layers % p == 0} | set(_powers(model.layers)))
     for tp, cp, pp in itertools.product(pick("tp", _powers(cl.per_node), lambda t: model.kv % t == 0),
                                         pick("cp", _powers(8), lambda c: model.seq % c == 0), pick("pp", pps)):
-        if n % (tp * cp * pp) or fixed.get("dp") not in (None, n // (tp * cp * pp)) or batch % (n // (tp * cp * pp)):
+        dp, rest = divmod(n, tp * cp * pp)
+        if rest or fixed.get("dp") not in (None, dp) or batch % dp:
             continue
-        dp = n // (tp * cp * pp)
         for ep, mbs, v, zero, rc, sp in itertools.product(
                 pick("ep", range(1, max(1, model.experts) + 1),
                      lambda e, dp=dp, cp=cp: e == 1 or (model.experts % e == 0 and (dp * cp) % e == 0)),
