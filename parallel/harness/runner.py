@@ -11,6 +11,7 @@ rounds train the same thing again), so the verdict does not depend on K.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 import shutil
@@ -174,6 +175,8 @@ def plan(config: RunConfig, names: list[str], baseline: bool = True,
     options) is left out and the rest run; a strategy the user named is refused with its reason
     (ConfigError, exit 2), as is every bad combination, before anything is started or written."""
     workload = workload_of(config)
+    model = functools.cache(lambda: workload.build_model(config.seed))  # built once, if a check needs it
+
     def may_skip(name: str) -> bool:  # a sweep's point, or one `all` took in; one the user named: refused
         return not strict or ("all" in names and name not in names)
 
@@ -191,7 +194,7 @@ def plan(config: RunConfig, names: list[str], baseline: bool = True,
                 raise
             skipped[s.name] = re.sub(rf"^{s.name} cannot (run on \S+|train the .*? workload): ", "", str(e))
             continue
-        if over := over_cap(s.name, variants, workload, config):
+        if over := over_cap(s.name, variants, model, config):
             if s.name == BASELINE or not may_skip(s.name):
                 raise ConfigError(f"{s.name}: {over}")
             skipped[s.name] = over
@@ -206,21 +209,21 @@ def plan(config: RunConfig, names: list[str], baseline: bool = True,
     if config.port:
         launch.loopback_socket(config.port).close()  # a taken rendezvous port is bad input, found now
     if config.resume_from:  # missing, corrupt or for another model: refused now, not in a child
-        checkpoint.check_fits(Path(config.resume_from), workload.build_model(config.seed),
-                              f"the {config.workload} model")
+        checkpoint.check_fits(Path(config.resume_from), model(), f"the {config.workload} model")
     return chosen, skipped
 
 
-def over_cap(name: str, variants: list, workload, config: RunConfig) -> str:
+def over_cap(name: str, variants: list, model: Callable, config: RunConfig) -> str:
     """Under --memory-cap: why the planner says a variant of `name` does not fit ("" if all fit or the
-    planner has no layout for it)."""
+    planner has no layout for it). `model()`: the run's model, built on first use."""
     if not config.memory_cap_mb:
         return ""
-    from parallel.plan import local
+    from parallel.plan import local  # only under a cap: no planner at every run's start
 
-    model = workload.build_model(config.seed)
+    if name not in local.DATA_PARALLEL:
+        return ""
     for _, cfg in variants:
-        need = local.need(name, cfg, model)
+        need = local.need(name, cfg, model())
         if need and need["total"] > config.memory_cap_mb * 2**20:
             return (f"the planner puts it at {need['total'] / 2**20:.1f} MiB a device (model state "
                     f"{need['model_state'] / 2**20:.1f}, activations {need['activations'] / 2**20:.1f}), over "

@@ -166,7 +166,7 @@ def main(args, console) -> int:
     if all(k in fixed for k in ("tp", "pp", "dp")):
         results = results[:1]  # a fixed configuration: the best of what was left open
     if args.json:
-        print(json.dumps([_public(r) for r in results[:max(1, args.top)]], indent=1))
+        print(json.dumps([_public(r) for r in results[:args.top]], indent=1))
         return 0
     from parallel.plan import report
 
