@@ -30,28 +30,31 @@ import math
 import torch
 from torch import nn
 
+from parallel.formulas import element_bytes
+
 BYTES = 4  # fp32
 
 
 def formula(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, kernel: str = "fused",
             recompute: str = "none", elem: int = BYTES, dropout: bool = False, kv: float = 1.0, ffn: float = 4.0,
-            gated: bool = False) -> dict[str, float]:
+            gated: bool = False, stats: int = BYTES) -> dict[str, float]:
     """The named terms, in bytes, of one layer on one rank (`s`: the positions this rank's layer sees
     outside its split regions; `t`: tensor-parallel ranks; `sp`: sequence parallel). Their sum is the
     prediction. The defaults are this project's block; the planner (parallel/plan) gives Megatron's:
     `elem` 2 (16-bit), `dropout` (a 1-byte mask after attention, after the MLP and on the softmax: the
     paper's 34 sbh + 5 as^2 b), `kv` the share of K, V heads (grouped-query attention), `ffn` the MLP's
-    width over h and `gated` (SwiGLU keeps gate, up and their product)."""
+    width over h and `gated` (SwiGLU keeps gate, up and their product); `stats` the bytes of a norm's
+    statistics and the attention's log-sum-exp (fp32, but 8 under --precision fp64)."""
     sbh = s * b * h
     if recompute == "full":
         return {"input": elem * sbh / (t if sp else 1)}
     whole = t if sp else 1
     kept = 1 + 2 * kv + 1 + (3 if gated else 2) * ffn  # q, k, v, the heads' output, the MLP's inner tensors
     terms = {"whole": (4 * elem + 2 * dropout) * sbh / whole, "split": kept * elem * sbh / t,
-             "norms": 4 * BYTES * s * b / whole}
+             "norms": 4 * stats * s * b / whole}
     if recompute == "none":
         softmax = elem + (1 + elem) * dropout  # its output (and the dropout's mask and output)
-        terms["core"] = softmax * a * s * s * b / t if kernel == "math" else BYTES * a * s * b / t
+        terms["core"] = softmax * a * s * s * b / t if kernel == "math" else stats * a * s * b / t
     return terms
 
 
@@ -158,19 +161,20 @@ class LayerMeter:
         """Measured (a collective: `measure` on every rank) beside the formula, for results.json: t from
         the heads this rank holds, sequence parallel where the block's input holds 1/t of the positions
         under tensor parallelism, context parallel (cp) where it holds fewer without it. The formula
-        counts 4-byte elements: under bf16 only the measurement is given."""
+        counts 4-byte elements (8 under fp64): under bf16 only the measurement is given."""
         self.measure(recompute)
         if self.bytes is None:
             return {}
-        if precision != "fp32":
+        if precision == "bf16":
             return {"layer_activation_bytes": self.bytes}
+        elem = element_bytes(precision)
         b, s_in, h = self.input_shape
         a, mine = self.heads()
         t = a // mine
         sp = t > 1 and s_in * t == seq_len
         cp = seq_len // s_in if t == 1 else 1
         s = s_in * t if sp else s_in  # the positions inside the split regions
-        terms = formula(s, b, h, a, t, sp, self.kernel, recompute)
+        terms = formula(s, b, h, a, t, sp, self.kernel, recompute, elem=elem, stats=elem)
         gathered = [x for x in self.shapes if sp and x[-1] == h and math.prod(x[:-1]) == b * seq_len]
         return {"layer_activation_bytes": self.bytes, "layer_activation_terms": terms,
                 "layer_activation_gathered": len(gathered),  # saved whole-sequence (b, s, h) under SP

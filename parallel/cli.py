@@ -125,8 +125,10 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=d.warmup, help=f"untimed optimiser steps first ({d.warmup})")
     p.add_argument("--lr", type=float, default=d.lr, help=f"SGD learning rate ({d.lr})")
     p.add_argument("--seed", type=int, default=d.seed, help=f"seed of weights and data ({d.seed})")
-    p.add_argument("--precision", default=d.precision, help="fp32, or bf16: every strategy's steps (and "
-                                                            "`single`'s) under torch.autocast(bfloat16)")
+    p.add_argument("--precision", default=d.precision, help="fp32; bf16: every strategy's steps (and `single`'s) "
+                                                            "under torch.autocast(bfloat16); fp64: everything in "
+                                                            "float64, where rounding cannot flip a ReLU or a max-pool "
+                                                            "(tells a bug from rounding: docs/oracle.md)")
     p.add_argument("--profile", action="store_true", help="write torch.profiler traces to OUT/tb/")
     p.add_argument("--memory-cap", dest="memory_cap_mb", type=float, default=d.memory_cap_mb, metavar="MiB",
                    help="memory a device may hold: a strategy the planner puts over it is left out (named: "

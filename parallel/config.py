@@ -15,7 +15,7 @@ from parallel.workloads import WORKLOADS
 
 __all__ = ["ConfigError", "RunConfig"]
 
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp64")
 
 
 def nearest_multiple(value: int, of: int) -> int:
@@ -45,7 +45,8 @@ class RunConfig:
     seed: int = 0
     devices: str = "auto"
     world_size: int = 0  # 0: one per device in `devices`
-    precision: str = "fp32"  # "bf16": every strategy's steps under torch.autocast(bfloat16), `single`'s too
+    precision: str = "fp32"  # "bf16": every strategy's steps under torch.autocast(bfloat16), `single`'s too;
+    #                          "fp64": the model, its data and every buffer in float64 (the oracle's sharp check)
     profile: bool = False
     repeat: int = 1  # rounds of the whole list, interleaved (single, a, b, ..., then again); speedups paired
     out: str = ""  # "" -> results/run-<time>

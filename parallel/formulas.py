@@ -9,6 +9,12 @@ STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1, "re
          "all_to_all": lambda n: n - 1, "send": lambda n: 1}
 
 
+def element_bytes(precision: str) -> int:
+    """Bytes of a parameter, a gradient or an activation element of a run: fp32's 4, or 8 under --precision
+    fp64 (bf16 autocast keeps parameters and gradients in fp32; what it casts, its callers say)."""
+    return 8 if precision == "fp64" else 4
+
+
 def ring_seconds(kind: str, nbytes: float, n: int, alpha: float, beta: float) -> float:
     """The ring model both the planner and the report's "pred." column use: steps x alpha + the bytes each
     rank sends x beta (Thakur et al. 2005; NCCL's bus bandwidth is nbytes x share / time). The report
@@ -35,7 +41,8 @@ def model_state(psi: float, zero_stage: int, shards: int, param_bytes: int = 2, 
             "optimizer": part(optimizer_bytes, 1)}
 
 
-def sgd_state(params: int, zero_stage: int, shards: int) -> float:
-    """Model state bytes per rank of an fp32 model under SGD with momentum (K = 4), as this project's
-    sharded strategies train it: what their runs measure per rank against (tests/test_sharded.py)."""
-    return sum(model_state(params, zero_stage, shards, 4, 4, 4).values())
+def sgd_state(params: int, zero_stage: int, shards: int, element: int = 4) -> float:
+    """Model state bytes per rank of an fp32 model (`element` 8: fp64) under SGD with momentum (K = one
+    element), as this project's sharded strategies train it: what their runs measure per rank against
+    (tests/test_sharded.py)."""
+    return sum(model_state(params, zero_stage, shards, element, element, element).values())

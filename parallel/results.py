@@ -116,6 +116,12 @@ class Row:
         return self.status == "ok" and self.equivalence.verdict != "mismatch"
 
 
+def tb_run(strategy: str, variant: str = "") -> str:
+    """A row's run in TensorBoard, the folder of OUT/tb/ that holds its scalars and its ranks' profiler
+    traces: "ddp", or "ddp_accum-2" for a variant (TensorBoard's run names: no spaces or "=")."""
+    return f"{strategy}_{variant}".replace(" ", "_").replace("=", "-") if variant else strategy
+
+
 def file_stem(strategy: str, variant: str) -> str:
     """A row's files' name: "ddp", or "ddp-bucket_mb=4" for a variant (runner.run_one, the report's notes)."""
     return f"{strategy}-{variant}" if variant else strategy

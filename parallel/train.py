@@ -41,6 +41,20 @@ def make_optimizer(config):
     return lambda params: torch.optim.SGD(params, lr=config.lr, momentum=config.momentum)
 
 
+@contextlib.contextmanager
+def default_dtype(config):
+    """--precision fp64: every floating tensor made without a dtype is float64 while the run is built and
+    trained (torch.set_default_dtype): the model's parameters, its data and every buffer a strategy makes.
+    Rounding is then 2^29 times finer than fp32's, too fine to flip a ReLU's or a max-pool's decision, so a
+    difference from `single` is a bug (docs/oracle.md). Restored after, for the next run in the process."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64 if config.precision == "fp64" else before)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
 def precision(config, device: torch.device):
     """The arithmetic of every step, one substitution for every strategy: under "bf16", torch.autocast to
     bfloat16 on the device's type (matrix products and convolutions in bf16, losses and reductions in fp32;
@@ -49,6 +63,9 @@ def precision(config, device: torch.device):
     if config.precision == "bf16":
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+_LOSS = {"fp32": torch.float32, "bf16": torch.float32, "fp64": torch.float64}  # a step's loss as recorded
 
 
 class NonFiniteLoss(RuntimeError):
@@ -73,7 +90,7 @@ def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult
         _watchdog(config, dist)
         with timer, record_function(f"step {step}"), precision(config, device):
             loss = strategy.train_step(trainable, batch, dist)
-        losses.append(loss.detach().float().reshape(-1))  # (1,), or (k,) for k losses
+        losses.append(loss.detach().to(_LOSS[config.precision]).reshape(-1))  # (1,), or (k,) for k losses
         if step >= config.warmup:
             step_s.append(timer.elapsed)
             first = timer.started if first is None else first

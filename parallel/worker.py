@@ -30,11 +30,11 @@ from parallel.profiling import make_profiler
 from parallel.results import Measured, Row, atomic_write
 from parallel.strategies.base import every_rank
 from parallel.timing import summarize
-from parallel.train import make_optimizer, precision, step_lines
+from parallel.train import default_dtype, make_optimizer, precision, step_lines
 from parallel.usermodel import workload_of
 
 
-def execute(strategy, config: RunConfig, dist: Dist, data=None) -> tuple[Row, dict]:
+def execute(strategy, config: RunConfig, dist: Dist, data=None, run: str = "") -> tuple[Row, dict]:
     """Train once with `strategy` in this process (one rank of it); returns the row and final parameters.
     `data`: where batches come from (default: SyntheticData; the sweep passes a DataLoader's)."""
     spec = config.spec
@@ -49,22 +49,23 @@ def execute(strategy, config: RunConfig, dist: Dist, data=None) -> tuple[Row, di
         cap_memory(local, int(config.memory_cap_mb * 2**20))
 
     workload = workload_of(config)
-    model = workload.build_model(config.seed)
-    data = data or workload.dataset(config.seed, config.batch_size)
-    predicted = strategy.comm_bytes_predicted(model, config)
-    reset_peak_memory(local)
-    trainable = strategy.setup(model, make_optimizer(config), workload.loss, dist, config)
-    trainable.mutant = config.mutant  # the injected bug, if any, that train_step may carry (--mutant)
-    layer = activations.meter_for(strategy, trainable.model, workload, config)
-    with make_profiler(config.profile, config.out, strategy.name, dist.rank, dist.device) as prof:
-        result = strategy.train(strategy, trainable, data, config, dist, prof)
-    comm_bytes, comm_steps = trainable.comm_bytes, trainable.comm_steps
-    state = strategy.state_dict(trainable)
-    peaks, peak_kind = peak_memory(local)
-    peak = max(peaks)
-    with precision(config, trainable.device):  # what it times is the run's own step
-        extra = strategy.extra_measurements(trainable, data, config, dist, result) if config.extras else {}
-        extra |= layer.details(workload.input_shape[0], config.precision) if layer is not None else {}
+    with default_dtype(config):  # --precision fp64: the model, its data, every buffer
+        model = workload.build_model(config.seed)
+        data = data or workload.dataset(config.seed, config.batch_size)
+        predicted = strategy.comm_bytes_predicted(model, config)
+        reset_peak_memory(local)
+        trainable = strategy.setup(model, make_optimizer(config), workload.loss, dist, config)
+        trainable.mutant = config.mutant  # the injected bug, if any, that train_step may carry (--mutant)
+        layer = activations.meter_for(strategy, trainable.model, workload, config)
+        with make_profiler(config.profile, config.out, run or strategy.name, dist.rank, dist.device) as prof:
+            result = strategy.train(strategy, trainable, data, config, dist, prof)
+        comm_bytes, comm_steps = trainable.comm_bytes, trainable.comm_steps
+        state = strategy.state_dict(trainable)
+        peaks, peak_kind = peak_memory(local)
+        peak = max(peaks)
+        with precision(config, trainable.device):  # what it times is the run's own step
+            extra = strategy.extra_measurements(trainable, data, config, dist, result) if config.extras else {}
+            extra |= layer.details(workload.input_shape[0], config.precision) if layer is not None else {}
     measured = extra.pop("measured", Measured())
     details = {"model_state_bytes_per_device": strategy.model_state_bytes(trainable, config),
                **({f"{peak_kind}_per_device": peaks} if len(peaks) > 1 else {}),
@@ -124,7 +125,7 @@ def _peak_per_rank(peak: int, kind: str, dist: Dist) -> dict:
     return {f"{kind}_per_rank": every_rank(peak)}
 
 
-def run_here(strategy, config: RunConfig, dist: Dist | None = None) -> tuple[Row, dict] | None:
+def run_here(strategy, config: RunConfig, dist: Dist | None = None, run: str = "") -> tuple[Row, dict] | None:
     """Join the process group if the strategy needs one, execute, tear down. Rank 0 gets the result."""
     dist = dist or Dist.from_env(config.spec)
     strategy.validate(config)  # a bad option fails here, before any process group
@@ -132,7 +133,7 @@ def run_here(strategy, config: RunConfig, dist: Dist | None = None) -> tuple[Row
     if needs_group:
         dist.init(config.pg_timeout)
     try:
-        row, state = execute(strategy, config, dist)
+        row, state = execute(strategy, config, dist, run=run)
     finally:
         if needs_group:
             dist.cleanup()
@@ -146,13 +147,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True, type=Path, help="RunConfig as JSON, already validated")
     p.add_argument("--result", required=True, type=Path, help="where rank 0 writes its row (JSON)")
     p.add_argument("--state", required=True, type=Path, help="where rank 0 writes the final parameters")
+    p.add_argument("--tb-run", default="", help="its folder in OUT/tb/ for profiler traces (default: the strategy's)")
     args = p.parse_args(argv)
     config = RunConfig.from_json(args.config.read_text()).validate()
     strategy = strategies.get(args.strategy)
     dist = Dist.from_env(config.spec)
     if dist.is_main:  # stdout, which the harness writes to OUT/logs/<strategy>.log (launch.run_child)
         say(start_line(strategy, config, dist))
-    out = run_here(strategy, config, dist)
+    out = run_here(strategy, config, dist, args.tb_run)
     if out is not None:
         row, state = out
         torch.save(state, args.state)

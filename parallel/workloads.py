@@ -461,36 +461,12 @@ class SyntheticData:
     """
 
     def __init__(self, workload: Workload, seed: int, batch_size: int):
-        g = torch.Generator().manual_seed(10_000 + seed)  # independent of the model's init stream
         self.workload, self.seed, self.batch_size = workload, seed, batch_size
-        if workload.data == "tokens":  # (V, V) transition probabilities: most mass on 4 successors per token
-            v = workload.classes
-            likely = torch.randn((v, v), generator=g).topk(4, dim=1).indices
-            self.teacher = torch.full((v, v), 0.2 / v).scatter_(1, likely, 0.2)
-            self.teacher /= self.teacher.sum(dim=1, keepdim=True)
-        else:
-            # (classes, d); the GAN's images come from 10 prototypes whatever its 1 "class"
-            protos = workload.classes if workload.data == "teacher" else max(workload.classes, 10)
-            self.teacher = _prototypes(workload.input_shape, protos, g)
-        self.x, self.y = self._samples(max(workload.dataset_size, batch_size), g)
+        n = max(workload.dataset_size, batch_size)
+        self.teacher, self.x, self.y = _generated(workload, seed, n, torch.get_default_dtype())
 
     def _samples(self, n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        kind = self.workload.data
-        if kind == "tokens":
-            t = self.workload.input_shape[0]
-            seq = torch.empty((n, t + 1), dtype=torch.long)
-            seq[:, 0] = torch.randint(0, self.workload.classes, (n,), generator=g)
-            for i in range(t):
-                seq[:, i + 1] = torch.multinomial(self.teacher[seq[:, i]], 1, generator=g).squeeze(1)
-            return seq[:, :-1], seq[:, 1:]  # (n, T) each
-        source = torch.randint(0, self.teacher.shape[0], (n,), generator=g)
-        if kind == "images":
-            noise = torch.randn((n, self.teacher.shape[1]), generator=g)
-            x = torch.sigmoid(4 * SIGNAL * self.teacher[source] + 0.5 * noise)  # in (0, 1), like the generator's
-            return x.reshape(n, *self.workload.input_shape), torch.randn((n, *DCGAN.LATENT), generator=g)
-        x = SIGNAL * self.teacher[source] + torch.randn((n, self.teacher.shape[1]), generator=g)  # (n, d)
-        y = (x @ self.teacher.T).argmax(dim=1)  # the teacher's label, (n,)
-        return x.reshape(n, *self.workload.input_shape), y
+        return _samples(self.workload, self.teacher, n, g)
 
     def heldout(self, n: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """n samples never trained on, from the same teacher: for comparing where strategies ended up. By
@@ -508,6 +484,43 @@ class SyntheticData:
         start = step * self.batch_size + rank * share
         idx = torch.arange(start, start + share) % self.x.shape[0]
         return self.x[idx], self.y[idx]
+
+
+@functools.lru_cache(maxsize=2)
+def _generated(workload: Workload, seed: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """The teacher and n samples of `workload` for `seed`, in `dtype` (--precision fp64 builds them in
+    float64): built once a process, since every run in it (the strategies of one set of ranks, `single`
+    for the oracle, the cost model) reads the same ones. Nobody writes to them: batches are copies."""
+    g = torch.Generator().manual_seed(10_000 + seed)  # independent of the model's init stream
+    if workload.data == "tokens":  # (V, V) transition probabilities: most mass on 4 successors per token
+        v = workload.classes
+        likely = torch.randn((v, v), generator=g).topk(4, dim=1).indices
+        teacher = torch.full((v, v), 0.2 / v).scatter_(1, likely, 0.2)
+        teacher /= teacher.sum(dim=1, keepdim=True)
+    else:
+        # (classes, d); the GAN's images come from 10 prototypes whatever its 1 "class"
+        protos = workload.classes if workload.data == "teacher" else max(workload.classes, 10)
+        teacher = _prototypes(workload.input_shape, protos, g)
+    return teacher, *_samples(workload, teacher, n, g)
+
+
+def _samples(workload: Workload, teacher: torch.Tensor, n: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    kind = workload.data
+    if kind == "tokens":
+        t = workload.input_shape[0]
+        seq = torch.empty((n, t + 1), dtype=torch.long)
+        seq[:, 0] = torch.randint(0, workload.classes, (n,), generator=g)
+        for i in range(t):
+            seq[:, i + 1] = torch.multinomial(teacher[seq[:, i]], 1, generator=g).squeeze(1)
+        return seq[:, :-1], seq[:, 1:]  # (n, T) each
+    source = torch.randint(0, teacher.shape[0], (n,), generator=g)
+    if kind == "images":
+        noise = torch.randn((n, teacher.shape[1]), generator=g)
+        x = torch.sigmoid(4 * SIGNAL * teacher[source] + 0.5 * noise)  # in (0, 1), like the generator's
+        return x.reshape(n, *workload.input_shape), torch.randn((n, *DCGAN.LATENT), generator=g)
+    x = SIGNAL * teacher[source] + torch.randn((n, teacher.shape[1]), generator=g)  # (n, d)
+    y = (x @ teacher.T).argmax(dim=1)  # the teacher's label, (n,)
+    return x.reshape(n, *workload.input_shape), y
 
 
 @functools.lru_cache(maxsize=4)

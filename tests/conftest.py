@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -86,3 +87,30 @@ def strict_cuda(monkeypatch):
     fake = StrictCuda(count=2)
     monkeypatch.setattr(devices, "CUDA", fake)
     return fake
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    """A machine with no GPU, as far as the package can tell, whatever this one has: for the tests of what
+    `auto` means without GPUs (the package asks parallel.devices.CUDA, never torch.cuda, for its devices)."""
+    from parallel import devices
+    from tests.strict_cuda import StrictCuda
+
+    monkeypatch.setattr(devices, "CUDA", StrictCuda(count=0))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _as_if_gpus():
+    """PARALLEL_TEST_AS_IF_GPUS=N pytest ...: every test sees N GPUs through the strict stand-in, as on a GPU
+    machine. An audit for machines without one: a test that fails only under it assumes the machine it runs
+    on (auto devices, no GPU), or reaches CUDA for real, which the stand-in cannot do (read its error)."""
+    count = os.environ.get("PARALLEL_TEST_AS_IF_GPUS")
+    if not count:
+        yield
+        return
+    from parallel import devices
+    from tests.strict_cuda import StrictCuda
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(devices, "CUDA", StrictCuda(count=int(count)))
+        yield

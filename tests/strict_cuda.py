@@ -61,7 +61,7 @@ class StrictCuda(Cuda):
 
     # -- the Cuda surface
     def is_available(self) -> bool:
-        return True
+        return self.count > 0  # StrictCuda(count=0): a machine without GPUs, whatever this one has
 
     def device_count(self) -> int:
         return self.count

@@ -42,11 +42,17 @@ def test_validate_resolves_devices_and_world_size():
     c = RunConfig(devices="cpu:3").validate()
     assert (c.devices, c.world_size) == ("cpu:3", 3)
     assert RunConfig(devices="cpu:3", world_size=2).validate().world_size == 2
+
+
+
+@pytest.mark.parametrize("gpus, devices, world", [(0, "cpu:2", 2), (1, "cuda:0x2", 2), (4, "cuda:0,1,2,3", 4)])
+def test_auto_is_every_gpu_here_one_shared_by_two_or_two_cpu_devices(monkeypatch, gpus, devices, world):
+    from parallel import devices as dev
+    from tests.strict_cuda import StrictCuda
+
+    monkeypatch.setattr(dev, "CUDA", StrictCuda(count=gpus))  # what the package sees, whatever this machine has
     auto = RunConfig().validate()
-    if torch.cuda.is_available():
-        assert auto.devices == "cuda:" + ",".join(map(str, range(torch.cuda.device_count())))
-    else:
-        assert (auto.devices, auto.world_size) == ("cpu:2", 2)
+    assert (auto.devices, auto.world_size) == (devices, world)
 
 
 def test_config_round_trips_through_json():

@@ -1,4 +1,4 @@
-"""The cost model: its all-reduce fit and its formulas (every row of a real comparison predicted: test_ddp.py)."""
+"""The cost model: its all-reduce fit and its formulas (every row of a real comparison predicted: test_compare.py)."""
 
 
 import pytest
@@ -26,7 +26,7 @@ def test_projection_follows_the_bus_bandwidth_formula():
     assert us[8] < us[64] < us[1024] < 2 * us[8]  # 2(N-1)/N approaches 2
 
 
-# Every row of a comparison predicted, end to end: test_ddp.py's comparison checks it (a launch costs seconds).
+# Every row of a comparison predicted, end to end: test_compare.py's comparison checks it (a launch costs seconds).
 
 
 @pytest.mark.parametrize("name, expected", [

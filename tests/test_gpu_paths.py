@@ -104,13 +104,13 @@ def test_auto_devices_for_a_torchrun_strategy_follow_the_local_processes(strict_
         script_devices("auto", "torchrun", {"LOCAL_WORLD_SIZE": "3"})
 
 
-def test_auto_devices_without_gpus():
+def test_auto_devices_without_gpus(no_cuda):
     assert script_devices("auto", "torchrun", {}) == "cpu:1"
     assert script_devices("auto", "torchrun", {"LOCAL_WORLD_SIZE": "4"}) == "cpu:4"
     assert script_devices("cpu:3", "torchrun", {"LOCAL_WORLD_SIZE": "2"}) == "cpu:3"
 
 
-def test_a_torchrun_script_run_alone_is_a_world_of_one(tmp_path, monkeypatch, capsys):
+def test_a_torchrun_script_run_alone_is_a_world_of_one(tmp_path, monkeypatch, capsys, no_cuda):
     # `python scripts/ddp.py --steps 3`: world size 1, one device, nothing to communicate, predicted or measured.
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)

@@ -15,6 +15,7 @@ from parallel.strategies import manual_tp
 from parallel.usermodel import cannot_match
 from parallel.workloads import TPPlan, logits_of, tp_plan_of
 from tests.conftest import ROOT
+from tests.multirank import FP64_MARGIN
 
 # Found, not imported: importing transformers costs 2-3 s, and every test process collects this file.
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
@@ -120,10 +121,12 @@ def test_hugging_face_models_returned_as_they_are_match_one_device(tmp_path):
     runs = [("manual_dp", gpt2, TOKENS), ("manual_tp", llama, TOKENS), ("pipeline_dist", gpt2, TOKENS),
             ("tensor_parallel", f"{tmp_path / 'llama_regions.py'}:build", TOKENS),
             ("ddp", f"{tmp_path / 'bn_model.py'}:build", {"input_shape": "3,8,8", "classes": 4})]
-    jobs = [mutants.Job(name, RunConfig(model=model, devices="cpu:2", **data, **RUN).validate().to_json(), "honest")
-            for name, model, data in runs]
+    # In float64, where rounding cannot flip the BatchNorm model's ReLUs (tests/multirank.py: FP64_MARGIN)
+    jobs = [mutants.Job(name, RunConfig(model=model, devices="cpu:2", precision="fp64", **data, **RUN).validate()
+                        .to_json(), "honest") for name, model, data in runs]
     for (name, model, _), outcome in zip(runs, mutants.run_jobs(jobs), strict=True):
-        assert outcome.equivalence.verdict == "match", (name, model, outcome.equivalence)
+        verdict = outcome.equivalence
+        assert verdict.verdict == "match" and verdict.ratio < FP64_MARGIN, (name, model, verdict)
 
 
 def test_a_decoder_is_cut_into_layers_that_give_its_own_logits():

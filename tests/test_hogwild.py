@@ -71,17 +71,11 @@ def test_cuda_is_refused_with_a_reason_and_skipped_under_all():
 
 
 @pytest.mark.slow
-def test_compare_reports_convergence_instead_of_parity(tmp_path):
+def test_the_script_runs_its_workers_and_reports_their_staleness(tmp_path):
+    # Through `compare`, judged by where it converged instead of by parity: tests/test_compare.py.
     out = tmp_path / "out"
     p = subprocess.run([sys.executable, "scripts/hogwild.py", "--workers", "2", "--steps", "3", "--batch-size", "32",
                         "--devices", "cpu:2", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=200)
     assert p.returncode == 0, p.stderr
     (row,) = json.loads((out / "results.json").read_text())["rows"]
     assert row["launcher"] == "hogwild" and row["samples_per_s"] > 0 and "staleness_p95" in row["details"]
-    p = subprocess.run([sys.executable, "-m", "parallel", "compare", "--strategies", "hogwild", "--steps", "3",
-                        "--batch-size", "32", "--devices", "cpu:2", "--out", str(tmp_path / "cmp")],
-                       cwd=ROOT, capture_output=True, text=True, timeout=200)
-    assert p.returncode == 0, p.stderr
-    rows = json.loads((tmp_path / "cmp" / "results.json").read_text())["rows"]
-    eq = rows[1]["equivalence"]
-    assert eq["verdict"] == "not-expected" and "converged instead: eval loss" in eq["reason"]

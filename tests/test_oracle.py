@@ -1,20 +1,19 @@
-"""The oracle (harness/equivalence.py): per-tensor and per-step verdicts, the injected bugs it must catch,
-and every synchronous strategy of the registry against `single` on every workload it trains."""
+"""The oracle (harness/equivalence.py): per-tensor and per-step verdicts, and every synchronous strategy of
+the registry against `single` on every workload it trains. The injected bugs it must catch:
+test_mutants.py (a module of its own, so that the suite's two workers share the two halves)."""
 
 import json
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from parallel import cli, strategies
+from parallel import strategies
 from parallel.config import RunConfig
 from parallel.errors import ConfigError
 from parallel.harness import equivalence, mutants
 from parallel.workloads import WORKLOADS
-from tests.conftest import ROOT
+from tests.multirank import FP64_MARGIN
 
 pytestmark = pytest.mark.timeout(300)
 SYNC = SimpleNamespace(synchronous=True, name="fake", tolerance=lambda config: None)  # no rule of its own
@@ -40,6 +39,16 @@ def test_an_error_in_a_tensor_that_moves_little_is_caught_where_one_global_toler
     assert verdict.verdict == "mismatch" and verdict.worst_tensor == "classifier.4.bias"
     assert verdict.ratio == pytest.approx(5e-5 / (equivalence.RTOL * 1e-4), rel=0.05)  # (the additions round in fp32)
     assert "classifier.4.bias off by 5" in verdict.reason and "its tolerance" in verdict.reason
+
+
+def test_a_mismatch_a_flipped_decision_could_explain_says_how_to_tell_and_a_larger_one_does_not():
+    ref = _ref({"classifier.4.bias": 1e-2})
+    near = dict(ref.state, **{"classifier.4.bias": ref.state["classifier.4.bias"] + 3 * equivalence.RTOL * 1e-2})
+    far = dict(ref.state, **{"classifier.4.bias": ref.state["classifier.4.bias"] + 50 * equivalence.RTOL * 1e-2})
+    assert "--precision fp64" in equivalence.judge(SYNC, FP32, ref, _row(2.3, 2.0, 1.5), near).reason  # 3x: a flip?
+    assert "--precision fp64" not in equivalence.judge(SYNC, FP32, ref, _row(2.3, 2.0, 1.5), far).reason  # 50x: a bug
+    fp64 = SimpleNamespace(precision="fp64")  # a float64 run has no flips to explain, and a far sharper rule
+    assert "--precision fp64" not in equivalence.judge(SYNC, fp64, ref, _row(2.3, 2.0, 1.5), near).reason
 
 
 def test_float_noise_matches_and_a_tensor_that_never_moved_is_judged_against_its_magnitude():
@@ -100,62 +109,17 @@ def test_every_strategy_that_can_have_a_parallelism_bug_brings_one_and_names_it_
     assert expected <= owners, sorted(expected - owners)
 
 
-@pytest.mark.slow
-def test_the_switch_reaches_a_strategy_run_by_the_harness_and_the_report_says_mismatch(tmp_path):
-    out = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "parallel", "compare", "--strategies", "manual_dp", "--workload", "cnn",
-                        "--steps", "2", "--warmup", "1", "--batch-size", "32", "--mutant", "manual_dp:stale-replica",
-                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=200)
-    assert p.returncode == 1, p.stdout + p.stderr  # a mismatch fails the comparison
-    single, mutated = json.loads((out / "results.json").read_text())["rows"]
-    assert single["equivalence"]["verdict"] == "baseline" and mutated["equivalence"]["verdict"] == "mismatch"
-    assert mutated["variant"] == "mutant=stale-replica"
-    assert "manual_dp mutant=stale-replica mismatch:" in p.stdout and "its tolerance" in p.stdout
-
-
-@pytest.fixture(scope="module")
-def mutant_results(tmp_path_factory, oracle_runs):
-    """`python -m parallel mutants` itself (its report, mutants.json, its exit code), over the catalogue's
-    outcomes from oracle_runs: the command must ask for exactly those jobs."""
-    jobs, outcomes = oracle_runs
-    out = tmp_path_factory.mktemp("mutants")
-
-    def ran(asked, **kwargs):
-        assert asked == jobs["mutants"]
-        return outcomes["mutants"]
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(mutants, "run_jobs", ran)
-        code = cli.main(["mutants", "--out", str(out)])
-    return code, {o["label"]: o for o in json.loads((out / "mutants.json").read_text())}
-
-
-@pytest.mark.slow
-def test_the_mutants_command_exits_0_when_every_bug_is_caught(mutant_results):
-    code, results = mutant_results
-    assert code == 0 and results.keys() == strategies.mutants().keys()
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(strategies.mutants()))
-def test_the_oracle_catches_the_injected_bug(mutant_results, name):
-    verdict = mutant_results[1][name]["equivalence"]
-    assert verdict["verdict"] == "mismatch" and verdict["ratio"] > 1 and verdict["reason"], verdict
-
-
-@pytest.mark.slow
-def test_unsynchronised_batchnorm_under_ddp_was_missed_by_the_old_rule_and_is_caught_now(mutant_results):
-    result = mutant_results[1]["ddp:unsynced-batchnorm"]
-    assert result["old_rule_match"] and result["equivalence"]["verdict"] == "mismatch"
-    assert result["equivalence"]["worst_tensor"].startswith("generator.")  # where the BatchNorm is
-
-
 # Registry-driven parity: every synchronous strategy on every workload it trains, on cpu:2, 6 steps on a batch
-# of 48. A strategy is checked here the day it is registered. The verdict is the oracle's own; float noise
-# sits far below it. (cpu:3 and seeds: `python -m parallel mutants --honest 24`; the suite's time.)
-# The fast tier (-m "not slow") runs each strategy on its cheapest workload (the CNN, else the MLP; the
-# 4-device ones on cpu:4); the slow tier every other workload, so nothing is run twice.
-PARITY_RUN = {"batch_size": 48, "steps": 5, "warmup": 1, "extras": False}
+# of 48, in float64. A strategy is checked here the day it is registered. Why float64: in fp32 a ReLU or a
+# max-pool whose two sides sit within rounding of each other takes the other branch on another summation
+# order, and that one flipped decision moved a tensor by up to 2.9x the fp32 rule on 3 of 1,110 honest runs
+# (docs/oracle.md, "Honest noise against injected bugs, 10 seeds"): which seed flips depends on the CPU, so
+# an fp32 parity suite fails on some machines. In float64 nothing flips, and the honest noise comes to at
+# most MARGIN's tenth of the fp64 rule over the same 10 seeds and cpu:2 and cpu:4; the injected bugs (fp32,
+# their own runs) stay caught. The fast tier (-m "not slow") runs each strategy on its cheapest workload (the
+# CNN, else the MLP; the 4-device ones on cpu:4); the slow tier every other workload, so nothing runs twice.
+PARITY_RUN = {"batch_size": 48, "steps": 5, "warmup": 1, "extras": False, "precision": "fp64"}
+MARGIN = FP64_MARGIN  # tests/multirank.py: 10x the largest honest err/tol of the 10-seed table
 CPU2 = RunConfig(devices="cpu:2").spec
 
 
@@ -193,60 +157,23 @@ def fast_parity():
 @pytest.mark.parametrize("name, workload, devices", FAST_PARITY, ids=["-".join(p) for p in FAST_PARITY])
 def test_every_synchronous_strategy_matches_single_on_its_cheapest_workload(fast_parity, name, workload, devices):
     verdict = fast_parity[(name, workload, devices)]
-    assert verdict.verdict == "match", verdict
-    assert verdict.ratio < 0.5, verdict  # a margin: noise measured at most 0.33 of the tolerance (DCGAN, DDP)
-
-
-def _bf16_jobs() -> list:
-    """The MLP on cpu:2 under bf16 autocast, every strategy; ddp --compress bf16; a bug under each."""
-    bf16, catalogue = {"precision": "bf16", **PARITY_RUN}, strategies.mutants()
-    compressed = RunConfig(workload="mlp", devices="cpu:2", options={"compress": "bf16"}, **PARITY_RUN).validate()
-    return mutants.honest_jobs(1, bf16) + [
-        mutants.Job("ddp", compressed.to_json(), "honest"),
-        mutants.Job("ddp", mutants.mutant_config(catalogue["ddp:sum-not-mean"][1], "bf16").to_json(), "bug"),
-        mutants.Job("ddp", mutants.mutant_config(catalogue["ddp:compressed-sum"][1]).to_json(), "bug")]
+    assert verdict.verdict == "match" and verdict.ratio < MARGIN, verdict
 
 
 @pytest.fixture(scope="module")
-def oracle_runs():
-    """Every run this module judges, in one call (one set of spawned ranks, not three): the injected bugs,
-    the registry's parity runs, the bf16 runs. -> ({group: jobs}, {group: outcomes})"""
-    parity = [j for j in mutants.honest_jobs(len(WORKLOADS), PARITY_RUN)
+def parity_results():
+    """Every workload the fast tier leaves out, seed 0, cpu:2: one call, so one set of spawned ranks per
+    world size. (The injected bugs and the bf16 runs: tests/test_mutants.py, on the suite's other worker.)"""
+    parity = [j for j in mutants.honest_jobs(1, ("cpu:2",), PARITY_RUN)
               if (j.strategy, json.loads(j.config)["workload"]) in PARITY]  # the fast tier ran the others
-    jobs = {"mutants": mutants.mutant_jobs(), "parity": parity, "bf16": _bf16_jobs()}
-    outcomes, at = mutants.run_jobs([j for group in jobs.values() for j in group]), 0
-    split = {}
-    for group, its in jobs.items():
-        split[group], at = outcomes[at:at + len(its)], at + len(its)
-    return jobs, split
-
-
-@pytest.fixture(scope="module")
-def parity_results(oracle_runs):  # seed 0, cpu:2: every workload once
-    return {(o.strategy, o.workload): o.equivalence for o in oracle_runs[1]["parity"]}
+    return {(o.strategy, o.workload): o.equivalence for o in mutants.run_jobs(parity)}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, workload", PARITY, ids=["-".join(p) for p in PARITY])
 def test_every_synchronous_strategy_matches_single(parity_results, name, workload):
     verdict = parity_results[(name, workload)]
-    assert verdict.verdict == "match", verdict
-    assert verdict.ratio < 0.5, verdict  # a margin: noise measured at most 0.33 of the tolerance (DCGAN, DDP)
-
-
-@pytest.mark.slow
-def test_bf16_runs_are_judged_by_a_rule_that_says_so_and_still_catch_a_missing_average(oracle_runs):
-    # --precision bf16: `single` under the same autocast, the bf16 rule (20% of each tensor's movement),
-    # looser than fp32's because a split batch rounds its products to bf16 before summing. ddp --compress
-    # bf16: fp32 training whose gradients travel in bf16, judged by ddp's own stated rule (harness/
-    # equivalence.py, ddp.tolerance). Honest runs match under both; the bugs are still caught.
-    *autocast, compress, bug_bf16, bug_compressed = oracle_runs[1]["bf16"]  # _bf16_jobs
-    assert autocast and all(o.equivalence.verdict == "match" and o.equivalence.basis.startswith("bf16 autocast")
-                            for o in autocast), autocast
-    assert compress.equivalence.verdict == "match" and compress.equivalence.basis.startswith("ddp's own rule")
-    assert bug_bf16.equivalence.verdict == "mismatch" and bug_bf16.equivalence.basis.startswith("bf16 autocast")
-    assert bug_compressed.equivalence.verdict == "mismatch"
-    assert bug_compressed.equivalence.basis == compress.equivalence.basis
+    assert verdict.verdict == "match" and verdict.ratio < MARGIN, verdict
 
 
 def test_compressed_gradients_are_predicted_at_half_the_bytes():
@@ -262,7 +189,7 @@ def test_compressed_gradients_are_predicted_at_half_the_bytes():
 def test_the_false_alarm_runs_leave_out_what_a_strategy_refuses_and_nothing_else():
     # cpu:3: 3 does not divide the transformer's 4 heads nor the MLP's 1024 features, so the tensor-parallel
     # strategies sit those runs out (a refusal would otherwise stop the whole run); the rest run.
-    jobs = [(j.strategy, json.loads(j.config)["devices"]) for j in mutants.honest_jobs(8)]
+    jobs = [(j.strategy, json.loads(j.config)["devices"]) for j in mutants.honest_jobs(1, ("cpu:2", "cpu:3"))]
     assert ("manual_tp", "cpu:2") in jobs and ("tensor_parallel", "cpu:2") in jobs
     assert not [j for j in jobs if j[0] in ("manual_tp", "tensor_parallel") and j[1] == "cpu:3"]
     assert ("ddp", "cpu:3") in jobs and ("fsdp", "cpu:3") in jobs

@@ -1,13 +1,11 @@
 """The planner (parallel/plan): every term of memory and communication against a hand computation on a
 tiny model, the shapes against real modules, the data-parallel bytes against the ones each run measures
-(the strategies' comm_bytes_predicted, held to the measured bytes in test_sharded.py and test_ddp.py), the
+(the strategies' comm_bytes_predicted, held to the measured bytes in test_sharded.py and test_compare.py), the
 layer's activations against autograd's, the published rows within the issue's bounds, the search, and the
 command line. In-process and fast: nothing trains here."""
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 from torch.nn.attention import SDPBackend
@@ -153,7 +151,7 @@ def test_communication_terms_by_hand():
                                                  (3, "fsdp", {"reshard": 1})])
 def test_data_parallel_bytes_are_the_ones_the_runs_measure(zero, name, options):
     """The planner's collectives for ZeRO 0, 1 and 3 (fp32, one micro-batch) send what ddp, zero and fsdp
-    predict per rank, which their runs measure within 1% (test_ddp.py, test_sharded.py)."""
+    predict per rank, which their runs measure within 1% (test_compare.py, test_sharded.py)."""
     model = WORKLOADS["mlp"].build_model(0)
     psi = sum(p.numel() for p in model.parameters())
     train = Training(global_batch=4, precision="fp32")
@@ -232,21 +230,16 @@ def test_a_layout_that_needs_more_than_a_gpu_has_does_not_fit():
     assert sharded["fits"] and sharded["memory_gib"]["parameters"] == pytest.approx(r["memory_gib"]["parameters"] / 16)
 
 
-def plan(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "parallel", "plan", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=90)
-
-
-def test_json_has_the_fields_the_issue_names_and_nothing_else_on_stdout():
-    p = plan("--preset", "llama3-8b", "--gpus", "16", "--gpu", "h100", "--global-batch", "64", "--json", "--top", "3")
-    assert p.returncode == 0, p.stderr
-    rows = json.loads(p.stdout)
+def test_json_has_the_fields_the_issue_names_and_nothing_else_on_stdout(capfd):
+    common = ["plan", "--preset", "llama3-8b", "--gpus", "16", "--gpu", "h100", "--global-batch", "64", "--json"]
+    assert cli.main([*common, "--top", "3"]) == 0
+    rows = json.loads(capfd.readouterr().out)  # file descriptor 1 itself: nothing but the JSON
     assert len(rows) == 3 and rows[0]["step_s"] <= rows[1]["step_s"]
     for key in ("tflops_per_gpu", "mfu", "step_s", "tokens_per_s_per_gpu", "memory_gib", "fits", "layout"):
         assert key in rows[0], key
     assert set(rows[0]["memory_gib"]) >= {"parameters", "gradients", "optimizer", "activations", "buffers", "total"}
-    fixed = json.loads(plan("--preset", "llama3-8b", "--gpus", "16", "--gpu", "h100", "--global-batch", "64",
-                            "--tp", "8", "--pp", "1", "--dp", "2", "--json").stdout)
+    assert cli.main([*common, "--tp", "8", "--pp", "1", "--dp", "2"]) == 0
+    fixed = json.loads(capfd.readouterr().out)
     assert len(fixed) == 1 and fixed[0]["layout"]["tp"] == 8
 
 

@@ -13,6 +13,7 @@ import sys
 import pytest
 from rich.console import Console
 
+from parallel import cli
 from parallel.harness import pictures, report, runner
 from parallel.results import Equivalence, Measured, Row
 from tests.conftest import ROOT
@@ -151,10 +152,10 @@ def test_report_html_drawn_by_headless_chromium(tmp_path):
     assert (out / "details.txt").exists()
 
 
-def test_report_of_a_folder_without_results_is_one_line(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "parallel", "report", str(tmp_path)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=60)
-    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "results.json: no such file" in p.stderr
+def test_report_of_a_folder_without_results_is_one_line(tmp_path, capfd):
+    assert cli.main(["report", str(tmp_path)]) == 2
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and "results.json: no such file" in err
 
 
 def test_a_row_with_paired_rounds_is_not_told_to_repeat():

@@ -12,6 +12,7 @@ from tests.multirank import judged_on_ranks
 
 pytestmark = pytest.mark.timeout(240)
 BATCH, T, C = 16, 32, 128  # the transformer's activations: B x T x C per block boundary
+E = 8  # bytes per element: judged_on_ranks runs in float64 (tests/multirank.py)
 
 TWO = [("manual_tp", "mlp", {}), ("manual_tp", "transformer", {}), ("tensor_parallel", "mlp", {}),
        ("tensor_parallel", "transformer", {}), ("tensor_parallel", "transformer", {"sequence_parallel": 1}),
@@ -31,7 +32,7 @@ def _judged(world: int, runs: list) -> list:
 @pytest.mark.slow
 def test_tensor_parallel_matches_single_and_counts_megatrons_collectives():
     rows = dict(zip([(n, w, tuple(o)) for n, w, o in TWO], _judged(2, TWO), strict=True))
-    share = (2 - 1) / 2 * BATCH * T * C * 4  # a ring's (N-1)/N of one B x T x C fp32 activation
+    share = (2 - 1) / 2 * BATCH * T * C * E  # a ring's (N-1)/N of one B x T x C activation
     for name in ("manual_tp", "tensor_parallel"):
         d = rows[(name, "transformer", ())].details
         # Megatron: per block, g after attention and after the MLP forward, f before each backward
@@ -55,7 +56,7 @@ def test_tensor_parallel_matches_single_and_counts_megatrons_collectives():
     # and mlp.0), where the formula (Megatron's) keeps the 1/t shard: the difference is exactly those two
     only_sp = rows[("tensor_parallel", "transformer", ("sequence_parallel",))].details
     assert only_sp["layer_activation_gathered"] == 2 and only_sp["layer_activation_layout"]["sp"]
-    assert only_sp["layer_activation_bytes"] - only_sp["layer_activation_predicted"] == 2 * 4 * BATCH * T * C / 2
+    assert only_sp["layer_activation_bytes"] - only_sp["layer_activation_predicted"] == 2 * E * BATCH * T * C / 2
 
 
 @pytest.mark.slow
@@ -75,7 +76,8 @@ def test_fsdp_x_tp_and_hsdp_match_single_on_four_ranks():
     (["run", "tensor_parallel", "--devices", "cpu:2", "--workload", "mlp", "--sequence-parallel", "1"],
      "needs a sequence model"),
     (["run", "fsdp_tp", "--devices", "cpu:2", "--workload", "mlp"], "needs 4 devices or more"),
-    (["compare", "--strategies", "hogwild", "--tp", "2"], "--tp is an option of fsdp_tp, which is not run here"),
+    (["compare", "--strategies", "hogwild", "--tp", "2", "--devices", "cpu:2"],
+     "--tp is an option of fsdp_tp, which is not run here"),
 ])
 def test_a_split_that_does_not_fit_is_refused_naming_the_numbers(refused, argv, message):
     refused(argv, message)

@@ -19,8 +19,8 @@ def _collectives(rank, world):
     with wire.counted(sent):
         td.all_reduce(t)
         td.broadcast(t, src=0)
-        td.all_gather_single(torch.empty(ELEMS * world), torch.ones(ELEMS))
-        td.reduce_scatter_single(torch.empty(ELEMS // world), torch.ones(ELEMS))
+        wire.all_gather(torch.empty(ELEMS * world), torch.ones(ELEMS))  # the package's names for this torch's
+        wire.reduce_scatter(torch.empty(ELEMS // world), torch.ones(ELEMS))
         funcol.all_reduce(torch.ones(ELEMS), "sum", td.group.WORLD).wait()
         if rank == 0:
             td.send(torch.ones(ELEMS), dst=1)
@@ -67,8 +67,12 @@ def _all_to_alls(rank, world):
                 lambda: funcol.permute_tensor(torch.ones(ELEMS), [1, 0], td.group.WORLD).wait(),  # all to the peer
                 lambda: td.all_to_all([torch.empty(ELEMS), torch.empty(ELEMS)], [torch.ones(ELEMS)] * world)):
         sent = {}
-        with wire.counted(sent):
-            run()
+        try:
+            with wire.counted(sent):
+                run()
+        except RuntimeError as e:  # the list form: torch 2.13's gloo has it, 2.11's refuses it (both run here)
+            counts.append(str(e))
+            continue
         counts.append(sent["all_to_all"])
     return counts
 
@@ -77,5 +81,7 @@ def test_an_all_to_all_is_counted_by_its_real_splits():
     """What each rank sends is its input but the chunk it keeps: permute_tensor's is all of it (counted as
     half before, as if split evenly), uneven splits as given."""
     b = 4  # bytes per element
-    assert run_ranks(_all_to_alls, N) == [[ELEMS // 2 * b, 500 * b, ELEMS * b, ELEMS * b],
-                                          [ELEMS // 2 * b, 200 * b, ELEMS * b, ELEMS * b]]
+    ranks = run_ranks(_all_to_alls, N)
+    assert [r[:3] for r in ranks] == [[ELEMS // 2 * b, 500 * b, ELEMS * b], [ELEMS // 2 * b, 200 * b, ELEMS * b]]
+    listed = [r[3] for r in ranks]  # all_to_all of a list: counted as the rest, where this torch's gloo has it
+    assert listed == [ELEMS * b] * N or all("does not support alltoall" in str(x) for x in listed), listed

@@ -72,9 +72,10 @@ class LoopbackStore:
         del self.store
 
 
-def command(strategy, config, paths: dict[str, Path], rdzv_port: int = 0) -> list[str]:
-    worker = ["-m", "parallel.worker", "--strategy", strategy.name,
-              "--config", str(paths["config"]), "--result", str(paths["result"]), "--state", str(paths["state"])]
+def command(strategy, config, paths: dict[str, Path], rdzv_port: int = 0, run: str = "") -> list[str]:
+    """The child's command line; `run`: its folder in OUT/tb/ (results.tb_run: a variant's own)."""
+    worker = ["-m", "parallel.worker", "--strategy", strategy.name, "--config", str(paths["config"]),
+              "--result", str(paths["result"]), "--state", str(paths["state"]), "--tb-run", run or strategy.name]
     if strategy.launch == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
                 f"--nproc_per_node={strategy.world_size(config)}", f"--max-restarts={config.max_restarts}",

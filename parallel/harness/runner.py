@@ -27,7 +27,7 @@ from parallel.config import RunConfig
 from parallel.errors import ConfigError
 from parallel.harness import equivalence, launch, load
 from parallel.harness.report import make_progress
-from parallel.results import Equivalence, Row, file_stem
+from parallel.results import Equivalence, Row, file_stem, tb_run
 from parallel.usermodel import cannot_match, workload_of
 from parallel.workloads import eval_loss
 
@@ -48,7 +48,7 @@ def run_one(strategy, variant: str, config: RunConfig, work: Path, logs: Path) -
     gpus = [d.index for d in map(config.spec.device, range(strategy.world_size(config))) if d.type == "cuda"]
     watch = load.ForeignLoad(gpus)
     try:
-        cmd = launch.command(strategy, config, paths, store.port if store else 0)
+        cmd = launch.command(strategy, config, paths, store.port if store else 0, tb_run(strategy.name, variant))
         outcome = launch.run_child(cmd, config.timeout, logs / f"{stem}.log",
                                    env=launch.torchrun_env() if store else None)
     finally:
@@ -73,7 +73,7 @@ def write_scalars(tb: Path, row: Row) -> None:
 
     if not row.losses:
         return
-    with SummaryWriter(str(tb / row.label.replace(" ", "_").replace("=", "-"))) as w:
+    with SummaryWriter(str(tb / tb_run(row.strategy, row.variant))) as w:
         for step, loss in enumerate(row.losses):
             w.add_scalar("loss/train", loss, step)
         for name, values in row.loss_parts.items():  # the DCGAN's d_loss and g_loss

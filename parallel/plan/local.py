@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from parallel.formulas import sgd_state
+from parallel.formulas import element_bytes, sgd_state
 from parallel.plan.layouts import Layout, Training
 from parallel.plan.memory import layer_activations
 from parallel.plan.models import ModelSpec
@@ -51,7 +51,8 @@ def need(name: str, config, model: nn.Module) -> dict | None:
     world = strategies.get(name).world_size(config)  # data_parallel on virtual CPU devices: one
     shards = world // int(config.options.get("replicate", 1)) if name == "fsdp" else world
     psi = sum(p.numel() for p in model.parameters())
-    state = 0.0 if name == "fsdp" and config.options.get("offload") == "cpu" else sgd_state(psi, stage, shards)
+    offloaded = name == "fsdp" and config.options.get("offload") == "cpu"
+    state = 0.0 if offloaded else sgd_state(psi, stage, shards, element_bytes(config.precision))
     acts = 0.0
     spec = spec_of(model)
     if spec is not None:

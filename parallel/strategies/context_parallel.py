@@ -32,6 +32,7 @@ from torch import nn
 
 from parallel.devices import SHARED_GLOO_NO_P2P, synchronizer
 from parallel.errors import ConfigError
+from parallel.formulas import element_bytes
 from parallel.layout import ParallelDims
 from parallel.strategies import wire
 from parallel.strategies.base import (
@@ -176,9 +177,10 @@ def average_gradients(params: list[nn.Parameter], world: int) -> None:
 
 
 def kv_bytes(model: nn.Module, config, cp: int) -> float:
-    """The bytes of one rank's K,V block, one attention layer: 2 x (B/dp) x (T/cp) x width x 4 (x 2 under
-    --precision bf16: the projections' outputs are bf16 there)."""
-    width, element = model.attentions()[0].q.out_features, 2 if config.precision == "bf16" else 4
+    """The bytes of one rank's K,V block, one attention layer: 2 x (B/dp) x (T/cp) x width x 4 (2 under
+    --precision bf16: the projections' outputs are bf16 there; 8 under fp64)."""
+    width, element = model.attentions()[0].q.out_features, 2 if config.precision == "bf16" else element_bytes(
+        config.precision)
     rows, positions = config.batch_size // (config.world_size // cp), workload_of(config).input_shape[0] // cp
     return 2 * rows * positions * width * element
 

@@ -233,7 +233,7 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
             # the unsharded reference for the sharded strategies' table: every rank holds all of it
             "param_bytes_per_rank": full, "grad_bytes_per_rank": full,
             "optimizer_state_bytes_per_rank": optimizer_state_bytes(params, t.optimizer),
-            "zero_formula_bytes": sgd_state(full // 4, 0, config.world_size),  # (4 + 4 + K = 4) Psi
+            "zero_formula_bytes": sgd_state(full // (e := params[0].element_size()), 0, config.world_size, e),
             "measured": Measured(exposed_comm_ms=exposed, exposed_over_allreduce=exposed / ms["allreduce"],
                                  allreduce_all_grads_ms=ms["allreduce"], allreduce_4B_ms=ms["allreduce_4B"])}
 

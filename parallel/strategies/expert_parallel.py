@@ -31,6 +31,7 @@ from torch import nn
 
 from parallel import checkpoint
 from parallel.errors import ConfigError
+from parallel.formulas import element_bytes
 from parallel.strategies import wire
 from parallel.strategies.base import (
     Hooks,
@@ -245,7 +246,7 @@ def predicted_bytes(model: nn.Module, config, rows_moved: float, element: tuple)
     dense = param_bytes(model.parameters()) - total_experts
     reduce = ring_allreduce_bytes(dense, n) + ring_allreduce_bytes(total_experts / ep, n // ep)
     if workload_of(config).aux_loss:
-        reduce += ring_allreduce_bytes(experts * 4, n) * len(layers)
+        reduce += ring_allreduce_bytes(experts * element_bytes(config.precision), n) * len(layers)
     return {"all_to_all": a2a, "all_reduce": reduce}
 
 

@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from parallel.errors import ConfigError
-from parallel.formulas import sgd_state, wire_bytes
+from parallel.formulas import element_bytes, sgd_state, wire_bytes
 from parallel.layout import ParallelDims
 from parallel.results import Rule
 from parallel.strategies import wire
@@ -188,7 +188,7 @@ def comm_bytes_predicted(model, config) -> float:
     dimension to a multiple of N: a few rows more on the wire.)"""
     o = options_of(Options, config)
     n, r = config.world_size // o.replicate, o.replicate  # shards per replica, replicas
-    p = sum(q.numel() for q in model.parameters()) * 4
+    p = sum(q.numel() for q in model.parameters()) * element_bytes(config.precision)
     gathered = p / 2 if o.mixed_precision else p
     gathers = (2 if o.reshard else 1) * wire_bytes("all_gather", gathered, n)
     # HSDP: each rank's reduced shard is then all-reduced across the replicas
@@ -230,12 +230,13 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
         t.optimizer.zero_grad(set_to_none=True)
         t.loss_fn(t.model(x), y).backward()
     n = config.world_size // options_of(Options, config).replicate  # the ranks one copy is sharded over
-    psi = sum(math.prod(p.shape) for p in t.model.parameters()) * 4  # the global shapes
+    psi = sum(math.prod(p.shape) for p in t.model.parameters()) * element_bytes(config.precision)  # global shapes
     return {"reshard": int(t.state.reshard), "bytes_per_step_by_collective": t.state.counter.per_step(),
             **{f"{k}_per_rank": every_rank(v) for k, v in local.items()},
             "unsharded_peak_bytes_per_rank": every_rank(peak.peak),
             # ZeRO-3's model state per device for fp32 SGD with momentum (K = 4): (4 + 4 + 4) Psi / N.
-            "zero_formula_bytes": sgd_state(psi // 4, 3, n), "groups": len(t.state.groups),
+            "zero_formula_bytes": sgd_state(psi // (e := element_bytes(config.precision)), 3, n, e),
+            "groups": len(t.state.groups),
             "fsdp_groups": group_names(t),
             "measured": wire.measured_collectives(t.device, psi // 4, rounds=max(3, min(10, config.steps)))}
 

@@ -31,7 +31,7 @@ from parallel.errors import ConfigError
 from parallel.profiling import make_profiler
 from parallel.strategies.base import Hooks, Trainable, options_of, param_bytes
 from parallel.strategies.base import dims as base_dims
-from parallel.train import TrainResult, make_optimizer
+from parallel.train import TrainResult, default_dtype, make_optimizer
 from parallel.train import train as the_loop
 from parallel.usermodel import workload_of
 
@@ -136,7 +136,8 @@ def _worker(rank, model, config, counter, results, start) -> None:
         t = Trainable(model, make_optimizer(config)(model.parameters()), workload.loss, torch.device("cpu"),
                       state=State(workers, counter))
         me = Dist(rank=rank, local_rank=rank, world_size=workers, local_world_size=workers)
-        data = workload.dataset(config.seed, config.batch_size)
+        with default_dtype(config):  # the shared model is float64 under --precision fp64: its data too
+            data = workload.dataset(config.seed, config.batch_size)
         start.wait()
         with make_profiler(config.profile, config.out, NAME, rank, me.device) as prof:
             result = the_loop(_Me, t, data, config, me, prof)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from parallel.devices import IntervalClock
+from parallel.formulas import element_bytes
 from parallel.strategies.base import Hooks, Mutant, Trainable, grad_bytes, injected, param_bytes, state_bytes
 from parallel.strategies.primitives import DeviceThreads, gather, parallel_apply, replicate, scatter
 from parallel.timing import PhaseTimer
@@ -46,10 +47,11 @@ MUTANTS = (STALE_REPLICA, REPLICA_GRAD_DROPPED)
 
 def comm_bytes_predicted(model, config) -> float:
     """Bytes between the first device and the others per step: parameters out and gradients back
-    (2 x params x (N-1)); inputs out, outputs back and their gradients out ((N-1)/N of each), fp32."""
-    workload, n = workload_of(config), config.world_size
-    x_bytes = config.batch_size * 4 * math.prod(workload.input_shape)
-    out_bytes = config.batch_size * 4 * workload.classes
+    (2 x params x (N-1)); inputs out, outputs back and their gradients out ((N-1)/N of each), fp32 (fp64
+    under --precision fp64)."""
+    workload, n, e = workload_of(config), config.world_size, element_bytes(config.precision)
+    x_bytes = config.batch_size * e * math.prod(workload.input_shape)
+    out_bytes = config.batch_size * e * workload.classes
     return 2 * (n - 1) * grad_bytes(model) + (n - 1) / n * (x_bytes + 2 * out_bytes)
 
 

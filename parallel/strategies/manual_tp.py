@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.errors import ConfigError
+from parallel.formulas import element_bytes
 from parallel.layout import ParallelDims
 from parallel.strategies import wire
 from parallel.strategies.base import (
@@ -259,7 +260,7 @@ def payloads(model, config) -> list[float]:
     first_layer = next(n for n, _ in model.named_parameters()).rpartition(".")[0]
     entries = [*plan.regions, *(c for c in plan.colwise if not any(c.startswith(r + ".") for r in plan.regions))]
     backward = [_in_features(model, e) for e in entries if e != first_layer]
-    return [positions * c * 4 for c in forward + backward]
+    return [positions * c * element_bytes(config.precision) for c in forward + backward]
 
 
 def _in_features(model: nn.Module, name: str) -> int:

@@ -157,17 +157,25 @@ def defaults(config) -> dict:
     return fit_microbatches(config, config.world_size, config.batch_size)
 
 
-def _torch_lacks(name: str) -> str | None:
-    """Why this torch cannot run schedule `name` as written here (older releases lack a schedule, or the
-    scale_grads switch the batch mean relies on), or None. pyproject allows torch 2.6; 2.13 is tested."""
+def _torch_lacks(name: str, backend: str = "gloo") -> str | None:
+    """Why this torch cannot run schedule `name` as written here over `backend`, or None: older releases
+    lack a schedule or the scale_grads switch the batch mean relies on; and before the warm-up vote
+    (PipelineStage._warmup_forward_vote, torch 2.13), a V schedule's first step sends from a rank to itself
+    (its two middle stages), which gloo refuses: "Pair is not connected" (seen on torch 2.11). pyproject
+    allows torch 2.11; 2.11 and 2.13 are tested."""
     import inspect
 
     import torch.distributed.pipelining.schedules as schedules
+    from torch.distributed.pipelining import PipelineStage
 
     cls = getattr(schedules, name, None)
     if cls is None or "scale_grads" not in inspect.signature(cls.__init__).parameters:
         return (f"{NAME} needs torch.distributed.pipelining's {name} with scale_grads, which torch "
                 f"{torch.__version__} lacks (tested on 2.13)")
+    v_shaped = any(layout == "v" for cls_name, _, layout in SCHEDULES.values() if cls_name == name)
+    if v_shaped and backend == "gloo" and not hasattr(PipelineStage, "_warmup_forward_vote"):
+        return (f"{name} on gloo needs torch 2.13 or newer: torch {torch.__version__}'s pipelining starts a V "
+                "schedule by sending from a rank to itself, which gloo refuses ('Pair is not connected')")
     return None
 
 
@@ -180,8 +188,6 @@ def check_pipeline(config, p: int, batch: int) -> None:
                           "stages receive into buffers shaped like one micro-batch")
     if p < 2:
         raise ConfigError(f"{NAME} needs at least 2 processes (one stage each), got {p}")
-    if why := _torch_lacks(SCHEDULES[o.schedule][0]):
-        raise ConfigError(why)
     layers = layers_of(workload_of(config).build_model(config.seed))
     if p * v > len(layers):
         raise ConfigError(f"--schedule {o.schedule} runs {v} stage(s) on each of {p} ranks, {p * v} stages, but the "
@@ -197,6 +203,8 @@ def check_pipeline(config, p: int, batch: int) -> None:
     if o.schedule in ("interleaved1f1b", "interleavedzb") and m % (rounds := max(1, m // p)):
         raise ConfigError(f"--schedule {o.schedule} runs micro-batches in rounds of {p}: --microbatches {m} is not a "
                           f"multiple of its {rounds} rounds")
+    if why := _torch_lacks(SCHEDULES[o.schedule][0], config.spec.backend):  # what was asked is sound
+        raise ConfigError(why)
 
 
 @dataclass

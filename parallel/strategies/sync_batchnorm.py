@@ -26,8 +26,8 @@ from torch import nn
 
 def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """Differentiable all-reduce (sum). torch 2.13 deprecates torch.distributed.nn.functional's in favour
-    of _functional_collectives.all_reduce, which has an autograd formula there; older versions (the
-    pyproject allows 2.6+) have only the former."""
+    of _functional_collectives.all_reduce, which has an autograd formula there; older versions (2.11,
+    the oldest the pyproject allows) have only the former."""
     if hasattr(dist_nn, "_deprecated"):
         from torch.distributed import _functional_collectives as funcol
 
@@ -43,7 +43,8 @@ class _AllReduceBatchNorm:
         if not self.training:
             return super().forward(x)  # running statistics: the same on every rank
         c, dtype, dims = x.shape[1], x.dtype, (0, *range(2, x.dim()))
-        x = x.float()  # statistics in fp32 whatever comes in (bf16 under autocast), as BatchNorm keeps them
+        x = x.to(torch.promote_types(x.dtype, torch.float32))  # statistics in fp32 at least (bf16 under autocast
+        #                                                     comes in), as BatchNorm keeps them; fp64 stays fp64
         count = torch.full((1,), x.numel() / c, device=x.device, dtype=x.dtype)
         stats = _all_reduce_sum(torch.cat([x.sum(dims), count]))  # (C + 1,)
         n = stats[-1]

@@ -41,8 +41,8 @@ from parallel.devices import synchronizer
 from parallel.results import Measured
 from parallel.timing import StepTimer, summarize
 
-# gloo has reduce_scatter_single / all_gather_single in torch 2.13; the pyproject allows 2.6+, where they
-# are reduce_scatter_tensor / all_gather_into_tensor (deprecated names in 2.13).
+# gloo has reduce_scatter_single / all_gather_single in torch 2.13; torch 2.11 (the oldest the suite ran on)
+# has only reduce_scatter_tensor / all_gather_into_tensor (deprecated names in 2.13).
 reduce_scatter = getattr(td, "reduce_scatter_single", None) or td.reduce_scatter_tensor
 all_gather = getattr(td, "all_gather_single", None) or td.all_gather_into_tensor
 

@@ -37,7 +37,7 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from parallel.errors import ConfigError
-from parallel.formulas import sgd_state, wire_bytes
+from parallel.formulas import element_bytes, sgd_state, wire_bytes
 from parallel.strategies import wire
 from parallel.strategies.base import (
     Hooks,
@@ -196,7 +196,8 @@ def comm_bytes_predicted(model, config) -> float:
     """Reduce-scatter and all-gather of every parameter's worth, ring: 2(N-1)/N x P bytes (2 Psi)."""
     n = config.world_size
     padded = math.ceil(sum(p.numel() for p in model.parameters() if p.requires_grad) / n) * n
-    return wire_bytes("reduce_scatter", padded * 4, n) + wire_bytes("all_gather", padded * 4, n)
+    e = element_bytes(config.precision)
+    return wire_bytes("reduce_scatter", padded * e, n) + wire_bytes("all_gather", padded * e, n)
 
 
 def model_state_bytes(t: Trainable, config) -> list[int]:
@@ -223,7 +224,7 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
             # ZeRO's model state per device for fp32 SGD with momentum (K = 4 bytes of optimizer state per
             # parameter): DDP 12 Psi; stage 1: 4 + 4 + 4/N; stage 2: 4 + (4 + 4)/N (Psi = parameter count),
             # by the formula the planner uses (formulas.model_state)
-            "zero_formula_bytes": sgd_state(psi // 4, z.stage, n),
+            "zero_formula_bytes": sgd_state(psi // z.flat.element_size(), z.stage, n, z.flat.element_size()),
             "measured": wire.measured_collectives(t.device, z.flat.numel(), rounds=max(3, min(10, config.steps)))}
 
 

@@ -25,7 +25,7 @@ from torch.autograd.profiler import record_function
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from parallel.formulas import sgd_state, wire_bytes
+from parallel.formulas import element_bytes, sgd_state, wire_bytes
 from parallel.strategies import wire
 from parallel.strategies.base import (
     Hooks,
@@ -114,7 +114,7 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
             "owned_param_bytes_per_rank": owned,  # greedy by size: uneven
             "param_bytes_per_rank": full, "grad_bytes_per_rank": full, "optimizer_state_bytes_per_rank": optimizer,
             # ZeRO-1's model state for fp32 SGD with momentum: (4 + 4) Psi + 4 Psi / N (an even share)
-            "zero_formula_bytes": sgd_state(full // 4, 1, n)}
+            "zero_formula_bytes": sgd_state(full // (e := element_bytes(config.precision)), 1, n, e)}
 
 
 def predict_step_ms(cal, config, row) -> float | None:
