@@ -293,7 +293,7 @@ def cmd_compare(args, names: list[str], baseline: bool) -> int:
     if why := env.get("gpus_unusable"):  # `auto` fell back to the CPU although GPUs are here: say so first
         console.print(f"GPUs not used: {why}", style="yellow", highlight=False, markup=False)
     save = lambda rows: write_results(Path(config.out), dataclasses.asdict(config), env, rows, skipped)  # noqa: E731
-    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM (a scheduler, `kill`) stops the run like Ctrl-C
+    _stop_like_ctrl_c()
     try:
         rows = run_strategies(config, chosen, baseline=baseline, on_row=save)
     except KeyboardInterrupt:  # the running child's process group is killed on the way out (launch.run_child)
@@ -324,7 +324,7 @@ def cmd_scaling(config: RunConfig, names: list[str], sizes_text: str) -> int:
         runs.append((mode, n, cfg, *plan(cfg, names, baseline=True, strict=False)))
     prepare_out(Path(config.out))
     console = make_console()
-    signal.signal(signal.SIGTERM, _interrupt)
+    _stop_like_ctrl_c()
     results, done = [], {}  # done: a point's config (its folder aside) -> its rows
     try:
         for mode, n, cfg, chosen, skipped in runs:
@@ -369,6 +369,14 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def _stop_like_ctrl_c() -> None:
+    """SIGTERM (a scheduler, `kill`) and SIGINT stop the run like Ctrl-C: rows kept, children ended. SIGINT
+    is set too because a process started with it ignored (`nohup`, `cmd &` in a script, a test runner's
+    worker) inherits that, and Python then never raises KeyboardInterrupt: seen as a run that went on."""
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def compare_defaults() -> RunConfig:
     """The config `compare` builds when given no arguments (its own parser and config_from_args: the
     workload, `--devices auto`, the batch rounded to the devices), for `devices` to plan with."""
@@ -388,21 +396,21 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "devices":
             return cmd_devices()
         if args.command == "bench":
-            signal.signal(signal.SIGTERM, _interrupt)
+            _stop_like_ctrl_c()
             try:
                 return basics_cli.main(args, make_console())
             except KeyboardInterrupt:
                 print("interrupted", file=sys.stderr)
                 return 130
         if args.command == "sweep":
-            signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the sweep like Ctrl-C
+            _stop_like_ctrl_c()
             return sweep.main(args, make_console())
         if args.command == "mutants":
             return mutants.main(args, make_console())
         if args.command == "report":
             return pictures.render(Path(args.out), make_console(args.wide), wide=args.wide, png=args.screenshot)
         if args.command == "preflight":
-            signal.signal(signal.SIGTERM, _interrupt)
+            _stop_like_ctrl_c()
             return preflight.main(args, make_console())
         if args.command == "plan":
             return plan_cli.main(args, make_console())

@@ -218,12 +218,14 @@ def test_sigterm_stops_a_comparison_like_ctrl_c_and_keeps_the_finished_rows(tmp_
         time.sleep(5)  # the handler raises before this ends
         raise AssertionError("SIGTERM did not interrupt")
 
-    before = signal.getsignal(signal.SIGTERM)
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     monkeypatch.setattr(cli, "run_strategies", interrupted_mid_run)
     try:
         code = cli.main(["compare", "--strategies", "single", "--devices", "cpu:1", "--out", str(tmp_path)])
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # even where it was ignored
     finally:
-        signal.signal(signal.SIGTERM, before)
+        for s, handler in before.items():
+            signal.signal(s, handler)
     assert code == 130 and "interrupted" in capsys.readouterr().out and (tmp_path / "results.json").exists()
 
 
@@ -232,7 +234,8 @@ def test_ctrl_c_keeps_finished_rows_and_leaves_no_child(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "parallel", "compare", "--strategies", "single,ddp",
                              "--devices", "cpu:2", "--steps", "2000", "--warmup", "0", "--batch-size", "2",
                              "--out", str(tmp_path)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+                            text=True, start_new_session=True, env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # as `nohup` starts it
     # `single` finishes its 2000 tiny steps (about 2 s), then ddp starts (its 2000 steps take longer than
     # the 3 s it is given here, start-up included); interrupt ddp mid-run.
     deadline = time.monotonic() + 90
