@@ -438,6 +438,8 @@ WORKLOADS: dict[str, Workload] = {
 }
 
 
+LIKELY = 4  # token data: each token has 4 likely successors (0.2 each), and 0.2 for any token at all
+CHAIN = 64  # token data: chains this long, side by side (a vectorised draw a position, whatever T)
 SIGNAL = 0.5  # prototype norm over noise norm: learnable in tens of steps at lr 0.02, not in one
 
 
@@ -492,11 +494,8 @@ def _generated(workload: Workload, seed: int, n: int, dtype: torch.dtype) -> tup
     float64): built once a process, since every run in it (the strategies of one set of ranks, `single`
     for the oracle, the cost model) reads the same ones. Nobody writes to them: batches are copies."""
     g = torch.Generator().manual_seed(10_000 + seed)  # independent of the model's init stream
-    if workload.data == "tokens":  # (V, V) transition probabilities: most mass on 4 successors per token
-        v = workload.classes
-        likely = torch.randn((v, v), generator=g).topk(4, dim=1).indices
-        teacher = torch.full((v, v), 0.2 / v).scatter_(1, likely, 0.2)
-        teacher /= teacher.sum(dim=1, keepdim=True)
+    if workload.data == "tokens":  # (V, 4): each token's likely successors, V x 4 integers at any vocabulary
+        teacher = torch.randint(0, workload.classes, (workload.classes, LIKELY), generator=g)
     else:
         # (classes, d); the GAN's images come from 10 prototypes whatever its 1 "class"
         protos = workload.classes if workload.data == "teacher" else max(workload.classes, 10)
@@ -507,11 +506,19 @@ def _generated(workload: Workload, seed: int, n: int, dtype: torch.dtype) -> tup
 def _samples(workload: Workload, teacher: torch.Tensor, n: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
     kind = workload.data
     if kind == "tokens":
-        t = workload.input_shape[0]
-        seq = torch.empty((n, t + 1), dtype=torch.long)
-        seq[:, 0] = torch.randint(0, workload.classes, (n,), generator=g)
-        for i in range(t):
-            seq[:, i + 1] = torch.multinomial(teacher[seq[:, i]], 1, generator=g).squeeze(1)
+        # The next token is one of the current token's likely successors with probability 0.8 (each 0.2),
+        # else any token. All draws at once, then one gather a position, in chains of at most CHAIN tokens
+        # side by side (a long sequence restarts from any token every CHAIN): time and memory ~ n x T.
+        t, v = workload.input_shape[0], workload.classes
+        chain = min(t + 1, CHAIN)
+        chains = n * -(-(t + 1) // chain)
+        seq = torch.randint(0, v, (chain, chains), generator=g)  # the starts, and the "any token" draws
+        pick = torch.randint(0, LIKELY, (chain - 1, chains), generator=g)
+        likely = torch.rand((chain - 1, chains), generator=g) < 0.8
+        successors = teacher.view(-1)
+        for i in range(chain - 1):  # position-major: each step reads and writes contiguous rows
+            seq[i + 1] = torch.where(likely[i], successors[seq[i] * LIKELY + pick[i]], seq[i + 1])
+        seq = seq.T.reshape(n, -1)[:, : t + 1]
         return seq[:, :-1], seq[:, 1:]  # (n, T) each
     source = torch.randint(0, teacher.shape[0], (n,), generator=g)
     if kind == "images":

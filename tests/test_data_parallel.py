@@ -4,7 +4,6 @@ Everything here runs in this process on virtual CPU devices; the CUDA comparison
 primitives is skipped without 2 GPUs."""
 
 import gc
-import subprocess
 import sys
 import threading
 
@@ -18,7 +17,7 @@ from parallel.dist import Dist
 from parallel.strategies.primitives import DeviceThreads, gather, parallel_apply, replicate, scatter
 from parallel.worker import execute
 from parallel.workloads import WORKLOADS
-from tests.conftest import ROOT, judged
+from tests.conftest import judged
 from tests.multirank import FP64_MARGIN
 
 CPU2 = [torch.device("cpu")] * 2
@@ -151,16 +150,6 @@ def test_device_threads_end_when_the_pool_is_dropped():
     for t in mine:
         t.join(timeout=5)
     assert not any(t.is_alive() for t in mine)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["manual_dp", "data_parallel"])
-def test_scripts_run(name, tmp_path):
-    p = subprocess.run([sys.executable, f"scripts/{name}.py", "--steps", "2", "--batch-size", "32",
-                        "--devices", "cpu:2", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
-    assert p.returncode == 0, p.stderr
-    assert name in p.stdout and (tmp_path / "results.json").exists()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")

@@ -1,10 +1,9 @@
 """The oracle's evidence, the half that must fail: every injected bug (`--mutant NAME`, each in its strategy's
-own file) through `python -m parallel mutants`, under fp32 and under bf16 autocast, and the switch reaching a
-comparison run as users run it. The other half, every honest strategy matching `single`: test_oracle.py."""
+own file) through `python -m parallel mutants`, under fp32 and under bf16 autocast (the switch reaching a
+comparison run as users run it: test_usermodel.py). The other half, every honest strategy matching `single`:
+test_oracle.py."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,24 +11,10 @@ import torch
 from parallel import cli, strategies
 from parallel.config import RunConfig
 from parallel.harness import mutants
-from tests.conftest import ROOT
 from tests.test_oracle import PARITY_RUN
 
 pytestmark = pytest.mark.timeout(300)
 REFUSED: dict[str, str] = {}  # injected bugs whose runs this torch refuses (mutants.mutant_jobs): name -> why
-
-
-@pytest.mark.slow
-def test_the_switch_reaches_a_strategy_run_by_the_harness_and_the_report_says_mismatch(tmp_path):
-    out = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "parallel", "compare", "--strategies", "manual_dp", "--workload", "cnn",
-                        "--steps", "2", "--warmup", "1", "--batch-size", "32", "--mutant", "manual_dp:stale-replica",
-                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=200)
-    assert p.returncode == 1, p.stdout + p.stderr  # a mismatch fails the comparison
-    single, mutated = json.loads((out / "results.json").read_text())["rows"]
-    assert single["equivalence"]["verdict"] == "baseline" and mutated["equivalence"]["verdict"] == "mismatch"
-    assert mutated["variant"] == "mutant=stale-replica"
-    assert "manual_dp mutant=stale-replica mismatch:" in p.stdout and "its tolerance" in p.stdout
 
 
 @pytest.fixture(scope="module")
@@ -88,12 +73,21 @@ def test_unsynchronised_batchnorm_under_ddp_was_missed_by_the_old_rule_and_is_ca
     assert result["equivalence"]["worst_tensor"].startswith("generator.")  # where the BatchNorm is
 
 
+# Under bf16 autocast: the strategies that run the model outside the caller's thread or its autocast
+# (threads per device lose the caller's autocast dtype: data_parallel.in_callers_autocast; stages, torch's
+# pipelining; FSDP2's own casts; DTensor's), and ddp, whose rule the others share. An MLP run in bf16
+# costs 2-3 s here, so not every strategy: the rest train through the same loop as ddp.
+BF16_STRATEGIES = ("ddp", "data_parallel", "manual_dp", "pipeline", "pipeline_dist", "fsdp", "tensor_parallel")
+
+
 def _bf16_jobs() -> list:
-    """The MLP on cpu:2 under bf16 autocast, every strategy; ddp --compress bf16; a bug under each."""
+    """The MLP on cpu:2 under bf16 autocast (BF16_STRATEGIES); ddp --compress bf16; a bug under each."""
     bf16, catalogue = {**PARITY_RUN, "precision": "bf16"}, strategies.mutants()
     fp32 = {**PARITY_RUN, "precision": "fp32"}  # gradients sent in bf16 by a run as users run it
     compressed = RunConfig(workload="mlp", devices="cpu:2", options={"compress": "bf16"}, **fp32).validate()
-    return mutants.honest_jobs(1, ("cpu:2",), bf16, ("mlp",)) + [
+    autocast = [j for j in mutants.honest_jobs(1, ("cpu:2",), bf16, ("mlp",)) if j.strategy in BF16_STRATEGIES]
+    assert {j.strategy for j in autocast} == set(BF16_STRATEGIES)
+    return autocast + [
         mutants.Job("ddp", compressed.to_json(), "honest"),
         mutants.Job("ddp", mutants.mutant_config(catalogue["ddp:sum-not-mean"][1], "bf16").to_json(), "bug"),
         mutants.Job("ddp", mutants.mutant_config(catalogue["ddp:compressed-sum"][1]).to_json(), "bug")]

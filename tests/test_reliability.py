@@ -189,26 +189,6 @@ def _listening(pids: set[int]) -> list[str]:
     return found
 
 
-@pytest.mark.slow
-def test_rendezvous_and_worker_stores_listen_on_loopback_only(tmp_path):
-    # torch's TCPStore listens on every interface and `torchrun --standalone` hosts two of them
-    # (pytorch#173909); the harness's launch keeps every listening socket on 127.0.0.1 (harness/launch.py).
-    proc = subprocess.Popen([sys.executable, "-m", "parallel", "run", "ddp", *DDP, "--workload", "mlp",
-                             "--steps", "400", "--out", str(tmp_path)], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline, seen = time.monotonic() + 60, []
-        while time.monotonic() < deadline and len(seen) < 3:  # the harness's store, rank 0's store, gloo's
-            time.sleep(0.5)
-            seen = _listening(_descendants(proc.pid))
-        assert len(seen) >= 3, seen
-        loopback = ("0100007F:", "0000000000000000FFFF00000100007F:")  # 127.0.0.1, as IPv4 and IPv4-mapped IPv6
-        assert all(addr.startswith(loopback) for addr in seen), seen
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 def test_sigterm_stops_a_comparison_like_ctrl_c_and_keeps_the_finished_rows(tmp_path, monkeypatch, capsys):
     # A scheduler's SIGTERM is turned into Ctrl-C's KeyboardInterrupt (cli._interrupt); the end-to-end test
     # below sends SIGINT to a real comparison, so the rest of the way is the same.
@@ -230,18 +210,26 @@ def test_sigterm_stops_a_comparison_like_ctrl_c_and_keeps_the_finished_rows(tmp_
 
 
 @pytest.mark.slow
-def test_ctrl_c_keeps_finished_rows_and_leaves_no_child(tmp_path):
+def test_ctrl_c_keeps_finished_rows_and_leaves_no_child_and_every_store_listened_on_loopback(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "parallel", "compare", "--strategies", "single,ddp",
-                             "--devices", "cpu:2", "--steps", "2000", "--warmup", "0", "--batch-size", "2",
+                             "--devices", "cpu:2", "--steps", "5000", "--warmup", "0", "--batch-size", "2",
                              "--out", str(tmp_path)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, start_new_session=True, env={**os.environ, "PYTHONFAULTHANDLER": "1"},
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # as `nohup` starts it
-    # `single` finishes its 2000 tiny steps (about 2 s), then ddp starts (its 2000 steps take longer than
-    # the 3 s it is given here, start-up included); interrupt ddp mid-run.
+    # `single` finishes its 5000 tiny steps (about 5 s), then ddp starts (its 5000 steps take far longer
+    # than the 3-20 s it is given here, start-up included); interrupt ddp mid-run.
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and not (tmp_path / "logs" / "ddp.log").exists():
         time.sleep(0.2)
-    time.sleep(3)
+    # Meanwhile: torch's TCPStore listens on every interface and `torchrun --standalone` hosts two of them
+    # (pytorch#173909); the harness's launch keeps every listening socket on 127.0.0.1 (harness/launch.py).
+    start, seen = time.monotonic(), []
+    while time.monotonic() < start + 20 and (len(seen) < 3 or time.monotonic() < start + 3):
+        time.sleep(0.5)  # the harness's store, rank 0's store, gloo's
+        seen = _listening(_descendants(proc.pid))
+    assert len(seen) >= 3, seen
+    loopback = ("0100007F:", "0000000000000000FFFF00000100007F:")  # 127.0.0.1, as IPv4 and IPv4-mapped IPv6
+    assert all(addr.startswith(loopback) for addr in seen), seen
     before = _descendants(proc.pid) - {proc.pid}
     assert before  # ddp's torchrun and workers are running
     proc.send_signal(signal.SIGINT)

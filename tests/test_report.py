@@ -139,6 +139,7 @@ def test_report_html_is_self_contained_with_every_picture(tmp_path):
     assert page.count("<svg") >= 8
 
 
+@pytest.mark.slow  # a browser's start and a page of charts drawn: 8-13 s
 @pytest.mark.skipif(pictures.browser() is None, reason="no Chromium on PATH (Debian: apt-get install chromium)")
 def test_report_html_drawn_by_headless_chromium(tmp_path):
     out = tmp_path / "run"

@@ -15,6 +15,7 @@ from parallel.dist import Dist
 from parallel.worker import execute
 from parallel.workloads import WORKLOADS
 from tests.conftest import ROOT, judged
+from tests.multirank import judged_on_ranks
 
 MODEL = textwrap.dedent("""
     import torch
@@ -185,23 +186,33 @@ def test_preflight_takes_the_model_too(model_file, refused):
             "returned int")
 
 
+def _user_config(model: str, world: int, options: dict) -> RunConfig:  # judged_on_ranks imports it
+    return RunConfig(model=model, input_shape="3,4,4", classes=5, devices=f"cpu:{world}", batch_size=64, steps=4,
+                     warmup=1).validate()
+
+
 @pytest.mark.slow
-def test_a_model_the_tests_never_saw_matches_single_under_ddp_manual_dp_and_fsdp(tmp_path, model_file):
+def test_a_model_the_tests_never_saw_matches_under_ddp_and_a_bug_injected_beside_it_is_reported(tmp_path, model_file):
+    """One comparison as a user types it: their model in torchrun's ranks (ddp: a match, its memory, bytes
+    and predicted step), and the oracle's switch reaching a strategy the harness runs (manual_dp with a
+    stale replica: a mismatch, exit 1). FSDP on the same model: in spawned ranks (a launch's cost less)."""
     from tests.test_cli import run
 
     out = tmp_path / "run"
     p = run("-m", "parallel", "compare", "--model", f"{model_file}:net", "--input-shape", "3,4,4", "--classes", "5",
-            "--strategies", "ddp,manual_dp,fsdp", "--devices", "cpu:2", "--batch-size", "64", "--steps", "4",
-            "--warmup", "1", "--out", str(out), timeout=240)
-    assert p.returncode == 0, p.stdout + p.stderr
+            "--strategies", "ddp,manual_dp", "--mutant", "manual_dp:stale-replica", "--devices", "cpu:2",
+            "--batch-size", "64", "--steps", "4", "--warmup", "1", "--out", str(out), timeout=240)
+    assert p.returncode == 1, p.stdout + p.stderr  # a mismatch fails the comparison
     rows = {r["strategy"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
-    assert rows["single"]["equivalence"]["verdict"] == "baseline"
-    for name in ("ddp", "manual_dp", "fsdp"):
-        assert rows[name]["equivalence"]["verdict"] == "match", rows[name]["equivalence"]
-        assert rows[name]["peak_mem_bytes"] > 0 and rows[name]["comm_bytes_per_step"] > 0  # memory and communication
-        assert rows[name]["step_ms_predicted"] > 0  # the cost model, on a model it never saw
-    assert "my_model.py:net" in p.stdout
-    assert rows["fsdp"]["details"]["fsdp_groups"][:2] == ["body.1", "hidden.0"]
+    assert rows["single"]["equivalence"]["verdict"] == "baseline" and "my_model.py:net" in p.stdout
+    ddp, bug = rows["ddp"], rows["manual_dp"]
+    assert ddp["equivalence"]["verdict"] == "match", ddp["equivalence"]
+    assert ddp["peak_mem_bytes"] > 0 and ddp["comm_bytes_per_step"] > 0  # memory and communication
+    assert ddp["step_ms_predicted"] > 0  # the cost model, on a model it never saw
+    assert bug["variant"] == "mutant=stale-replica" and bug["equivalence"]["verdict"] == "mismatch"
+    assert "manual_dp mutant=stale-replica mismatch:" in p.stdout and "its tolerance" in p.stdout
+    (fsdp,) = judged_on_ranks(2, [("fsdp", f"{model_file}:net", {})], _user_config)
+    assert fsdp.details["fsdp_groups"][:2] == ["body.1", "hidden.0"]
 
 
 def test_the_built_in_workloads_are_unchanged():

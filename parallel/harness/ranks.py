@@ -7,7 +7,7 @@ FileStore in a fresh temporary folder (no port, so nothing to collide with), eve
 timeout, and the first failing rank's exception comes back with its traceback, or a TimeoutError names
 the ranks that did not finish. `fn` must be importable (defined at module level) for the rank to find it.
 
-The ranks fork from multiprocessing's fork server, which has imported torch and this package once (PRELOAD):
+The ranks fork from multiprocessing's fork server, which has imported torch and this package once (dist.PRELOAD):
 a rank then starts in milliseconds instead of importing them afresh (about 2.5 s of CPU a rank on a 2-core
 machine, where the test suite starts about a hundred ranks). The server itself runs no tensor operation, so
 no thread pool or CUDA context is forked; each rank gets the caller's environment as it is at the call.
@@ -26,10 +26,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as td
-import torch.multiprocessing as mp
 
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed._functional_collectives",
-           "parallel.worker", "parallel.harness.equivalence"]  # dynamo: every optimizer imports it (2-3 s)
+from parallel.dist import fresh_processes
 
 
 class RankError(RuntimeError):
@@ -39,7 +37,7 @@ class RankError(RuntimeError):
 def run_ranks(fn, world: int, args: tuple = (), timeout: float = 60.0, total: float | None = None) -> list:
     """fn(rank, world, *args) in `world` spawned ranks; their return values in rank order. `timeout`: what
     one collective may wait; `total`: what the whole may take (default: timeout)."""
-    ctx = _context()
+    ctx = fresh_processes()
     with tempfile.TemporaryDirectory(prefix="ranks-") as folder:
         results = ctx.Queue()
         # The arguments by value, as the results: a tensor pickled for multiprocessing travels as a file
@@ -56,15 +54,6 @@ def run_ranks(fn, world: int, args: tuple = (), timeout: float = 60.0, total: fl
                 if p.is_alive():
                     p.terminate()
                 p.join(5)
-
-
-def _context():
-    """The fork server, with torch and the package imported in it; spawn where there is none (not POSIX)."""
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # read once, when the server starts (the first call in a process)
-    return ctx
 
 
 def _collect(procs, results, timeout: float) -> list:

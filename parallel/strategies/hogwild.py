@@ -23,10 +23,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.multiprocessing as mp
 
 from parallel.devices import cpu_cores
-from parallel.dist import Dist
+from parallel.dist import Dist, fresh_processes
 from parallel.errors import ConfigError
 from parallel.profiling import make_profiler
 from parallel.strategies.base import Hooks, Trainable, options_of, param_bytes
@@ -99,7 +98,7 @@ def train_step(t: Trainable, batch, dist):
 
 def train(strategy, t: Trainable, data, config, dist, profiler=None):
     """Spawn the workers, each running THE loop on its shares; combine their clocks and losses."""
-    ctx = mp.get_context("spawn")  # a fresh interpreter per worker: no forked thread pools or locks
+    ctx = fresh_processes(shared_tensors=len(t.model.state_dict()))  # no forked thread pools or locks
     workers = t.state.workers
     # The barrier lines the workers up after their (staggered) start-up, so the wall time of the run is
     # time they all trained in; its timeout means a worker that dies early cannot hang the others.
