@@ -6,7 +6,8 @@
                              -m parallel.worker ...
 
 A child per strategy keeps thread settings, process groups and crashes from leaking into the next one.
-Each child is the leader of its own process group, so a timeout kills it *and* its workers.
+Each child is the leader of its own process group, so a timeout kills it *and* its workers. On CPU the
+child is forked from the zygote (zygote.py), which has imported torch once: the same child, 6 s sooner.
 
 Loopback only: torch's TCPStore server listens on every interface, whatever host it is given, and
 `torchrun --standalone` hosts two of them (pytorch#173909; seen here with `ss -ltnp`: *:PORT).
@@ -34,6 +35,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from parallel.errors import ConfigError
+from parallel.harness import zygote
 
 
 @dataclass
@@ -155,12 +157,15 @@ def torchrun_env() -> dict[str, str]:
     return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "NCCL_SOCKET_IFNAME": os.environ.get("NCCL_SOCKET_IFNAME", "lo")}
 
 
-def run_child(cmd: list[str], timeout: float, log_path: Path, env: dict | None = None) -> Outcome:
+def run_child(cmd: list[str], timeout: float, log_path: Path, env: dict | None = None, fork: bool = False) -> Outcome:
+    """`cmd` in a session of its own, its output to log_path, ended (with all it started) at `timeout`;
+    `fork`: started from the zygote (harness/zygote.py: no 6 s of imports), where it can."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     start = time.perf_counter()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env, start_new_session=True)
+        proc = zygote.popen(cmd, env, str(log_path)) if fork else None
+        proc = proc or subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        env=env, start_new_session=True)
         timed_out = False
         try:
             proc.wait(timeout)

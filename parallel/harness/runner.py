@@ -50,7 +50,7 @@ def run_one(strategy, variant: str, config: RunConfig, work: Path, logs: Path) -
     try:
         cmd = launch.command(strategy, config, paths, store.port if store else 0, tb_run(strategy.name, variant))
         outcome = launch.run_child(cmd, config.timeout, logs / f"{stem}.log",
-                                   env=launch.torchrun_env() if store else None)
+                                   env=launch.torchrun_env() if store else None, fork=not gpus)
     finally:
         if store:
             store.close()

@@ -1,0 +1,193 @@
+"""A strategy's child process in milliseconds: `python -m MODULE ARGS` forked from a process that has
+imported torch, dynamo and the package once, as multiprocessing's fork server does for the tests' ranks.
+
+    child = zygote.popen([sys.executable, "-m", MODULE, *ARGS], env, log)   # or None: start it the usual way
+    child.wait(timeout); child.poll(); child.pid; child.returncode
+
+On this 2-core machine a fresh interpreter spends about 6 s before it trains (torch 2.5 s, the dynamo every
+optimizer imports 2 s, its exit) and torchrun's agent 3 s: most of a small comparison. A child from here
+behaves as launch.run_child's Popen did: it leads a new session (killpg ends it and whatever it started),
+reads /dev/null, writes stdout and stderr to its log, gets the environment given, and runs the module as
+__main__ (runpy). torchrun's agent starts this way too; its workers are new interpreters (torchrun's own).
+
+The zygote is a new interpreter itself (not a fork of the parent, which has threads), single-threaded,
+and runs no tensor operation: no thread pool, lock or CUDA context is forked. CPU runs only (launch.py):
+on GPUs children start the usual way, since whether an import touches the CUDA driver before a fork
+was not measured on a GPU. It ends when the parent closes its pipe, the parent's exit included.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.run", "parallel.worker"]
+
+
+class Child:
+    """The part of subprocess.Popen that launch.run_child uses."""
+
+    def __init__(self, zygote: _Zygote, pid: int):
+        self._zygote, self.pid, self.returncode = zygote, pid, None
+
+    def poll(self) -> int | None:
+        self.returncode = self._zygote.status(self.pid, 0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.returncode = self._zygote.status(self.pid, timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+        return self.returncode
+
+
+class _Zygote:
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, start_new_session=True)
+        self.cond, self.exits, self.pids = threading.Condition(), {}, []
+        threading.Thread(target=self._read, name="zygote", daemon=True).start()
+
+    def _read(self) -> None:
+        while (msg := _receive(self.proc.stdout.fileno())) is not None:
+            kind, pid, code = msg
+            with self.cond:
+                if kind == "started":
+                    self.pids.append(pid)
+                else:
+                    self.exits[pid] = code
+                self.cond.notify_all()
+        with self.cond:
+            self.pids.append(None)  # gone: whoever waits for a start gets None
+            self.cond.notify_all()
+
+    def popen(self, module: str, args: list[str], env: dict, log: str) -> Child | None:
+        with self.cond:
+            n = len(self.pids)
+            try:
+                _send(self.proc.stdin.fileno(), (module, args, env, os.getcwd(), log))
+            except OSError:
+                return None
+            self.cond.wait_for(lambda: len(self.pids) > n, timeout=120)
+            pid = self.pids[n] if len(self.pids) > n else None
+        return Child(self, pid) if pid else None
+
+    def status(self, pid: int, timeout: float | None) -> int | None:
+        with self.cond:
+            self.cond.wait_for(lambda: pid in self.exits, timeout=timeout)
+            return self.exits.get(pid)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(5)
+
+
+_ONE: list[_Zygote] = []
+
+
+def popen(cmd: list[str], env: dict, log: str) -> Child | None:
+    """Start `cmd` ([python, "-m", MODULE, ...]) from the zygote (started at the first call); None if it
+    cannot (another command, or a zygote that died): the caller starts it the usual way."""
+    if cmd[:2] != [sys.executable, "-m"]:
+        return None
+    if not _ONE:
+        _ONE.append(_Zygote())
+        atexit.register(_ONE[0].close)
+    return _ONE[0].popen(cmd[2], cmd[3:], env, log)
+
+
+def _send(fd: int, obj) -> None:
+    data = pickle.dumps(obj)
+    os.write(fd, struct.pack("!I", len(data)) + data)
+
+
+def _receive(fd: int):
+    def exactly(n: int) -> bytes:
+        buf = b""
+        while len(buf) < n and (chunk := os.read(fd, n - len(buf))):
+            buf += chunk
+        return buf
+
+    head = exactly(4)
+    return pickle.loads(exactly(struct.unpack("!I", head)[0])) if len(head) == 4 else None
+
+
+def _become(module: str, args: list[str], env: dict, cwd: str, log: str) -> None:
+    """In the forked child: what Popen(start_new_session=True, stdin=DEVNULL, stdout=log, stderr=STDOUT,
+    env=env) and `python -m module args` would have made of it. Never returns."""
+    code = 1
+    try:
+        os.setsid()
+        out = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - line-buffered, like a log wants
+        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        sys.argv = [module, *args]
+        import runpy
+        import warnings
+
+        # The module is imported already (PRELOAD); running it as __main__ is what `python -m` does.
+        warnings.filterwarnings("ignore", "'.*' found in sys.modules after import of package", RuntimeWarning)
+
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int | None):
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - printed as the interpreter would, then the exit code 1
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        for f in (sys.stdout, sys.stderr):
+            try:
+                f.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(code)
+
+
+def _serve() -> None:
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C is the parent's to handle
+    requests, replies, children = sys.stdin.fileno(), sys.stdout.fileno(), set()
+    while True:
+        ready, _, _ = select.select([requests], [], [], 0.05)
+        for pid in list(children):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                children.discard(pid)
+                _send(replies, ("exited", pid, os.waitstatus_to_exitcode(status)))
+        if ready:
+            request = _receive(requests)
+            if request is None:  # the parent closed the pipe (or is gone)
+                return
+            pid = os.fork()
+            if pid == 0:
+                os.close(requests)
+                os.close(replies)
+                _become(*request)
+            children.add(pid)
+            _send(replies, ("started", pid, None))
+
+
+if __name__ == "__main__":
+    _serve()
