@@ -24,7 +24,10 @@ raise SystemExit(int(sys.argv[1]))
 @pytest.fixture
 def module(tmp_path, monkeypatch):
     (tmp_path / "zygote_probe.py").write_text(SCRIPT)
-    monkeypatch.chdir(tmp_path)  # the child runs where the caller is, and finds its module there
+    # The zygote started elsewhere first (as by any earlier comparison in this process): the child must
+    # still run in the caller's folder with the caller's PYTHONPATH, and find its module there.
+    assert zygote.popen([sys.executable, "-m", "json.tool", "--help"], dict(os.environ), os.devnull).wait(60) == 0
+    monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     return [sys.executable, "-m", "zygote_probe"]
 

@@ -136,6 +136,8 @@ def _become(module: str, args: list[str], env: dict, cwd: str, log: str) -> None
         os.environ.clear()
         os.environ.update(env)
         os.chdir(cwd)
+        # sys.path as `python -m` in cwd with this PYTHONPATH makes it (the zygote's were its own start's)
+        sys.path[:] = [cwd, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep)), *_BASE_PATH]
         sys.argv = [module, *args]
         import runpy
         import warnings
@@ -162,8 +164,14 @@ def _become(module: str, args: list[str], env: dict, cwd: str, log: str) -> None
         os._exit(code)
 
 
+_BASE_PATH: list[str] = []  # the zygote's sys.path without its start's folder and PYTHONPATH
+
+
 def _serve() -> None:
     import importlib
+
+    own = {os.getcwd(), "", *os.environ.get("PYTHONPATH", "").split(os.pathsep)}
+    _BASE_PATH[:] = [p for p in sys.path[1:] if p not in own]
 
     for name in PRELOAD:
         importlib.import_module(name)
