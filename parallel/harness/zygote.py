@@ -28,7 +28,9 @@ import subprocess
 import sys
 import threading
 
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.run", "parallel.worker"]
+from parallel.dist import PRELOAD as RANKS_PRELOAD
+
+PRELOAD = [*RANKS_PRELOAD, "torch.distributed.run"]  # the tests' ranks' imports, and torchrun's agent
 
 
 class Child:
@@ -52,7 +54,7 @@ class _Zygote:
     def __init__(self):
         self.proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, start_new_session=True)
-        self.cond, self.exits, self.pids = threading.Condition(), {}, []
+        self.cond, self.exits, self.pids, self.gone = threading.Condition(), {}, [], False
         threading.Thread(target=self._read, name="zygote", daemon=True).start()
 
     def _read(self) -> None:
@@ -65,7 +67,7 @@ class _Zygote:
                     self.exits[pid] = code
                 self.cond.notify_all()
         with self.cond:
-            self.pids.append(None)  # gone: whoever waits for a start gets None
+            self.gone = True  # whoever waits for a start gets None, and nobody asks it again
             self.cond.notify_all()
 
     def popen(self, module: str, args: list[str], env: dict, log: str) -> Child | None:
@@ -75,7 +77,7 @@ class _Zygote:
                 _send(self.proc.stdin.fileno(), (module, args, env, os.getcwd(), log))
             except OSError:
                 return None
-            self.cond.wait_for(lambda: len(self.pids) > n, timeout=120)
+            self.cond.wait_for(lambda: len(self.pids) > n or self.gone, timeout=120)
             pid = self.pids[n] if len(self.pids) > n else None
         return Child(self, pid) if pid else None
 
@@ -100,12 +102,13 @@ def popen(cmd: list[str], env: dict, log: str) -> Child | None:
     if not _ONE:
         _ONE.append(_Zygote())
         atexit.register(_ONE[0].close)
-    return _ONE[0].popen(cmd[2], cmd[3:], env, log)
+    return None if _ONE[0].gone else _ONE[0].popen(cmd[2], cmd[3:], env, log)
 
 
 def _send(fd: int, obj) -> None:
-    data = pickle.dumps(obj)
-    os.write(fd, struct.pack("!I", len(data)) + data)
+    data = memoryview(struct.pack("!I", len(d := pickle.dumps(obj))) + d)
+    while data:  # a pipe may take a large message in parts
+        data = data[os.write(fd, data):]
 
 
 def _receive(fd: int):
