@@ -33,19 +33,26 @@ def test_hogwild_converges_like_sgd_on_the_same_samples():
     # makes twice the updates of `single` (64 per update), so the fair reference for what asynchrony costs
     # is sequential SGD with Hogwild's update size and count. Bands are on progress (how far the eval
     # loss fell from the initial 2.307), the scale on which runs differ. Measured: 20 runs in a row gave
-    # 0.86-1.02 of sequential SGD's progress, 27 earlier ones at worst 0.90, and one CI run 0.73 (eval loss
-    # 0.648: a slow interleaving near the loss cliff; bands of 0.8 and 0.85 failed there), and one full-suite
-    # run 0.46 (2026-11-24, both test processes busy: the workers' updates interleave worse under load).
-    # Broken sharing (each worker on a private copy) leaves the parent at the initial loss: progress 0. So
-    # the bands are a quarter of the progress: below what load has given, far above what a bug gives.
+    # 0.86-1.02 of sequential SGD's progress, 27 earlier ones at worst 0.90, 27 beside 1-3 busy processes
+    # 0.81-1.02; but under the full suite's load a run now and then stalls on the CNN's plateau near the
+    # initial loss (0.73 in CI, 0.46 on 2026-11-24, 0.09 on 2026-11-26: a bad interleaving early). Broken
+    # sharing (each worker on a private copy) leaves the parent at the initial loss in every run:
+    # progress 0. So the band is a quarter of the progress, and the verdict is the majority of up to three
+    # runs: one stalled run is asynchrony, two of three are a bug.
     def run(strategy, batch, steps):
         config = RunConfig(workload="cnn", devices="cpu:2", batch_size=batch, steps=steps, warmup=0).validate()
         return eval_loss(WORKLOADS["cnn"], execute(strategies.get(strategy), config, Dist())[1], 0)
 
     initial = eval_loss(WORKLOADS["cnn"], WORKLOADS["cnn"].build_model(0).state_dict(), 0)
-    hogwild, single, sequential = run("hogwild", 64, 60), run("single", 64, 60), run("single", 32, 120)
-    assert initial - hogwild >= 0.25 * (initial - sequential), (initial, hogwild, sequential)
-    assert initial - hogwild >= 0.25 * (initial - single), (initial, hogwild, single)
+    best = min(run("single", 64, 60), run("single", 32, 120))  # the references: deterministic
+
+    def progressed(loss: float) -> bool:
+        return initial - loss >= 0.25 * (initial - best)
+
+    runs: list[float] = []
+    while len(runs) < 3 and 2 not in (sum(map(progressed, runs)), len(runs) - sum(map(progressed, runs))):
+        runs.append(run("hogwild", 64, 60))
+    assert sum(map(progressed, runs)) >= 2, (initial, best, runs)
 
 
 @pytest.mark.slow
