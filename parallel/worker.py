@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import NoReturn
 
@@ -154,7 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     dist = Dist.from_env(config.spec)
     if dist.is_main:  # stdout, which the harness writes to OUT/logs/<strategy>.log (launch.run_child)
         say(start_line(strategy, config, dist))
-    out = run_here(strategy, config, dist, args.tb_run)
+    try:
+        out = run_here(strategy, config, dist, args.tb_run)
+    except Exception as e:
+        if strategy.launch == "torchrun":
+            note_failure(args.result, dist, e)
+        raise
     if out is not None:
         row, state = out
         torch.save(state, args.state)
@@ -165,6 +171,15 @@ def main(argv: list[str] | None = None) -> int:
     if strategy.launch == "torchrun":
         leave(0)
     return 0
+
+
+def note_failure(result: Path, dist: Dist, e: Exception) -> None:
+    """This rank's failure and its moment, beside the result (launch.first_failure reads them): torchrun's
+    summary times failures to the second and names the lowest rank on a tie, so a rank that failed
+    because a peer died a few ms before could be named in its place (seen with forked workers)."""
+    line = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+    note = {"rank": dist.rank, "restart": dist.restart, "time": time.time(), "error": f"{type(e).__name__}: {line}"}
+    atomic_write(result.with_name(f"{result.stem}.failure{dist.rank}.json"), json.dumps(note))
 
 
 def say(line: str) -> None:

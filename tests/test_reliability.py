@@ -19,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 from parallel import checkpoint, cli, strategies
 from parallel.config import ConfigError, RunConfig
 from parallel.dist import Dist
+from parallel.harness import launch
 from parallel.strategies.base import Trainable
 from parallel.train import NonFiniteLoss, make_optimizer
 from parallel.worker import execute
@@ -84,6 +85,18 @@ def test_a_rank_error_reaches_the_user_as_one_line_naming_the_rank(tmp_path):
     assert p.returncode == 1
     assert row["error"] == "rank 1: InjectedFault: injected fault at step 2 on rank 1 (--fail-at-step)"
     assert "ddp failed: rank 1: InjectedFault" in p.stdout
+
+
+def test_the_first_failure_of_the_last_attempt_is_named_not_the_lowest_rank(tmp_path):
+    # torchrun's summary times failures to the second and names the lowest rank on a tie: rank 0, which
+    # failed 3 ms after rank 1 because rank 1 had died, was named (seen with forked workers).
+    result = tmp_path / "ddp.json"
+    for rank, restart, t, error in [(2, 0, 10.0, "InjectedFault: y"), (3, 1, 20.004, "RuntimeError: peer gone"),
+                                    (0, 1, 20.007, "RuntimeError: peer gone"), (1, 1, 20.001, "InjectedFault: x")]:
+        (tmp_path / f"ddp.failure{rank}.json").write_text(
+            json.dumps({"rank": rank, "restart": restart, "time": t, "error": error}))
+    assert launch.first_failure(result) == "rank 1: InjectedFault: x"
+    assert launch.first_failure(tmp_path / "fsdp.json") is None
 
 
 def test_sharding_is_even_or_refused(capsys, tmp_path):

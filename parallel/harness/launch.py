@@ -3,11 +3,12 @@
     inprocess, hogwild:  python -m parallel.worker ...
     torchrun:            python -m torch.distributed.run --nnodes=1 --nproc_per_node=N
                              --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:PORT --rdzv-conf=is_host=false
-                             -m parallel.worker ...
+                             -m parallel.worker ...          (on CPU: -m parallel.harness.forked parallel.worker ...)
 
 A child per strategy keeps thread settings, process groups and crashes from leaking into the next one.
 Each child is the leader of its own process group, so a timeout kills it *and* its workers. On CPU the
-child is forked from the zygote (zygote.py), which has imported torch once: the same child, 6 s sooner.
+child is forked from the zygote (zygote.py), which has imported torch once: the same child, 6 s sooner;
+so are torchrun's workers, through the stand-in torchrun starts instead of each (forked.py).
 
 Loopback only: torch's TCPStore server listens on every interface, whatever host it is given, and
 `torchrun --standalone` hosts two of them (pytorch#173909; seen here with `ss -ltnp`: *:PORT).
@@ -23,6 +24,7 @@ then on 127.0.0.1 (checked by a test for gloo; the NCCL half needs GPUs and was 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -74,9 +76,12 @@ class LoopbackStore:
         del self.store
 
 
-def command(strategy, config, paths: dict[str, Path], rdzv_port: int = 0, run: str = "") -> list[str]:
-    """The child's command line; `run`: its folder in OUT/tb/ (results.tb_run: a variant's own)."""
-    worker = ["-m", "parallel.worker", "--strategy", strategy.name, "--config", str(paths["config"]),
+def command(strategy, config, paths: dict[str, Path], rdzv_port: int = 0, run: str = "",
+            fork: bool = False) -> list[str]:
+    """The child's command line; `run`: its folder in OUT/tb/ (results.tb_run: a variant's own); `fork`:
+    torchrun starts each worker through forked.py, which has the zygote fork it."""
+    stand_in = ["parallel.harness.forked"] if fork and strategy.launch == "torchrun" else []
+    worker = ["-m", *stand_in, "parallel.worker", "--strategy", strategy.name, "--config", str(paths["config"]),
               "--result", str(paths["result"]), "--state", str(paths["state"]), "--tb-run", run or strategy.name]
     if strategy.launch == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
@@ -112,6 +117,18 @@ def last_error_line(log: str) -> str | None:
         if (m := _ERROR.match(ln)) and "ChildFailedError" not in ln:
             return m.group(1)
     return lines[-1] if lines else None
+
+
+def first_failure(result: Path) -> str | None:
+    """The failure that came first in the last attempt of a torchrun run, from the notes its ranks left
+    beside `result` (worker.note_failure): "rank 1: InjectedFault: ..."; None where none failed."""
+    notes = [json.loads(p.read_text()) for p in result.parent.iterdir()
+             if p.name.startswith(f"{result.stem}.failure") and p.suffix == ".json"]
+    if not notes:
+        return None
+    last = max(n["restart"] for n in notes)
+    first = min((n for n in notes if n["restart"] == last), key=lambda n: n["time"])
+    return f"rank {first['rank']}: {first['error']}"
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

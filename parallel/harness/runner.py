@@ -48,7 +48,8 @@ def run_one(strategy, variant: str, config: RunConfig, work: Path, logs: Path) -
     gpus = [d.index for d in map(config.spec.device, range(strategy.world_size(config))) if d.type == "cuda"]
     watch = load.ForeignLoad(gpus)
     try:
-        cmd = launch.command(strategy, config, paths, store.port if store else 0, tb_run(strategy.name, variant))
+        cmd = launch.command(strategy, config, paths, store.port if store else 0, tb_run(strategy.name, variant),
+                             fork=not gpus)
         outcome = launch.run_child(cmd, config.timeout, logs / f"{stem}.log",
                                    env=launch.torchrun_env() if store else None, fork=not gpus)
     finally:
@@ -56,7 +57,8 @@ def run_one(strategy, variant: str, config: RunConfig, work: Path, logs: Path) -
             store.close()
     foreign_cpu, foreign_gpu = watch.stop()
     if outcome.returncode != 0 or not paths["result"].exists():
-        outcome.error = outcome.error or "the child wrote no result"
+        first = None if outcome.timed_out or not store else launch.first_failure(paths["result"])
+        outcome.error = first or outcome.error or "the child wrote no result"
         return _failed_row(strategy, variant, config, outcome), None
     row = Row.from_dict(json.loads(paths["result"].read_text()))
     row.variant = variant

@@ -20,15 +20,17 @@ from __future__ import annotations
 
 import atexit
 import os
-import pickle
 import select
+import shutil
 import signal
-import struct
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 
 from parallel.dist import PRELOAD as RANKS_PRELOAD
+from parallel.harness.forked import ENV, receive, send
 
 PRELOAD = [*RANKS_PRELOAD, "torch.distributed.run"]  # the tests' ranks' imports, and torchrun's agent
 
@@ -52,13 +54,15 @@ class Child:
 
 class _Zygote:
     def __init__(self):
-        self.proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
+        self.folder = tempfile.mkdtemp(prefix="parallel-zygote-")  # 0700: this user's processes only
+        self.path = os.path.join(self.folder, "socket")  # where forked.py's stand-ins ask for workers
+        self.proc = subprocess.Popen([sys.executable, "-m", __name__, self.path], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
         self.cond, self.exits, self.pids, self.gone = threading.Condition(), {}, [], False
         threading.Thread(target=self._read, name="zygote", daemon=True).start()
 
     def _read(self) -> None:
-        while (msg := _receive(self.proc.stdout.fileno())) is not None:
+        while (msg := receive(self.proc.stdout.fileno())) is not None:
             kind, pid, code = msg
             with self.cond:
                 if kind == "started":
@@ -74,7 +78,7 @@ class _Zygote:
         with self.cond:
             n = len(self.pids)
             try:
-                _send(self.proc.stdin.fileno(), (module, args, env, os.getcwd(), log))
+                send(self.proc.stdin.fileno(), (module, args, {**env, ENV: self.path}, os.getcwd(), log))
             except OSError:
                 return None
             self.cond.wait_for(lambda: len(self.pids) > n or self.gone, timeout=120)
@@ -89,6 +93,7 @@ class _Zygote:
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(5)
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 _ONE: list[_Zygote] = []
@@ -105,33 +110,20 @@ def popen(cmd: list[str], env: dict, log: str) -> Child | None:
     return None if _ONE[0].gone else _ONE[0].popen(cmd[2], cmd[3:], env, log)
 
 
-def _send(fd: int, obj) -> None:
-    data = memoryview(struct.pack("!I", len(d := pickle.dumps(obj))) + d)
-    while data:  # a pipe may take a large message in parts
-        data = data[os.write(fd, data):]
-
-
-def _receive(fd: int):
-    def exactly(n: int) -> bytes:
-        buf = b""
-        while len(buf) < n and (chunk := os.read(fd, n - len(buf))):
-            buf += chunk
-        return buf
-
-    head = exactly(4)
-    return pickle.loads(exactly(struct.unpack("!I", head)[0])) if len(head) == 4 else None
-
-
-def _become(module: str, args: list[str], env: dict, cwd: str, log: str) -> None:
+def _become(module: str, args: list[str], env: dict, cwd: str, log: str | None, fds=(None, None, None)) -> None:
     """In the forked child: what Popen(start_new_session=True, stdin=DEVNULL, stdout=log, stderr=STDOUT,
-    env=env) and `python -m module args` would have made of it. Never returns."""
+    env=env) and `python -m module args` would have made of it; or, for a stand-in (forked.py), with its
+    stdin, stdout and stderr `fds`. Never returns."""
     code = 1
     try:
         os.setsid()
-        out = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-        os.dup2(out, 1)
-        os.dup2(out, 2)
-        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        if log is not None:  # (opened above 2: 0 and 1 are still the zygote's pipe here)
+            out = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+            fds = (os.open(os.devnull, os.O_RDONLY), out, out)
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        for fd in set(fds):
+            os.close(fd)
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - line-buffered, like a log wants
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -170,7 +162,9 @@ def _become(module: str, args: list[str], env: dict, cwd: str, log: str) -> None
 _BASE_PATH: list[str] = []  # the zygote's sys.path without its start's folder and PYTHONPATH
 
 
-def _serve() -> None:
+def _serve(path: str) -> None:
+    """Fork a child for each request: the parent's, on stdin (its exit code goes back on stdout), and a
+    stand-in's, on a connection to `path` (its exit code goes back there; its hang-up kills the child)."""
     import importlib
 
     own = {os.getcwd(), "", *os.environ.get("PYTHONPATH", "").split(os.pathsep)}
@@ -179,26 +173,80 @@ def _serve() -> None:
     for name in PRELOAD:
         importlib.import_module(name)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C is the parent's to handle
-    requests, replies, children = sys.stdin.fileno(), sys.stdout.fileno(), set()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    requests, replies = sys.stdin.fileno(), sys.stdout.fileno()
+    children: dict[int, socket.socket | None | bool] = {}  # pid -> who is told of its exit: a stand-in's
+    stand_ins: dict[socket.socket, int] = {}  # connection, None (the parent) or False (nobody); conn -> pid
     while True:
-        ready, _, _ = select.select([requests], [], [], 0.05)
-        for pid in list(children):
+        ready, _, _ = select.select([requests, listener, *stand_ins], [], [], 0.05)
+        for pid, conn in list(children.items()):
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
-                children.discard(pid)
-                _send(replies, ("exited", pid, os.waitstatus_to_exitcode(status)))
-        if ready:
-            request = _receive(requests)
-            if request is None:  # the parent closed the pipe (or is gone)
-                return
-            pid = os.fork()
-            if pid == 0:
-                os.close(requests)
-                os.close(replies)
-                _become(*request)
-            children.add(pid)
-            _send(replies, ("started", pid, None))
+                del children[pid]
+                _tell(conn, stand_ins, replies, ("exited", pid, os.waitstatus_to_exitcode(status)))
+        for source in ready:
+            if source is requests:
+                if (request := receive(requests)) is None:  # the parent closed the pipe (or is gone)
+                    return
+                pid = _fork(request, [listener, *stand_ins])
+                children[pid] = None
+                send(replies, ("started", pid, None))
+            elif source is listener:
+                conn, _ = listener.accept()
+                conn.settimeout(1)  # a stand-in sends at once; one that does not is dropped (and runs itself)
+                fds: list[int] = []
+                try:
+                    _, fds, _, _ = socket.recv_fds(conn, 1, 3)
+                    request = receive(conn) if len(fds) == 3 else None
+                    conn.settimeout(None)
+                except OSError:
+                    request = None
+                pid = _fork((*request, None, fds), [listener, conn, *stand_ins]) if request else None
+                for fd in fds:
+                    os.close(fd)
+                if pid is None:
+                    conn.close()
+                    continue
+                children[pid], stand_ins[conn] = conn, pid
+                send(conn.fileno(), ("started", pid, None))
+            elif not os.read(source.fileno(), 1):  # a stand-in hung up (killed): so is its child
+                pid = stand_ins.pop(source)
+                source.close()
+                if pid in children:
+                    children[pid] = False
+                    _kill(pid)
+
+
+def _fork(request: tuple, sockets: list[socket.socket]) -> int:
+    pid = os.fork()
+    if pid == 0:
+        for sock in sockets:
+            sock.close()
+        _become(*request)  # its stdin and stdout (the parent's pipe) are replaced there
+    return pid
+
+
+def _tell(conn: socket.socket | None | bool, stand_ins: dict, replies: int, message: tuple) -> None:
+    if conn is None or conn is False:
+        if conn is None:
+            send(replies, message)
+        return
+    try:
+        send(conn.fileno(), message)
+    except OSError:
+        pass
+    stand_ins.pop(conn, None)
+    conn.close()
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 if __name__ == "__main__":
-    _serve()
+    _serve(sys.argv[1])
