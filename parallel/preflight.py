@@ -123,7 +123,8 @@ def elsewhere_checks(config: RunConfig, found: dict[str, list[str]]) -> list[Che
 
 def _child(name: str, proves: str, argv: list[str], config: RunConfig, env: dict | None = None) -> Check:
     log = Path(config.out) / "logs" / f"preflight-{re.sub(r'[^a-z0-9]+', '-', name.lower()).strip('-')}.log"
-    outcome = launch.run_child([sys.executable, *argv], config.timeout, log, env=env)
+    # forked from the zygote where there is no GPU (harness/zygote.py); torchrun's workers here are scripts
+    outcome = launch.run_child([sys.executable, *argv], config.timeout, log, env=env, fork=gpu_count() == 0)
     if outcome.returncode == 0 and not outcome.timed_out:
         return Check(name, proves, "passed", f"{outcome.wall_s:.0f} s")
     return Check(name, proves, "failed", f"{outcome.error} (log: {log})")
