@@ -1,4 +1,7 @@
+import contextlib
+import io
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -52,6 +55,18 @@ def _restore_threads():
     n = torch.get_num_threads()
     yield
     torch.set_num_threads(n)
+
+
+def in_process(*args) -> subprocess.CompletedProcess:
+    """`python -m parallel ARGS` run in this process: its exit code and what it printed, without a new
+    interpreter (importing torch and starting a zygote: about 10 s of CPU a call here). For what a command
+    does; how its process ends (a signal, Ctrl-C) is tested in a process of its own."""
+    from parallel import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main([str(a) for a in args])
+    return subprocess.CompletedProcess(["python", "-m", "parallel", *args], code, out.getvalue(), err.getvalue())
 
 
 def python() -> str:

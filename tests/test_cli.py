@@ -11,7 +11,7 @@ import pytest
 from parallel import cli, strategies
 from parallel.harness import launch
 from parallel.results import Measured, Row
-from tests.conftest import ROOT
+from tests.conftest import ROOT, in_process
 
 ROW_FIELDS = {f.name for f in dataclasses.fields(Row)}
 
@@ -158,7 +158,7 @@ def test_script_writes_the_same_results(tmp_path):
 def test_a_strategy_over_its_timeout_is_reported_not_waited_on(tmp_path):
     out = tmp_path / "slow"
     start = time.monotonic()
-    p = run("-m", "parallel", "compare", "--strategies", "single", "--timeout", "0.5", "--out", str(out))
+    p = in_process("compare", "--strategies", "single", "--timeout", "0.5", "--out", out)
     assert p.returncode == 1 and time.monotonic() - start < 30
     (row,) = json.loads((out / "results.json").read_text())["rows"]
     assert row["status"] == "timed-out" and "timed out after 0.5 s" in row["error"]
@@ -212,8 +212,8 @@ def test_which_strategy_advice_follows_the_measured_numbers():
 def test_scaling_sweep_writes_its_table_and_plots(tmp_path):
     out = tmp_path / "sweep"
     # 1 and 3 devices: a count that refused the sweep before (#28); a batch every count divides
-    p = run("-m", "parallel", "compare", "--world-sizes", "1,3", "--strategies", "manual_dp", "--steps", "2",
-            "--warmup", "1", "--batch-size", "30", "--out", str(out), timeout=200)
+    p = in_process("compare", "--world-sizes", "1,3", "--strategies", "manual_dp", "--steps", "2", "--warmup", "1",
+                   "--batch-size", "30", "--out", out)
     assert p.returncode == 0, p.stdout + p.stderr
     table = json.loads((out / "scaling.json").read_text())
     points = {(r["mode"], r["devices"], r["strategy"]): r for r in table}

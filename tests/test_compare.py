@@ -1,8 +1,9 @@
-"""One `python -m parallel compare` as a user types it, read by every check of what a comparison writes: the
-rows and the oracle's verdicts, DDP with and without gradient accumulation, Hogwild judged by where it
-converged, the cost model, results.json/.csv, report.html, the per-rank profiler traces, the merged timeline,
-and TensorBoard serving them. A comparison costs 10-30 s here (a child process per strategy, a torchrun group
-per SPMD one), so one run serves them all (the suite's time: tests/README or docs/measurements.md).
+"""One `python -m parallel compare` as a user types it (in this process: conftest.in_process), read by every
+check of what a comparison writes: the rows and the oracle's verdicts, DDP with and without gradient
+accumulation, Hogwild judged by where it converged, the cost model, results.json/.csv, report.html, the
+per-rank profiler traces, the merged timeline, and TensorBoard serving them. A comparison costs 10-30 s here
+(a child process per strategy, a torchrun group per SPMD one), so one run serves them all (the suite's time:
+tests/README or docs/measurements.md).
 
 The run is in float64 (--precision fp64): there a split batch can differ from one device by rounding only,
 far below the oracle's fp64 rule, on any machine (docs/oracle.md); fp32 comparisons are run by the other
@@ -18,7 +19,7 @@ import urllib.request
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import in_process
 from tests.multirank import FP64_MARGIN
 from tests.test_cli import ROW_FIELDS, assert_one_timeline
 
@@ -34,10 +35,9 @@ def run(tmp_path_factory):
     takes 32, with --accum 2 as 2 micro-batches of 16 (all-reduce on the second only); the pipeline's 2
     stages; Hogwild's 2 workers. Every strategy profiled."""
     out = tmp_path_factory.mktemp("compare") / "run"
-    p = subprocess.run([sys.executable, "-m", "parallel", "compare", "--strategies", "ddp,pipeline,hogwild",
-                        "--accum", "1,2", "--profile", "--workload", "mlp", "--devices", "cpu:2", "--steps", "5",
-                        "--warmup", "1", "--batch-size", "64", "--precision", "fp64", "--timeout", "150",
-                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=220)
+    p = in_process("compare", "--strategies", "ddp,pipeline,hogwild", "--accum", "1,2", "--profile", "--workload",
+                   "mlp", "--devices", "cpu:2", "--steps", "5", "--warmup", "1", "--batch-size", "64", "--precision",
+                   "fp64", "--timeout", "150", "--out", out)
     assert p.returncode == 0, p.stdout + p.stderr
     doc = json.loads((out / "results.json").read_text())
     return p.stdout, out, doc, {f"{r['strategy']} {r['variant']}".strip(): r for r in doc["rows"]}

@@ -24,16 +24,15 @@ from parallel.strategies.base import Trainable
 from parallel.train import NonFiniteLoss, make_optimizer
 from parallel.worker import execute
 from parallel.workloads import WORKLOADS
-from tests.conftest import ROOT
+from tests.conftest import ROOT, in_process
 from tests.multirank import uninterrupted
 
 pytestmark = pytest.mark.timeout(120)
 DDP = ["--devices", "cpu:2", "--warmup", "0", "--batch-size", "32", "--timeout", "90"]
 
 
-def parallel(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "parallel", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=110, **kw)
+def parallel(*args):
+    return in_process(*args)
 
 
 def rows(out: Path) -> list[dict]:

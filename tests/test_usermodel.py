@@ -14,7 +14,7 @@ from parallel.config import ConfigError, RunConfig
 from parallel.dist import Dist
 from parallel.worker import execute
 from parallel.workloads import WORKLOADS
-from tests.conftest import ROOT, judged
+from tests.conftest import ROOT, in_process, judged
 from tests.multirank import judged_on_ranks
 
 MODEL = textwrap.dedent("""
@@ -196,12 +196,10 @@ def test_a_model_the_tests_never_saw_matches_under_ddp_and_a_bug_injected_beside
     """One comparison as a user types it: their model in torchrun's ranks (ddp: a match, its memory, bytes
     and predicted step), and the oracle's switch reaching a strategy the harness runs (manual_dp with a
     stale replica: a mismatch, exit 1). FSDP on the same model: in spawned ranks (a launch's cost less)."""
-    from tests.test_cli import run
-
     out = tmp_path / "run"
-    p = run("-m", "parallel", "compare", "--model", f"{model_file}:net", "--input-shape", "3,4,4", "--classes", "5",
-            "--strategies", "ddp,manual_dp", "--mutant", "manual_dp:stale-replica", "--devices", "cpu:2",
-            "--batch-size", "64", "--steps", "4", "--warmup", "1", "--out", str(out), timeout=240)
+    p = in_process("compare", "--model", f"{model_file}:net", "--input-shape", "3,4,4", "--classes", "5",
+                   "--strategies", "ddp,manual_dp", "--mutant", "manual_dp:stale-replica", "--devices", "cpu:2",
+                   "--batch-size", "64", "--steps", "4", "--warmup", "1", "--out", out)
     assert p.returncode == 1, p.stdout + p.stderr  # a mismatch fails the comparison
     rows = {r["strategy"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
     assert rows["single"]["equivalence"]["verdict"] == "baseline" and "my_model.py:net" in p.stdout
