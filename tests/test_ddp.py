@@ -1,29 +1,11 @@
-"""DDP's script under torchrun: 2 gloo processes on loopback (torchrun --standalone picks a free port), each
-launch with a timeout; and its options' refusals. DDP through `compare` (with gradient accumulation, its
+"""DDP's options' refusals. DDP's script under torchrun, as the README types it (2 gloo processes on loopback,
+a rank failing and restarted): tests/test_restart.py. DDP through `compare` (with gradient accumulation, its
 bytes, the cost model): tests/test_compare.py, whose one comparison serves many checks. The script run
 alone, a world of one: tests/test_gpu_paths.py (in process)."""
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from tests.conftest import ROOT
-
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.mark.slow
-def test_torchrun_script_runs_and_writes_the_same_results(tmp_path):
-    out = tmp_path / "script"
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        "scripts/ddp.py", "--steps", "3", "--batch-size", "32", "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=200)
-    assert p.returncode == 0, p.stdout + p.stderr
-    (row,) = json.loads((out / "results.json").read_text())["rows"]
-    assert row["strategy"] == "ddp" and row["world_size"] == 2 and row["devices"] == "cpu:2"
-    assert p.stdout.count("Every strategy against") == 1  # only rank 0 prints the table
 
 
 @pytest.mark.parametrize(

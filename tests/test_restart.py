@@ -1,7 +1,8 @@
 """torchrun restarts recover when torchrun is typed by hand: `torchrun --standalone ... scripts/ddp.py`
 (the README's line), with torch's default store sharing. On torch 2.13 a restarted group otherwise reads
 the failed attempt's keys from the agent's store and cannot meet (see Dist._store). No process is left.
-The harness's path is in test_reliability.py, `launch.sh multinode`'s (two agents) in test_multinode.py."""
+The same launch is the test of DDP's script under torchrun (its results, rank 0's one table). The harness's
+path is in test_reliability.py, `launch.sh multinode`'s (two agents) in test_multinode.py."""
 
 import json
 import os
@@ -40,6 +41,8 @@ def test_a_hand_typed_torchrun_restarts_a_failed_rank_and_ends_like_an_uninterru
     log = torchrun(tmp_path / "crashed", "--fail-at-step", "5", "--fail-rank", "1")
     assert "InjectedFault: injected fault at step 5 on rank 1" in log  # it did fail, and recovered
     (row,) = json.loads((tmp_path / "crashed" / "results.json").read_text())["rows"]
+    assert row["strategy"] == "ddp" and row["world_size"] == 2 and row["devices"] == "cpu:2"
+    assert log.count("Every strategy against") == 1  # only rank 0 prints the table, once, at the end
     config = RunConfig(devices="cpu:2", steps=10, warmup=0, batch_size=64).validate()  # the script's run
     loss, clean = uninterrupted("ddp", config)
     assert row["final_loss"] == loss
