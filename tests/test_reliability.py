@@ -224,12 +224,12 @@ def test_sigterm_stops_a_comparison_like_ctrl_c_and_keeps_the_finished_rows(tmp_
 @pytest.mark.slow
 def test_ctrl_c_keeps_finished_rows_and_leaves_no_child_and_every_store_listened_on_loopback(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "parallel", "compare", "--strategies", "single,ddp",
-                             "--devices", "cpu:2", "--steps", "5000", "--warmup", "0", "--batch-size", "2",
-                             "--out", str(tmp_path)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             "--devices", "cpu:2", "--steps", "3", "--warmup", "0", "--batch-size", "2",
+                             "--hang-rank", "1", "--pg-timeout", "120", "--out", str(tmp_path)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, start_new_session=True, env={**os.environ, "PYTHONFAULTHANDLER": "1"},
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # as `nohup` starts it
-    # `single` finishes its 5000 tiny steps (about 5 s), then ddp starts (its 5000 steps take far longer
-    # than the 3-20 s it is given here, start-up included); interrupt ddp mid-run.
+    # `single` finishes its 3 steps, then ddp starts and waits at step 1 for its rank 1, which stops
+    # responding there (--hang-rank; its watchdog waits 120 s): interrupt ddp mid-run, at no CPU's cost.
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and not (tmp_path / "logs" / "ddp.log").exists():
         time.sleep(0.2)
