@@ -15,6 +15,17 @@ from parallel.harness import equivalence
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The suite's longest modules first (measured with --durations; docs/measurements.md): `--dist loadfile`
+# hands a worker the next module when it finishes one, so the long ones start at once and the short ones
+# fill in at the end, instead of one worker running a long module alone while the other waits.
+LONGEST_FIRST = ["test_oracle", "test_mutants", "test_sharded", "test_reliability", "test_compare",
+                 "test_pipeline_dist", "test_cli", "test_tensor_parallel", "test_multinode", "test_preflight"]
+
+
+def pytest_collection_modifyitems(items):
+    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.stem, len(first)))  # stable: the rest as collected
+
 
 def session_alive(sid: int) -> list[int]:
     """Processes still alive in the process session `sid` (a launch started with start_new_session)."""

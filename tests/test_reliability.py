@@ -225,8 +225,9 @@ def test_sigterm_stops_a_comparison_like_ctrl_c_and_keeps_the_finished_rows(tmp_
 def test_ctrl_c_keeps_finished_rows_and_leaves_no_child_and_every_store_listened_on_loopback(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "parallel", "compare", "--strategies", "single,ddp",
                              "--devices", "cpu:2", "--steps", "3", "--warmup", "0", "--batch-size", "2",
-                             "--hang-rank", "1", "--pg-timeout", "120", "--out", str(tmp_path)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True, env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+                             "--hang-rank", "1", "--pg-timeout", "120", "--out", str(tmp_path)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONFAULTHANDLER": "1"},
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # as `nohup` starts it
     # `single` finishes its 3 steps, then ddp starts and waits at step 1 for its rank 1, which stops
     # responding there (--hang-rank; its watchdog waits 120 s): interrupt ddp mid-run, at no CPU's cost.
