@@ -74,10 +74,12 @@ def test_unsynchronised_batchnorm_under_ddp_was_missed_by_the_old_rule_and_is_ca
 
 
 # Under bf16 autocast: the strategies that run the model outside the caller's thread or its autocast
-# (threads per device lose the caller's autocast dtype: data_parallel.in_callers_autocast; stages, torch's
-# pipelining; FSDP2's own casts; DTensor's), and ddp, whose rule the others share. An MLP run in bf16
-# costs 2-3 s here, so not every strategy: the rest train through the same loop as ddp.
-BF16_STRATEGIES = ("ddp", "data_parallel", "manual_dp", "pipeline", "pipeline_dist", "fsdp", "tensor_parallel")
+# (threads per device lose the caller's autocast unless carried: manual_dp's DeviceThreads (primitives.py);
+# stages, torch's pipelining; FSDP2's own casts; DTensor's), and ddp, whose rule the others share. An MLP run
+# in bf16 costs 2-3 s here, so not every strategy: the rest train through the same loop as ddp, and
+# data_parallel is torch's DataParallel, which on CPU runs the module itself (its threads' autocast on
+# devices: test_data_parallel.py).
+BF16_STRATEGIES = ("ddp", "manual_dp", "pipeline", "pipeline_dist", "fsdp", "tensor_parallel")
 
 
 def _bf16_jobs() -> list:
