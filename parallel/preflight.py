@@ -138,9 +138,12 @@ def restart_check(config: RunConfig) -> Check:
     devices = str(config.spec.first(n))
     out = Path(config.out) / "restart"
     store = launch.LoopbackStore(0, config.timeout)
+    # Without GPUs each worker is forked from the zygote through a stand-in (harness/forked.py), as the
+    # harness's own launches are: torchrun, its rendezvous and its restart are the same
+    stand_in = ["-m", "parallel.harness.forked"] if gpu_count() == 0 else []
     argv = ["-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={n}", "--max-restarts=1",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{store.port}", "--rdzv-conf=is_host=false",
-            "--local-addr=127.0.0.1", str(ROOT / "scripts" / "ddp.py"), *usermodel.argv(config),
+            "--local-addr=127.0.0.1", *stand_in, str(ROOT / "scripts" / "ddp.py"), *usermodel.argv(config),
             "--devices", devices, "--steps", "4", "--warmup", "0", "--batch-size", str(nearest_multiple(64, n)),
             "--fail-at-step", "2", "--fail-rank", str(n - 1), "--out", str(out)]
     try:
@@ -157,7 +160,7 @@ def basics_checks(config: RunConfig) -> list[Check]:
         _child("bench cpu-vs-gpu", "each case timed synchronized and naively" + ("" if gpu else "; CPU side only"),
                ["-m", "parallel", "bench", "cpu-vs-gpu", "--scale", "0.01", "--repeats", "3", "--out", out], config),
         _child("bench memory", "fp32, autocast (fp16 + GradScaler on CUDA, bf16 on CPU), checkpointing",
-               ["-m", "parallel", "bench", "memory", "--workload", "mlp", "--batch-size", "32", "--budget-mb", "0",
+               ["-m", "parallel", "bench", "memory", "--workload", "cnn", "--batch-size", "32", "--budget-mb", "0",
                 "--out", out], config),
         _child("devices", "memory per device, read without a CUDA context; allocate, free, empty_cache",
                ["-m", "parallel", "devices"], config),

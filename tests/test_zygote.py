@@ -70,35 +70,39 @@ def _gone(pid: int, within: float = 10.0) -> bool:
 def _stand_in(module, *args, env=None):
     """What torchrun's agent does for a worker: Popen the stand-in in a session of its own."""
     env = {**os.environ, **(env or {})}
-    proc = subprocess.Popen([sys.executable, "-m", "parallel.harness.forked", module[2], *args], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "parallel.harness.forked", module, *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     first, second = proc.stdout.readline(), proc.stdout.readline()  # the worker's lines, through the stand-in
     pid, parent = map(int, second.split()[1::2])
     return proc, first, pid, parent
 
 
-def test_a_stand_in_runs_its_worker_forked_with_its_output_exit_code_signals_and_death(module):
+def test_a_stand_in_runs_its_worker_forked_with_its_output_exit_code_signals_and_death(module, tmp_path):
     env = {zygote.ENV: zygote._ONE[0].path, "ZYGOTE_TEST": "torchrun"}
-    proc, first, pid, parent = _stand_in(module, "3", env=env)
+    proc, first, pid, parent = _stand_in(module[2], "3", env=env)
     assert first == "argv ['3'] env torchrun session True\n" and parent == zygote._ONE[0].proc.pid
     assert proc.wait(30) == 3 and pid != proc.pid
 
-    proc, _, pid, _ = _stand_in(module, "sleep", env=env)
+    proc, _, pid, _ = _stand_in(module[2], "sleep", env=env)
     os.killpg(proc.pid, signal.SIGTERM)  # torchrun ending its group: the worker gets it, and dies of it
     assert proc.wait(30) == -signal.SIGTERM and _gone(pid)
 
-    proc, _, pid, _ = _stand_in(module, "sleep", env=env)
+    proc, _, pid, _ = _stand_in(module[2], "sleep", env=env)
     proc.kill()  # SIGKILL cannot be passed on: the zygote sees the stand-in hang up and kills its worker
     assert proc.wait(30) == -signal.SIGKILL and _gone(pid)
 
     # Nothing hangs the zygote: a connection that never sends, then a stand-in served after it.
     idle = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     idle.connect(zygote._ONE[0].path)
-    proc, _, _, parent = _stand_in(module, "0", env=env)
+    proc, _, _, parent = _stand_in(module[2], "0", env=env)
     assert proc.wait(30) == 0 and parent == zygote._ONE[0].proc.pid
     idle.close()
+    script = tmp_path / "zygote_probe.py"  # a script, as torchrun is given one: `python SCRIPT` in the fork
+    proc, first, _, parent = _stand_in(str(script), "5", env=env)
+    assert proc.wait(30) == 5 and parent == zygote._ONE[0].proc.pid and first.startswith("argv ['5']")
 
 
-def test_a_stand_in_without_a_zygote_is_the_worker_itself(module):
-    proc, first, pid, parent = _stand_in(module, "4", env={zygote.ENV: ""})
-    assert proc.wait(60) == 4 and pid == proc.pid and first.startswith("argv ['4']")
+def test_a_stand_in_without_a_zygote_is_the_worker_itself(module, tmp_path):
+    for target in (module[2], str(tmp_path / "zygote_probe.py")):
+        proc, first, pid, parent = _stand_in(target, "4", env={zygote.ENV: ""})
+        assert proc.wait(60) == 4 and pid == proc.pid and first.startswith("argv ['4']")

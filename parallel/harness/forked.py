@@ -1,5 +1,6 @@
-"""`python -m parallel.harness.forked MODULE ARGS` runs `python -m MODULE ARGS`: forked from the zygote
-that $PARALLEL_ZYGOTE names (harness/zygote.py), or here, as a new interpreter, when there is none.
+"""`python -m parallel.harness.forked MODULE ARGS` runs `python -m MODULE ARGS` (or SCRIPT.py ARGS, `python
+SCRIPT.py ARGS`): forked from the zygote that $PARALLEL_ZYGOTE names (harness/zygote.py), or here, as a new
+interpreter, when there is none.
 
 torchrun starts every worker as a new interpreter: 6 s of imports on this machine before a rank trains,
 paid again at every restart. On CPU runs the harness has torchrun start this module instead (launch.py).
@@ -82,7 +83,11 @@ def main() -> None:
     import runpy
 
     sys.argv = [module, *args]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    if module.endswith(".py"):  # a script, as `python SCRIPT` runs it
+        sys.path[0] = os.path.dirname(os.path.abspath(module))
+        runpy.run_path(module, run_name="__main__")
+    else:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 def _end_as(ended, module: str, pid: int) -> None:

@@ -131,8 +131,11 @@ def _become(module: str, args: list[str], env: dict, cwd: str, log: str | None, 
         os.environ.clear()
         os.environ.update(env)
         os.chdir(cwd)
-        # sys.path as `python -m` in cwd with this PYTHONPATH makes it (the zygote's were its own start's)
-        sys.path[:] = [cwd, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep)), *_BASE_PATH]
+        # sys.path as `python -m` in cwd (or `python SCRIPT`) with this PYTHONPATH makes it (the zygote's were
+        # its own start's)
+        script = module.endswith(".py")
+        first = os.path.dirname(os.path.abspath(module)) if script else cwd
+        sys.path[:] = [first, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep)), *_BASE_PATH]
         sys.argv = [module, *args]
         import runpy
         import warnings
@@ -140,7 +143,10 @@ def _become(module: str, args: list[str], env: dict, cwd: str, log: str | None, 
         # The module is imported already (PRELOAD); running it as __main__ is what `python -m` does.
         warnings.filterwarnings("ignore", "'.*' found in sys.modules after import of package", RuntimeWarning)
 
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        if script:
+            runpy.run_path(module, run_name="__main__")
+        else:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
