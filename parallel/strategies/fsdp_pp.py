@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from parallel.devices import SHARED_GLOO_NO_P2P
 from parallel.errors import ConfigError
 from parallel.layout import ParallelDims
@@ -104,6 +106,10 @@ def check(config) -> None:
                           f"(pp x dp = {n}; pp alone is `pipeline_dist`)")
     config.check_divisible(n // pp, "data-parallel size")
     pipeline_dist.check_pipeline(config, pp, config.batch_size // (n // pp))
+    if injected(config, DDP_STATIC) and torch.__version__ < (2, 13):
+        raise ConfigError(f"{DDP_STATIC.name} cannot run on torch {torch.__version__}: there DDP's reducer fails "
+                          "its internal assert (expect_autograd_hooks_) even with static_graph=True (measured on "
+                          "2.11); on 2.13 the bug runs and trains off one device")
 
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
