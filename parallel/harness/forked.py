@@ -80,14 +80,24 @@ def main() -> None:
         signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
     for sig in pending:
         os.kill(os.getpid(), sig)
+    sys.argv = [module, *args]
+    sys.path[0] = first_path(module, os.getcwd())
+    run_as_main(module)
+
+
+def first_path(target: str, cwd: str) -> str:
+    """sys.path[0] as `python SCRIPT.py` (the script's folder) or `python -m MODULE` (`cwd`) sets it."""
+    return os.path.dirname(os.path.abspath(target)) if target.endswith(".py") else cwd
+
+
+def run_as_main(target: str) -> None:
+    """Run a script or a module as __main__, as `python SCRIPT.py` or `python -m MODULE` would."""
     import runpy
 
-    sys.argv = [module, *args]
-    if module.endswith(".py"):  # a script, as `python SCRIPT` runs it
-        sys.path[0] = os.path.dirname(os.path.abspath(module))
-        runpy.run_path(module, run_name="__main__")
+    if target.endswith(".py"):
+        runpy.run_path(target, run_name="__main__")
     else:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
 
 
 def _end_as(ended, module: str, pid: int) -> None:

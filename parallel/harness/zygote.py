@@ -19,6 +19,7 @@ was not measured on a GPU. It ends when the parent closes its pipe, the parent's
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import select
 import shutil
@@ -30,7 +31,7 @@ import tempfile
 import threading
 
 from parallel.dist import PRELOAD as RANKS_PRELOAD
-from parallel.harness.forked import ENV, receive, send
+from parallel.harness.forked import ENV, first_path, receive, run_as_main, send
 
 PRELOAD = [*RANKS_PRELOAD, "torch.distributed.run"]  # the tests' ranks' imports, and torchrun's agent
 
@@ -133,20 +134,15 @@ def _become(module: str, args: list[str], env: dict, cwd: str, log: str | None, 
         os.chdir(cwd)
         # sys.path as `python -m` in cwd (or `python SCRIPT`) with this PYTHONPATH makes it (the zygote's were
         # its own start's)
-        script = module.endswith(".py")
-        first = os.path.dirname(os.path.abspath(module)) if script else cwd
-        sys.path[:] = [first, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep)), *_BASE_PATH]
+        sys.path[:] = [first_path(module, cwd), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep)),
+                       *_BASE_PATH]
         sys.argv = [module, *args]
-        import runpy
         import warnings
 
         # The module is imported already (PRELOAD); running it as __main__ is what `python -m` does.
         warnings.filterwarnings("ignore", "'.*' found in sys.modules after import of package", RuntimeWarning)
 
-        if script:
-            runpy.run_path(module, run_name="__main__")
-        else:
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        run_as_main(module)
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -183,8 +179,9 @@ def _serve(path: str) -> None:
     listener.bind(path)
     listener.listen(64)
     requests, replies = sys.stdin.fileno(), sys.stdout.fileno()
-    children: dict[int, socket.socket | None | bool] = {}  # pid -> who is told of its exit: a stand-in's
-    stand_ins: dict[socket.socket, int] = {}  # connection, None (the parent) or False (nobody); conn -> pid
+    # pid -> who is told of its exit: a stand-in's connection, None (the parent) or False (nobody)
+    children: dict[int, socket.socket | None | bool] = {}
+    stand_ins: dict[socket.socket, int] = {}  # a stand-in's connection -> its child
     while True:
         ready, _, _ = select.select([requests, listener, *stand_ins], [], [], 0.05)
         for pid, conn in list(children.items()):
@@ -235,16 +232,13 @@ def _fork(request: tuple, sockets: list[socket.socket]) -> int:
 
 
 def _tell(conn: socket.socket | None | bool, stand_ins: dict, replies: int, message: tuple) -> None:
-    if conn is None or conn is False:
-        if conn is None:
-            send(replies, message)
-        return
-    try:
-        send(conn.fileno(), message)
-    except OSError:
-        pass
-    stand_ins.pop(conn, None)
-    conn.close()
+    if conn is None:
+        send(replies, message)
+    elif conn is not False:
+        with contextlib.suppress(OSError):  # a stand-in gone meanwhile
+            send(conn.fileno(), message)
+        stand_ins.pop(conn, None)
+        conn.close()
 
 
 def _kill(pid: int) -> None:
