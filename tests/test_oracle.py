@@ -109,16 +109,16 @@ def test_every_strategy_that_can_have_a_parallelism_bug_brings_one_and_names_it_
     assert expected <= owners, sorted(expected - owners)
 
 
-# Registry-driven parity: every synchronous strategy on every workload it trains, on cpu:2, 6 steps on a batch
-# of 48, in float64. A strategy is checked here the day it is registered. Why float64: in fp32 a ReLU or a
-# max-pool whose two sides sit within rounding of each other takes the other branch on another summation
+# Registry-driven parity: every synchronous strategy on every workload it trains, on cpu:2, 6 steps on a batch of 48
+# (the token models' 16), in float64. A strategy is checked here the day it is registered. Why float64: in fp32 a
+# ReLU or a max-pool whose two sides sit within rounding of each other takes the other branch on another summation
 # order, and that one flipped decision moved a tensor by up to 2.9x the fp32 rule on 3 of 1,110 honest runs
-# (docs/oracle.md, "Honest noise against injected bugs, 10 seeds"): which seed flips depends on the CPU, so
-# an fp32 parity suite fails on some machines. In float64 nothing flips, and the honest noise comes to at
-# most MARGIN's tenth of the fp64 rule over the same 10 seeds and cpu:2 and cpu:4; the injected bugs (fp32,
-# their own runs) stay caught. The fast tier (-m "not slow") runs each strategy on its cheapest workload (the
-# CNN, else the MLP; the 4-device ones on cpu:4); the slow tier every other workload, so nothing runs twice.
-PARITY_RUN = {"batch_size": 48, "steps": 5, "warmup": 1, "extras": False, "precision": "fp64"}
+# (docs/oracle.md, "Honest noise against injected bugs, 10 seeds"): which seed flips depends on the CPU, so an fp32
+# parity suite fails on some machines. In float64 nothing flips, and the honest noise comes to at most MARGIN's
+# tenth of the fp64 rule over the same 10 seeds and cpu:2 and cpu:4; the injected bugs (fp32, their own runs) stay
+# caught. The fast tier (-m "not slow") runs each strategy on its cheapest workload (the CNN, else the MLP; the
+# 4-device ones on cpu:4); the slow tier every other workload, so nothing runs twice.
+PARITY_RUN = {"extras": False, "precision": "fp64"}  # at the tests' size: mutants.sized("tests", workload)
 MARGIN = FP64_MARGIN  # tests/multirank.py: 10x the largest honest err/tol of the 10-seed table
 CPU2 = RunConfig(devices="cpu:2").spec
 
@@ -136,12 +136,11 @@ def _cheapest(s) -> tuple[str, str]:
 OWN_PARITY = {"context_parallel", "fsdp_cp", "expert_parallel"}
 FAST_PARITY = [(s.name, *_cheapest(s)) for s in strategies.all_strategies()
                if s.synchronous and s.name != "single" and not s.available(CPU4) and s.name not in OWN_PARITY]
-# Judged against `single` by their own module's tests already (in float64, within MARGIN), so not run twice
-# (the suite's time): every torch schedule on mlp, cnn and transformer (test_pipeline_dist.py); the sharded
-# ones on the MLP at 2 ranks and on every workload at 4 (test_sharded.py); manual_ddp on the MLP at 2 ranks
-# and the transformer at 3 (test_manual_ddp.py); both tensor parallels on the transformer
-# (test_tensor_parallel.py); manual_dp, model_parallel and pipeline on the MLP (test_data_parallel.py,
-# test_pipeline.py).
+# Judged against `single` by their own module's tests already (in float64, within MARGIN), so not run twice (the
+# suite's time): every torch schedule on mlp and cnn, two on the transformer (test_pipeline_dist.py); the sharded
+# ones on the MLP at 2 ranks and on every workload at 4 (test_sharded.py); manual_ddp on the MLP at 2 ranks and
+# the transformer at 3 (test_manual_ddp.py); both tensor parallels on the transformer (test_tensor_parallel.py);
+# manual_dp, model_parallel and pipeline on the MLP (test_data_parallel.py, test_pipeline.py).
 ELSEWHERE = {("pipeline_dist", "mlp"), ("pipeline_dist", "transformer"), ("zero", "mlp"), ("zero_optimizer", "mlp"),
              ("fsdp", "mlp"), ("zero", "transformer"), ("zero_optimizer", "transformer"), ("fsdp", "transformer"),
              ("manual_ddp", "mlp"), ("manual_ddp", "transformer"), ("manual_tp", "transformer"),
@@ -154,7 +153,8 @@ PARITY = [(s.name, w) for w in WORKLOADS for s in strategies.all_strategies()
 @pytest.fixture(scope="module")
 def fast_parity():
     """Every synchronous strategy on its cheapest workload, judged: one set of spawned ranks per world size."""
-    configs = [RunConfig(workload=w, devices=d, **PARITY_RUN).validate() for _, w, d in FAST_PARITY]
+    configs = [RunConfig(workload=w, devices=d, **PARITY_RUN, **mutants.sized("tests", w)).validate()
+               for _, w, d in FAST_PARITY]
     jobs = [mutants.Job(name, c.to_json(), "honest") for (name, _, _), c in zip(FAST_PARITY, configs, strict=True)]
     return dict(zip(FAST_PARITY, (o.equivalence for o in mutants.run_jobs(jobs)), strict=True))
 
@@ -169,7 +169,7 @@ def test_every_synchronous_strategy_matches_single_on_its_cheapest_workload(fast
 def parity_results():
     """Every workload the fast tier leaves out, seed 0, cpu:2: one call, so one set of spawned ranks per
     world size. (The injected bugs and the bf16 runs: tests/test_mutants.py, on the suite's other worker.)"""
-    parity = [j for j in mutants.honest_jobs(1, ("cpu:2",), PARITY_RUN)
+    parity = [j for j in mutants.honest_jobs(1, ("cpu:2",), PARITY_RUN, size="tests")
               if (j.strategy, json.loads(j.config)["workload"]) in PARITY]  # the fast tier ran the others
     return {(o.strategy, o.workload): o.equivalence for o in mutants.run_jobs(parity)}
 

@@ -10,7 +10,7 @@ import torch
 from parallel import strategies
 from parallel.config import RunConfig
 from parallel.dist import Dist
-from parallel.harness import equivalence
+from parallel.harness import equivalence, mutants
 from parallel.train import InjectedFault
 from parallel.worker import execute
 from parallel.workloads import WORKLOADS
@@ -34,8 +34,9 @@ MIXED = [("fsdp", {"mixed_precision": "bf16"}, ""), ("fsdp", {"mixed_precision":
 
 def _config(workload: str, world: int, options: dict, mutant: str = "") -> RunConfig:
     precision = "fp32" if "mixed_precision" in options else "fp64"  # bf16 gathers of fp32 weights, as users run
-    return RunConfig(workload=workload, devices=f"cpu:{world}", batch_size=48, steps=3, warmup=1,
-                     options=options, mutant=mutant, precision=precision).validate()
+    return RunConfig(workload=workload, devices=f"cpu:{world}", **{**mutants.sized("tests", workload), "steps": 3},
+                     options=options, mutant=mutant, precision=precision,
+                     extras=workload == "mlp").validate()  # the shares and bytes are checked on the MLP
 
 
 def _train(rank, world, workloads, runs):

@@ -88,20 +88,27 @@ def mutant_jobs(precision: str = "fp32", refused: dict[str, str] | None = None) 
 
 
 # The size of the test suite's parity runs (tests/test_oracle.py): `--honest N --size tests` measures the
-# noise the suite's margins are set from, `--size default` the noise of a default comparison.
-SIZES = {"default": {}, "tests": {"batch_size": 48, "steps": 5, "warmup": 1}}
+# noise the suite's margins are set from, `--size default` the noise of a default comparison. There the
+# token models take a batch of 16 (512 tokens a step; 48 cost 3x the CNN's run).
+SIZES, TOKEN_BATCH = {"default": {}, "tests": {"batch_size": 48, "steps": 5, "warmup": 1}}, {"tests": 16}
+
+
+def sized(size: str, workload: str) -> dict:
+    """The RunConfig fields of a run at `size` (SIZES) on `workload`."""
+    tokens = size in TOKEN_BATCH and WORKLOADS[workload].data == "tokens"
+    return {**SIZES[size], **({"batch_size": TOKEN_BATCH[size]} if tokens else {})}
 
 
 def honest_jobs(seeds: int, devices: tuple[str, ...] = ("cpu:2",), base: dict | None = None,
-                workloads: tuple[str, ...] | None = None) -> list[Job]:
+                workloads: tuple[str, ...] | None = None, size: str = "default") -> list[Job]:
     """Every synchronous strategy (but the baseline) on every workload it trains, for seeds 0..seeds-1 on
     each of `devices`: workloads fastest, then devices, then seeds; a strategy that refuses a combination
-    (tensor parallelism over 3 ranks: 4 heads and 1024 features do not divide) sits that one out. `base`:
-    RunConfig fields over the default run (the tests' smaller one); a batch that a device count does not
-    divide is rounded down to one it does (512 on cpu:3: 510)."""
+    (tensor parallelism over 3 ranks: 4 heads and 1024 features do not divide) sits that one out. `size`:
+    SIZES' name; `base`: RunConfig fields over it; a batch that a device count does not divide is rounded
+    down to one it does (512 on cpu:3: 510)."""
     jobs = []
     for seed, device, workload in itertools.product(range(seeds), devices, workloads or tuple(WORKLOADS)):
-        fields = {"batch_size": 512, "extras": False, **(base or {})}  # the verdict only
+        fields = {"batch_size": 512, "extras": False, **sized(size, workload), **(base or {})}  # the verdict only
         n = RunConfig(devices=device).spec.count
         fields["batch_size"] -= fields["batch_size"] % n
         config = RunConfig(workload=workload, devices=device, seed=seed, **fields).validate()
@@ -248,7 +255,8 @@ def add_parser(sub) -> None:
                    help="the honest runs' workloads, comma-separated (default: every built-in one)")
     p.add_argument("--size", default="default", choices=sorted(SIZES),
                    help="the honest runs' size: the default comparison's (batch 512, 20 + 3 steps) or the test "
-                        "suite's parity runs' (batch 48, 5 + 1 steps), whose noise the suite's margins come from")
+                        "suite's parity runs' (batch 48, the token models' 16; 5 + 1 steps), whose noise the "
+                        "suite's margins come from")
     p.add_argument("--precision", default="fp32", metavar="DTYPE",
                    help="fp32; bf16: every run (and `single`) under bf16 autocast, judged by the bf16 rule, "
                         "which is looser; fp64: every run in float64, judged by the fp64 rule, far sharper")
@@ -280,8 +288,8 @@ def main(args, console) -> int:
         workloads = tuple(w.strip() for w in args.workloads.split(",") if w.strip()) or None
         for w in workloads or ():
             RunConfig(workload=w).validate()  # an unknown name is one line, before any run
-        base = {"precision": args.precision, **SIZES[args.size]}
-        honest = run_jobs(honest_jobs(args.honest, devices, base, workloads), total=4 * 3600)
+        honest = run_jobs(honest_jobs(args.honest, devices, {"precision": args.precision}, workloads, args.size),
+                          total=4 * 3600)
         show_honest(honest, outcomes, console)
         ok = ok and all(o.equivalence.verdict == "match" for o in honest)
         files["honest.json"] = honest
