@@ -1,6 +1,7 @@
 """A small GPT-2-style language model, with the protocol's extras: its own layers and a tensor-parallel plan.
 
     ./launch.sh compare --model examples/gpt2.py:gpt2 --vocab 256 --seq-len 64 --batch-size 64
+    ./launch.sh compare --model examples/gpt2.py:gpt2 --vocab 50304 --seq-len 256 --batch-size 8   # GPT-2's vocabulary
 
 GPT-2's shape (Radford et al. 2019): token and position embeddings, pre-norm blocks (LayerNorm,
 causal self-attention, LayerNorm, a 4x MLP with GELU, each added to the residual), a final LayerNorm
@@ -76,10 +77,11 @@ class GPT2(nn.Module):
         return self.head(x)
 
 
-def gpt2(seed: int) -> dict:
+def gpt2(seed: int, vocab: int = 256, seq_len: int = 64) -> dict:
     """The factory: the model, where a pipeline may cut it, and Megatron's split of each block (q, k, v
-    and the MLP's first layer by columns, in one region per attention; the projections by rows)."""
-    model = GPT2()
+    and the MLP's first layer by columns, in one region per attention; the projections by rows). The
+    run's --vocab and --seq-len arrive as `vocab` and `seq_len` (the positions it learns: seq_len)."""
+    model = GPT2(vocab, seq_len)
     plan = TPPlan.joined(TPPlan(colwise=(f"blocks.{i}.attn.q", f"blocks.{i}.attn.k", f"blocks.{i}.attn.v",
                                          f"blocks.{i}.mlp.0"),
                                 rowwise=(f"blocks.{i}.attn.proj", f"blocks.{i}.mlp.2"),
@@ -87,9 +89,9 @@ def gpt2(seed: int) -> dict:
     return {"model": model, "layers": [model.embed, *model.blocks, model.head], "tp_plan": plan}
 
 
-def gpt2_tied(seed: int) -> dict:
+def gpt2_tied(seed: int, vocab: int = 256, seq_len: int = 64) -> dict:
     """gpt2 with the head's weight tied to the token embedding (the head keeps its bias)."""
-    out = gpt2(seed)
+    out = gpt2(seed, vocab, seq_len)
     model = out["model"]
     model.head[1].weight = model.embed.wte.weight
     return out

@@ -14,9 +14,11 @@ from transformers import GPT2Config, GPT2LMHeadModel
 CONFIG = dict(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0)
 
 
-def gpt2():
-    return GPT2LMHeadModel(GPT2Config(**CONFIG, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+def gpt2(vocab: int = 256, seq_len: int = 32):
+    """The run's --vocab and --seq-len arrive as `vocab` and `seq_len`."""
+    shape = {**CONFIG, "vocab_size": vocab, "n_positions": seq_len}
+    return GPT2LMHeadModel(GPT2Config(**shape, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
 
 
-def gpt2_dropout():
-    return GPT2LMHeadModel(GPT2Config(**CONFIG))
+def gpt2_dropout(vocab: int = 256, seq_len: int = 32):
+    return GPT2LMHeadModel(GPT2Config(**{**CONFIG, "vocab_size": vocab, "n_positions": seq_len}))

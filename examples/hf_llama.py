@@ -13,5 +13,6 @@ CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_
               num_key_value_heads=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=0)
 
 
-def llama():
-    return LlamaForCausalLM(LlamaConfig(**CONFIG))
+def llama(vocab: int = 256, seq_len: int = 32):
+    """The run's --vocab and --seq-len arrive as `vocab` and `seq_len`."""
+    return LlamaForCausalLM(LlamaConfig(**{**CONFIG, "vocab_size": vocab, "max_position_embeddings": seq_len}))

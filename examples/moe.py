@@ -45,9 +45,9 @@ class TokenMoE(nn.Module):
         return [b.moe for b in self.blocks]
 
 
-def moe():
-    return {"model": TokenMoE()}
+def moe(vocab: int = 128):
+    return {"model": TokenMoE(vocab)}  # the run's --vocab (the factory's parameter of that name)
 
 
-def moe_aux():
-    return {"model": TokenMoE(aux=0.01)}
+def moe_aux(vocab: int = 128):
+    return {"model": TokenMoE(vocab, aux=0.01)}

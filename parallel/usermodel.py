@@ -5,7 +5,8 @@
 
 The protocol. FACTORY(seed), or FACTORY() if it takes no argument, is called with torch already seeded
 from the seed, so that every strategy, in every process, starts from bitwise the same weights (checked:
-two calls must give the same weights). It returns
+two calls must give the same weights); a factory with a `vocab` or `seq_len` parameter (or **kwargs) gets
+the run's --vocab and --seq-len there too, so one factory serves every size. It returns
 
     an nn.Module                                trained with cross-entropy on (output, target), or
     {"model": module,                           the same, and any of
@@ -71,6 +72,18 @@ def workload_of(config) -> Workload:
     return _user(config.model, config.input_shape, config.classes, config.vocab, config.seq_len, config.data)
 
 
+def shape_model(config) -> nn.Module:
+    """The run's model on the meta device: its layers, shapes and parameter counts at any size, with no
+    memory and no initialisation, for the checks that only look (a strategy's check(), a prediction).
+    A factory that cannot build there (it copies real tensors in) is built for real."""
+    workload = workload_of(config)
+    try:
+        with torch.device("meta"):
+            return workload.build_model(config.seed)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return workload.build_model(config.seed)
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
@@ -116,14 +129,19 @@ def _import(spec: str):
     return factory
 
 
-def _call(factory, seed: int, spec: str) -> dict:
-    """The factory's result as the protocol's dict, checked."""
-    takes_seed = any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
-                     for p in inspect.signature(factory).parameters.values())
+def _call(factory, seed: int, spec: str, shape: tuple[tuple[str, int], ...] = ()) -> dict:
+    """The factory's result as the protocol's dict, checked. `shape`: the run's (name, size) pairs
+    (vocab, seq_len), given as keywords to a factory that takes them."""
+    params, sized = inspect.signature(factory).parameters.values(), ("vocab", "seq_len")
+    takes_seed = any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) and p.name not in sized
+                     for p in params)
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    every = any(p.kind == p.VAR_KEYWORD for p in params)
+    sizes = {k: v for k, v in shape if v and (every or k in names)}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
-            out = factory(seed) if takes_seed else factory()
+            out = factory(seed, **sizes) if takes_seed else factory(**sizes)
         except Exception as e:  # noqa: BLE001
             raise ConfigError(f"--model {spec}: the factory raised {_first_line(e)}") from None
     if isinstance(out, nn.Module):
@@ -216,6 +234,7 @@ class UserWorkload(Workload):
 
     spec: str = ""
     factory: object = None
+    sizes: tuple[tuple[str, int], ...] = ()  # the run's sizes a factory may take: (("vocab", V), ("seq_len", T))
     loss_fn: object = None
     layer_names: tuple[str, ...] | None = None  # where the pipelines cut, by module name; None: they cannot
     has_plan: bool = False
@@ -247,7 +266,7 @@ class UserWorkload(Workload):
         return self.aux_weight
 
     def build_model(self, seed: int) -> nn.Module:
-        out = _call(self.factory, seed, self.spec)
+        out = _call(self.factory, seed, self.spec, self.sizes)
         model = out["model"]
         # Attached to the instance as partials of module-level functions: Hogwild pickles the model.
         if out.get("tp_plan") is not None:  # read by workloads.tp_plan_of, a name no library uses
@@ -376,8 +395,8 @@ def _check_data(spec: str, model: nn.Module, loss, x: torch.Tensor, y: torch.Ten
 
 @functools.lru_cache(maxsize=4)
 def _user(spec: str, input_shape: str, classes: int, vocab: int, seq_len: int, data: str) -> UserWorkload:
-    factory = _import(spec)
-    out, again = _call(factory, 0, spec), _call(factory, 0, spec)
+    factory, sizes = _import(spec), (("vocab", vocab), ("seq_len", seq_len))
+    out, again = _call(factory, 0, spec, sizes), _call(factory, 0, spec, sizes)
     model = out["model"]
     a, b = model.state_dict(), again["model"].state_dict()
     if a.keys() != b.keys() or not all(torch.equal(a[k], b[k]) for k in a):
@@ -412,7 +431,7 @@ def _user(spec: str, input_shape: str, classes: int, vocab: int, seq_len: int, d
     base = dict(name=label, description=f"{type(model).__name__} from {label}, {params / 1e6:.2f}M params",
                 make_module=factory, input_shape=shape, classes=n_classes or 10, data=kind, dataset_size=size,
                 no_tp_plan=no_plan)
-    workload = UserWorkload(**base, spec=spec, factory=factory, loss_fn=out.get("loss"), data_file=data,
+    workload = UserWorkload(**base, spec=spec, factory=factory, sizes=sizes, loss_fn=out.get("loss"), data_file=data,
                             has_plan=out.get("tp_plan") is not None or tp_plan_of(model) is not None,
                             parts_model=hasattr(model, "parts"), causes=tuple(cannot_match(model).values()),
                             tied=tied_names(model))

@@ -413,8 +413,8 @@ class Workload:
         """Held-out loss: cross-entropy, or for the GAN how far generated images' per-pixel mean and
         spread are from real ones' (mean squared difference; 0 = the same first two moments)."""
         model.eval()
-        if self.data != "images":
-            return self.loss(model(x), y).item()
+        if self.data != "images":  # the mean over every prediction, a chunk of outputs at a time
+            return sum(self.loss(out, t).item() * t.numel() for out, t in in_chunks(model, x, y)) / y.numel()
         fake = model(y)  # y holds the latent vectors
         return (((fake.mean(0) - x.mean(0)) ** 2).mean() + ((fake.std(0) - x.std(0)) ** 2).mean()).item()
 
@@ -553,4 +553,16 @@ def accuracy(workload: Workload, state: dict[str, torch.Tensor], seed: int) -> f
     if workload.data == "images":
         return None
     x, y = _heldout(workload, seed)
-    return (_trained(workload, state, seed)(x).argmax(dim=-1) == y).float().mean().item()
+    model = _trained(workload, state, seed)
+    return sum((out.argmax(dim=-1) == t).sum().item() for out, t in in_chunks(model, x, y)) / y.numel()
+
+
+def in_chunks(model: nn.Module, x: torch.Tensor, y: torch.Tensor, most_bytes: int = 1 << 26):
+    """(outputs, targets) of model over x a chunk of samples at a time, each chunk's outputs at most
+    `most_bytes` (64 MiB: a vocabulary of 128K makes 0.5 MB of logits a token, 34 GB for a held-out set
+    of 65,536 tokens at once). Call under no_grad."""
+    first = model(x[:1])
+    per = max(1, most_bytes // (first.numel() * first.element_size()))
+    yield first, y[:1]
+    for at in range(1, x.shape[0], per):
+        yield model(x[at:at + per]), y[at:at + per]

@@ -222,3 +222,17 @@ def test_devices_runs_and_skips_what_compare_would(capsys):
     assert said["compare skips"] == (", ".join(skipped) or "nothing")
     assert all(f"- {name} skipped: {why}" in out for name, why in skipped.items())
     assert skipped, "on this machine's defaults something is skipped (tensor parallelism has no cnn plan)"
+
+
+def test_a_cut_into_more_stages_than_layers_is_skipped_at_planning_with_its_reason():
+    # The transformer has 4 layers to cut (embedding, 2 blocks, head): over 5 devices every strategy that
+    # cuts it into a stage a device is left out under `all`, with the numbers, and refused when named;
+    # model_parallel and pipeline failed in their first step before (#44).
+    config = RunConfig(workload="transformer", devices="cpu:5", batch_size=10).validate()
+    chosen, skipped = plan(config, ["all"])
+    for name in ("model_parallel", "pipeline"):
+        assert skipped[name] == "5 stages (one a device), but the transformer has 4 layers to split", skipped
+    assert "pipeline_dist" in skipped and {"single", "ddp"} <= {s.name for s, _, _ in chosen}
+    with pytest.raises(ConfigError, match="5 stages .one a device., but the transformer has 4 layers"):
+        plan(config, ["pipeline"])
+    plan(RunConfig(workload="transformer", devices="cpu:4", batch_size=8).validate(), ["model_parallel", "pipeline"])

@@ -248,3 +248,17 @@ def test_the_noise_of_a_users_model_is_measured_on_gpus_too(model_file, strict_c
     rule = equivalence.own_noise(c, ref)
     assert rule is not None and 0.25 < rule.rtol < 0.35 and "on the CPU against the GPU (cuda:0)" in rule.basis
     assert not strict_cuda.entries("init")  # measured without touching CUDA here
+
+
+def test_a_factory_that_takes_the_runs_vocab_and_seq_len_gets_them_and_checks_see_its_shapes_only():
+    # #44: examples/gpt2.py's vocabulary stayed 256 whatever --vocab said. A factory with parameters named
+    # vocab and seq_len (examples/gpt2.py, moe.py, hf_*.py) now gets the run's; one without, the seed alone.
+    config = RunConfig(model=str(ROOT / "examples/gpt2.py:gpt2"), vocab=512, seq_len=16).validate()
+    gpt = usermodel.workload_of(config).build_model(0)
+    assert gpt.embed.wte.num_embeddings == gpt.head[1].out_features == 512 and gpt.embed.wpe.num_embeddings == 16
+    moe = RunConfig(model=str(ROOT / "examples/moe.py:moe"), vocab=100, seq_len=8).validate()
+    assert usermodel.workload_of(moe).build_model(0).embed.num_embeddings == 100
+    # what a strategy's check() looks at (layers, shapes), built on the meta device: no memory at any size
+    meta = usermodel.shape_model(config)
+    assert all(p.is_meta for p in meta.parameters())
+    assert [(n, p.shape) for n, p in meta.named_parameters()] == [(n, p.shape) for n, p in gpt.named_parameters()]

@@ -14,7 +14,7 @@ from parallel.errors import ConfigError
 from parallel.strategies.base import OptimizerGroup, make_optimizers
 from parallel.strategies.sync_batchnorm import AllReduceBatchNorm1d, AllReduceBatchNorm2d
 from parallel.worker import execute
-from parallel.workloads import WORKLOADS, SyntheticData
+from parallel.workloads import WORKLOADS, SyntheticData, in_chunks
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -89,3 +89,18 @@ def test_hand_written_sync_batchnorm_is_batchnorm_over_the_whole_batch():
             torch.testing.assert_close(ours.running_var, ref.running_var)
     finally:
         td.destroy_process_group()
+
+
+@torch.no_grad()
+def test_the_held_out_loss_is_the_same_a_chunk_of_outputs_at_a_time():
+    # At a real vocabulary the held-out logits at once take tens of GB (#44): the loss is taken a chunk at
+    # a time, each chunk's outputs within a byte budget; here one sample a chunk against the whole at once.
+    w = WORKLOADS["transformer"]
+    model, (x, y) = w.build_model(0).eval(), w.dataset(0, 1).heldout(64)
+    chunks = list(in_chunks(model, x, y, most_bytes=1))
+    assert len(chunks) == 64 and all(out.shape[0] == t.shape[0] == 1 for out, t in chunks)
+    by_chunk = sum(w.loss(out, t).item() * t.numel() for out, t in chunks) / y.numel()
+    assert by_chunk == pytest.approx(w.loss(model(x), y).item(), rel=1e-5)
+    assert w.evaluate(model, x, y) == pytest.approx(by_chunk, rel=1e-5)
+    ten = 10 * 32 * 64 * 4  # ten samples' logits: 32 tokens of 64 in fp32
+    assert [o.shape[0] for o, _ in in_chunks(model, x, y, most_bytes=ten)] == [1, 10, 10, 10, 10, 10, 10, 3]

@@ -46,7 +46,7 @@ from parallel.strategies.base import (
     sum_gradients,
 )
 from parallel.strategies.expert_dispatch import Dispatch
-from parallel.usermodel import workload_of
+from parallel.usermodel import shape_model, workload_of
 
 NAME = "expert_parallel"
 LAUNCH = "torchrun"
@@ -94,7 +94,7 @@ def check(config) -> None:
     n, ep = config.world_size, ep_of(config)
     if n % ep:
         raise ConfigError(f"--ep {ep} does not divide the {n} devices")
-    experts = experts_per_layer(workload_of(config).build_model(config.seed))
+    experts = experts_per_layer(shape_model(config))
     if experts % ep:
         raise ConfigError(f"--ep {ep} does not divide the {experts} experts of each layer")
     config.check_divisible(n, "devices")

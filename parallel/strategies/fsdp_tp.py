@@ -32,7 +32,7 @@ from parallel.strategies.base import (
     model_state_every_rank,
     options_of,
 )
-from parallel.usermodel import workload_of
+from parallel.usermodel import shape_model
 
 NAME = "fsdp_tp"
 LAUNCH = "torchrun"
@@ -81,7 +81,7 @@ def check(config) -> None:
         raise ConfigError(f"--tp {tp} must divide the {n} devices into data-parallel groups of tp ranks, at "
                           f"least 2 of them (dp x tp = {n}; tp alone is `tensor_parallel`)")
     config.check_divisible(n // tp, "data-parallel size")
-    model = workload_of(config).build_model(config.seed)
+    model = shape_model(config)
     if why := manual_tp.plan_problems(model, tp):
         raise ConfigError(f"cannot split the {config.workload} over {tp} tensor-parallel ranks: {why}")
 
@@ -125,7 +125,7 @@ def predict_step_ms(cal, config, row) -> float | None:
     if cal.allreduce_ms(1, tp) is None:
         return None
     share = dataclasses.replace(config, batch_size=config.batch_size // dp, world_size=tp)
-    model = workload_of(config).build_model(config.seed)
+    model = shape_model(config)
     megatron = sum(cal.allreduce_ms(p, tp) for p in manual_tp.payloads(model, share))
     allreduce = cal.allreduce_ms(cal.grad_bytes / tp, dp)  # of this rank's 1/tp of the parameters, over dp
     fsdp_ms = (allreduce / 2 if cal.overlaps else allreduce) + 2 * allreduce / 2  # reduce-scatter, 2 all-gathers

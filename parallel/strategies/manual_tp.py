@@ -44,7 +44,7 @@ from parallel.strategies.base import (
     model_state_every_rank,
     ring_allreduce_bytes,
 )
-from parallel.usermodel import workload_of
+from parallel.usermodel import shape_model, workload_of
 from parallel.workloads import Attention, tp_plan_of
 
 NAME = "manual_tp"
@@ -156,7 +156,7 @@ def plan_problems(model: nn.Module, tp: int) -> str | None:
 
 
 def check(config) -> None:
-    model = workload_of(config).build_model(config.seed)
+    model = shape_model(config)
     if why := plan_problems(model, config.world_size):
         raise ConfigError(f"cannot split the {config.workload} over {config.world_size} ranks: {why}")
 
@@ -279,7 +279,7 @@ def comm_bytes_predicted(model, config) -> float | None:
 def predict_step_ms(cal, config, row) -> float | None:
     """`single`'s step on the whole batch split N ways (each rank computes 1/N of every split layer; the
     replicated ones are small here), plus every all-reduce, none hidden (each blocks the next layer)."""
-    n, model = config.world_size, workload_of(config).build_model(config.seed)
+    n, model = config.world_size, shape_model(config)
     if cal.allreduce_ms(1, n) is None:
         return None
     return cal.compute_ms(config.batch_size) / n + sum(cal.allreduce_ms(p, n) for p in payloads(model, config))

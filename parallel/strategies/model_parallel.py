@@ -24,6 +24,7 @@ from parallel.strategies.stage_time import Busy
 from parallel.strategies.stages import (
     ActivationMeter,
     Split,
+    check_layers,
     given_cut,
     layers_of,
     split,
@@ -141,5 +142,5 @@ def model_state_bytes(t: Trainable, config) -> list[int]:
     return [state_bytes(list(stage.parameters()), t.optimizer) for stage in t.state.split.stages]
 
 
-HOOKS = Hooks(extra_measurements=extra_measurements, predict_step_ms=predict_step_ms,
+HOOKS = Hooks(check=check_layers, extra_measurements=extra_measurements, predict_step_ms=predict_step_ms,
               model_state_bytes=model_state_bytes)

@@ -41,7 +41,7 @@ from parallel.strategies.model_parallel import Options as SplitOptions
 from parallel.strategies.model_parallel import Stages, model_state_bytes, setup_stages, stage_details
 from parallel.strategies.primitives import DeviceThreads
 from parallel.strategies.stage_time import simulate
-from parallel.strategies.stages import stage_backward, stage_forward
+from parallel.strategies.stages import check_layers, stage_backward, stage_forward
 
 NAME = "pipeline"
 LAYERED = True  # cuts the model's pipeline_layers() into stages
@@ -99,6 +99,7 @@ def defaults(config) -> dict:
 
 
 def check(config) -> None:
+    check_layers(config)
     m = options_of(Options, config).microbatches
     if m > config.batch_size:
         raise ConfigError(f"--microbatches {m} is more than the global batch {config.batch_size}")

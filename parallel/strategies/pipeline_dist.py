@@ -50,7 +50,7 @@ from parallel.strategies.replay import closed_form_idle, hop_ms, pipeline_theory
 from parallel.strategies.stage_time import Busy, timed_loss, timed_stage
 from parallel.strategies.stages import ActivationMeter, agreed_cut, describe, layers_of
 from parallel.strategies.tied import TiedAcross
-from parallel.usermodel import workload_of
+from parallel.usermodel import shape_model
 
 EXAMPLES_GPT2 = str(Path(__file__).resolve().parents[2] / "examples" / "gpt2.py")  # the tied-head mutant's model
 
@@ -188,7 +188,7 @@ def check_pipeline(config, p: int, batch: int) -> None:
                           "stages receive into buffers shaped like one micro-batch")
     if p < 2:
         raise ConfigError(f"{NAME} needs at least 2 processes (one stage each), got {p}")
-    layers = layers_of(workload_of(config).build_model(config.seed))
+    layers = layers_of(shape_model(config))
     if p * v > len(layers):
         raise ConfigError(f"--schedule {o.schedule} runs {v} stage(s) on each of {p} ranks, {p * v} stages, but the "
                           f"{config.workload} has {len(layers)} layers to split")

@@ -101,6 +101,16 @@ class SentHop:
                 td.send(buf, peer)
 
 
+def check_layers(config) -> None:
+    """model_parallel's and pipeline's check: a stage per device needs as many layers, refused at planning
+    with the reason (not at the first step), from the model's shapes alone (shape_model)."""
+    from parallel.usermodel import shape_model
+
+    if config.world_size > (n := len(layers_of(shape_model(config)))):
+        raise ConfigError(f"{config.world_size} stages (one a device), but the {config.model or config.workload} "
+                          f"has {n} layers to split")
+
+
 def partition(costs: list[float], k: int, moves: list[float] | None = None,
               holds: list[bool] | None = None) -> list[int]:
     """Bounds [0, ..., n] of the contiguous split into k parts with the smallest largest part (exact, by
