@@ -66,15 +66,21 @@ class PhaseTimer:
         return {f"{k}_ms": summarize(v[skip:])["p50_ms"] for k, v in self.times.items() if v[skip:]}
 
 
-def median_time(fn: Callable[[], object], reps: int, synchronize: Callable[[], None]) -> float:
+def median_time(fn: Callable[[], object], reps: int, synchronize: Callable[[], None],
+                budget_s: float | None = None) -> float:
     """Median seconds of `reps` runs of fn, synchronized before each clock read, after one warm-up run
-    (timed like the others, then dropped)."""
+    (timed like the others, then dropped). `budget_s`: fewer runs (at least 3) where `reps` of the
+    warm-up's length would take longer: a calibration stays a small part of a run at any model size."""
     timer, times = StepTimer(synchronize), []
-    for _ in range(reps + 1):
+    with timer:
+        fn()
+    if budget_s is not None:
+        reps = max(3, min(reps, int(budget_s / max(timer.elapsed, 1e-9))))
+    for _ in range(reps):
         with timer:
             fn()
         times.append(timer.elapsed)
-    return float(np.median(times[1:]))
+    return float(np.median(times))
 
 
 def summarize(seconds: Sequence[float]) -> dict[str, float | None]:

@@ -1,10 +1,13 @@
 """The cost model: its all-reduce fit and its formulas (every row of a real comparison predicted: test_compare.py)."""
 
 
+import time
+
 import pytest
 
 from parallel.config import RunConfig
 from parallel.harness import costmodel
+from parallel.timing import median_time
 
 
 def test_alpha_beta_fit_inverts_the_ring_formula():
@@ -75,3 +78,18 @@ def test_memory_projection_follows_the_zero_paper_and_says_from_how_many_gpus_ea
     assert "70 GiB" not in lines[0] and "7e+10 parameters" in lines[0]
     assert any("ZeRO-3 (FSDP): 8 GPUs 130.4 GiB" in ln and "fits from 16 GPUs" in ln for ln in lines), lines
     assert any("ZeRO-1 (zero)" in ln and "never fits" in ln for ln in lines)
+
+
+def test_the_calibration_times_fewer_runs_of_a_long_step_but_at_least_three():
+    # At GPT-2's vocabulary a CPU step takes seconds: 7 timed runs (and a warm-up) of it were 21 s of a
+    # 78 s comparison of one row (#44). With a budget the runs stop at what fits, and never below 3.
+    calls = []
+
+    def step(seconds):
+        calls.append(seconds)
+        time.sleep(seconds)
+
+    assert median_time(lambda: step(0.04), 7, lambda: None, budget_s=0.1) >= 0.04 and len(calls) == 1 + 3
+    calls.clear()
+    median_time(lambda: step(0.0), 7, lambda: None, budget_s=0.1)  # a short step: every run
+    assert len(calls) == 1 + 7

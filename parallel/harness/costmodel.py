@@ -55,7 +55,8 @@ class Calibration:
             model = self.workload.build_model(self.config.seed)
             t = single.setup(model, make_optimizer(self.config), self.workload.loss, Dist(device=device), self.config)
             x, y = self.workload.dataset(self.config.seed, batch).batch(0)
-            return median_time(lambda: single.train_step(t, (x, y), None), 7, synchronizer(device)) * 1e3
+            return median_time(lambda: single.train_step(t, (x, y), None), 7, synchronizer(device),
+                               budget_s=2.0) * 1e3  # 7 runs, or as few as 3 of a step of seconds
 
     def stage_ms(self, bounds: list[int], micro: int) -> tuple[list[float], list[float]]:
         """(forward ms, backward ms) of each pipeline stage layers[bounds[i]:bounds[i+1]] on a micro-batch
