@@ -28,7 +28,7 @@ from parallel.errors import ConfigError
 from parallel.harness import equivalence, launch, load
 from parallel.harness.report import make_progress
 from parallel.results import Equivalence, Row, file_stem, tb_run
-from parallel.usermodel import cannot_match, workload_of
+from parallel.usermodel import cannot_match, shape_model, workload_of
 from parallel.workloads import eval_loss
 
 BASELINE = "single"
@@ -178,6 +178,7 @@ def plan(config: RunConfig, names: list[str], baseline: bool = True,
     (ConfigError, exit 2), as is every bad combination, before anything is started or written."""
     workload = workload_of(config)
     model = functools.cache(lambda: workload.build_model(config.seed))  # built once, if a check needs it
+    shapes = functools.cache(lambda: shape_model(config))  # on the meta device: the planner counts, at any size
 
     def may_skip(name: str) -> bool:  # a sweep's point, or one `all` took in; one the user named: refused
         return not strict or ("all" in names and name not in names)
@@ -196,7 +197,7 @@ def plan(config: RunConfig, names: list[str], baseline: bool = True,
                 raise
             skipped[s.name] = re.sub(rf"^{s.name} cannot (run on \S+|train the .*? workload): ", "", str(e))
             continue
-        if over := over_cap(s.name, variants, model, config):
+        if over := over_cap(s.name, variants, shapes, config):
             if s.name == BASELINE or not may_skip(s.name):
                 raise ConfigError(f"{s.name}: {over}")
             skipped[s.name] = over
@@ -217,7 +218,7 @@ def plan(config: RunConfig, names: list[str], baseline: bool = True,
 
 def over_cap(name: str, variants: list, model: Callable, config: RunConfig) -> str:
     """Under --memory-cap: why the planner says a variant of `name` does not fit ("" if all fit or the
-    planner has no layout for it). `model()`: the run's model, built on first use."""
+    planner has no layout for it). `model()`: the run's model on the meta device, built on first use."""
     if not config.memory_cap_mb:
         return ""
     from parallel.plan import local  # only under a cap: no planner at every run's start
