@@ -518,8 +518,8 @@ def add_arguments(p) -> None:
     g.add_argument("--input-shape", default="", help="one sample's shape for synthetic data, e.g. 3,32,32")
     g.add_argument("--classes", type=int, default=0, help="classes of the synthetic data (with --input-shape)")
     g.add_argument("--vocab", type=int, default=0, help="tokens of synthetic sequences (with --seq-len)")
-    g.add_argument("--seq-len", type=int, default=0, help="length of synthetic token sequences (with --vocab); "
-                   "alone, the built-in transformer's (context parallelism)")
+    g.add_argument("--seq-len", "--seq", type=int, default=0, help="length of synthetic token sequences (with "
+                   "--vocab); alone, the built-in transformer's (context parallelism); --seq is plan's spelling")
     g.add_argument("--data", default="", help=".pt or .npz file with x and y, one row per sample")
 
 

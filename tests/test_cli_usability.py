@@ -112,3 +112,11 @@ def test_help_shows_readable_metavars(argv, expected, capsys):
     assert "OPTION_" not in text and "BATCH_SIZE" not in text
     for piece in expected:
         assert piece in text, piece
+
+
+def test_compare_and_plan_take_a_sequence_length_under_either_spelling():
+    # One description of a model for both commands (#44): compare's --seq-len and plan's --seq, each in both.
+    parser = cli.build_parser()
+    for flag in ("--seq-len", "--seq"):
+        assert parser.parse_args(["compare", flag, "64"]).seq_len == 64
+        assert parser.parse_args(["plan", flag, "1024"]).seq == 1024

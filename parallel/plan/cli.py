@@ -27,7 +27,8 @@ def add_parser(sub) -> None:
     m.add_argument("--arch", choices=("gpt", "llama"), help="gpt: GELU, biases, tied head; llama: SwiGLU, GQA")
     for flag, what in (("layers", "L"), ("hidden", "H"), ("heads", "A"), ("vocab", "V"), ("seq", "S"),
                        ("ffn", "F (default 4H)"), ("kv-heads", "G (default A)"), ("experts", "E"), ("top-k", "K")):
-        m.add_argument(f"--{flag}", type=int, metavar=what.split()[0], help=what)
+        also = ["--seq-len"] if flag == "seq" else []  # compare's spelling too
+        m.add_argument(f"--{flag}", *also, type=int, metavar=what.split()[0], help=what)
     c = p.add_argument_group("cluster")
     c.add_argument("--gpus", type=int, help="GPUs in all")
     c.add_argument("--gpu", default="a100-80gb", choices=sorted(GPUS), help="kind (a100-80gb)")
