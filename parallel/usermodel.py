@@ -129,19 +129,19 @@ def _import(spec: str):
     return factory
 
 
-def _call(factory, seed: int, spec: str, shape: tuple[tuple[str, int], ...] = ()) -> dict:
-    """The factory's result as the protocol's dict, checked. `shape`: the run's (name, size) pairs
-    (vocab, seq_len), given as keywords to a factory that takes them."""
-    params, sized = inspect.signature(factory).parameters.values(), ("vocab", "seq_len")
-    takes_seed = any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) and p.name not in sized
+def _call(factory, seed: int, spec: str, sizes: tuple[tuple[str, int], ...] = ()) -> dict:
+    """The factory's result as the protocol's dict, checked. `sizes`: the run's (name, size) pairs
+    (vocab, seq_len), given as keywords to a factory that takes them; its first other parameter: the seed."""
+    params, named = inspect.signature(factory).parameters.values(), dict(sizes)
+    takes_seed = any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) and p.name not in named
                      for p in params)
-    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    takes = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     every = any(p.kind == p.VAR_KEYWORD for p in params)
-    sizes = {k: v for k, v in shape if v and (every or k in names)}
+    given = {k: v for k, v in named.items() if v and (every or k in takes)}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
-            out = factory(seed, **sizes) if takes_seed else factory(**sizes)
+            out = factory(seed, **given) if takes_seed else factory(**given)
         except Exception as e:  # noqa: BLE001
             raise ConfigError(f"--model {spec}: the factory raised {_first_line(e)}") from None
     if isinstance(out, nn.Module):

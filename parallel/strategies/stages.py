@@ -21,6 +21,7 @@ from parallel.errors import ConfigError
 from parallel.strategies.base import local, param_bytes
 from parallel.strategies.tied import sum_tied, untie
 from parallel.timing import median_time
+from parallel.usermodel import shape_model
 
 
 def layers_of(model: nn.Module) -> list[nn.Module]:
@@ -104,8 +105,6 @@ class SentHop:
 def check_layers(config) -> None:
     """model_parallel's and pipeline's check: a stage per device needs as many layers, refused at planning
     with the reason (not at the first step), from the model's shapes alone (shape_model)."""
-    from parallel.usermodel import shape_model
-
     if config.world_size > (n := len(layers_of(shape_model(config)))):
         raise ConfigError(f"{config.world_size} stages (one a device), but the {config.model or config.workload} "
                           f"has {n} layers to split")
