@@ -65,7 +65,7 @@ def local(x) -> torch.Tensor:
 def block_of(model: nn.Module) -> nn.Module | None:
     """The model's first transformer Block whose MLP is the dense one the formula counts (an MoE
     block's is not), or None."""
-    from parallel.workloads import Block
+    from parallel.transformer import Block
 
     for m in model.modules():
         if isinstance(m, Block) and isinstance(m.mlp, nn.Sequential):

@@ -33,13 +33,15 @@ from parallel.basics import cli as basics_cli
 from parallel.basics.cli import show_memory
 from parallel.checkpoint import atomic_save
 from parallel.config import ConfigError, RunConfig, nearest_multiple
-from parallel.devices import environment
+from parallel.devices import environment, parse_devices
 from parallel.dist import Dist, script_devices
 from parallel.harness import costmodel, mutants, pictures, report, scaling
 from parallel.harness.report import make_console
 from parallel.harness.runner import plan, run_strategies
 from parallel.plan import cli as plan_cli
+from parallel.plan import models as plan_models
 from parallel.results import Equivalence, Row, atomic_write, prepare_out, write_results
+from parallel.transformer import SHAPE
 from parallel.usermodel import workload_of
 from parallel.worker import leave, run_here
 
@@ -112,9 +114,10 @@ def refuse(line: str, env=None) -> int:
 
 def add_run_options(p: argparse.ArgumentParser) -> None:
     d = RunConfig()
-    p.add_argument("--workload", default=d.workload,
-                   help=f"model and data: mlp, cnn, transformer, moe or dcgan (default {d.workload})")
+    p.add_argument("--workload", default=None, help="model and data: mlp, cnn, transformer, moe or dcgan "
+                                                     f"(default {d.workload}; transformer given its shape below)")
     usermodel.add_arguments(p)
+    plan_models.add_shape_arguments(p)
     p.add_argument("--aux-loss", type=float, default=d.aux_loss, help="--workload moe: the routers' load-balancing "
                    "loss at this weight (0: off; only `single` and expert_parallel sum its counts over the batch)")
     p.add_argument("--devices", default=d.devices, help="auto | cpu:N (N virtual devices) | cuda:0,1,...")
@@ -125,7 +128,7 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=d.warmup, help=f"untimed optimiser steps first ({d.warmup})")
     p.add_argument("--lr", type=float, default=d.lr, help=f"SGD learning rate ({d.lr})")
     p.add_argument("--seed", type=int, default=d.seed, help=f"seed of weights and data ({d.seed})")
-    p.add_argument("--precision", default=d.precision, help="fp32; bf16: every strategy's steps (and `single`'s) "
+    p.add_argument("--precision", default=None, help="fp32 (bf16 for the GPU default); bf16: every strategy's steps (and `single`'s) "
                                                             "under torch.autocast(bfloat16); fp64: everything in "
                                                             "float64, where rounding cannot flip a ReLU or a max-pool "
                                                             "(tells a bug from rounding: docs/oracle.md)")
@@ -213,13 +216,32 @@ def add_strategy_options(p: argparse.ArgumentParser, owners: list, sweep: bool) 
                        help=f"[{', '.join(users)}] {f.metadata.get('help', '')} (default {f.default})")
 
 
+SHAPED_BATCH = 8  # sequences a step when a shape is given: a preset's 1K-8K tokens each, where 512 of 32 is the default
+# `compare` on GPUs with no model named (README, "On GPUs"): GPT-2 small's shape in bf16, 8 sequences of 1,024
+# tokens a GPU. The CNN's step on an H100 was 3.1 ms of kernel launches; a plain loop at GPT-2 small's shape
+# took 31-33 ms at 1-4 sequences and 59.5 at 16 (2026-11-25), so 8 a GPU keeps each GPU's share compute-bound.
+GPU_DEFAULT = {"preset": "gpt2-small", "precision": "bf16", "why": "GPUs and no --workload: GPT-2 small's shape "
+               "in bf16, 8 sequences a GPU, so that a step is arithmetic, not kernel launches (the CNN's 3 ms on an "
+               "H100); --workload cnn for the small one"}
+
+
 def config_from_args(args: argparse.Namespace, default_out: bool = True) -> RunConfig:
     """The validated RunConfig; the results folder is named but not created (see prepare_out)."""
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     options = {k.removeprefix("option_"): v for k, v in vars(args).items() if k.startswith("option_") and v is not None}
-    given = {k: v for k, v in vars(args).items() if k in fields}
+    given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    if "workload" not in given and not given.get("model") and not any(given.get(k) for k in ("preset", *SHAPE)) \
+            and parse_devices(given.get("devices", RunConfig.devices)).real:
+        # GPUs and no model named: one whose step is compute, not kernel launches
+        given |= {k: v for k, v in GPU_DEFAULT.items() if not given.get(k)}
+    given = plan_models.with_preset(given)
+    shaped = any(given.get(k) for k in ("preset", *SHAPE))
+    given.setdefault("workload", "transformer" if shaped else RunConfig.workload)
     if given.get("batch_size") is None:  # not given: the default, rounded to the world by validate
-        given.update(batch_size=RunConfig.batch_size, batch_auto=True)
+        per_gpu = given.get("why") == GPU_DEFAULT["why"]  # the GPU default: 8 a GPU
+        world = given.get("world_size") or parse_devices(given.get("devices", "auto")).count
+        batch = SHAPED_BATCH * (world if per_gpu else 1)
+        given.update(batch_size=batch if shaped else RunConfig.batch_size, batch_auto=True)
     config = RunConfig(**given, options=options).validate()
     if not config.out and default_out:
         config.out = str(Path("results") / time.strftime("run-%Y%m%d-%H%M%S"))
@@ -289,6 +311,8 @@ def cmd_compare(args, names: list[str], baseline: bool) -> int:
     console = make_console(getattr(args, "wide", False))
     if found := usermodel.describe(workload_of(config)):  # what the harness found in the user's model
         console.print(found, highlight=False, markup=False)
+    if config.why:  # the workload the CLI chose, and why (GPUs and none named)
+        console.print(config.why, style="dim", highlight=False, markup=False)
     env = environment(config.spec)
     if why := env.get("gpus_unusable"):  # `auto` fell back to the CPU although GPUs are here: say so first
         console.print(f"GPUs not used: {why}", style="yellow", highlight=False, markup=False)

@@ -11,6 +11,7 @@ from pathlib import Path
 from parallel import usermodel
 from parallel.devices import parse_devices
 from parallel.errors import ConfigError
+from parallel.transformer import SHAPE
 from parallel.workloads import WORKLOADS
 
 __all__ = ["ConfigError", "RunConfig"]
@@ -35,6 +36,17 @@ class RunConfig:
     seq_len: int = 0
     data: str = ""
     aux_loss: float = 0.0  # the MoE's load-balancing loss weight (0: off); a workload with experts only
+    # The built-in transformer's shape, as `plan` takes it (transformer.shaped; 0 or "": its own), with vocab
+    # and seq_len above; `preset` only names the shape the CLI filled these from (plan/models.PRESETS).
+    preset: str = ""
+    arch: str = ""
+    layers: int = 0
+    hidden: int = 0
+    heads: int = 0
+    kv_heads: int = 0
+    ffn: int = 0
+    tied: bool = False
+    why: str = ""  # why this workload, where the CLI chose it (GPUs and no workload named: cli.GPU_DEFAULT)
     batch_size: int = 512  # the GLOBAL batch: every strategy takes one optimiser step on this many samples
     batch_auto: bool = False  # batch_size is a default, not the user's: validate rounds it to the nearest
     #   multiple of the world size (3 devices: 513), so that every rank takes an equal share
@@ -87,11 +99,14 @@ class RunConfig:
             user["workload"] = usermodel.workload_of(dataclasses.replace(self, **user)).name
         elif self.workload not in WORKLOADS:
             raise ConfigError(f"unknown workload {self.workload!r}; choose from {', '.join(WORKLOADS)}")
-        elif self.input_shape or self.classes or self.vocab or self.data:
-            raise ConfigError("--input-shape, --classes, --vocab and --data describe the data of your "
-                              "own model: give --model FILE.py:FACTORY too")
-        elif self.seq_len or self.aux_loss:
-            usermodel.workload_of(self)  # the built-in transformer's length; refused for a workload without one
+        elif self.input_shape or self.classes or self.data:
+            raise ConfigError("--input-shape, --classes and --data describe the data of your own model: give "
+                              "--model FILE.py:FACTORY too")
+        elif self.seq_len or self.aux_loss or self.vocab or self.shaped:
+            usermodel.workload_of(self)  # the built-in transformer's shape; refused for a workload without one
+        if self.model and self.shaped:
+            raise ConfigError("--preset, --arch, --layers, --hidden, --heads, --kv-heads, --ffn and --tied shape the "
+                              "built-in transformer; your model has its own shape")
         for name in ("batch_size", "steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
@@ -133,6 +148,11 @@ class RunConfig:
         if user.get("data") and batch != self.batch_size:
             usermodel.check_batch(user["data"], batch)
         return dataclasses.replace(self, devices=str(spec), world_size=world, batch_size=batch, **user)
+
+    @property
+    def shaped(self) -> bool:
+        """The built-in transformer's shape is given (a preset or the planner's flags)."""
+        return any(getattr(self, name) for name in ("preset", *SHAPE))
 
     @property
     def spec(self):

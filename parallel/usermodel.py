@@ -57,6 +57,7 @@ from torch import nn
 from parallel import hf
 from parallel.errors import ConfigError
 from parallel.moe import MoE
+from parallel.transformer import SHAPE, shaped
 from parallel.workloads import WORKLOADS, SyntheticData, TPPlan, Workload, logits_of, tp_plan_of
 
 HELD_OUT = 8  # a data file's last 1/HELD_OUT (at most 2048 samples) is the held-out set
@@ -67,7 +68,11 @@ def workload_of(config) -> Workload:
     """The workload a config names: one of the built-in ones, or the user's model (config.model)."""
     if not config.model:
         built_in = WORKLOADS[config.workload]
-        built_in = built_in.with_seq_len(config.seq_len) if config.seq_len else built_in
+        shape = {name: getattr(config, name, 0) for name in ("vocab", "preset", *SHAPE)}
+        if any(shape.values()):  # the planner's flags: the transformer at that shape
+            built_in = shaped(built_in, seq_len=config.seq_len, **shape)
+        elif config.seq_len:
+            built_in = built_in.with_seq_len(config.seq_len)
         return built_in.with_aux_loss(config.aux_loss) if getattr(config, "aux_loss", 0) else built_in
     return _user(config.model, config.input_shape, config.classes, config.vocab, config.seq_len, config.data)
 
@@ -500,9 +505,10 @@ def cannot_match(model: nn.Module) -> dict[str, str]:
 
 
 def describe(workload: Workload) -> str:
-    """One line on what the harness found in a user's model (empty for the built-in ones)."""
+    """One line on what the harness found in a user's model; for the built-in transformer given a shape,
+    that shape (empty for the other built-in ones)."""
     if not isinstance(workload, UserWorkload):
-        return ""
+        return workload.description if "arch" in dict(workload.model_args) else ""
     layers = (f"pipeline layers {', '.join(workload.layer_names)}" if workload.layer_names
               else f"no pipeline layers: {workload.no_layers}")
     experts = "; experts: parallel.moe.MoE layers" if workload.has_experts else ""
@@ -526,7 +532,10 @@ def add_arguments(p) -> None:
 def argv(config) -> list[str]:
     """The flags that name the config's model and data again, for a command started from it."""
     if not config.model:
-        return ["--workload", config.workload]
+        shape = {"--vocab": config.vocab, "--seq-len": config.seq_len, **{
+            f"--{name.replace('_', '-')}": getattr(config, name) for name in SHAPE if name != "tied"}}
+        return ["--workload", config.workload, *(x for k, v in shape.items() if v for x in (k, str(v))),
+                *(["--tied"] if config.tied else [])]
     flags = {"--model": config.model, "--input-shape": config.input_shape, "--classes": config.classes,
              "--vocab": config.vocab, "--seq-len": config.seq_len, "--data": config.data}
     return [x for k, v in flags.items() if v for x in (k, str(v))]

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.errors import ConfigError
-from parallel.moe import MoE
+from parallel.tpplan import TPPlan
+from parallel.transformer import MoETransformer, Transformer
 
 
 def logits_of(output):
@@ -72,30 +73,6 @@ def from_hf_plan(model: nn.Module, plan) -> TPPlan | None:
             if style in split and pattern.match(name) and isinstance(module, nn.Linear):
                 split[style].append(name)
     return TPPlan(tuple(split["colwise"]), tuple(split["rowwise"])) if split["colwise"] else None
-
-
-@dataclass(frozen=True)
-class TPPlan:
-    """How a model is split for tensor parallelism (Megatron, Shoeybi et al. 2019), by module name.
-
-    colwise   Linear layers split by their outputs: each rank computes its columns of the output
-    rowwise   Linear layers split by their inputs: each rank's partial output, summed over the ranks
-    regions   modules whose input enters several colwise layers (attention's q, k, v): it is copied to
-              the ranks once, and its gradient summed once; a colwise layer outside a region is its own
-
-    Every other module is replicated: each rank holds all of it and computes the same thing. A colwise
-    layer feeds a rowwise one with nothing between them but element-wise functions (or attention over
-    whole heads), so a pair costs one all-reduce forward (the rowwise output) and one backward (the
-    region's input gradient)."""
-
-    colwise: tuple[str, ...]
-    rowwise: tuple[str, ...]
-    regions: tuple[str, ...] = ()
-
-    @classmethod
-    def joined(cls, plans) -> TPPlan:
-        plans = list(plans)
-        return cls(*(tuple(n for p in plans for n in getattr(p, f)) for f in ("colwise", "rowwise", "regions")))
 
 
 class MLP(nn.Module):
@@ -148,124 +125,6 @@ class LeNet(nn.Module):
     def pipeline_layers(self) -> list[nn.Module]:
         """The layers forward() runs one after another: what model/pipeline parallelism split."""
         return [*self.features, *self.classifier]
-
-
-class TinyTransformer(nn.Module):
-    """A small decoder-only transformer (GPT-style, pre-norm): the workload the sharded and
-    tensor-parallel strategies are for. 64 tokens, context 32, width 128, 2 blocks of 4 heads: 0.42M params.
-
-    tokens (B, T) -> embed + position (B, T, C) -> [block] x 2 -> norm -> head -> logits (B, T, 64)
-    """
-
-    def __init__(self, vocab: int = 64, context: int = 32, width: int = 128, depth: int = 2, heads: int = 4):
-        super().__init__()
-        self.embed = Embed(vocab, context, width)
-        self.blocks = nn.Sequential(*[Block(width, heads) for _ in range(depth)])
-        self.head = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, vocab))
-
-    def forward(self, tokens, positions=None):  # (B, T) -> (B, T, vocab)
-        """positions: the tokens' places in the whole sequence (T,), where they are not 0..T-1 (a rank of
-        context parallelism holding a slice of it)."""
-        return self.head(self.blocks(self.embed(tokens, positions)))
-
-    def pipeline_layers(self) -> list[nn.Module]:
-        return [self.embed, *self.blocks, self.head]
-
-    def attentions(self) -> list[Attention]:
-        """The attention of every block: what context parallelism splits by the sequence."""
-        return [b.attn for b in self.blocks]
-
-    def tp_plan(self) -> TPPlan:
-        """Every block's plan (Block.tp_plan); the embeddings and the head replicated."""
-        return TPPlan.joined(b.tp_plan(f"blocks.{i}.") for i, b in enumerate(self.blocks))
-
-
-class MoETransformer(TinyTransformer):
-    """The transformer with every block's MLP replaced by routed experts (parallel/moe.py): 4 experts
-    (width 128 -> 256 -> 128) per block, each token to its top 2. 64 tokens, context 32, 2 blocks: 0.68M params,
-    of which the experts 0.53M.
-
-    aux_loss: the load-balancing loss's weight (MoE.aux_weight); 0, the default, leaves it out.
-    """
-
-    def __init__(self, vocab: int = 64, context: int = 32, width: int = 128, depth: int = 2, heads: int = 4,
-                 experts: int = 4, top_k: int = 2, aux_loss: float = 0.0):
-        nn.Module.__init__(self)
-        self.embed = Embed(vocab, context, width)
-        self.blocks = nn.Sequential(*[Block(width, heads, MoE(width, experts, top_k, 2 * width, aux_loss))
-                                      for _ in range(depth)])
-        self.head = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, vocab))
-
-    def moe_layers(self) -> list[MoE]:
-        """Every routed layer: what expert parallelism splits by experts."""
-        return [b.mlp for b in self.blocks]
-
-    def tp_plan(self) -> TPPlan:
-        """Attention split by heads as in TinyTransformer; the router and the experts replicated."""
-        return TPPlan.joined(TPPlan(colwise=tuple(f"blocks.{i}.attn.{n}" for n in "qkv"),
-                                    rowwise=(f"blocks.{i}.attn.proj",), regions=(f"blocks.{i}.attn",))
-                             for i in range(len(self.blocks)))
-
-
-class Embed(nn.Module):
-    def __init__(self, vocab: int, context: int, width: int):
-        super().__init__()
-        self.tokens, self.positions = nn.Embedding(vocab, width), nn.Embedding(context, width)
-
-    def forward(self, tokens, positions=None):  # (B, T) -> (B, T, C)
-        if positions is None:
-            positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.tokens(tokens) + self.positions(positions)
-
-
-class Block(nn.Module):
-    """x + attention(norm(x)), then x + mlp(norm(x))."""
-
-    def __init__(self, width: int, heads: int, mlp: nn.Module | None = None):
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.attn = Attention(width, heads)
-        self.mlp = mlp or nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-
-    def forward(self, x):  # (B, T, C)
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
-
-    def tp_plan(self, prefix: str = "") -> TPPlan:
-        """q, k, v split by heads (columns) in one region (their shared input copied once), proj by its
-        inputs (rows); the MLP's first layer by columns, its second by rows. Norms replicated."""
-        return TPPlan(colwise=tuple(prefix + n for n in ("attn.q", "attn.k", "attn.v", "mlp.0")),
-                      rowwise=(prefix + "attn.proj", prefix + "mlp.2"), regions=(prefix + "attn",))
-
-
-class Attention(nn.Module):
-    """Causal self-attention (each token sees its past), with separate q, k and v projections, so that
-    each can be split by heads for tensor parallelism; a fused [q | k | v] projection split contiguously
-    would give rank 0 all of q and half of k (pytorch#140069). The head count is read from the tensors
-    (width / head size), so a rank holding some of the heads computes with those."""
-
-    def __init__(self, width: int, heads: int):
-        super().__init__()
-        self.head_size = width // heads
-        self.attend = causal  # (q, k, v) -> y; context parallelism puts its ring attention here
-        fused = nn.Linear(width, 3 * width)  # drawn as one, as the fused projection was: the same weights
-        self.q, self.k, self.v = (nn.utils.skip_init(nn.Linear, width, width) for _ in range(3))  # no draws
-        with torch.no_grad():
-            for i, m in enumerate((self.q, self.k, self.v)):
-                m.weight.copy_(fused.weight[i * width:(i + 1) * width])
-                m.bias.copy_(fused.bias[i * width:(i + 1) * width])
-        self.proj = nn.Linear(width, width)
-
-    def forward(self, x):  # (B, T, C) -> (B, T, C)
-        b, t, _ = x.shape
-        q, k, v = (m(x).view(b, t, -1, self.head_size).transpose(1, 2) for m in (self.q, self.k, self.v))
-        y = self.attend(q, k, v)  # (B, heads here, T, head size)
-        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
-
-
-def causal(q, k, v):
-    """Each position attends to itself and the positions before it."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 def gan_update(parts: dict, optimizers, real, z, unsynced=lambda name: contextlib.nullcontext()) -> torch.Tensor:
@@ -428,7 +287,7 @@ WORKLOADS: dict[str, Workload] = {
                             "not cover, and its Linear layers (120 and 60 wide, 0.03M parameters) are too "
                             "small to be worth splitting"),
         Workload("transformer", "GPT-style transformer, 2 blocks, width 128, 64 tokens x 32, 0.42M params",
-                 TinyTransformer, (32,), classes=64, data="tokens"),
+                 Transformer, (32,), classes=64, data="tokens"),
         Workload("moe", "GPT-style transformer, 2 blocks of 4 experts (top-2), width 128, 64 tokens x 32, "
                  "0.68M params", MoETransformer, (32,), classes=64, data="tokens"),
         Workload("dcgan", "DCGAN 24x24x3: generator + discriminator, two optimisers", DCGAN, (3, 24, 24),

@@ -11,8 +11,8 @@ from parallel import activations, strategies
 from parallel.basics.cli import layer_recompute
 from parallel.config import RunConfig
 from parallel.dist import Dist
+from parallel.transformer import Block
 from parallel.worker import execute
-from parallel.workloads import Block
 
 
 def measured(b: int, s: int, h: int, a: int, backend=None, recompute: str = "none") -> dict:

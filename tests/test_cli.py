@@ -260,3 +260,9 @@ def test_the_overhead_tool_times_each_strategy_against_its_own_bare_loop(capsys)
                           "--rounds", "1"]) == 0
     out = capsys.readouterr().out
     assert "single" in out and "ddp" in out and "harness adds" in out and "hand-written" in out
+    # the transformer at a shape the planner takes (docs/measurements.md: GPT-2 small's at 2 blocks)
+    assert overhead.main(["--strategy", "single", "--arch", "llama", "--layers", "1", "--hidden", "32", "--heads",
+                          "2", "--vocab", "64", "--seq-len", "8", "--batch-size", "4", "--steps", "2",
+                          "--rounds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "Llama-style" in out and "paired by round" in out

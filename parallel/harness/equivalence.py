@@ -113,7 +113,7 @@ class Reference:
     initial: dict[str, torch.Tensor]
     state: dict[str, torch.Tensor]
     losses: dict[str, list[float]]  # {"loss": [...]} or the DCGAN's {"d_loss": [...], "g_loss": [...]}
-    noise: Rule | None = None  # a user's model that amplifies rounding: the rule its own noise allows (own_noise)
+    noise: Rule | None = None  # a user's model that amplifies rounding: the rule its own noise allows (noise.own_noise)
     causes: dict = dataclasses.field(default_factory=dict)  # usermodel.cannot_match: what no strategy can match
 
 
@@ -222,46 +222,6 @@ def explain(verdict: Equivalence, strategy: str, causes: dict[str, str]) -> None
 
 
 NOISE_MARGIN = 3  # a user's model is judged at this many times its own rounding noise, where that exceeds RTOL
-
-
-def own_noise(config, ref: Reference) -> Rule | None:
-    """The tolerances above were measured on the built-in models; a user's model may amplify rounding far
-    more (a ResNet-style CNN here: `single` on 1 vs 2 threads differed by 30% of a GroupNorm bias's
-    movement after 23 steps, 3% after 4). So its noise is measured in the run, as the docstring's was:
-    `single` again in this process on the other thread count, against the baseline; on GPUs, `single` on
-    the CPU against the GPU's baseline (two correct fp32 implementations that sum in other orders, as a
-    split batch does; the parent runs it on the CPU because a CUDA context here would hold memory on the
-    GPUs for the whole run). Where the worst tensor or loss step is off by more than RTOL / NOISE_MARGIN of
-    its scale, the rule for the run is NOISE_MARGIN times that, and says so: bugs smaller than it cannot be
-    told from this model's own noise. None where the fp32 rule stands, or where nothing would differ (one
-    core, one thread a device)."""
-    from parallel import strategies
-    from parallel.dist import Dist
-    from parallel.worker import execute
-
-    spec = config.spec
-    cores = spec.threads_per_device() * spec.count
-    if spec.real:
-        how = f"`single` on the CPU against the GPU ({spec.device(0)})"
-    elif cores < 2 or spec.threads_per_device() == cores:
-        return None
-    else:
-        how = f"`single` on {cores} threads against 1"
-    single = strategies.get("single")
-    other = dataclasses.replace(config, devices="cpu:1", world_size=1, profile=False, extras=False, out="")
-    row, state = execute(single, other, Dist())
-    unit = Rule(1.0, FLOOR, LOSS_FLOOR, "")
-    worst, name, _, _ = max(_tensor_ratios(ref, state, unit))
-    loss = max((r for r, *_ in _loss_ratios(ref, curves(row), unit)), default=0.0)
-    noise = max(worst, loss)
-    if NOISE_MARGIN * noise <= RTOL:
-        return None
-    where = f"{name}'s movement" if worst >= loss else "the loss's movement"
-    return Rule(NOISE_MARGIN * noise, FLOOR, LOSS_FLOOR,
-                f"this model's own rounding noise: {how} differed by {noise:.1%} of "
-                f"{where} after {config.warmup + config.steps} steps (the fp32 rule allows {RTOL:.0%}), so it is "
-                f"judged at {NOISE_MARGIN}x that, {NOISE_MARGIN * noise:.0%}; bugs smaller than that cannot be told "
-                "from its noise here: fewer --steps judge it more sharply")
 
 
 def global_rule(ref: Reference, state: dict[str, torch.Tensor]) -> bool:

@@ -27,7 +27,9 @@ from parallel.devices import synchronizer_all
 from parallel.dist import Dist
 from parallel.harness.ranks import run_ranks
 from parallel.harness.report import make_console
+from parallel.plan import models as plan_models
 from parallel.train import make_optimizer
+from parallel.transformer import SHAPE
 from parallel.usermodel import workload_of
 from parallel.worker import devices_driven, execute
 
@@ -71,12 +73,15 @@ def strategy_loop_ms(strategy, config: RunConfig, dist: Dist) -> float:
     return statistics.median(times) * 1e3
 
 
-def _alternate(strategy, config: RunConfig, dist: Dist, rounds: int) -> tuple[list[float], list[float]]:
-    harness, bare = [], []
+def _alternate(strategy, config: RunConfig, dist: Dist, rounds: int) -> tuple[list[float], ...]:
+    """Each round: the harness, the strategy's own loop and (for `single`) the hand-written loop, in turn."""
+    harness, bare, hand = [], [], []
     for _ in range(rounds):
         harness.append(execute(strategy, config, dist)[0].step_ms_p50)
         bare.append(strategy_loop_ms(strategy, config, dist))
-    return harness, bare
+        if strategy.name == "single":
+            hand.append(bare_loop_ms(config))
+    return harness, bare, hand
 
 
 def _ranks(rank: int, world: int, name: str, config: RunConfig, rounds: int):
@@ -84,15 +89,17 @@ def _ranks(rank: int, world: int, name: str, config: RunConfig, rounds: int):
     return _alternate(strategies.get(name), config, dist, rounds)
 
 
-def measure(name: str, config: RunConfig, rounds: int) -> tuple[float, float]:
-    """(harness median ms, bare-loop median ms) of one strategy, alternating `rounds` times."""
+def measure(name: str, config: RunConfig, rounds: int) -> tuple[list[float], ...]:
+    """Per round, ms a step: the harness, the strategy's bare loop, and (single) the hand-written loop."""
     s = strategies.get(name)
     if s.launch == "torchrun":
-        harness, bare = run_ranks(_ranks, s.world_size(config), (name, config, rounds), timeout=config.pg_timeout,
-                                  total=60 + 30 * rounds)[0]
-    else:
-        harness, bare = _alternate(s, config, Dist(), rounds)
-    return statistics.median(harness), statistics.median(bare)
+        return run_ranks(_ranks, s.world_size(config), (name, config, rounds), timeout=config.pg_timeout,
+                         total=60 + 30 * rounds)[0]
+    return _alternate(s, config, Dist(), rounds)
+
+
+def _spread(ms: list[float]) -> str:
+    return f"{statistics.median(ms):.2f} [{min(ms):.2f}-{max(ms):.2f}]"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,25 +111,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--vocab", type=int, default=0)
+    p.add_argument("--seq-len", type=int, default=0)
+    plan_models.add_shape_arguments(p)  # the transformer at a real size: --preset gpt2-small --layers 2
     args = p.parse_args(argv)
-    config = RunConfig(workload=args.workload, batch_size=args.batch_size, steps=args.steps, devices=args.devices,
-                       extras=False).validate()
+    shape = plan_models.with_preset({k: getattr(args, k) for k in ("preset", "vocab", "seq_len", *SHAPE)})
+    workload = "transformer" if any(shape.values()) else args.workload
+    config = RunConfig(workload=workload, **shape, batch_size=args.batch_size, steps=args.steps, warmup=args.warmup,
+                       devices=args.devices, extras=False).validate()
     names = strategies.NAMES if args.strategy == "all" else args.strategy.split(",")
     workload = workload_of(config)
     runnable = [s.name for s in map(strategies.get, names)
                 if s.synchronous and not s.unsupported(workload) and not s.available(config.spec)]
-    table = Table(title=f"The harness against a bare loop of each strategy: {args.workload}, batch "
-                        f"{args.batch_size}, {args.devices}, {args.rounds} alternating rounds of {args.steps} steps",
+    what = workload.description if any(shape.values()) else args.workload
+    table = Table(title=f"The harness against a bare loop of each strategy: {what}, batch {args.batch_size}, "
+                        f"{args.devices}, {args.rounds} alternating rounds of {args.steps} steps (median [min-max])",
                   title_justify="left")
     for col in ("strategy", "harness ms", "bare loop ms", "harness adds"):
         table.add_column(col, justify="left" if col == "strategy" else "right")
+    single = None
     for name in runnable:
         strategies.get(name).validate(config)
-        h, b = measure(name, config, args.rounds)
-        table.add_row(name, f"{h:.2f}", f"{b:.2f}", f"{h / b - 1:+.1%}")
-    hand = statistics.median(bare_loop_ms(config) for _ in range(args.rounds))
+        h, b, hand = measure(name, config, args.rounds)
+        single = (h, hand) if hand else single
+        adds = statistics.median(x / y for x, y in zip(h, b, strict=True)) - 1
+        table.add_row(name, _spread(h), _spread(b), f"{adds:+.1%}")
     make_console().print(table)
-    print(f"single's own loop against a hand-written one (no strategy code): {hand:.2f} ms per step")
+    if single:  # the same rounds, so the ratio is paired round by round
+        h, hand = single
+        print(f"a hand-written loop (model, loss, backward, step; no strategy code): {_spread(hand)} ms a step; "
+              f"`single` through the harness against it, paired by round: "
+              f"{statistics.median(x / y for x, y in zip(h, hand, strict=True)) - 1:+.1%}")
     return 0
 
 

@@ -43,12 +43,12 @@ def _bytes(n, short: bool = False) -> str:
 def run_facts(config) -> dict:
     """What was trained, for the header and results.json: the workload (the user's model by its label),
     its parameter count, the batch, steps and warm-up, precision and seed."""
-    from parallel.usermodel import workload_of
+    from parallel.usermodel import shape_model
 
-    model = workload_of(config).build_model(config.seed)
-    return {"workload": config.workload, "params": sum(p.numel() for p in model.parameters()),
+    label = config.workload + (f" ({config.preset or config.arch or 'gpt'})" if config.shaped else "")
+    return {"workload": label, "params": sum(p.numel() for p in shape_model(config).parameters()),
             "global_batch": config.batch_size, "steps": config.steps, "warmup": config.warmup,
-            "precision": config.precision, "seed": config.seed}
+            "precision": config.precision, "seed": config.seed, "why": config.why}
 
 
 def _count(n: int) -> str:
@@ -553,7 +553,7 @@ def advice(rows: list[Row]) -> list[str]:
         else:
             backed = "one measurement"
             ties = [r for r in clean if r is not best and r.speedup >= 0.9 * best.speedup]
-        noise = best.equivalence.basis.startswith("this model's own")  # equivalence.own_noise's rule
+        noise = best.equivalence.basis.startswith("this model's own")  # noise.own_noise's rule
         like = "like one device, within the model's own rounding noise" if noise else "exactly like one device"
         if best.speedup < 1:
             out.append(f"None trains {like} faster than one device here; the least slow: {best.label}, "
@@ -669,6 +669,8 @@ def show(rows: list[Row], environment: dict, console: Console | None = None, ski
          cost_model: dict | None = None, wide: bool = False) -> None:
     console = console or make_console()
     console.print(header(environment), highlight=False, markup=False)
+    if why := (environment.get("run") or {}).get("why"):  # the CLI chose the workload (GPUs, none named)
+        console.print(why, style="dim", highlight=False, markup=False)
     console.print(table(rows, environment, wide))
     for extra in (*sharding_tables(rows), pipeline_table(rows, wide), layer_table(rows), context_table(rows),
                   expert_table(rows)):

@@ -25,7 +25,7 @@ import torch
 from parallel import checkpoint, strategies
 from parallel.config import RunConfig
 from parallel.errors import ConfigError
-from parallel.harness import equivalence, launch, load
+from parallel.harness import equivalence, launch, load, noise
 from parallel.harness.report import make_progress
 from parallel.results import Equivalence, Row, file_stem, tb_run
 from parallel.usermodel import cannot_match, shape_model, workload_of
@@ -266,7 +266,8 @@ def run_strategies(config: RunConfig, chosen: list[tuple], baseline: bool = True
                 if baseline and s.name == BASELINE and state is not None:
                     ref = equivalence.Reference(initial, state, equivalence.curves(row), causes=causes)
                     if config.model and "dropout" not in causes:  # a model the tolerances were not measured
-                        ref.noise = equivalence.own_noise(cfg, ref)  # on: its own noise (not dropout's masks)
+                        ref.noise = noise.own_noise(  # on: its own noise (not dropout's masks)
+                            cfg, ref, rerun=lambda s, c: run_one(s, "noise", c, work, logs))
                     row.equivalence = Equivalence("baseline", 0.0, basis=equivalence.rule_for(s, cfg).basis)
                 elif row.status == "ok":
                     row.equivalence = equivalence.judge(s, cfg, ref, row, state)

@@ -24,8 +24,8 @@ DATA_PARALLEL = {"single": 0, "data_parallel": 0, "manual_dp": 0, "ddp": 0, "man
 
 
 def spec_of(model: nn.Module) -> ModelSpec | None:
-    """The project's transformer (workloads.TinyTransformer: embed, blocks of Block, head) as a ModelSpec."""
-    from parallel.workloads import Block
+    """The project's transformer (transformer.Transformer: embed, blocks of Block, head) as a ModelSpec."""
+    from parallel.transformer import Block
 
     blocks = [m for m in getattr(model, "blocks", []) if isinstance(m, Block) and isinstance(m.mlp, nn.Sequential)]
     embed = getattr(model, "embed", None)

@@ -121,13 +121,16 @@ def llama(name, layers, hidden, heads, kv, ffn, vocab=128256, seq=8192, experts=
     return ModelSpec(layers, hidden, heads, vocab, seq, ffn, kv, experts, top_k, "llama", name)
 
 
-# Shapes from each model's paper or released config (Brown et al. 2020 table 2.1; Korthikanti et al. 2022
+# Shapes from each model's paper or released config (Radford et al. 2019 table 2; Brown et al. 2020 table 2.1;
+# Korthikanti et al. 2022
 # table 3; Meta's Llama 3 model cards / config.json; Mistral's Mixtral 8x7B config.json).
 PRESETS = {p.name: p for p in (
     gpt("gpt3-175b", 96, 12288, 96),
     gpt("megatron-22b", 48, 6144, 64),
     gpt("mt-nlg-530b", 105, 20480, 128),
     gpt("megatron-1t", 128, 25600, 160),
+    gpt("gpt2-small", 12, 768, 12, seq=1024, vocab=50304),  # GPT-2's 50,257 tokens padded to 64s (nanoGPT's)
+    gpt("gpt2-medium", 24, 1024, 16, seq=1024, vocab=50304),
     llama("llama3-8b", 32, 4096, 32, 8, 14336),
     llama("llama3-70b", 80, 8192, 64, 8, 28672),
     llama("llama3-405b", 126, 16384, 128, 8, 53248),
@@ -189,3 +192,30 @@ def _read_modules(model) -> dict:
     widths = [m.out_features for m in block.modules() if isinstance(m, nn.Linear) and m.in_features == hidden]
     return fields | {"layers": len(blocks), "hidden": hidden, "heads": heads,
                      "ffn": max(widths) if widths and max(widths) != hidden else None}
+
+
+def add_shape_arguments(p) -> None:
+    """compare's flags for its built-in transformer, plan's own names (--vocab and --seq-len, which a
+    user's model shares, are usermodel's). A preset or --arch alone picks that workload."""
+    g = p.add_argument_group("the built-in transformer's shape (as `plan` takes it; flags override a preset's "
+                             "fields; a preset or --arch alone picks --workload transformer)")
+    g.add_argument("--preset", default="", choices=sorted(n for n, m in PRESETS.items() if not m.experts),
+                   help="a published model's shape (cut it with --layers)")
+    g.add_argument("--arch", default="", choices=("gpt", "llama"), help="gpt: LayerNorm, GELU, learned positions; "
+                   "llama: RMSNorm, SwiGLU, RoPE, grouped-query attention")
+    for flag, what in (("layers", "blocks (2)"), ("hidden", "width (128)"), ("heads", "attention heads (4)"),
+                       ("kv-heads", "k/v heads (default: --heads; fewer: grouped-query attention)"),
+                       ("ffn", "the MLP's width (default 4 x hidden; llama 8/3 x hidden, rounded up to 64)")):
+        g.add_argument(f"--{flag}", type=int, default=0, metavar="N", help=what)
+    g.add_argument("--tied", action="store_true", help="gpt: the head's weight is the token embedding (GPT-2's, "
+                                                       "and `plan`'s gpt); default separate")
+
+
+def with_preset(given: dict) -> dict:
+    """compare's arguments with a preset's shape filled in wherever a flag did not give that field."""
+    if not given.get("preset"):
+        return given
+    m = PRESETS[given["preset"]]
+    fields = {"arch": m.arch, "layers": m.layers, "hidden": m.hidden, "heads": m.heads, "kv_heads": m.kv_heads,
+              "ffn": m.ffn, "vocab": m.vocab, "seq_len": m.seq}
+    return given | {k: v for k, v in fields.items() if not given.get(k)}

@@ -241,7 +241,7 @@ def _saved_bytes(model: nn.Module, run) -> tuple[int, int]:
 def activations(t: Trainable, batch) -> dict:
     """Activation bytes of this rank's slice against the whole sequence on one device (the same model,
     torch's attention, this process): what splitting the sequence saves."""
-    from parallel.workloads import causal
+    from parallel.transformer import causal
 
     x, y = (b.to(t.device) for b in batch)
     mine = _saved_bytes(t.model, lambda: local_loss(t, batch))

@@ -44,8 +44,9 @@ from parallel.strategies.base import (
     model_state_every_rank,
     ring_allreduce_bytes,
 )
+from parallel.transformer import Attention
 from parallel.usermodel import shape_model, workload_of
-from parallel.workloads import Attention, tp_plan_of
+from parallel.workloads import tp_plan_of
 
 NAME = "manual_tp"
 LAUNCH = "torchrun"
@@ -139,6 +140,9 @@ def plan_problems(model: nn.Module, tp: int) -> str | None:
     for name, m in model.named_modules():
         if isinstance(m, Attention) and (heads := m.q.out_features // m.head_size) % tp:
             return f"tp {tp} does not divide {name}'s {heads} heads"
+        if isinstance(m, Attention) and (kv := m.k.out_features // m.head_size) % tp:  # GQA: a rank needs whole
+            return (f"tp {tp} does not divide {name}'s {kv} kv heads (grouped-query attention; kv heads "
+                    "replicated over the ranks are not built: a tp that divides them splits them)")
     plan = tp_plan_of(model)
     for name in plan.colwise + plan.rowwise:
         if type(layer := model.get_submodule(name)) is not nn.Linear:  # GPT-2's Conv1D holds its weight transposed

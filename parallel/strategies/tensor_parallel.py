@@ -108,8 +108,10 @@ def plan(model: nn.Module, o: Options, config) -> dict:
     styles |= {name: RowwiseParallel(output_layouts=split_between) for name in tp.rowwise}
     regions = [*tp.regions]
     if o.sequence_parallel:  # every block's norms on their positions; the MLPs become regions (all-gather in)
-        regions += [name.rpartition(".")[0] for name in tp.colwise if name.endswith("mlp.0")]
-        styles |= {name: SequenceParallel() for name, m in model.named_modules() if isinstance(m, nn.LayerNorm)
+        regions += list(dict.fromkeys(name.rpartition(".")[0] for name in tp.colwise  # GELU's; SwiGLU's
+                                      if name.endswith(("mlp.0", "mlp.w1", "mlp.w3"))))
+        styles |= {name: SequenceParallel() for name, m in model.named_modules()
+                   if isinstance(m, (nn.LayerNorm, nn.RMSNorm))
                    and not (injected(config, NORM_UNSYNCED) and name.endswith("norm2"))}
         styles["embed"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
     region = _region_style()

@@ -211,7 +211,7 @@ class Counter:
         self.counted += 1
 
 
-_BLOCK = re.compile(r"\.blocks\.\d+(\.|$)")  # ModTracker's names: "TinyTransformer.blocks.0.attn"
+_BLOCK = re.compile(r"\.blocks\.\d+(\.|$)")  # ModTracker's names: "Transformer.blocks.0.attn"
 
 
 @contextlib.contextmanager

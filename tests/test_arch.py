@@ -1,0 +1,138 @@
+"""The built-in transformer at the planner's shapes (parallel/transformer.py): GPT and Llama (RMSNorm, SwiGLU,
+RoPE, grouped-query attention), from flags or a preset, counted as the planner counts them, and trained by
+the strategies that split it (tensor parallel, pipelines, FSDP, context parallel) to `single`'s result."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from parallel import strategies
+from parallel.cli import build_parser, config_from_args
+from parallel.config import ConfigError, RunConfig
+from parallel.dist import Dist
+from parallel.harness import equivalence
+from parallel.plan.models import ModelSpec
+from parallel.transformer import Transformer, rotate
+from parallel.usermodel import shape_model, workload_of
+from parallel.workloads import WORKLOADS
+from tests.multirank import FP64_MARGIN, _execute, _sharp, _train, run_ranks
+
+LLAMA = {"arch": "llama", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 96, "vocab": 512, "seq_len": 16}
+
+
+def _compare(*flags: str) -> RunConfig:
+    return config_from_args(build_parser().parse_args(["compare", *flags]), default_out=False)
+
+
+@pytest.mark.parametrize("arch,tied", [("gpt", True), ("gpt", False), ("llama", False)])
+def test_the_model_has_the_planners_parameter_count(arch, tied):
+    spec = ModelSpec(layers=3, hidden=96, heads=6, vocab=1000, seq=24, ffn=200, kv_heads=2 if arch == "llama" else 0,
+                     arch=arch)
+    model = Transformer(1000, 24, 96, 3, 6, arch, spec.kv_heads, 200, tied)
+    head = 0 if tied or arch == "llama" else 1000 * 96 + 1000  # the planner's gpt is tied; untied adds the head
+    assert sum(p.numel() for p in model.parameters()) == spec.params + head
+
+
+def test_a_preset_or_arch_alone_picks_the_transformer_and_flags_override_the_preset():
+    c = _compare("--preset", "llama3-8b", "--layers", "2", "--hidden", "512", "--ffn", "1536", "--heads", "8",
+                 "--kv-heads", "2", "--seq-len", "128", "--devices", "cpu:2")
+    assert (c.workload, c.arch, c.vocab, c.layers, c.hidden, c.heads, c.kv_heads) == (
+        "transformer", "llama", 128_256, 2, 512, 8, 2)
+    assert c.batch_size == 8  # a shaped transformer's default: sequences, not 512 of them
+    w = workload_of(c)
+    assert (w.classes, w.input_shape) == (128_256, (128,)) and "(llama3-8b)" in w.description
+    model = shape_model(c)  # on the meta device: no memory at any vocabulary
+    assert all(p.is_meta for p in model.parameters())
+    assert model.blocks[0].attn.k.out_features == 2 * 64 and not hasattr(model.embed.positions, "weight")
+    assert _compare("--arch", "gpt", "--devices", "cpu:2").workload == "transformer"
+    assert _compare("--preset", "gpt2-small", "--layers", "2", "--devices", "cpu:2").vocab == 50_304
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--workload", "cnn", "--arch", "llama"], "the cnn workload has its own shape"),
+    (["--hidden", "100", "--heads", "8"], "--hidden 100 must divide into --heads 8"),
+    (["--heads", "4", "--kv-heads", "3"], "and those into --kv-heads 3"),
+    (["--arch", "llama", "--hidden", "60", "--heads", "4"], "a head's 15 must be even"),
+    (["--arch", "llama", "--tied"], "--arch llama's are separate"),
+    (["--model", "examples/gpt2.py:gpt2", "--vocab", "64", "--seq-len", "8", "--layers", "3"], "your model has"),
+])
+def test_a_shape_that_cannot_be_built_is_one_line(flags, says):
+    with pytest.raises(ConfigError, match=says.replace("(", r"\(")):
+        _compare(*flags, "--devices", "cpu:2")
+
+
+def test_the_default_transformer_is_unchanged_and_the_shapes_differ_where_they_should():
+    default = WORKLOADS["transformer"].build_model(0)
+    assert sum(p.numel() for p in default.parameters()) == 417_344  # the 0.42M the oracle's tables measured
+    llama = workload_of(RunConfig(workload="transformer", **LLAMA)).build_model(0)
+    names = {n for n, _ in llama.named_parameters()}
+    assert "blocks.0.mlp.w1.weight" in names and "embed.positions.weight" not in names
+    assert not any(n.endswith(".bias") for n in names)  # Llama has none
+    x = torch.randint(0, 512, (2, 16))
+    assert llama(x).shape == (2, 16, 512)
+
+
+def test_rope_turns_by_the_global_position_so_a_slice_at_its_positions_is_the_whole_ones():
+    x = torch.randn(1, 2, 16, 8, dtype=torch.float64)
+    whole = rotate(x, torch.arange(16))
+    at = torch.tensor([4, 5, 12, 13])  # a zig-zag rank's positions
+    assert torch.equal(rotate(x[:, :, at], at), whole[:, :, at])
+    assert not torch.allclose(rotate(x[:, :, at], torch.arange(4)), whole[:, :, at])  # local positions differ
+    q, k = torch.randn(2, 1, 1, 8, dtype=torch.float64).unbind(0)  # the score depends on the distance alone
+    s = [(rotate(q, torch.tensor([p + 3])) * rotate(k, torch.tensor([p]))).sum() for p in (0, 100)]
+    assert s[0].item() == pytest.approx(s[1].item(), rel=1e-9)
+
+
+def _llama(workload, world, options):
+    options = dict(options)
+    return RunConfig(workload=workload, **LLAMA, devices=f"cpu:{world}", batch_size=4, steps=3, warmup=1,
+                     mutant=options.pop("mutant", ""), options=options).validate()
+
+
+def test_llama_with_gqa_and_rope_matches_single_under_every_splitting_strategy_and_a_rope_bug_does_not():
+    # The last run is the zig-zag bug on Llama: RoPE turns each token by a position that is not its own
+    bug = {"cp_layout": "zigzag", "mutant": "context_parallel:zigzag-positions-unpermuted"}
+    runs = [("tensor_parallel", "transformer", {}), ("tensor_parallel", "transformer", {"sequence_parallel": 1}),
+            ("manual_tp", "transformer", {}), ("context_parallel", "transformer", {"cp_layout": "zigzag"}),
+            ("pipeline_dist", "transformer", {"schedule": "1f1b"}), ("fsdp", "transformer", {}),
+            ("context_parallel", "transformer", bug)]
+    results = run_ranks(_train, 2, (runs, _llama))[0]
+    clean = _sharp(_llama("transformer", 2, {}))
+    ref = equivalence.reference_of(clean, *_execute(strategies.get("single"), clean, Dist()))
+    for (name, _, options), (row, state) in zip(runs, results, strict=True):
+        verdict = equivalence.judge(strategies.get(name), _sharp(_llama("transformer", 2, options)), ref, row, state)
+        if "mutant" in options:
+            assert verdict.verdict == "mismatch" and verdict.ratio > 100, verdict
+        else:
+            assert verdict.verdict == "match" and verdict.ratio < FP64_MARGIN, (name, options, verdict)
+
+
+def test_tensor_parallel_refuses_kv_heads_it_cannot_split_and_says_so():
+    from parallel.strategies import manual_tp
+
+    model = workload_of(RunConfig(workload="transformer", **LLAMA)).build_model(0)
+    assert manual_tp.plan_problems(model, 2) is None
+    assert "does not divide blocks.0.attn's 2 kv heads" in manual_tp.plan_problems(model, 4)
+
+
+def test_the_planners_shape_for_a_user_reaches_plan_and_compare_alike():
+    c = _compare("--preset", "gpt2-medium", "--layers", "1", "--hidden", "64", "--heads", "4", "--devices", "cpu:2")
+    assert dataclasses.asdict(c)["preset"] == "gpt2-medium" and c.seq_len == 1024 and c.heads == 4
+
+
+def test_on_gpus_with_no_workload_named_the_default_is_gpt2_small_in_bf16_and_says_why(strict_cuda):
+    c = _compare("--devices", "cuda:0,1")
+    assert (c.workload, c.preset, c.layers, c.hidden, c.vocab, c.seq_len) == ("transformer", "gpt2-small", 12, 768,
+                                                                            50_304, 1024)
+    assert c.precision == "bf16" and c.batch_size == 16 and "kernel launches" in c.why  # 8 sequences a GPU
+    assert _compare("--devices", "cuda:0,1", "--layers", "2").why == ""  # a shape named: the user's
+    named = _compare("--devices", "cuda:0,1", "--workload", "cnn")
+    assert (named.workload, named.precision, named.batch_size, named.why) == ("cnn", "fp32", 512, "")
+    assert _compare("--devices", "cuda:0,1", "--precision", "fp32").precision == "fp32"  # flags still win
+    assert not strict_cuda.entries("init")  # choosing it opens no CUDA context
+
+
+def test_on_the_cpu_the_default_stays_the_small_cnn(no_cuda):
+    c = _compare()
+    assert (c.workload, c.precision, c.batch_size, c.why) == ("cnn", "fp32", 512, "")
