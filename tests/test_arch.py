@@ -136,3 +136,14 @@ def test_on_gpus_with_no_workload_named_the_default_is_gpt2_small_in_bf16_and_sa
 def test_on_the_cpu_the_default_stays_the_small_cnn(no_cuda):
     c = _compare()
     assert (c.workload, c.precision, c.batch_size, c.why) == ("cnn", "fp32", 512, "")
+
+
+def test_the_planners_memory_reads_a_llama_shape_from_the_model():
+    from parallel.plan import local
+
+    c = RunConfig(workload="transformer", **LLAMA, devices="cpu:2", batch_size=4).validate()
+    spec = local.spec_of(shape_model(c), 16)
+    assert (spec.arch, spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.ffn, spec.seq) == (
+        "llama", 2, 64, 4, 2, 96, 16)
+    assert spec.params == sum(p.numel() for p in shape_model(c).parameters())
+    assert local.need("fsdp", c, shape_model(c))["activations"] > 0  # its blocks counted, not only its state

@@ -17,23 +17,29 @@ from parallel.formulas import element_bytes, sgd_state
 from parallel.plan.layouts import Layout, Training
 from parallel.plan.memory import layer_activations
 from parallel.plan.models import ModelSpec
+from parallel.usermodel import workload_of
 
 # strategy -> the ZeRO stage its model state is sharded by (None: read the zero option)
 DATA_PARALLEL = {"single": 0, "data_parallel": 0, "manual_dp": 0, "ddp": 0, "manual_ddp": 0, "zero": None,
                  "zero_optimizer": 1, "fsdp": 3}
 
 
-def spec_of(model: nn.Module) -> ModelSpec | None:
-    """The project's transformer (transformer.Transformer: embed, blocks of Block, head) as a ModelSpec."""
-    from parallel.transformer import Block
+def spec_of(model: nn.Module, seq: int = 0) -> ModelSpec | None:
+    """The project's transformer (transformer.Transformer: embed, blocks of Block, head) as a ModelSpec,
+    gpt or llama; `seq` the run's sequence length (a rotary model has no position table to read it from)."""
+    from parallel.transformer import Block, SwiGLU
 
-    blocks = [m for m in getattr(model, "blocks", []) if isinstance(m, Block) and isinstance(m.mlp, nn.Sequential)]
+    dense = (nn.Sequential, SwiGLU)  # the MLPs the formula counts (an MoE block's is not)
+    blocks = [m for m in getattr(model, "blocks", []) if isinstance(m, Block) and isinstance(m.mlp, dense)]
     embed = getattr(model, "embed", None)
     if not blocks or embed is None or len(blocks) != len(model.blocks):
         return None
     vocab, width = embed.tokens.weight.shape
-    heads = width // blocks[0].attn.head_size
-    return ModelSpec(len(blocks), width, heads, vocab, embed.positions.weight.shape[0])
+    attn, llama = blocks[0].attn, isinstance(blocks[0].mlp, SwiGLU)
+    ffn = blocks[0].mlp.w1.out_features if llama else blocks[0].mlp[0].out_features
+    seq = embed.positions.weight.shape[0] if embed.positions is not None else seq
+    return ModelSpec(len(blocks), width, width // attn.head_size, vocab, max(1, seq), ffn,
+                     attn.k.out_features // attn.head_size, arch="llama" if llama else "gpt")
 
 
 def need(name: str, config, model: nn.Module) -> dict | None:
@@ -54,7 +60,7 @@ def need(name: str, config, model: nn.Module) -> dict | None:
     offloaded = name == "fsdp" and config.options.get("offload") == "cpu"
     state = 0.0 if offloaded else sgd_state(psi, stage, shards, element_bytes(config.precision))
     acts = 0.0
-    spec = spec_of(model)
+    spec = spec_of(model, workload_of(config).input_shape[-1])
     if spec is not None:
         per_device = config.batch_size // world // int(config.options.get("accum", 1) if name == "ddp" else 1)
         layer = layer_activations(spec, Layout(mbs=max(1, per_device)), Training(1, "fp32", "flash"))
