@@ -125,13 +125,14 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=None, help=f"GLOBAL batch per step (default {d.batch_size}, "
                    "rounded to the nearest multiple of the devices: 513 on 3)")
     p.add_argument("--steps", type=int, default=d.steps, help=f"timed optimiser steps ({d.steps})")
-    p.add_argument("--warmup", type=int, default=d.warmup, help=f"untimed optimiser steps first ({d.warmup})")
+    p.add_argument("--warmup", type=int, default=None, help=f"untimed optimiser steps first ({d.warmup}; 1 for a "
+                   "shape given on CPUs: a step of seconds is warm after one)")
     p.add_argument("--lr", type=float, default=d.lr, help=f"SGD learning rate ({d.lr})")
     p.add_argument("--seed", type=int, default=d.seed, help=f"seed of weights and data ({d.seed})")
-    p.add_argument("--precision", default=None, help="fp32 (bf16 for the GPU default); bf16: every strategy's steps (and `single`'s) "
-                                                            "under torch.autocast(bfloat16); fp64: everything in "
-                                                            "float64, where rounding cannot flip a ReLU or a max-pool "
-                                                            "(tells a bug from rounding: docs/oracle.md)")
+    p.add_argument("--precision", default=None, help="fp32 (the GPU default's: bf16); bf16: every strategy's "
+                                                     "steps (and `single`'s) under torch.autocast(bfloat16); fp64: "
+                                                     "everything in float64, where rounding cannot flip a ReLU or a "
+                                                     "max-pool (tells a bug from rounding: docs/oracle.md)")
     p.add_argument("--profile", action="store_true", help="write torch.profiler traces to OUT/tb/")
     p.add_argument("--memory-cap", dest="memory_cap_mb", type=float, default=d.memory_cap_mb, metavar="MiB",
                    help="memory a device may hold: a strategy the planner puts over it is left out (named: "
@@ -217,6 +218,7 @@ def add_strategy_options(p: argparse.ArgumentParser, owners: list, sweep: bool) 
 
 
 SHAPED_BATCH = 8  # sequences a step when a shape is given: a preset's 1K-8K tokens each, where 512 of 32 is the default
+SHAPED_WARMUP = 1  # ... and warm-up steps on CPUs: at real sizes a step takes seconds, warm after the first
 # `compare` on GPUs with no model named (README, "On GPUs"): GPT-2 small's shape in bf16, 8 sequences of 1,024
 # tokens a GPU. The CNN's step on an H100 was 3.1 ms of kernel launches; a plain loop at GPT-2 small's shape
 # took 31-33 ms at 1-4 sequences and 59.5 at 16 (2026-11-25), so 8 a GPU keeps each GPU's share compute-bound.
@@ -230,13 +232,15 @@ def config_from_args(args: argparse.Namespace, default_out: bool = True) -> RunC
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     options = {k.removeprefix("option_"): v for k, v in vars(args).items() if k.startswith("option_") and v is not None}
     given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    real = parse_devices(given.get("devices", RunConfig.devices)).real
     if "workload" not in given and not given.get("model") and not any(given.get(k) for k in ("preset", *SHAPE)) \
-            and parse_devices(given.get("devices", RunConfig.devices)).real:
+            and real:
         # GPUs and no model named: one whose step is compute, not kernel launches
         given |= {k: v for k, v in GPU_DEFAULT.items() if not given.get(k)}
     given = plan_models.with_preset(given)
     shaped = any(given.get(k) for k in ("preset", *SHAPE))
     given.setdefault("workload", "transformer" if shaped else RunConfig.workload)
+    given.setdefault("warmup", SHAPED_WARMUP if shaped and not real else RunConfig.warmup)
     if given.get("batch_size") is None:  # not given: the default, rounded to the world by validate
         per_gpu = given.get("why") == GPU_DEFAULT["why"]  # the GPU default: 8 a GPU
         world = given.get("world_size") or parse_devices(given.get("devices", "auto")).count

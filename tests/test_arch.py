@@ -39,7 +39,7 @@ def test_a_preset_or_arch_alone_picks_the_transformer_and_flags_override_the_pre
                  "--kv-heads", "2", "--seq-len", "128", "--devices", "cpu:2")
     assert (c.workload, c.arch, c.vocab, c.layers, c.hidden, c.heads, c.kv_heads) == (
         "transformer", "llama", 128_256, 2, 512, 8, 2)
-    assert c.batch_size == 8  # a shaped transformer's default: sequences, not 512 of them
+    assert (c.batch_size, c.warmup) == (8, 1)  # a shaped transformer's defaults: 8 sequences, not 512; 1 warm-up
     w = workload_of(c)
     assert (w.classes, w.input_shape) == (128_256, (128,)) and "(llama3-8b)" in w.description
     model = shape_model(c)  # on the meta device: no memory at any vocabulary
@@ -126,6 +126,7 @@ def test_on_gpus_with_no_workload_named_the_default_is_gpt2_small_in_bf16_and_sa
     assert (c.workload, c.preset, c.layers, c.hidden, c.vocab, c.seq_len) == ("transformer", "gpt2-small", 12, 768,
                                                                             50_304, 1024)
     assert c.precision == "bf16" and c.batch_size == 16 and "kernel launches" in c.why  # 8 sequences a GPU
+    assert c.warmup == 3  # a GPU's step is milliseconds: the usual warm-up
     assert _compare("--devices", "cuda:0,1", "--layers", "2").why == ""  # a shape named: the user's
     named = _compare("--devices", "cuda:0,1", "--workload", "cnn")
     assert (named.workload, named.precision, named.batch_size, named.why) == ("cnn", "fp32", 512, "")
