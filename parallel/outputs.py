@@ -107,7 +107,19 @@ def check(spec: str, model: nn.Module, loss, x: torch.Tensor, y: torch.Tensor, s
     if loss is not None:
         _check_loss(spec, lambda: loss(out, y), f"its loss on a sample of {source}")
         return "", ""
-    logits = logits_of(out)
+    if own is None:
+        _check_logits(spec, logits_of(out), y, source)
+        return "", ""
+    what = f"the loss its forward(..., {keyword}=...) returned"
+    _check_loss(spec, lambda: own, what)
+    if not own.requires_grad:
+        raise ConfigError(f"--model {spec}: {what} does not depend on its parameters (detached, or computed "
+                          "under no_grad?): there is nothing to train")
+    return keyword, _not_cross_entropy(logits_of(out), y, float(own.detach()))
+
+
+def _check_logits(spec: str, logits, y: torch.Tensor, source: str) -> None:
+    """The harness's cross-entropy can take `logits` against `y`: (..., classes) against (...) indices."""
     if not isinstance(logits, torch.Tensor) or logits.dim() < 2:
         raise ConfigError(f"--model {spec}: its output {getattr(logits, 'shape', type(logits).__name__)} is not "
                           "(batch, ..., classes) logits for cross-entropy; return 'loss' from the factory")
@@ -115,24 +127,27 @@ def check(spec: str, model: nn.Module, loss, x: torch.Tensor, y: torch.Tensor, s
         raise ConfigError(f"--model {spec}: {source} has float targets; cross-entropy needs class indices "
                           "(return 'loss' from the factory for anything else)")
     if logits.shape[:-1] != y.shape:
-        hint = "" if keyword or logits.dim() < 3 else ("; a forward that gives the last position's logits alone "
-                                                       "must take the targets, as 'targets' or 'labels'")
+        hint = "" if logits.dim() < 3 else ("; a forward that gives the last position's logits alone must take "
+                                            "the targets, as 'targets' or 'labels'")
         raise ConfigError(f"--model {spec}: its output {tuple(logits.shape)} does not fit targets {tuple(y.shape)} "
                           f"of {source} (cross-entropy wants (..., classes) against (...)){hint}")
     if y.numel() and (int(y.min()) < 0 or int(y.max()) >= logits.shape[-1]):
         raise ConfigError(f"--model {spec}: {source} has targets from {int(y.min())} to {int(y.max())}, out of "
                           f"range for its {logits.shape[-1]} classes")
-    if own is None:
-        return "", ""
-    what = f"the loss its forward(..., {keyword}=...) returned"
-    _check_loss(spec, lambda: own, what)
-    if not own.requires_grad:
-        raise ConfigError(f"--model {spec}: {what} does not depend on its parameters (detached, or computed "
-                          "under no_grad?): there is nothing to train")
-    value, ce = float(own.detach()), float(F.cross_entropy(logits.detach().flatten(0, -2).double(), y.flatten()))
-    if abs(value - ce) <= 1e-5 * max(1.0, abs(ce)):  # the same function, up to fp32 rounding
-        return keyword, ""
-    return keyword, f"its own loss is not cross-entropy over its logits ({value:.4g} against {ce:.4g} on a sample)"
+
+
+def _not_cross_entropy(logits, y: torch.Tensor, own: float) -> str:
+    """Why a model's own loss (`own` on the sample) is not cross-entropy over its logits ("" where it is,
+    to 1e-5: the same function up to fp32 rounding). Its targets need not be class indices at all."""
+    fits = isinstance(logits, torch.Tensor) and logits.dim() >= 2 and logits.shape[:-1] == y.shape
+    if not fits or y.is_floating_point() or y.numel() and not 0 <= int(y.min()) <= int(y.max()) < logits.shape[-1]:
+        shape = tuple(getattr(logits, "shape", ()))
+        return (f"its own loss is not cross-entropy over its logits: its output {shape} and targets {tuple(y.shape)} "
+                "are not logits and class indices")
+    ce = float(F.cross_entropy(logits.detach().flatten(0, -2).double(), y.flatten()))
+    if abs(own - ce) <= 1e-5 * max(1.0, abs(ce)):
+        return ""
+    return f"its own loss is not cross-entropy over its logits ({own:.4g} against {ce:.4g} on a sample)"
 
 
 def _forward(spec: str, model: nn.Module, x: torch.Tensor, targets: dict, source: str):

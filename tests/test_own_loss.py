@@ -72,6 +72,18 @@ MODELS = textwrap.dedent("""
     def both(seed):
         return {"model": Labelled(), "loss": lambda out, y: F.cross_entropy(out["logits"], y)}
 
+    class Regressor(nn.Module):  # forward(x, targets) -> (prediction, mean squared error): float targets
+        def __init__(self):
+            super().__init__()
+            self.body, self.out = nn.Sequential(nn.Flatten(), nn.Linear(48, 8), nn.Tanh()), nn.Linear(8, 1)
+
+        def forward(self, x, targets=None):
+            pred = self.out(self.body(x))[:, 0]
+            return pred if targets is None else (pred, ((pred - targets) ** 2).mean())
+
+    def regressor(seed):
+        return Regressor()
+
     class LastOnly(nn.Module):  # the inference shortcut, with no way to ask for every position
         def __init__(self):
             super().__init__()
@@ -153,6 +165,25 @@ def test_a_loss_that_is_not_cross_entropy_is_trained_and_strategies_holding_logi
         out = model(x, labels=y)
     assert row.losses[0] == pytest.approx(float(out["loss"]), rel=1e-6)
     assert abs(row.losses[0] - float(F.cross_entropy(out["logits"], y))) > 1e-3
+
+
+def test_a_loss_of_float_targets_is_trained_too_where_cross_entropy_could_not_be(models, tmp_path):
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 3, 4, 4, generator=g), torch.randn(64, generator=g)
+    torch.save({"x": x, "y": y}, tmp_path / "floats.pt")
+    c = RunConfig(model=f"{models}:regressor", data=str(tmp_path / "floats.pt"), devices="cpu:2", batch_size=16,
+                  steps=2, warmup=1, extras=False).validate()
+    w = usermodel.workload_of(c)
+    assert w.targets == "targets" and w.no_logits_loss == ("its own loss is not cross-entropy over its logits: its "
+                                                           "output (4,) and targets (4,) are not logits and class "
+                                                           "indices")
+    run, skipped = strategies.resolve(["all"], c.spec, w)
+    assert "ddp" in run and "manual_dp" in skipped and "pipeline" in skipped
+    row, _ = execute(strategies.get("single"), c, Dist())
+    model = w.build_model(c.seed)
+    with torch.no_grad():
+        first = model(x[:16], targets=y[:16])[1]
+    assert row.losses[0] == pytest.approx(float(first), rel=1e-6)
 
 
 def test_a_forward_that_takes_labels_but_returns_no_loss_is_a_model_like_any_other(models):
