@@ -339,10 +339,10 @@ def _layer_name(layer: nn.Module, names: dict[int, str]) -> str:
 
 
 def _differs(model: nn.Module, layers: list[nn.Module], sample: torch.Tensor, targets, what: str) -> str:
-    """Why `layers` run one after another are not `model` on `sample` (given its `targets` where it takes
-    them: every position's logits, outputs.call) ("" when they are). The same
-    operations in the same order give the same numbers; 1e-5 of the output's scale allows for a kernel
-    that takes another path on a differently shaped call."""
+    """Why `layers` run one after another are not `model` on `sample` ("" when they are); a model that takes
+    its `targets` is given them (outputs.call), so that its logits are every position's. The same operations
+    in the same order give the same numbers; 1e-5 of the output's scale allows for a kernel that takes
+    another path on a differently shaped call."""
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             model.eval()
