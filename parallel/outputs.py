@@ -11,7 +11,7 @@ targets (`call`): its logits are then every position's, and the loss it returns 
 cross-entropy over them: the pipelines the last stage's, manual_dp and data_parallel the gathered ones.
 That is the same loss only where the model's own is cross-entropy over its logits, which `check` tries
 on a sample before the run; where it is another (label smoothing, an extra term), those strategies are
-skipped, saying why (their `LOGITS_LOSS`).
+skipped, saying why (`LOGITS_LOSS`, and `LAYERED` for the pipelines).
 
 The model's loss must be the mean over its batch, as cross-entropy's is: data-parallel strategies average
 the ranks' losses, each over its share.
