@@ -208,6 +208,7 @@ def test_the_inference_shortcut_without_targets_is_refused_saying_how_to_take_th
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # 14 launches: 3.7 to over 5 min here with the 2 cores shared (load 10)
 def test_the_nanogpt_example_runs_every_strategy_or_says_why_not(tmp_path):
     """`compare --strategies all` on examples/nanogpt.py as a user types it (fp32): every row matches
     `single` (hogwild, asynchronous, is not expected to), and every strategy left out says why."""
