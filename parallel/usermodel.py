@@ -8,7 +8,9 @@ from the seed, so that every strategy, in every process, starts from bitwise the
 two calls must give the same weights); a factory with a `vocab` or `seq_len` parameter (or **kwargs) gets
 the run's --vocab and --seq-len there too, so one factory serves every size. It returns
 
-    an nn.Module                                trained with cross-entropy on (output, target), or
+    an nn.Module                                trained with cross-entropy on (output, target), or on
+                                                its own loss where forward takes `targets` or `labels`
+                                                and returns one (parallel/outputs.py), or
     {"model": module,                           the same, and any of
      "loss": fn(output, target) -> scalar,      the loss instead of cross-entropy
      "layers": [modules forward runs in order], the pipeline's cut points (model_parallel, pipeline, ...)
@@ -54,9 +56,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel import hf
+from parallel import hf, outputs
 from parallel.errors import ConfigError
 from parallel.moe import MoE
+from parallel.outputs import first_line as _first_line
 from parallel.transformer import SHAPE, shaped
 from parallel.workloads import WORKLOADS, SyntheticData, TPPlan, Workload, logits_of, tp_plan_of
 
@@ -87,11 +90,6 @@ def shape_model(config) -> nn.Module:
             return workload.build_model(config.seed)
     except (RuntimeError, NotImplementedError, TypeError, ValueError):
         return workload.build_model(config.seed)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
 def resolve_spec(spec: str) -> str:
@@ -249,6 +247,7 @@ class UserWorkload(Workload):
     hf_seq_len: int = 0  # > 0: the layers are a Hugging Face decoder's, made by parallel.hf for this length
     has_experts: bool = False  # its routed layers are parallel.moe.MoE (declared by moe_layers(), or found)
     aux_weight: float = 0.0  # their load-balancing loss's weight (MoE.aux_weight), the largest
+    targets: str = ""  # the name its forward takes the targets by, returning its own loss (parallel/outputs.py)
 
     @property
     def multi_part(self) -> bool:
@@ -282,12 +281,16 @@ class UserWorkload(Workload):
             model.pipeline_layers = functools.partial(_submodules, model, self.layer_names)
         if self.has_experts and not hasattr(type(model), "moe_layers"):
             model.moe_layers = functools.partial(moe_layers_of, model)
+        if self.targets:  # outputs.call gives it the targets wherever the whole model runs
+            setattr(model, outputs.KEYWORD, self.targets)
         return model
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self.loss_fn is not None:  # the user's loss gets the output as the model returned it
             return self.loss_fn(output, target)
-        output = logits_of(output)  # a Hugging Face ModelOutput: its logits
+        if self.targets and (own := outputs.loss_in(output)) is not None:  # called with its targets: its own
+            return own.reshape(())
+        output = logits_of(output)  # a Hugging Face ModelOutput's (a pipeline's last stage: the tensor itself)
         return F.cross_entropy(output.flatten(0, -2), target.flatten())
 
     def dataset(self, seed: int, batch_size: int) -> SyntheticData:
@@ -302,7 +305,7 @@ def _hf_layers(model: nn.Module, seq_len: int) -> list[nn.Module]:
     return hf.decoder_layers(model, seq_len)[0]  # validate made them once on a model built alike
 
 
-def _in_order(model: nn.Module, given, sample: torch.Tensor) -> tuple[tuple[str, ...] | None, str, bool]:
+def _in_order(model: nn.Module, given, sample: torch.Tensor, targets) -> tuple[tuple[str, ...] | None, str, bool]:
     """(the names of the layers the pipelines cut at, "", from_hf) or (None, why not, False): the factory's
     'layers', the model's pipeline_layers(), a Hugging Face decoder's (parallel.hf), or its children; each
     run one after another on a sample must give the model's own output (an nn.Sequential's always do)."""
@@ -331,7 +334,7 @@ def _in_order(model: nn.Module, given, sample: torch.Tensor) -> tuple[tuple[str,
         if isinstance(model, nn.Sequential):
             return tuple(found), "", False
         layers, what = [model.get_submodule(n) for n in found], "its children"
-    if why := _differs(model, layers, sample, what):
+    if why := _differs(model, layers, sample, targets, what):
         return None, why, False
     return tuple(_layer_name(m, names) for m in layers), "", from_hf
 
@@ -340,17 +343,18 @@ def _layer_name(layer: nn.Module, names: dict[int, str]) -> str:
     return names.get(id(layer)) or "+".join(getattr(layer, "owners", {}).values()) or type(layer).__name__
 
 
-def _differs(model: nn.Module, layers: list[nn.Module], sample: torch.Tensor, what: str) -> str:
-    """Why `layers` run one after another are not `model` on `sample` ("" when they are). The same
-    operations in the same order give the same numbers; 1e-5 of the output's scale allows for a kernel
-    that takes another path on a differently shaped call."""
+def _differs(model: nn.Module, layers: list[nn.Module], sample: torch.Tensor, targets, what: str) -> str:
+    """Why `layers` run one after another are not `model` on `sample` ("" when they are); a model that takes
+    its `targets` is given them (outputs.call), so that its logits are every position's. The same operations
+    in the same order give the same numbers; 1e-5 of the output's scale allows for a kernel that takes
+    another path on a differently shaped call."""
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             model.eval()
             h = sample
             for layer in layers:
                 h = layer(h)
-            want = logits_of(model(sample))
+            want = logits_of(outputs.call(model, sample, targets))
     except Exception as e:  # noqa: BLE001 - a layer that does not take the previous one's output
         return (f"its forward() is not {what} run one after another: they fail on a sample ({_first_line(e)}); "
                 "return 'layers' from the factory")
@@ -364,38 +368,6 @@ def _differs(model: nn.Module, layers: list[nn.Module], sample: torch.Tensor, wh
         return (f"its forward() is not {what} run one after another (checked on a sample: they differ by up to "
                 f"{gap:.3g}): a module left out or out of order? give every module forward runs, in order")
     return ""
-
-
-def _check_data(spec: str, model: nn.Module, loss, x: torch.Tensor, y: torch.Tensor, source: str) -> None:
-    """One forward and the loss on a sample, before any strategy starts."""
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            out = model(x)
-    except Exception as e:  # noqa: BLE001
-        raise ConfigError(f"--model {spec} cannot take {source} (inputs {tuple(x.shape[1:])} a sample): "
-                          f"{_first_line(e)}") from None
-    if loss is None:
-        out = logits_of(out)  # a Hugging Face ModelOutput: its logits
-        if not isinstance(out, torch.Tensor) or out.dim() < 2:
-            raise ConfigError(f"--model {spec}: its output {getattr(out, 'shape', type(out).__name__)} is not "
-                              "(batch, ..., classes) logits for cross-entropy; return 'loss' from the factory")
-        if y.is_floating_point():
-            raise ConfigError(f"--model {spec}: {source} has float targets; cross-entropy needs class indices "
-                              "(return 'loss' from the factory for anything else)")
-        if out.shape[:-1] != y.shape:
-            raise ConfigError(f"--model {spec}: its output {tuple(out.shape)} does not fit targets "
-                              f"{tuple(y.shape)} of {source} (cross-entropy wants (..., classes) against (...))")
-        if y.numel() and (int(y.min()) < 0 or int(y.max()) >= out.shape[-1]):
-            raise ConfigError(f"--model {spec}: {source} has targets from {int(y.min())} to {int(y.max())}, out of "
-                              f"range for its {out.shape[-1]} classes")
-        return
-    try:
-        value = loss(out, y)
-        ok = isinstance(value, torch.Tensor) and value.numel() == 1 and bool(torch.isfinite(value))
-    except Exception as e:  # noqa: BLE001
-        raise ConfigError(f"--model {spec}: its loss raised {_first_line(e)} on a sample of {source}") from None
-    if not ok:
-        raise ConfigError(f"--model {spec}: its loss must return one finite number, got {value!r:.60}")
 
 
 @functools.lru_cache(maxsize=4)
@@ -442,12 +414,13 @@ def _user(spec: str, input_shape: str, classes: int, vocab: int, seq_len: int, d
                             tied=tied_names(model))
     if not data:
         sample_x, sample_y = SyntheticData(workload, 0, 4).batch(0)
-    _check_data(label, model, out.get("loss"), sample_x, sample_y, source)
-    names, why, from_hf = _in_order(model, out.get("layers"), sample_x)
+    targets, no_logits_loss = outputs.check(label, model, out.get("loss"), sample_x, sample_y, source)
+    setattr(model, outputs.KEYWORD, targets)  # so that the layers' check below gets every position's logits
+    names, why, from_hf = _in_order(model, out.get("layers"), sample_x, sample_y)
     has_experts, no_experts = experts_of(model)
     return dataclasses.replace(workload, layer_names=names, no_layers=why,
                                hf_seq_len=sample_x.shape[1] if from_hf else 0, has_experts=has_experts,
-                               no_experts=no_experts,
+                               no_experts=no_experts, targets=targets, no_logits_loss=no_logits_loss,
                                aux_weight=max((m.aux_weight for m in moe_layers_of(model) if isinstance(m, MoE)),
                                               default=0.0))
 
@@ -512,8 +485,10 @@ def describe(workload: Workload) -> str:
     layers = (f"pipeline layers {', '.join(workload.layer_names)}" if workload.layer_names
               else f"no pipeline layers: {workload.no_layers}")
     experts = "; experts: parallel.moe.MoE layers" if workload.has_experts else ""
-    return "\n".join([f"{workload.description}; {layers}; tensor-parallel plan: {'yes' if workload.has_plan else 'no'}"
-                      f"{experts}", *(f"note: {text}" for text in workload.causes)])  # notes: again in a mismatch
+    own = f"; trained on its own loss (forward's {workload.targets!r})" if workload.targets else ""
+    plan = "yes" if workload.has_plan else "no"
+    return "\n".join([f"{workload.description}{own}; {layers}; tensor-parallel plan: {plan}{experts}",
+                      *(f"note: {text}" for text in workload.causes)])  # notes: again in a mismatch
 
 
 def add_arguments(p) -> None:

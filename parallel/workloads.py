@@ -23,21 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.errors import ConfigError
+from parallel.outputs import call, logits_of  # noqa: F401 - logits_of: also read from here (manual_dp, tests)
 from parallel.tpplan import TPPlan
 from parallel.transformer import MoETransformer, Transformer
-
-
-def logits_of(output):
-    """A model's output as the one tensor the harness works with: a tensor as it is; a Hugging Face
-    ModelOutput's (or any mapping's) `logits`; a tuple's first element. The one place where a library's
-    output type is read (the default loss, manual_dp's gather)."""
-    if isinstance(output, torch.Tensor):
-        return output
-    if hasattr(output, "keys") and "logits" in output.keys():  # ModelOutput is an OrderedDict
-        return output["logits"]
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
-    return output
 
 
 def tp_plan_of(model) -> TPPlan | None:
@@ -198,6 +186,7 @@ class Workload:
     tied: str = ""  # the weights its model ties, "a = b" (GPT-2's head and token embedding), where it ties any
     model_args: tuple = ()  # (name, value) pairs make_module is called with: the transformer's context (--seq-len)
     no_experts: str = ""  # why expert parallelism cannot split its model, where it cannot
+    no_logits_loss: str = ""  # why its loss is not cross-entropy over its logits (a model's own), where it is not
 
     @property
     def multi_part(self) -> bool:
@@ -269,8 +258,9 @@ class Workload:
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-        """Held-out loss: cross-entropy, or for the GAN how far generated images' per-pixel mean and
-        spread are from real ones' (mean squared difference; 0 = the same first two moments)."""
+        """Held-out loss: the training loss (cross-entropy, or a user's model's own), or for the GAN how far
+        generated images' per-pixel mean and spread are from real ones' (mean squared difference; 0 = the
+        same first two moments)."""
         model.eval()
         if self.data != "images":  # the mean over every prediction, a chunk of outputs at a time
             return sum(self.loss(out, t).item() * t.numel() for out, t in in_chunks(model, x, y)) / y.numel()
@@ -417,15 +407,15 @@ def accuracy(workload: Workload, state: dict[str, torch.Tensor], seed: int) -> f
         return None
     x, y = _heldout(workload, seed)
     model = _trained(workload, state, seed)
-    return sum((out.argmax(dim=-1) == t).sum().item() for out, t in in_chunks(model, x, y)) / y.numel()
+    return sum((logits_of(out).argmax(dim=-1) == t).sum().item() for out, t in in_chunks(model, x, y)) / y.numel()
 
 
 def in_chunks(model: nn.Module, x: torch.Tensor, y: torch.Tensor, most_bytes: int = 1 << 26):
     """(outputs, targets) of model over x a chunk of samples at a time, each chunk's outputs at most
     `most_bytes` (64 MiB: a vocabulary of 128K makes 0.5 MB of logits a token, 34 GB for a held-out set
-    of 65,536 tokens at once). Call under no_grad."""
-    first = model(x[:1])
-    per = max(1, most_bytes // (first.numel() * first.element_size()))
+    of 65,536 tokens at once). A model that takes its targets gets them (outputs.call). Call under no_grad."""
+    first = call(model, x[:1], y[:1])
+    per = max(1, most_bytes // (logits_of(first).numel() * logits_of(first).element_size()))
     yield first, y[:1]
     for at in range(1, x.shape[0], per):
-        yield model(x[at:at + per]), y[at:at + per]
+        yield call(model, x[at:at + per], y[at:at + per]), y[at:at + per]

@@ -42,6 +42,47 @@ def test_a_model_output_is_read_for_its_logits_in_one_place():
     assert logits_of(logits) is logits
 
 
+OWN_LOSS_MODEL = textwrap.dedent('''
+    import torch.nn.functional as F
+    from torch import nn
+    from transformers.modeling_outputs import CausalLMOutput
+
+    class Tiny(nn.Module):  # not a transformers model: its labels are the next tokens, as the harness's are
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = nn.Embedding(256, 16), nn.Linear(16, 256)
+
+        def forward(self, input_ids, labels=None):
+            h = self.embed(input_ids)
+            if labels is None:  # the inference shortcut
+                return CausalLMOutput(logits=self.head(h[:, -1:]))
+            logits = self.head(h)
+            return CausalLMOutput(loss=F.cross_entropy(logits.flatten(0, 1), labels.flatten()), logits=logits)
+
+    def build(seed):
+        return Tiny()
+''')
+
+
+def test_a_model_output_with_its_own_loss_is_trained_on_it_and_transformers_labels_are_left_alone(tmp_path):
+    """A module of the user's returning a ModelOutput with .loss, given `labels`, is called with them: its
+    logits are whole, and it matches `single` where the loss is taken over gathered logits (manual_dp)
+    and the last stage's (pipeline). transformers' own models shift labels inside: called without."""
+    from parallel.usermodel import workload_of
+    from tests.conftest import judged
+
+    (tmp_path / "own_loss_output.py").write_text(OWN_LOSS_MODEL)
+    run = RunConfig(model=f"{tmp_path / 'own_loss_output.py'}:build", devices="cpu:2", precision="fp64", **TOKENS,
+                    **RUN).validate()
+    w = workload_of(run)
+    assert w.targets == "labels" and w.no_logits_loss == "" and w.layer_names == ("embed", "head")
+    for name in ("manual_dp", "pipeline"):
+        _, verdict = judged(name, run)
+        assert verdict.verdict == "match" and verdict.ratio < FP64_MARGIN, (name, verdict)
+    hf_gpt2 = RunConfig(model=f"{EXAMPLES / 'hf_gpt2.py'}:gpt2", devices="cpu:2", **TOKENS).validate()
+    assert workload_of(hf_gpt2).targets == ""
+
+
 def test_transformers_plan_is_read_and_its_dict_attribute_never_taken_for_ours():
     llama, gpt2 = example("hf_llama").llama(), example("hf_gpt2").gpt2()
     assert isinstance(type(llama).tp_plan, property) and isinstance(llama.tp_plan, dict)  # not callable: not ours

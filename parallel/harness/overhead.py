@@ -27,6 +27,7 @@ from parallel.devices import synchronizer_all
 from parallel.dist import Dist
 from parallel.harness.ranks import run_ranks
 from parallel.harness.report import make_console
+from parallel.outputs import call
 from parallel.plan import models as plan_models
 from parallel.train import make_optimizer
 from parallel.transformer import SHAPE
@@ -46,7 +47,7 @@ def bare_loop_ms(config: RunConfig) -> float:
         x, y = data.batch(step)
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        workload.loss(model(x), y).backward()
+        workload.loss(call(model, x, y), y).backward()
         opt.step()
         if step >= config.warmup:
             times.append(time.perf_counter() - start)

@@ -42,6 +42,8 @@ CONSTANTS = {"Options": None, "NOT_EXPECTED_REASON": None, "CHECKPOINTS": True, 
              "SEQUENCE": False,  # SEQUENCE: it splits the sequence, replacing the model's attention
              "EXPERTS": False,  # EXPERTS: it splits the model's routed experts (model.moe_layers())
              "ROUTING": False,  # ROUTING: its routers count over the whole batch (trains with --aux-loss)
+             "LOGITS_LOSS": False,  # LOGITS_LOSS: it takes cross-entropy over the logits it gathers (LAYERED: its
+             #   last stage's), not the loss a model computes itself (parallel/outputs.py)
              "LAYER_ACTIVATIONS": False}  # one transformer layer's activations measured beside the formula
 
 
@@ -84,6 +86,9 @@ class Strategy:
             return f"it has no tensor-parallel plan: {workload.no_tp_plan}"
         if self.LAYERED and not workload.layers:
             return f"it has no layers to cut into stages: {workload.no_layers}"
+        if (self.LOGITS_LOSS or self.LAYERED) and workload.no_logits_loss:
+            where = "its last stage's" if self.LAYERED else "the gathered"
+            return f"{workload.no_logits_loss}, and this strategy takes cross-entropy over {where} logits"
         if self.SEQUENCE and not workload.splits_sequence:
             return ("it has no attention to split by the sequence: only the built-in transformer says where "
                     "its attention is (model.attentions())")

@@ -20,11 +20,13 @@ import torch
 from torch import nn
 
 from parallel.devices import gpu_count
+from parallel.outputs import call, logits_of
 from parallel.strategies.base import Hooks, Trainable
 
 NAME = "data_parallel"
 LAUNCH = "inprocess"
 SYNCHRONOUS = True
+LOGITS_LOSS = True  # the loss is taken over the gathered logits (a model's own loss: parallel/outputs.py)
 
 
 def world_size(config) -> int:
@@ -93,7 +95,9 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
 def train_step(t: Trainable, batch, dist):
     x, y = (b.to(t.device, non_blocking=True) for b in batch)  # scattered inside forward()
     t.optimizer.zero_grad(set_to_none=True)
-    loss = t.loss_fn(t.model(x), y)  # the outputs are gathered on device_ids[0]
+    # The outputs are gathered on device_ids[0]; a model's own losses would be one per replica, so the loss
+    # is taken over the logits (the targets are scattered with the inputs: whole logits, outputs.call).
+    loss = t.loss_fn(logits_of(call(t.model, x, y)), y)
     loss.backward()
     t.optimizer.step()
     return loss.detach()

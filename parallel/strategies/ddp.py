@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from parallel.devices import synchronizer
 from parallel.errors import ConfigError
 from parallel.formulas import sgd_state
+from parallel.outputs import call
 from parallel.results import Measured, Rule
 from parallel.strategies import sync_batchnorm
 from parallel.strategies.base import (
@@ -176,7 +177,7 @@ def _step(t: Trainable, batch, sync: bool = True):
         last = i == k - 1
         # no_sync: gradients accumulate locally; the all-reduce happens in the last backward only.
         with contextlib.nullcontext() if (last and sync and not injected(t, NO_SYNC_ALWAYS)) else t.model.no_sync():
-            loss = t.loss_fn(t.model(xb), yb)  # mean over the micro-batch
+            loss = t.loss_fn(call(t.model, xb, yb), yb)  # mean over the micro-batch
             (loss / scale).backward()  # mean over the share = mean of the k micro-means
         total += loss.detach() / k
     t.optimizer.step()

@@ -32,6 +32,7 @@ from torch import nn
 from parallel import checkpoint
 from parallel.errors import ConfigError
 from parallel.formulas import element_bytes
+from parallel.outputs import call
 from parallel.strategies import wire
 from parallel.strategies.base import (
     Hooks,
@@ -157,7 +158,7 @@ def train_step(t: Trainable, batch, dist):
         s.dispatch.counting = s.counter.counting
         t.optimizer.zero_grad(set_to_none=True)
         x, y = (b.to(t.device, non_blocking=True) for b in batch)
-        loss = t.loss_fn(t.model(x), y)
+        loss = t.loss_fn(call(t.model, x, y), y)
         loss.backward()  # the all-to-alls' backward brings every expert the gradients of its rows
         if s.world > 1:  # dense: summed over every rank; an expert: over the ranks holding it; / N both
             sum_gradients(s.dense, s.world)

@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from parallel.errors import ConfigError
 from parallel.formulas import element_bytes, sgd_state, wire_bytes
 from parallel.layout import ParallelDims
+from parallel.outputs import call
 from parallel.results import Rule
 from parallel.strategies import wire
 from parallel.strategies.base import (
@@ -168,7 +169,7 @@ def train_step(t: Trainable, batch, dist):
     counter = t.state.counter
     with counter.step():
         t.optimizer.zero_grad(set_to_none=True)
-        loss = t.loss_fn(t.model(x), y)  # each group all-gathered just before it runs, freed after
+        loss = t.loss_fn(call(t.model, x, y), y)  # each group all-gathered just before it runs, freed after
         loss.backward()  # gathered again (reshard 1), gradients reduce-scattered group by group
         t.optimizer.step()  # the local shards only
     t.comm_bytes, t.comm_steps = counter.total, counter.counted
@@ -228,7 +229,7 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
     x, y = (b.to(t.device) for b in data.batch(0, *dims(config, dist).batch_share(dist.rank)))
     with peak:
         t.optimizer.zero_grad(set_to_none=True)
-        t.loss_fn(t.model(x), y).backward()
+        t.loss_fn(call(t.model, x, y), y).backward()
     n = config.world_size // options_of(Options, config).replicate  # the ranks one copy is sharded over
     psi = sum(math.prod(p.shape) for p in t.model.parameters()) * element_bytes(config.precision)  # global shapes
     return {"reshard": int(t.state.reshard), "bytes_per_step_by_collective": t.state.counter.per_step(),

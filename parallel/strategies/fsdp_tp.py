@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from parallel.errors import ConfigError
 from parallel.layout import ParallelDims
+from parallel.outputs import call
 from parallel.strategies import fsdp, manual_tp, tensor_parallel, wire
 from parallel.strategies.base import (
     Hooks,
@@ -105,7 +106,7 @@ def train_step(t: Trainable, batch, dist):
     x, y = (b.to(t.device, non_blocking=True) for b in batch)  # this dp coordinate's share, every tp rank alike
     with t.state.step():
         t.optimizer.zero_grad(set_to_none=True)
-        loss = t.loss_fn(t.model(x), y)
+        loss = t.loss_fn(call(t.model, x, y), y)
         loss.backward()
         t.optimizer.step()
     t.comm_bytes, t.comm_steps = t.state.total, t.state.counted

@@ -27,6 +27,7 @@ import torch
 from parallel.devices import cpu_cores
 from parallel.dist import Dist, fresh_processes
 from parallel.errors import ConfigError
+from parallel.outputs import call
 from parallel.profiling import make_profiler
 from parallel.strategies.base import Hooks, Trainable, options_of, param_bytes
 from parallel.strategies.base import dims as base_dims
@@ -87,7 +88,7 @@ def train_step(t: Trainable, batch, dist):
     seen = counter.value  # updates that had landed when this step read the parameters
     x, y = batch  # this worker's share of the global batch, (B/W, ...)
     t.optimizer.zero_grad(set_to_none=True)
-    loss = t.loss_fn(t.model(x), y)
+    loss = t.loss_fn(call(t.model, x, y), y)
     loss.backward()
     t.optimizer.step()  # in place on the shared storage, racing the other workers
     with counter.get_lock():  # the counter itself is exact; the parameters are not locked

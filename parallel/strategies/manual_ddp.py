@@ -32,6 +32,7 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from parallel.errors import ConfigError
+from parallel.outputs import call
 from parallel.strategies.base import (
     Hooks,
     Mutant,
@@ -180,7 +181,7 @@ def train_step(t: Trainable, batch, dist):
         x, y = x[:-1], y[:-1]
     # Zero the bucket views in place; None would detach them.
     t.optimizer.zero_grad(set_to_none=injected(t, GRADS_SET_TO_NONE))
-    loss = t.loss_fn(t.model(x), y)  # the mean over this rank's share
+    loss = t.loss_fn(call(t.model, x, y), y)  # the mean over this rank's share
     loss.backward()  # the hooks all-reduce as gradients land
     with record_function("wait for the buckets"):
         _finish(sync)

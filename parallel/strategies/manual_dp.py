@@ -20,6 +20,7 @@ loss.backward() would run the replicas' backward passes one after another (FIELD
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -27,15 +28,16 @@ import torch
 
 from parallel.devices import IntervalClock
 from parallel.formulas import element_bytes
+from parallel.outputs import call, keyword_of, logits_of
 from parallel.strategies.base import Hooks, Mutant, Trainable, grad_bytes, injected, param_bytes, state_bytes
 from parallel.strategies.primitives import DeviceThreads, gather, parallel_apply, replicate, scatter
 from parallel.timing import PhaseTimer
 from parallel.usermodel import workload_of
-from parallel.workloads import logits_of
 
 NAME = "manual_dp"
 LAUNCH = "inprocess"
 SYNCHRONOUS = True
+LOGITS_LOSS = True  # the loss is taken over the gathered logits (a model's own loss: parallel/outputs.py)
 
 # Bugs the oracle must catch (`--mutant NAME`; base.Mutant).
 STALE_REPLICA = Mutant("manual_dp:stale-replica", "replicas made at the first step and kept: they go on "
@@ -84,7 +86,7 @@ def _backward(output: torch.Tensor, grad: torch.Tensor) -> None:
 
 def _moved(chunks) -> int:
     """Bytes of the chunks that leave (or reach) the first device: every chunk but the first."""
-    return sum(c.numel() * c.element_size() for c in chunks[1:])
+    return sum(c.numel() * c.element_size() for c in chunks[1:] if c is not None)
 
 
 def train_step(t: Trainable, batch, dist):
@@ -98,8 +100,10 @@ def train_step(t: Trainable, batch, dist):
         replicas = t.state.kept or replicate(t.model, devices[: len(xs)])
         if injected(t, STALE_REPLICA):
             t.state.kept = replicas
-    with phase("parallel_apply"):
-        outs = [logits_of(o) for o in parallel_apply(replicas, xs, devices, pool=pool)]  # [(B_i, C)] on device i
+    with phase("parallel_apply"):  # a model that takes its targets gets its chunk of them (outputs.call)
+        ys = scatter(y, devices) if keyword_of(t.model) else [None] * len(xs)
+        calls, pairs = [functools.partial(call, r) for r in replicas], list(zip(xs, ys, strict=True))
+        outs = [logits_of(o) for o in parallel_apply(calls, pairs, devices, pool=pool)]  # [(B_i, C)] on device i
     with phase("gather"):
         out = gather(outs, devices[0])  # (B, C) on the output device
         loss = t.loss_fn(out, y.to(devices[0]))
@@ -111,7 +115,7 @@ def train_step(t: Trainable, batch, dist):
     with phase("optimizer"):
         t.optimizer.step()
     phase.end_step()
-    t.comm_bytes += 2 * t.state.param_bytes * (len(xs) - 1) + _moved(xs) + 2 * _moved(outs)
+    t.comm_bytes += 2 * t.state.param_bytes * (len(xs) - 1) + _moved(xs) + 2 * _moved(outs) + _moved(ys)
     return loss.detach()
 
 

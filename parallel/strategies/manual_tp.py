@@ -35,6 +35,7 @@ from torch import nn
 from parallel.errors import ConfigError
 from parallel.formulas import element_bytes
 from parallel.layout import ParallelDims
+from parallel.outputs import call
 from parallel.strategies import wire
 from parallel.strategies.base import (
     Hooks,
@@ -224,7 +225,7 @@ def train_step(t: Trainable, batch, dist):
     x, y = (b.to(t.device, non_blocking=True) for b in batch)  # the whole batch, on every rank
     with t.state.counter.step():
         t.optimizer.zero_grad(set_to_none=True)
-        loss = t.loss_fn(t.model(x), y)
+        loss = t.loss_fn(call(t.model, x, y), y)
         loss.backward()
         t.optimizer.step()  # each rank its part of the split layers, and all of the replicated ones
     t.comm_bytes, t.comm_steps = t.state.counter.total, t.state.counter.counted

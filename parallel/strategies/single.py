@@ -6,6 +6,7 @@ against one device of the same list. Every other strategy reads as a small diff 
 
 from __future__ import annotations
 
+from parallel.outputs import call
 from parallel.strategies.base import Hooks, Trainable, make_optimizers
 
 NAME = "single"
@@ -34,7 +35,7 @@ def train_step(t: Trainable, batch, dist):
     if hasattr(t.model, "parts"):  # two models, two optimisers, two losses: the model's own update
         return t.model.update(t.model.parts(), t.optimizer, x, y)
     t.optimizer.zero_grad(set_to_none=True)
-    loss = t.loss_fn(t.model(x), y)
+    loss = t.loss_fn(call(t.model, x, y), y)
     loss.backward()
     t.optimizer.step()
     return loss.detach()

@@ -30,6 +30,7 @@ from torch import nn
 from parallel.devices import SHARED_GLOO_NO_DTENSOR
 from parallel.errors import ConfigError
 from parallel.layout import ParallelDims
+from parallel.outputs import call
 from parallel.strategies import manual_tp, wire
 from parallel.strategies.base import (
     Hooks,
@@ -177,7 +178,7 @@ def train_step(t: Trainable, batch, dist):
     with s.counter.step(), loss_parallel() if s.loss_parallel else contextlib.nullcontext():
         t.optimizer.zero_grad(set_to_none=True)
         with measure:
-            out = t.model(x)
+            out = call(t.model, x, y)
         loss = t.loss_fn(out, y)
         loss.backward()
         t.optimizer.step()

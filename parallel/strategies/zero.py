@@ -38,6 +38,7 @@ from torch.autograd.profiler import record_function
 
 from parallel.errors import ConfigError
 from parallel.formulas import element_bytes, sgd_state, wire_bytes
+from parallel.outputs import call
 from parallel.strategies import wire
 from parallel.strategies.base import (
     Hooks,
@@ -177,7 +178,7 @@ def train_step(t: Trainable, batch, dist):
     with z.counter.step():
         if z.grads is not None:
             z.grads.zero_()  # the parameters' .grad are views of it: zeroed in place, never set to None
-        loss = t.loss_fn(t.model(x), y)  # the mean over this rank's share
+        loss = t.loss_fn(call(t.model, x, y), y)  # the mean over this rank's share
         loss.backward()  # the hooks reduce-scatter each bucket as its last gradient lands
         for b in z.buckets:  # one whose parameters got no gradient is reduced now: every rank runs the same
             if not b.reduced:

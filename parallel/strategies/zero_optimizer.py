@@ -26,6 +26,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from parallel.formulas import element_bytes, sgd_state, wire_bytes
+from parallel.outputs import call
 from parallel.strategies import wire
 from parallel.strategies.base import (
     Hooks,
@@ -76,7 +77,7 @@ def train_step(t: Trainable, batch, dist):
     x, y = (b.to(t.device, non_blocking=True) for b in batch)  # this rank's share, (B/N, ...)
     with t.state.step():
         t.optimizer.zero_grad(set_to_none=True)
-        loss = t.loss_fn(t.model(x), y)
+        loss = t.loss_fn(call(t.model, x, y), y)
         loss.backward()  # DDP's all-reduce, bucket by bucket
         with record_function("step owned parameters, broadcast them"):
             (t.optimizer.optim if injected(t, LOCAL_STEP_ONLY) else t.optimizer).step()
