@@ -35,7 +35,10 @@ Structure, found where it is safe and never guessed:
     FSDP2 groups     fsdp's rule, the parameter-holding elements of the model's containers (a ResNet's
                      blocks, a GPT's layers); the row's details list them
 
-Every way this can go wrong is a ConfigError naming it, before anything starts.
+Every way this can go wrong is a ConfigError naming it, before anything starts: in the parent, once a
+run. Its children (every strategy's processes) get the parent's findings in their environment
+(`checked_env`) and build the model once, with no second build and no forward on a sample (at a real
+size each cost seconds and gigabytes in every process).
 """
 
 from __future__ import annotations
@@ -45,7 +48,9 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import json
 import math
+import os
 import re
 import sys
 import zlib
@@ -373,12 +378,14 @@ def _differs(model: nn.Module, layers: list[nn.Module], sample: torch.Tensor, ta
 @functools.lru_cache(maxsize=4)
 def _user(spec: str, input_shape: str, classes: int, vocab: int, seq_len: int, data: str) -> UserWorkload:
     factory, sizes = _import(spec), (("vocab", vocab), ("seq_len", seq_len))
-    out, again = _call(factory, 0, spec, sizes), _call(factory, 0, spec, sizes)
+    found = _found_by_parent(spec)
+    out = _call(factory, 0, spec, sizes)
     model = out["model"]
-    a, b = model.state_dict(), again["model"].state_dict()
-    if a.keys() != b.keys() or not all(torch.equal(a[k], b[k]) for k in a):
-        raise ConfigError(f"--model {spec}: two calls with the same seed gave different weights; draw them "
-                          "from torch's generator (seeded by the harness) or from the seed it is given")
+    if found is None:
+        a, b = model.state_dict(), _call(factory, 0, spec, sizes)["model"].state_dict()
+        if a.keys() != b.keys() or not all(torch.equal(a[k], b[k]) for k in a):
+            raise ConfigError(f"--model {spec}: two calls with the same seed gave different weights; draw them "
+                              "from torch's generator (seeded by the harness) or from the seed it is given")
     label = spec.rpartition(":")[0]
     label = f"{Path(label).name}:{spec.rpartition(':')[2]}" if label.endswith(".py") else spec
     if sum(bool(v) for v in (data, input_shape or classes, vocab or seq_len)) != 1:
@@ -412,17 +419,39 @@ def _user(spec: str, input_shape: str, classes: int, vocab: int, seq_len: int, d
                             has_plan=out.get("tp_plan") is not None or tp_plan_of(model) is not None,
                             parts_model=hasattr(model, "parts"), causes=tuple(cannot_match(model).values()),
                             tied=tied_names(model))
-    if not data:
-        sample_x, sample_y = SyntheticData(workload, 0, 4).batch(0)
-    targets, no_logits_loss = outputs.check(label, model, out.get("loss"), sample_x, sample_y, source)
-    setattr(model, outputs.KEYWORD, targets)  # so that the layers' check below gets every position's logits
-    names, why, from_hf = _in_order(model, out.get("layers"), sample_x, sample_y)
+    if found is None:  # the checks that run the model on a sample: in the parent only
+        if not data:
+            sample_x, sample_y = SyntheticData(workload, 0, 4).batch(0)
+        targets, no_logits_loss = outputs.check(label, model, out.get("loss"), sample_x, sample_y, source)
+        setattr(model, outputs.KEYWORD, targets)  # so that the layers' check below gets every position's logits
+        names, why, from_hf = _in_order(model, out.get("layers"), sample_x, sample_y)
+        found = {"layer_names": names, "no_layers": why, "hf_seq_len": sample_x.shape[1] if from_hf else 0,
+                 "targets": targets, "no_logits_loss": no_logits_loss}
     has_experts, no_experts = experts_of(model)
-    return dataclasses.replace(workload, layer_names=names, no_layers=why,
-                               hf_seq_len=sample_x.shape[1] if from_hf else 0, has_experts=has_experts,
-                               no_experts=no_experts, targets=targets, no_logits_loss=no_logits_loss,
+    return dataclasses.replace(workload, **found, has_experts=has_experts, no_experts=no_experts,
                                aux_weight=max((m.aux_weight for m in moe_layers_of(model) if isinstance(m, MoE)),
                                               default=0.0))
+
+
+FOUND = "PARALLEL_MODEL_FOUND"  # the parent's findings on a user's model, for its run's children (JSON)
+_FINDINGS = ("layer_names", "no_layers", "hf_seq_len", "targets", "no_logits_loss")
+
+
+def checked_env(workload: Workload) -> dict[str, str]:
+    """The environment a run's child gets: what the parent's checks found in the user's model (none for a
+    built-in one), so that the child neither builds it twice nor runs it on a sample again."""
+    if not isinstance(workload, UserWorkload):
+        return {}
+    return {FOUND: json.dumps({"spec": workload.spec, **{k: getattr(workload, k) for k in _FINDINGS}})}
+
+
+def _found_by_parent(spec: str) -> dict | None:
+    """The parent's findings (checked_env) on this model, in a child of its run; None elsewhere."""
+    found = json.loads(os.environ.get(FOUND) or "{}")
+    if found.pop("spec", None) != spec:
+        return None
+    names = found["layer_names"]
+    return found | {"layer_names": tuple(names) if names is not None else None}
 
 
 def moe_layers_of(model: nn.Module) -> list[MoE]:

@@ -271,3 +271,32 @@ def test_a_factory_that_takes_the_runs_vocab_and_seq_len_gets_them_and_checks_se
     meta = usermodel.shape_model(config)
     assert all(p.is_meta for p in meta.parameters())
     assert [(n, p.shape) for n, p in meta.named_parameters()] == [(n, p.shape) for n, p in gpt.named_parameters()]
+
+
+def test_a_child_of_the_run_takes_the_parents_findings_and_builds_the_model_once(model_file, monkeypatch):
+    # #44: every process that loaded a user's model built it twice and ran it three times on a sample.
+    # Now the parent does (RunConfig.validate), and the children of its run read what it found.
+    parent = usermodel.workload_of(config(model_file))
+    env = usermodel.checked_env(parent)
+    assert usermodel.checked_env(WORKLOADS["cnn"]) == {}  # a built-in model needs no checks
+    calls = []
+    real = usermodel._call
+    monkeypatch.setattr(usermodel, "_call", lambda *a: calls.append(a) or real(*a))
+
+    def refuse(*a, **k):
+        raise AssertionError("a child ran the model on a sample")
+
+    monkeypatch.setattr(usermodel.outputs, "check", refuse)
+    monkeypatch.setattr(usermodel, "_in_order", refuse)
+    monkeypatch.setenv(usermodel.FOUND, env[usermodel.FOUND])
+    usermodel._user.cache_clear()
+    child = usermodel.workload_of(config(model_file))
+    assert len(calls) == 1  # built once, for its structure
+    for name in ("layer_names", "no_layers", "targets", "no_logits_loss", "tied", "has_plan", "description"):
+        assert getattr(child, name) == getattr(parent, name), name
+    other = json.loads(env[usermodel.FOUND]) | {"spec": "elsewhere.py:net"}  # another model's findings
+    monkeypatch.setenv(usermodel.FOUND, json.dumps(other))
+    usermodel._user.cache_clear()
+    with pytest.raises(AssertionError, match="on a sample"):  # are not taken for this one's
+        usermodel.workload_of(config(model_file))
+    usermodel._user.cache_clear()

@@ -28,7 +28,7 @@ from parallel.errors import ConfigError
 from parallel.harness import equivalence, launch, load, noise
 from parallel.harness.report import make_progress
 from parallel.results import Equivalence, Row, file_stem, tb_run
-from parallel.usermodel import cannot_match, shape_model, workload_of
+from parallel.usermodel import cannot_match, checked_env, shape_model, workload_of
 from parallel.workloads import eval_loss
 
 BASELINE = "single"
@@ -50,8 +50,8 @@ def run_one(strategy, variant: str, config: RunConfig, work: Path, logs: Path) -
     try:
         cmd = launch.command(strategy, config, paths, store.port if store else 0, tb_run(strategy.name, variant),
                              fork=not gpus)
-        outcome = launch.run_child(cmd, config.timeout, logs / f"{stem}.log",
-                                   env=launch.torchrun_env() if store else None, fork=not gpus)
+        env = {**(launch.torchrun_env() if store else {}), **checked_env(workload_of(config))}  # checked once
+        outcome = launch.run_child(cmd, config.timeout, logs / f"{stem}.log", env=env, fork=not gpus)
     finally:
         if store:
             store.close()
