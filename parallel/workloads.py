@@ -382,8 +382,8 @@ class Workload:
         are: what `single` and each strategy's verdict run on when `single` cannot hold the whole model
         (harness/twin.py). ConfigError where the model has no argument for its number of blocks."""
         if not self.depth_arg:
-            raise ConfigError(f"the {self.name} workload's model has no number of blocks to set (the transformer "
-                              "and moe workloads' have)")
+            raise ConfigError(f"the {self.name} workload's model has no number of blocks to set (the transformer's "
+                              "and the moe's have)")
         args = (*(a for a in self.model_args if a[0] != self.depth_arg), (self.depth_arg, blocks))
         return dataclasses.replace(self, model_args=args, description=f"{self.description}; its shallow twin, "
                                    f"{blocks} block{'s' if blocks > 1 else ''}")
