@@ -37,7 +37,7 @@ from parallel.devices import environment, parse_devices
 from parallel.dist import Dist, script_devices
 from parallel.harness import costmodel, mutants, pictures, report, scaling
 from parallel.harness.report import make_console
-from parallel.harness.runner import plan, run_strategies
+from parallel.harness.runner import BASELINE, plan, run_strategies
 from parallel.plan import cli as plan_cli
 from parallel.plan import models as plan_models
 from parallel.results import Equivalence, Row, atomic_write, prepare_out, write_results
@@ -328,7 +328,8 @@ def cmd_compare(args, names: list[str], baseline: bool) -> int:
         console.print(f"[bold red]interrupted[/]: finished rows are in {escape(config.out)}/results.json")
         return 130
 
-    model = costmodel.apply(rows, chosen, config)
+    # The cost model times `single` on the whole model: not where it does not fit (the shallow twin's runs)
+    model = {} if BASELINE in skipped else costmodel.apply(rows, chosen, config)
     if getattr(args, "project_params", 0):
         model["memory_projection"] = costmodel.memory_projection(args.project_params)
     tracks = config.profile and profiling.merge(Path(config.out) / "tb", Path(config.out) / "timeline.json")

@@ -82,6 +82,10 @@ class RunConfig:
     # Stage cuts decided in this run, "<balance>:<stages>" -> bounds: the first pipeline row measures and
     # cuts, and every later one of the run takes the same cut, so their idle columns compare one split.
     cuts: dict = field(default_factory=dict)
+    # > 0: train the shallow twin of the model, this many blocks (same widths, vocabulary and options), not
+    # the model itself: what `single` and each strategy's verdict run on when `single` does not fit one
+    # device (harness/twin.py); set by the planner, never a flag
+    twin_blocks: int = 0
 
     def validate(self) -> RunConfig:
         """Check every field and resolve `devices` and `world_size`; returns the resolved copy."""
@@ -102,8 +106,8 @@ class RunConfig:
         elif self.input_shape or self.classes or self.data:
             raise ConfigError("--input-shape, --classes and --data describe the data of your own model: give "
                               "--model FILE.py:FACTORY too")
-        elif self.seq_len or self.aux_loss or self.vocab or self.shaped:
-            usermodel.workload_of(self)  # the built-in transformer's shape; refused for a workload without one
+        elif self.seq_len or self.aux_loss or self.vocab or self.shaped or self.twin_blocks:
+            usermodel.workload_of(self)  # the built-in transformer's shape, twin; refused for a workload without one
         if self.model and self.shaped:
             raise ConfigError("--preset, --arch, --layers, --hidden, --heads, --kv-heads, --ffn and --tied shape the "
                               "built-in transformer; your model has its own shape")
@@ -136,6 +140,8 @@ class RunConfig:
                                 or self.hang_rank >= 0):
             raise ConfigError("--repeat times the same run again; it does not combine with checkpoints, --resume "
                               "or injected faults")
+        if self.twin_blocks < 0:
+            raise ConfigError(f"twin_blocks must be 0 (the model itself) or a number of blocks, got {self.twin_blocks}")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
         spec = parse_devices(self.devices)

@@ -73,7 +73,8 @@ class Row:
     step_ms_p95: float | None = None
     step_ms_predicted: float | None = None  # the cost model's (harness/costmodel.py)
     samples_per_s: float | None = None
-    speedup: float | None = None  # samples/s over `single` on ONE device of the same list, same run
+    speedup: float | None = None  # samples/s over `single` on ONE device of the same list, same run ...
+    speedup_over: str = ""  # ... or over this row's, where single does not fit one device (harness/twin.py)
     efficiency: float | None = None  # speedup / world_size
     round_speedups: list = field(default_factory=list)  # --repeat: each round's samples/s over that round's single
     round_step_ms: list = field(default_factory=list)  # --repeat: each round's median step
@@ -89,6 +90,8 @@ class Row:
     eval_loss: float | None = None  # loss of the final parameters on held-out samples (same for all)
     threads_per_device: int | None = None
     equivalence: Equivalence = field(default_factory=lambda: Equivalence("unchecked"))
+    twin_blocks: int = 0  # > 0: the verdict is from a run on the shallow twin of this many blocks (single's row:
+    #   it ran as the twin), not from this row's own run (harness/twin.py)
     losses: list[float] = field(default_factory=list)
     loss_parts: dict[str, list[float]] = field(default_factory=dict)  # each loss of a several-loss step (DCGAN)
     step_ms: list[float] = field(default_factory=list)

@@ -16,7 +16,10 @@ the run's --vocab and --seq-len there too, so one factory serves every size. It 
      "layers": [modules forward runs in order], the pipeline's cut points (model_parallel, pipeline, ...)
      "tp_plan": TPPlan(colwise, rowwise)}       the tensor-parallel plan (manual_tp, tensor_parallel, ...)
 
-A model may instead define pipeline_layers() and tp_plan() methods, as the built-in models do.
+A model may instead define pipeline_layers() and tp_plan() methods, as the built-in models do. A factory
+with a `layers` or `n_layer` parameter (or a Hugging Face model, by its config's num_hidden_layers) has a
+shallow twin: the same model with fewer blocks, what a model too big for one device is judged on
+(harness/twin.py).
 
 The data: `--input-shape C,H,W --classes K` (the built-in synthetic teacher: each sample a noisy copy
 of one of K prototypes, labelled by the nearest), `--vocab V --seq-len T` (token sequences from a fixed
@@ -43,6 +46,7 @@ size each cost seconds and gigabytes in every process).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import importlib
@@ -74,6 +78,7 @@ PROTOCOL = ("model", "loss", "layers", "tp_plan")
 
 def workload_of(config) -> Workload:
     """The workload a config names: one of the built-in ones, or the user's model (config.model)."""
+    twin = getattr(config, "twin_blocks", 0)  # the shallow twin (harness/twin.py), where the run trains it
     if not config.model:
         built_in = WORKLOADS[config.workload]
         shape = {name: getattr(config, name, 0) for name in ("vocab", "preset", *SHAPE)}
@@ -81,8 +86,9 @@ def workload_of(config) -> Workload:
             built_in = shaped(built_in, seq_len=config.seq_len, **shape)
         elif config.seq_len:
             built_in = built_in.with_seq_len(config.seq_len)
-        return built_in.with_aux_loss(config.aux_loss) if getattr(config, "aux_loss", 0) else built_in
-    return _user(config.model, config.input_shape, config.classes, config.vocab, config.seq_len, config.data)
+        built_in = built_in.with_aux_loss(config.aux_loss) if getattr(config, "aux_loss", 0) else built_in
+        return built_in.shallow_twin(twin) if twin else built_in
+    return _user(config.model, config.input_shape, config.classes, config.vocab, config.seq_len, config.data, twin)
 
 
 def shape_model(config) -> nn.Module:
@@ -166,6 +172,40 @@ def _call(factory, seed: int, spec: str, sizes: tuple[tuple[str, int], ...] = ()
     if (plan := out.get("tp_plan")) is not None and not isinstance(plan, TPPlan):
         raise ConfigError(f"--model {spec}: 'tp_plan' must be a parallel.workloads.TPPlan")
     return out
+
+
+DEPTH_ARGS = ("layers", "n_layer")  # a factory's argument for its number of blocks: the shallow twin's knob
+
+
+def depth_arg(factory) -> str:
+    """The argument of `factory` that sets its number of blocks (DEPTH_ARGS), or ""."""
+    params = inspect.signature(factory).parameters
+    return next((n for n in DEPTH_ARGS if n in params and params[n].kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                                              inspect.Parameter.KEYWORD_ONLY)), "")
+
+
+def _made(factory, seed: int, spec: str, sizes: tuple, hf_blocks: int = 0) -> dict:
+    """_call; with `hf_blocks`, the Hugging Face model the factory returns rebuilt by its own class from
+    its config with that many blocks (num_hidden_layers), seeded alike: the shallow twin of a factory
+    that has no depth argument. The full model is only built on the meta device, where it can be."""
+    if not hf_blocks:
+        return _call(factory, seed, spec, sizes)
+    try:
+        with torch.device("meta"):
+            out = _call(factory, seed, spec, sizes)
+    except ConfigError:  # it cannot be built there (it copies real tensors in): built for real
+        out = _call(factory, seed, spec, sizes)
+    model = out["model"]
+    if not hasattr(getattr(model, "config", None), "num_hidden_layers") or {"layers", "tp_plan"} & out.keys():
+        what = "it returns 'layers' or a 'tp_plan' of the whole model" if hasattr(model, "config") else \
+            "its model is not a Hugging Face one with num_hidden_layers in its config"
+        raise ConfigError(f"--model {spec}: its factory takes no {' or '.join(DEPTH_ARGS)} argument for its number "
+                          f"of blocks, and {what}")
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = hf_blocks
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return {**out, "model": type(model)(config)}
 
 
 def _shape(text: str, what: str) -> tuple[int, ...]:
@@ -253,6 +293,7 @@ class UserWorkload(Workload):
     has_experts: bool = False  # its routed layers are parallel.moe.MoE (declared by moe_layers(), or found)
     aux_weight: float = 0.0  # their load-balancing loss's weight (MoE.aux_weight), the largest
     targets: str = ""  # the name its forward takes the targets by, returning its own loss (parallel/outputs.py)
+    hf_blocks: int = 0  # > 0: the shallow twin of a Hugging Face model, rebuilt with this many blocks (_made)
 
     @property
     def multi_part(self) -> bool:
@@ -275,7 +316,7 @@ class UserWorkload(Workload):
         return self.aux_weight
 
     def build_model(self, seed: int) -> nn.Module:
-        out = _call(self.factory, seed, self.spec, self.sizes)
+        out = _made(self.factory, seed, self.spec, self.sizes, self.hf_blocks)
         model = out["model"]
         # Attached to the instance as partials of module-level functions: Hogwild pickles the model.
         if out.get("tp_plan") is not None:  # read by workloads.tp_plan_of, a name no library uses
@@ -375,14 +416,19 @@ def _differs(model: nn.Module, layers: list[nn.Module], sample: torch.Tensor, ta
     return ""
 
 
-@functools.lru_cache(maxsize=4)
-def _user(spec: str, input_shape: str, classes: int, vocab: int, seq_len: int, data: str) -> UserWorkload:
+@functools.lru_cache(maxsize=8)
+def _user(spec: str, input_shape: str, classes: int, vocab: int, seq_len: int, data: str,
+          twin: int = 0) -> UserWorkload:
+    """The user's model and data, checked; `twin` > 0: its shallow twin of that many blocks (its depth
+    argument, else a Hugging Face config's num_hidden_layers), checked alike."""
     factory, sizes = _import(spec), (("vocab", vocab), ("seq_len", seq_len))
-    found = _found_by_parent(spec)
-    out = _call(factory, 0, spec, sizes)
+    knob = depth_arg(factory) if twin else ""
+    sizes, hf_blocks = (*sizes, (knob, twin)) if knob else sizes, 0 if knob else twin
+    found = _found_by_parent(spec, sizes, hf_blocks)
+    out = _made(factory, 0, spec, sizes, hf_blocks)
     model = out["model"]
     if found is None:
-        a, b = model.state_dict(), _call(factory, 0, spec, sizes)["model"].state_dict()
+        a, b = model.state_dict(), _made(factory, 0, spec, sizes, hf_blocks)["model"].state_dict()
         if a.keys() != b.keys() or not all(torch.equal(a[k], b[k]) for k in a):
             raise ConfigError(f"--model {spec}: two calls with the same seed gave different weights; draw them "
                               "from torch's generator (seeded by the harness) or from the seed it is given")
@@ -412,13 +458,14 @@ def _user(spec: str, input_shape: str, classes: int, vocab: int, seq_len: int, d
                   "returned no 'tp_plan'"
     else:
         no_plan = "the factory returned no 'tp_plan', and the model defines no tp_plan()"
-    base = dict(name=label, description=f"{type(model).__name__} from {label}, {params / 1e6:.2f}M params",
+    twin_of = f"; its shallow twin, {twin} block{'s' if twin > 1 else ''}" if twin else ""
+    base = dict(name=label, description=f"{type(model).__name__} from {label}, {params / 1e6:.2f}M params{twin_of}",
                 make_module=factory, input_shape=shape, classes=n_classes or 10, data=kind, dataset_size=size,
                 no_tp_plan=no_plan)
     workload = UserWorkload(**base, spec=spec, factory=factory, sizes=sizes, loss_fn=out.get("loss"), data_file=data,
                             has_plan=out.get("tp_plan") is not None or tp_plan_of(model) is not None,
                             parts_model=hasattr(model, "parts"), causes=tuple(cannot_match(model).values()),
-                            tied=tied_names(model))
+                            tied=tied_names(model), hf_blocks=hf_blocks)
     if found is None:  # the checks that run the model on a sample: in the parent only
         if not data:
             sample_x, sample_y = SyntheticData(workload, 0, 4).batch(0)
@@ -442,13 +489,14 @@ def checked_env(workload: Workload) -> dict[str, str]:
     built-in one), so that the child neither builds it twice nor runs it on a sample again."""
     if not isinstance(workload, UserWorkload):
         return {}
-    return {FOUND: json.dumps({"spec": workload.spec, **{k: getattr(workload, k) for k in _FINDINGS}})}
+    key = [workload.spec, workload.sizes, workload.hf_blocks]  # the model as built (a twin is another)
+    return {FOUND: json.dumps({"key": key, **{k: getattr(workload, k) for k in _FINDINGS}})}
 
 
-def _found_by_parent(spec: str) -> dict | None:
+def _found_by_parent(spec: str, sizes: tuple, hf_blocks: int) -> dict | None:
     """The parent's findings (checked_env) on this model, in a child of its run; None elsewhere."""
     found = json.loads(os.environ.get(FOUND) or "{}")
-    if found.pop("spec", None) != spec:
+    if found.pop("key", None) != json.loads(json.dumps([spec, sizes, hf_blocks])):
         return None
     names = found["layer_names"]
     return found | {"layer_names": tuple(names) if names is not None else None}

@@ -187,6 +187,7 @@ class Workload:
     model_args: tuple = ()  # (name, value) pairs make_module is called with: the transformer's context (--seq-len)
     no_experts: str = ""  # why expert parallelism cannot split its model, where it cannot
     no_logits_loss: str = ""  # why its loss is not cross-entropy over its logits (a model's own), where it is not
+    depth_arg: str = ""  # the make_module argument that sets its number of blocks, where it has one (the twin's)
 
     @property
     def multi_part(self) -> bool:
@@ -223,6 +224,17 @@ class Workload:
         args = (*(a for a in self.model_args if a[0] != "context"), ("context", n))
         return dataclasses.replace(self, input_shape=(n,), model_args=args, dataset_size=size,
                                    description=re.sub(r"x \d+, [\d.]+M params", f"x {n}", self.description))
+
+    def shallow_twin(self, blocks: int) -> Workload:
+        """The same model with `blocks` blocks, every width, the vocabulary, context and options as they
+        are: what `single` and each strategy's verdict run on when `single` cannot hold the whole model
+        (harness/twin.py). ConfigError where the model has no argument for its number of blocks."""
+        if not self.depth_arg:
+            raise ConfigError(f"the {self.name} workload's model has no number of blocks to set (the transformer's "
+                              "and the moe's have)")
+        args = (*(a for a in self.model_args if a[0] != self.depth_arg), (self.depth_arg, blocks))
+        return dataclasses.replace(self, model_args=args, description=f"{self.description}; its shallow twin, "
+                                   f"{blocks} block{'s' if blocks > 1 else ''}")
 
     def with_aux_loss(self, weight: float) -> Workload:
         """The MoE model with its load-balancing loss at `weight` (--aux-loss)."""
@@ -277,9 +289,9 @@ WORKLOADS: dict[str, Workload] = {
                             "not cover, and its Linear layers (120 and 60 wide, 0.03M parameters) are too "
                             "small to be worth splitting"),
         Workload("transformer", "GPT-style transformer, 2 blocks, width 128, 64 tokens x 32, 0.42M params",
-                 Transformer, (32,), classes=64, data="tokens"),
+                 Transformer, (32,), classes=64, data="tokens", depth_arg="depth"),
         Workload("moe", "GPT-style transformer, 2 blocks of 4 experts (top-2), width 128, 64 tokens x 32, "
-                 "0.68M params", MoETransformer, (32,), classes=64, data="tokens"),
+                 "0.68M params", MoETransformer, (32,), classes=64, data="tokens", depth_arg="depth"),
         Workload("dcgan", "DCGAN 24x24x3: generator + discriminator, two optimisers", DCGAN, (3, 24, 24),
                  classes=1, data="images", loss_names=("d_loss", "g_loss"),
                  no_tp_plan="a generator and a discriminator of convolutions"),

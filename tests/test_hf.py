@@ -192,6 +192,23 @@ def test_a_decoder_is_cut_into_layers_that_give_its_own_logits():
     assert sorted(layers[1]._buffers) == ["position_embeddings_0", "position_embeddings_1", "position_ids"]  # Llama
 
 
+def test_the_shallow_twin_of_a_hugging_face_model_is_rebuilt_from_its_config_with_fewer_blocks():
+    """harness/twin.py: a factory with no depth argument whose model has num_hidden_layers (GPT-2's n_layer,
+    through its config's attribute map) is rebuilt by its own class with 1 block, seeded like the model."""
+    import dataclasses
+
+    from parallel.usermodel import workload_of
+
+    for name, factory in (("hf_llama", "llama"), ("hf_gpt2", "gpt2")):
+        whole = RunConfig(model=f"{EXAMPLES / name}.py:{factory}", vocab=64, seq_len=16, batch_size=4).validate()
+        twin = dataclasses.replace(whole, twin_blocks=1).validate()
+        a, b, full = (workload_of(c).build_model(0) for c in (twin, twin, whole))
+        assert (a.config.num_hidden_layers, full.config.num_hidden_layers) == (1, 2), name
+        assert a.config.hidden_size == full.config.hidden_size and a.config.vocab_size == full.config.vocab_size == 64
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))  # seeded alike
+        assert workload_of(twin).layer_names[-1] == workload_of(whole).layer_names[-1]  # cut like the model
+
+
 def test_gpt2s_tied_head_and_layers_that_leave_a_module_out_are_found_before_the_run(tmp_path):
     from parallel import strategies
     from parallel.usermodel import workload_of

@@ -322,8 +322,10 @@ def test_a_strategy_the_planner_puts_over_the_cap_is_refused_or_left_out():
         run_plan(config, ["ddp"], baseline=False)
     chosen, skipped = run_plan(config, ["fsdp"], baseline=False)
     assert [s.name for s, _, _ in chosen] == ["fsdp"] and not skipped
-    with pytest.raises(ConfigError, match="^single: the planner puts it at"):  # compare's baseline: no compare
-        run_plan(config, ["all"])
+    with pytest.raises(ConfigError, match="^single: the planner puts it at"):  # named: refused, like any other
+        run_plan(config, ["single", "fsdp"])
+    chosen, skipped = run_plan(config, ["all"])  # the baseline no one named: its shallow twin (test_twin.py)
+    assert (chosen[0][0].name, chosen[0][1]) == ("single", "twin=1") and "over --memory-cap" in skipped["single"]
     chosen, skipped = run_plan(_cap_config(memory_cap_mb=6.0), ["all"])  # single fits 6: the rest are sorted
     assert {"single", "fsdp", "zero"} <= {s.name for s, _, _ in chosen}
     assert "ddp" not in skipped and "tensor_parallel" not in skipped  # ddp fits 6; no layout: not checked

@@ -294,7 +294,7 @@ def test_a_child_of_the_run_takes_the_parents_findings_and_builds_the_model_once
     assert len(calls) == 1  # built once, for its structure
     for name in ("layer_names", "no_layers", "targets", "no_logits_loss", "tied", "has_plan", "description"):
         assert getattr(child, name) == getattr(parent, name), name
-    other = json.loads(env[usermodel.FOUND]) | {"spec": "elsewhere.py:net"}  # another model's findings
+    other = json.loads(env[usermodel.FOUND]) | {"key": ["elsewhere.py:net", [], 0]}  # another model's findings
     monkeypatch.setenv(usermodel.FOUND, json.dumps(other))
     usermodel._user.cache_clear()
     with pytest.raises(AssertionError, match="on a sample"):  # are not taken for this one's

@@ -60,6 +60,7 @@ def speedup(rows: list[Row]) -> str | None:
         return None
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7.5, _height(len(shown))))
+    over = next((r.speedup_over for r in shown if r.speedup_over), "")  # `single` did not fit: over this row
     for i, r in enumerate(shown):
         color = VERDICT_COLOR.get(r.equivalence.verdict, "#999999")
         doubted = report.status(r) != "ok"
@@ -68,12 +69,15 @@ def speedup(rows: list[Row]) -> str | None:
         if len(r.round_speedups) > 1:
             lo, hi = min(r.round_speedups), max(r.round_speedups)
             ax.errorbar(r.speedup, i, xerr=[[r.speedup - lo], [hi - r.speedup]], color="black", capsize=3, lw=1)
-        ax.plot([r.world_size, r.world_size], [i - 0.4, i + 0.4], color="#333333", lw=1.5, ls=":")
+        if not over:  # the ideal is the device count only over one device
+            ax.plot([r.world_size, r.world_size], [i - 0.4, i + 0.4], color="#333333", lw=1.5, ls=":")
         ax.text(r.speedup, i, f" {r.speedup:.2f}x" + (" (noisy)" if doubted else ""), va="center", fontsize=8)
     ax.axvline(1.0, color="#777777", lw=0.8)
     ax.set_yticks(range(len(shown)), [r.label for r in shown])
     ax.invert_yaxis()
-    ax.set_xlabel("speedup over `single` (samples/s ratio, this run); dotted: ideal = devices; hollow: noisy/flagged")
+    ax.set_xlabel(f"samples/s over {over}'s, the fastest that matched (single does not fit); hollow: noisy/flagged"
+                  if over else "speedup over `single` (samples/s ratio, this run); dotted: ideal = devices; hollow: "
+                  "noisy/flagged")
     return _svg(fig)
 
 
@@ -330,7 +334,10 @@ def _links(out: Path) -> str:
 
 
 def page(rows: list[Row], environment: dict, skipped: dict | None, out: Path) -> str:
-    sections = [("Speedup over one device", speedup(rows),
+    over = next((r.speedup_over for r in rows if r.speedup_over), "")  # harness/twin.py
+    sections = [(f"Speedup over {over}" if over else "Speedup over one device", speedup(rows),
+                 f"Each bar is samples/s over {over}'s, the fastest that matched on the shallow twin (`single` does "
+                 "not fit one device)" if over else
                  "Each bar is samples/s over `single`'s in the same run; a range is the paired rounds' min-max."),
                 ("Model state per rank, by kind", memory(rows),
                  "Params, grads and optimizer state each rank holds (measured), beside the ZeRO paper's formula for "

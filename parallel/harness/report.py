@@ -16,6 +16,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 from rich.text import Text
 
+from parallel.harness import twin
 from parallel.results import Row
 from parallel.tables import num as _num
 from parallel.tables import table as _table
@@ -116,9 +117,9 @@ WIDE = [("strategy", "left"), ("launch", "left"), ("devices", "left"), ("ms p50 
         ("status", "left")]
 
 
-def table(rows: list[Row], environment: dict, wide: bool = False) -> Table:
+def table(rows: list[Row], environment: dict, wide: bool = False, skipped: dict | None = None) -> Table:
     kind = environment["device_kind"]
-    t = _table("Every strategy against `single`", WIDE if wide else MAIN)
+    t = _table(twin.title(rows, skipped) or "Every strategy against `single`", WIDE if wide else MAIN)
     t.columns[0].min_width = 16  # a strategy's name whole (context_parallel); a long variant label folds
     for r in rows:
         state = Text(status(r), style="" if status(r) == "ok" else "bold red" if r.status != "ok" else "yellow")
@@ -428,7 +429,9 @@ def notes(rows: list[Row], environment: dict, skipped: dict | None = None) -> li
         if r.equivalence.verdict == "not-expected":
             ratio = ""
             base = next((b for b in rows if b.equivalence.verdict == "baseline"), None)
-            if base and base.eval_loss and r.eval_loss:
+            if r.twin_blocks:  # single's eval loss is the twin's: the row's run on the twin against it
+                ratio = f"; on the {twin.NAME}: {r.equivalence.reason.partition('converged instead: ')[2]}".rstrip(": ")
+            elif base and base.eval_loss and r.eval_loss:
                 ratio = f"; eval loss {r.eval_loss / base.eval_loss:.2f}x single's"
             why = r.details.get("not_expected") or "asynchronous, not the same training as one device"
             out.append(f"{r.label}: {why}{ratio}")
@@ -449,7 +452,8 @@ def notes(rows: list[Row], environment: dict, skipped: dict | None = None) -> li
         out.append(f"GPUs not used: {why}")
     if kinds := sorted({r.device_kind for r in rows} & {"serial", "pass-through"}):
         out.append(" / ".join(kinds) + ": one device, nothing in parallel; the row costs the strategy's machinery")
-    out.append("speedup: samples/s over single's (this run); eff.: speedup/devices; equivalence: error/tolerance")
+    out += twin.notes(rows, skipped) or ["speedup: samples/s over single's (this run); eff.: speedup/devices; "
+                                         "equivalence: error/tolerance"]
     return out
 
 
@@ -466,8 +470,9 @@ def long_notes(rows: list[Row], environment: dict, skipped: dict | None = None, 
         out.append("peak mem on CPU is the peak resident memory of rank 0's process (torch itself included); "
                    "every rank's and worker's is in the details, with the model state each device holds.")
     if rounds := max((len(r.round_speedups) for r in rows), default=0):
+        over = next((r.speedup_over for r in rows if r.speedup_over), "`single`")  # harness/twin.py
         out.append(f"--repeat {rounds}: every strategy ran {rounds} times, in interleaved rounds; speedup is the "
-                   "median of each round's samples/s over that round's `single` [min-max over the rounds], ms "
+                   f"median of each round's samples/s over that round's {over} [min-max over the rounds], ms "
                    "p50 the median of the rounds' (p95: the first round's); equivalence judged on the first round.")
     return out
 
@@ -536,6 +541,7 @@ def advice(rows: list[Row]) -> list[str]:
         return []
     exact = [r for r in ok if r.equivalence.verdict == "match"]
     doubted = [r for r in ok if _doubted(r)]
+    over = next((r.speedup_over for r in ok if r.speedup_over), "")  # speedups over a row: `single` did not fit
     out, named = [], set()  # named: rows the verdict has given already (the least slow and its ties)
     if not exact:
         out.append("No strategy on several devices trained like one device here: no fastest to name.")
@@ -555,7 +561,12 @@ def advice(rows: list[Row]) -> list[str]:
             ties = [r for r in clean if r is not best and r.speedup >= 0.9 * best.speedup]
         noise = best.equivalence.basis.startswith("this model's own")  # noise.own_noise's rule
         like = "like one device, within the model's own rounding noise" if noise else "exactly like one device"
-        if best.speedup < 1:
+        like += f" on the {twin.NAME}" if over else ""
+        if over:  # no one-device speed to be faster than: the fastest's own, which the speedups are over
+            out.append(f"Fastest that trains {like}: {best.label}, {best.samples_per_s:,.0f} samples/s on "
+                       f"{best.world_size} devices ({backed}); the speedups are over its samples/s.")
+            named = {id(r) for r in (best, *ties)}
+        elif best.speedup < 1:
             out.append(f"None trains {like} faster than one device here; the least slow: {best.label}, "
                        f"{best.speedup:.2f}x ({backed}).")
             named = {id(r) for r in (best, *ties)}
@@ -571,7 +582,8 @@ def advice(rows: list[Row]) -> list[str]:
     slower = [r for r in ok if r.speedup < 1 and not _doubted(r) and id(r) not in named]
     if slower:
         listed = ", ".join(f"{r.label} {r.speedup:.2f}x" for r in slower)
-        out.append(f"{'Slower still' if named else 'Slower than one device here'}: {listed}.")
+        out.append(f"{f'Slower than {over}' if over else 'Slower still' if named else 'Slower than one device here'}: "
+                   f"{listed}.")
     for r in ok:
         m = r.measured
         if m.exposed_comm_ms is not None and m.exposed_comm_ms >= 0 and r.step_ms_p50 and not _doubted(r):
@@ -584,8 +596,8 @@ def advice(rows: list[Row]) -> list[str]:
 
 
 def cost_lines(model: dict | None) -> list[str]:
-    if not model:
-        return []
+    if not model or "projection" not in model:  # not calibrated (a shallow twin's run): the projection alone
+        return memory_lines(model or {})
     ab = (f"all-reduce alpha {model['alpha_us']:.0f} us, beta {model['beta_ns_per_byte']:.2f} ns/B, "
           if model["alpha_us"] is not None else "")
     proj = model["projection"]
@@ -671,7 +683,7 @@ def show(rows: list[Row], environment: dict, console: Console | None = None, ski
     console.print(header(environment), highlight=False, markup=False)
     if why := (environment.get("run") or {}).get("why"):  # the CLI chose the workload (GPUs, none named)
         console.print(why, style="dim", highlight=False, markup=False)
-    console.print(table(rows, environment, wide))
+    console.print(table(rows, environment, wide, skipped))
     for extra in (*sharding_tables(rows), pipeline_table(rows, wide), layer_table(rows), context_table(rows),
                   expert_table(rows)):
         if extra is not None:

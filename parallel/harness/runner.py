@@ -25,7 +25,7 @@ import torch
 from parallel import checkpoint, strategies
 from parallel.config import RunConfig
 from parallel.errors import ConfigError
-from parallel.harness import equivalence, launch, load, noise
+from parallel.harness import equivalence, launch, load, noise, twin
 from parallel.harness.report import make_progress
 from parallel.results import Equivalence, Row, file_stem, tb_run
 from parallel.usermodel import cannot_match, checked_env, shape_model, workload_of
@@ -175,7 +175,8 @@ def plan(config: RunConfig, names: list[str], baseline: bool = True,
     strategies left out with the one-line reason of each. Under `all` (or, not `strict`, a scaling
     sweep's point) a strategy that cannot run this config (these devices, this batch, this model, its
     options) is left out and the rest run; a strategy the user named is refused with its reason
-    (ConfigError, exit 2), as is every bad combination, before anything is started or written."""
+    (ConfigError, exit 2), as is every bad combination, before anything is started or written. A baseline
+    over --memory-cap that no one named trains the shallow twin instead (harness/twin.py)."""
     workload = workload_of(config)
     model = functools.cache(lambda: workload.build_model(config.seed))  # built once, if a check needs it
     shapes = functools.cache(lambda: shape_model(config))  # on the meta device: the planner counts, at any size
@@ -197,7 +198,11 @@ def plan(config: RunConfig, names: list[str], baseline: bool = True,
                 raise
             skipped[s.name] = re.sub(rf"^{s.name} cannot (run on \S+|train the .*? workload): ", "", str(e))
             continue
-        if over := over_cap(s.name, variants, shapes, config):
+        if over := twin.over_cap(s.name, variants, shapes, config):
+            if s.name == BASELINE and BASELINE not in names:  # the baseline no one named: its shallow twin instead
+                entry, skipped[s.name] = twin.baseline(config, over, shapes)
+                chosen += entry
+                continue
             if s.name == BASELINE or not may_skip(s.name):
                 raise ConfigError(f"{s.name}: {over}")
             skipped[s.name] = over
@@ -216,24 +221,6 @@ def plan(config: RunConfig, names: list[str], baseline: bool = True,
     return chosen, skipped
 
 
-def over_cap(name: str, variants: list, model: Callable, config: RunConfig) -> str:
-    """Under --memory-cap: why the planner says a variant of `name` does not fit ("" if all fit or the
-    planner has no layout for it). `model()`: the run's model on the meta device, built on first use."""
-    if not config.memory_cap_mb:
-        return ""
-    from parallel.plan import local  # only under a cap: no planner at every run's start
-
-    if name not in local.DATA_PARALLEL:
-        return ""
-    for _, cfg in variants:
-        need = local.need(name, cfg, model())
-        if need and need["total"] > config.memory_cap_mb * 2**20:
-            return (f"the planner puts it at {need['total'] / 2**20:.1f} MiB a device (model state "
-                    f"{need['model_state'] / 2**20:.1f}, activations {need['activations'] / 2**20:.1f}), over "
-                    f"--memory-cap {config.memory_cap_mb:g} MiB")
-    return ""
-
-
 def run_strategies(config: RunConfig, chosen: list[tuple], baseline: bool = True,
                    on_row: Callable[[list[Row]], None] = lambda rows: None) -> list[Row]:
     """Run the plan in turn; `on_row(rows so far)` after each, so an interrupted run keeps its rows."""
@@ -244,11 +231,14 @@ def run_strategies(config: RunConfig, chosen: list[tuple], baseline: bool = True
     work = Path(tempfile.mkdtemp(prefix="parallel-"))
     rows: list[Row] = []
     ref = None
-    workload = workload_of(config)
-    model = workload.build_model(config.seed)
+    blocks = chosen[0][2].twin_blocks if baseline and chosen else 0  # `single` on the twin: all judged there
+    paired = baseline and bool(chosen) and chosen[0][0].name == BASELINE and not blocks  # single's speedups
+    model = workload_of(chosen[0][2] if blocks else config).build_model(config.seed)  # what `single` trains
     initial, causes = model.state_dict(), cannot_match(model)  # dropout, BatchNorm: named in a mismatch
     rounds = max(1, config.repeat)
     timings: list[list[tuple]] = [[] for _ in chosen]  # per plan entry, per round: samples/s, step ms p50, p95
+    relative = functools.partial(twin.relative, timings=timings) if blocks else \
+        (lambda rows: add_relative(rows, rows[0] if paired and rows[0].status == "ok" else None))
     try:
         with make_progress() as progress:
             task = progress.add_task("strategies", total=len(chosen) * rounds)
@@ -262,23 +252,29 @@ def run_strategies(config: RunConfig, chosen: list[tuple], baseline: bool = True
                 if (bounds := row.details.get("stage_bounds")) and (balance := row.details.get("balance")):
                     cuts.setdefault(f"{balance}:{len(bounds) - 1}", bounds)
                 if state is not None:
-                    row.eval_loss = eval_loss(workload, state, config.seed)
+                    row.eval_loss = eval_loss(workload_of(cfg), state, config.seed)
+                judged = row  # the run the verdict is on: the row's own, or its run on the shallow twin
                 if baseline and s.name == BASELINE and state is not None:
                     ref = equivalence.Reference(initial, state, equivalence.curves(row), causes=causes)
                     if config.model and "dropout" not in causes:  # a model the tolerances were not measured
                         ref.noise = noise.own_noise(  # on: its own noise (not dropout's masks)
                             cfg, ref, rerun=lambda s, c: run_one(s, "noise", c, work, logs))
                     row.equivalence = Equivalence("baseline", 0.0, basis=equivalence.rule_for(s, cfg).basis)
+                    row.twin_blocks, row.details = blocks, {**row.details, **(twin.facts(cfg) if blocks else {})}
+                elif row.status == "ok" and blocks and ref is not None:
+                    progress.update(task, description=f"{s.name} {variant} on the {twin.NAME}")
+                    judged = twin.judge(s, variant, cfg, blocks, ref, row,
+                                        lambda v, c, s=s: run_one(s, v, c, work, logs))
                 elif row.status == "ok":
                     row.equivalence = equivalence.judge(s, cfg, ref, row, state)
-                    if row.equivalence.verdict == "not-expected" and rows and rows[0].eval_loss:
-                        ratio = row.eval_loss / rows[0].eval_loss
-                        row.equivalence.reason += (f"; converged instead: eval loss {row.eval_loss:.4f} vs "
-                                                   f"single {rows[0].eval_loss:.4f} ({ratio:.2f}x), same samples")
+                if row.equivalence.verdict == "not-expected" and rows and rows[0].eval_loss and judged.eval_loss:
+                    ratio = judged.eval_loss / rows[0].eval_loss
+                    row.equivalence.reason += (f"; converged instead: eval loss {judged.eval_loss:.4f} vs "
+                                               f"single {rows[0].eval_loss:.4f} ({ratio:.2f}x), same samples")
                 rows.append(row)
                 timings[i].append((row.samples_per_s, row.step_ms_p50, row.step_ms_p95))
                 write_scalars(out / "tb", row)
-                add_relative(rows, rows[0] if baseline and rows[0].status == "ok" else None)
+                relative(rows)
                 on_row(rows)
                 progress.advance(task)
             for k in range(1, rounds):  # the same list again: timing only, no profile, logs per round
@@ -292,9 +288,11 @@ def run_strategies(config: RunConfig, chosen: list[tuple], baseline: bool = True
                         rows[i].foreign_cpu = max(rows[i].foreign_cpu or 0.0, again.foreign_cpu)
                         rows[i].foreign_gpu_pids = sorted({*rows[i].foreign_gpu_pids, *again.foreign_gpu_pids})
                     progress.advance(task)
-                pair_rounds(rows, timings, baseline)
+                pair_rounds(rows, timings, paired)
                 on_row(rows)
             flag(rows, baseline)
+            if blocks:  # over the fastest that matched, of those flag() left unflagged
+                twin.relative(rows, timings)
             on_row(rows)
     finally:
         shutil.rmtree(work, ignore_errors=True)
