@@ -69,13 +69,15 @@ class PhaseTimer:
 def median_time(fn: Callable[[], object], reps: int, synchronize: Callable[[], None],
                 budget_s: float | None = None) -> float:
     """Median seconds of `reps` runs of fn, synchronized before each clock read, after one warm-up run
-    (timed like the others, then dropped). `budget_s`: fewer runs (at least 3) where `reps` of the
-    warm-up's length would take longer: a calibration stays a small part of a run at any model size."""
+    (timed like the others, then dropped). `budget_s`: fewer runs where `reps` of the warm-up's length
+    would take longer, at least 3, or 1 where the warm-up alone took longer than the budget (a step of
+    seconds, at a real size on a CPU): a measurement stays a small part of a run at any model size."""
     timer, times = StepTimer(synchronize), []
     with timer:
         fn()
     if budget_s is not None:
-        reps = max(3, min(reps, int(budget_s / max(timer.elapsed, 1e-9))))
+        least = 1 if timer.elapsed > budget_s else 3
+        reps = max(least, min(reps, int(budget_s / max(timer.elapsed, 1e-9))))
     for _ in range(reps):
         with timer:
             fn()

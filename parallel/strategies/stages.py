@@ -23,6 +23,8 @@ from parallel.strategies.tied import sum_tied, untie
 from parallel.timing import median_time
 from parallel.usermodel import shape_model
 
+PIECE_BUDGET_S = 1.0  # seconds one layer's or stage's timing may take: all `reps` on toy models, fewer at real sizes
+
 
 def layers_of(model: nn.Module) -> list[nn.Module]:
     if not hasattr(model, "pipeline_layers"):
@@ -45,10 +47,11 @@ def measure_layers(layers: list[nn.Module], x: torch.Tensor, devices: list[torch
     for i, layer in enumerate(layers):
         here = copy.deepcopy(layer).to(home)
         a = x.detach().requires_grad_(i > 0)
-        costs.append(median_time(functools.partial(_fwd_bwd, here, a), reps, sync))  # synchronized clocks
+        costs.append(median_time(functools.partial(_fwd_bwd, here, a), reps, sync, PIECE_BUDGET_S))  # synced
         x = here(a).detach()
         moves.append(hop(x) if hop is not None else
-                     median_time(functools.partial(_copy_there_and_back, x, other, home), reps, sync))
+                     median_time(functools.partial(_copy_there_and_back, x, other, home), reps, sync,
+                                 PIECE_BUDGET_S))
         del here
     return costs, moves
 
@@ -239,9 +242,9 @@ def measure_stages(layers: list[nn.Module], bounds: list[int], x: torch.Tensor, 
             inp, out = forward()
             stage_backward(inp, out.float().mean() if last else out, None if last else torch.ones_like(out))
 
-        f = median_time(forward, reps, sync)
+        f = median_time(forward, reps, sync, PIECE_BUDGET_S)
         fwd.append(f)
-        bwd.append(max(median_time(both, reps, sync) - f, 0.0))
+        bwd.append(max(median_time(both, reps, sync, PIECE_BUDGET_S) - f, 0.0))
         x = forward()[1].detach()
     return fwd, bwd
 
