@@ -152,3 +152,13 @@ def test_token_data_at_a_real_vocabulary_holds_the_chain_and_one_batch_only():
     assert x.untyped_storage().nbytes() == y.untyped_storage().nbytes() == 4 * 8192 * 8
     # Learnable: about 80% of next tokens are one of the token's 4 likely successors (1 in 32,000 by chance)
     assert (data.teacher[x] == y.unsqueeze(-1)).any(-1).float().mean() > 0.75
+
+
+@pytest.mark.slow
+def test_the_data_cost_benchmark_measures_a_batch_in_a_fresh_process(capsys):
+    from parallel.harness import data_cost
+
+    (run,) = data_cost.measure(vocab=64, seq_len=32, batch=8, runs=1)
+    assert run["chain_bytes"] == 64 * 4 * 8 and run["batch_bytes"] == 2 * 8 * 32 * 8 and run["peak_rise_bytes"] >= 0
+    assert data_cost.main(["--vocab", "64", "--seq-len", "32", "--runs", "1"]) == 0
+    assert "beyond the batch" in capsys.readouterr().out
