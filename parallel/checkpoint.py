@@ -9,7 +9,7 @@ FSDP2 shard saved as the shard), and the step. A world of one (the in-process st
 same format without a process group. A checkpoint is written to a fresh folder beside the final one and
 renamed into place once every rank has finished, so a reader never sees half a checkpoint.
 
-The data of step s is a function of s alone (workloads.SyntheticData), so resuming at step s+1 with the
+The data of step s is a function of s alone (data.SyntheticData), so resuming at step s+1 with the
 saved parameters and optimiser state continues exactly where the interrupted run was: the kill-and-
 resume tests end bitwise equal to an uninterrupted run.
 

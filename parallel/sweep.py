@@ -19,20 +19,20 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
-import torch
 from rich.markup import escape
-from torch.utils.data import DataLoader, Sampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset
 
 from parallel import strategies
 from parallel.basics import noise
 from parallel.config import RunConfig
+from parallel.data import SyntheticData
 from parallel.devices import gpu_count
 from parallel.dist import Dist
 from parallel.errors import ConfigError
 from parallel.harness.report import make_progress
 from parallel.results import atomic_write, prepare_out
 from parallel.worker import execute
-from parallel.workloads import WORKLOADS, SyntheticData, accuracy, eval_loss
+from parallel.workloads import WORKLOADS, accuracy, eval_loss
 
 GRID = OrderedDict(lr=float, batch_size=int, num_workers=int, device=str)  # the swept knobs, in table order
 
@@ -80,28 +80,26 @@ def unavailable(device: str) -> str | None:
     return None
 
 
-class _Steps(Sampler):
-    """Batch `step` = the same indices SyntheticData.batch(step) takes, so a sweep run sees exactly the
-    batches every other command sees."""
+class _Steps(Dataset):
+    """Item `step` = SyntheticData.batch(step), made in the loader's processes: a sweep run sees exactly the
+    batches every other command sees (token batches are drawn per step, so there are no samples to index)."""
 
-    def __init__(self, n: int, batch_size: int, steps: int):
-        self.n, self.batch_size, self.steps = n, batch_size, steps
+    def __init__(self, data: SyntheticData, steps: int):
+        self.data, self.steps = data, steps
 
     def __len__(self) -> int:
         return self.steps
 
-    def __iter__(self):
-        for step in range(self.steps):
-            yield (torch.arange(step * self.batch_size, (step + 1) * self.batch_size) % self.n).tolist()
+    def __getitem__(self, step: int):
+        return self.data.batch(step)
 
 
 class LoaderData:
     """THE loop's data source (`batch(step, rank, world)`), served by a DataLoader in step order."""
 
     def __init__(self, data: SyntheticData, steps: int, num_workers: int, pin_memory: bool, timeout: float):
-        sampler = _Steps(len(data.x), data.batch_size, steps)
-        self.loader = DataLoader(TensorDataset(data.x, data.y), batch_sampler=sampler, num_workers=num_workers,
-                                 pin_memory=pin_memory,
+        # batch_size=None: each item is already a whole batch; the loader's processes make them ahead
+        self.loader = DataLoader(_Steps(data, steps), batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
                                  timeout=timeout if num_workers else 0)  # a stuck loader process fails, not hangs
         self._it, self._next = iter(self.loader), 0
         self.asked: list[float] = []  # perf_counter at every request: consecutive ones are loading + a step

@@ -66,11 +66,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel import hf, outputs
+from parallel.data import SyntheticData
 from parallel.errors import ConfigError
 from parallel.moe import MoE
 from parallel.outputs import first_line as _first_line
 from parallel.transformer import SHAPE, shaped
-from parallel.workloads import WORKLOADS, SyntheticData, TPPlan, Workload, logits_of, tp_plan_of
+from parallel.workloads import WORKLOADS, TPPlan, Workload, logits_of, tp_plan_of
 
 HELD_OUT = 8  # a data file's last 1/HELD_OUT (at most 2048 samples) is the held-out set
 PROTOCOL = ("model", "loss", "layers", "tp_plan")
@@ -451,7 +452,7 @@ def _user(spec: str, input_shape: str, classes: int, vocab: int, seq_len: int, d
         shape = _shape(input_shape, "--input-shape")
         kind, n_classes, source = "teacher", classes, f"inputs {shape}, {classes} classes"
     params = sum(p.numel() for p in model.parameters())
-    # Synthetic samples: at most 64 MB of inputs (batches wrap around them); a file: all of its samples.
+    # Held samples (teacher): at most 64 MB of inputs, batches wrap around them; tokens: drawn per step.
     size = len(_file(data)[0]) if data else max(1024, min(8192, 2**24 // math.prod(shape)))
     if isinstance(getattr(type(model), "tp_plan", None), property):  # transformers': read by tp_plan_of
         no_plan = f"transformers' own plan for {type(model).__name__} splits no nn.Linear layer, and the factory " \

@@ -1,11 +1,7 @@
-"""The models and their deterministic synthetic data.
+"""The built-in models (`WORKLOADS`), what each offers the strategies, and their held-out evaluation.
 
-Each sample is one of 10 random prototypes (smooth 7x7 patterns upsampled, for images) scaled by
-SIGNAL, plus unit Gaussian noise; its label comes from a fixed random *teacher*, the prototype with the
-largest inner product. So there is something real to learn and the loss genuinely falls (2.30 -> about
-2.2 after 23 default steps, near 0 after 80); pure noise labelled by a random linear map did not move
-in 60 steps. No data set is downloaded. The same seed gives bitwise the same initial weights and the
-same batches in every process and every strategy.
+The same seed gives bitwise the same initial weights in every process and every strategy; the data they
+train on is parallel/data.py's, made from the seed too.
 """
 
 from __future__ import annotations
@@ -22,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parallel.data import SyntheticData
 from parallel.errors import ConfigError
 from parallel.outputs import call, logits_of  # noqa: F401 - logits_of: also read from here (manual_dp, tests)
 from parallel.tpplan import TPPlan
@@ -178,7 +175,7 @@ class Workload:
     make_module: Callable[[], nn.Module]
     input_shape: tuple[int, ...]  # one sample
     classes: int = 10  # outputs per sample (per token for the transformer)
-    dataset_size: int = 8192  # samples; batches wrap around it like epochs
+    dataset_size: int = 8192  # samples held (teacher, images; batches wrap around them); tokens are drawn per step
     data: str = "teacher"  # "teacher": labelled by the nearest prototype; "tokens": a Markov chain; "images": GAN
     loss_names: tuple[str, ...] = ("loss",)
     no_tp_plan: str = ""  # why its model has no tensor-parallel plan (tp_plan()), where it has none
@@ -219,10 +216,8 @@ class Workload:
             raise ConfigError(f"--seq-len sets the transformer's sequence length; the {self.name} workload has none")
         if n < 1:
             raise ConfigError(f"--seq-len must be at least 1, got {n}")
-        # As many tokens as at the default length (8192 x 32): longer sequences, fewer of them
-        size = max(256, self.dataset_size * self.input_shape[0] // n)
         args = (*(a for a in self.model_args if a[0] != "context"), ("context", n))
-        return dataclasses.replace(self, input_shape=(n,), model_args=args, dataset_size=size,
+        return dataclasses.replace(self, input_shape=(n,), model_args=args,
                                    description=re.sub(r"x \d+, [\d.]+M params", f"x {n}", self.description))
 
     def shallow_twin(self, blocks: int) -> Workload:
@@ -297,102 +292,6 @@ WORKLOADS: dict[str, Workload] = {
                  no_tp_plan="a generator and a discriminator of convolutions"),
     ]
 }
-
-
-LIKELY = 4  # token data: each token has 4 likely successors (0.2 each), and 0.2 for any token at all
-CHAIN = 64  # token data: chains this long, side by side (a vectorised draw a position, whatever T)
-SIGNAL = 0.5  # prototype norm over noise norm: learnable in tens of steps at lr 0.02, not in one
-
-
-def _prototypes(shape: tuple[int, ...], classes: int, g: torch.Generator) -> torch.Tensor:
-    """(classes, prod(shape)) random patterns with norm sqrt(d), like the noise; smooth if images."""
-    d = math.prod(shape)
-    if len(shape) == 3:  # (C, H, W): low-frequency patterns, so convolution and pooling keep them
-        coarse = torch.randn((classes, shape[0], 7, 7), generator=g)
-        p = F.interpolate(coarse, size=shape[1:], mode="bilinear", align_corners=False).reshape(classes, d)
-    else:
-        p = torch.randn((classes, d), generator=g)
-    return p / p.norm(dim=1, keepdim=True) * math.sqrt(d)
-
-
-class SyntheticData:
-    """A fixed synthetic data set; `batch(step)` is the same tensor everywhere. Per workload.data:
-    teacher:  x = SIGNAL x one of 10 prototypes + noise, y = the nearest prototype        (classification)
-    tokens:   sequences from a fixed random Markov chain (4 likely successors per token),
-              x = tokens 0..T-1, y = tokens 1..T                                         (next-token prediction)
-    images:   x = real images, sigmoid(4 x a smooth prototype + noise/2), y = latent z  (the GAN's two inputs)
-    """
-
-    def __init__(self, workload: Workload, seed: int, batch_size: int):
-        self.workload, self.seed, self.batch_size = workload, seed, batch_size
-        n = max(workload.dataset_size, batch_size)
-        self.teacher, self.x, self.y = _generated(workload, seed, n, torch.get_default_dtype())
-
-    def _samples(self, n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        return _samples(self.workload, self.teacher, n, g)
-
-    def heldout(self, n: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """n samples never trained on, from the same teacher: for comparing where strategies ended up. By
-        default 2048, or for sequences longer than 32 tokens as many tokens as 2048 x 32 (at least 64
-        sequences): a held-out pass over 2048 sequences of 512 tokens took longer than the training. At a
-        real vocabulary, at most 2^28 logits in all (at least 16 sequences): 65,536 tokens over GPT-2's
-        50,304 took 23 s on this CPU, against 5 s for the whole training of a short run."""
-        if not n:
-            t = self.workload.input_shape[0] if self.workload.data == "tokens" else 32
-            n = max(64, 2048 * 32 // max(32, t))
-            if self.workload.data == "tokens":
-                n = min(n, max(16, 2**28 // (t * self.workload.classes)))
-        return self._samples(n, torch.Generator().manual_seed(20_000 + self.seed))
-
-    def batch(self, step: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rank `rank`'s contiguous share of global batch `step` (the whole batch when world_size == 1).
-        Shares are equal: callers check that the batch divides (RunConfig.check_divisible)."""
-        share = self.batch_size // world_size
-        start = step * self.batch_size + rank * share
-        idx = torch.arange(start, start + share) % self.x.shape[0]
-        return self.x[idx], self.y[idx]
-
-
-@functools.lru_cache(maxsize=2)
-def _generated(workload: Workload, seed: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """The teacher and n samples of `workload` for `seed`, in `dtype` (--precision fp64 builds them in
-    float64): built once a process, since every run in it (the strategies of one set of ranks, `single`
-    for the oracle, the cost model) reads the same ones. Nobody writes to them: batches are copies."""
-    g = torch.Generator().manual_seed(10_000 + seed)  # independent of the model's init stream
-    if workload.data == "tokens":  # (V, 4): each token's likely successors, V x 4 integers at any vocabulary
-        teacher = torch.randint(0, workload.classes, (workload.classes, LIKELY), generator=g)
-    else:
-        # (classes, d); the GAN's images come from 10 prototypes whatever its 1 "class"
-        protos = workload.classes if workload.data == "teacher" else max(workload.classes, 10)
-        teacher = _prototypes(workload.input_shape, protos, g)
-    return teacher, *_samples(workload, teacher, n, g)
-
-
-def _samples(workload: Workload, teacher: torch.Tensor, n: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
-    kind = workload.data
-    if kind == "tokens":
-        # The next token is one of the current token's likely successors with probability 0.8 (each 0.2),
-        # else any token. All draws at once, then one gather a position, in chains of at most CHAIN tokens
-        # side by side (a long sequence restarts from any token every CHAIN): time and memory ~ n x T.
-        t, v = workload.input_shape[0], workload.classes
-        chain = min(t + 1, CHAIN)
-        chains = n * -(-(t + 1) // chain)
-        seq = torch.randint(0, v, (chain, chains), generator=g)  # the starts, and the "any token" draws
-        pick = torch.randint(0, LIKELY, (chain - 1, chains), generator=g)
-        likely = torch.rand((chain - 1, chains), generator=g) < 0.8
-        successors = teacher.view(-1)
-        for i in range(chain - 1):  # position-major: each step reads and writes contiguous rows
-            seq[i + 1] = torch.where(likely[i], successors[seq[i] * LIKELY + pick[i]], seq[i + 1])
-        seq = seq.T.reshape(n, -1)[:, : t + 1]
-        return seq[:, :-1], seq[:, 1:]  # (n, T) each
-    source = torch.randint(0, teacher.shape[0], (n,), generator=g)
-    if kind == "images":
-        noise = torch.randn((n, teacher.shape[1]), generator=g)
-        x = torch.sigmoid(4 * SIGNAL * teacher[source] + 0.5 * noise)  # in (0, 1), like the generator's
-        return x.reshape(n, *workload.input_shape), torch.randn((n, *DCGAN.LATENT), generator=g)
-    x = SIGNAL * teacher[source] + torch.randn((n, teacher.shape[1]), generator=g)  # (n, d)
-    y = (x @ teacher.T).argmax(dim=1)  # the teacher's label, (n,)
-    return x.reshape(n, *workload.input_shape), y
 
 
 @functools.lru_cache(maxsize=4)

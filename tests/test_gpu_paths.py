@@ -14,11 +14,12 @@ from torch import nn
 
 from parallel import cli, strategies, timing
 from parallel.config import ConfigError, RunConfig
+from parallel.data import SyntheticData
 from parallel.dist import Dist, script_devices
 from parallel.harness import costmodel
 from parallel.strategies import stage_time, stages
 from parallel.timing import StepTimer
-from parallel.workloads import WORKLOADS, SyntheticData
+from parallel.workloads import WORKLOADS
 from tests.strict_cuda import Clock, on_cpu, synced_before_every_clock
 
 pytestmark = pytest.mark.timeout(120)

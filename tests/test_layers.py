@@ -16,8 +16,8 @@ LAYERS = {
     "strategies": 2,
     "train": 1, "timing": 1, "profiling": 1, "checkpoint": 1, "results": 1, "activations": 1, "formulas": 1,
     "tables": 1,
-    "config": 0, "dist": 0, "devices": 0, "workloads": 0, "transformer": 0, "tpplan": 0, "moe": 0, "errors": 0,
-    "layout": 0, "usermodel": 0, "hf": 0, "outputs": 0,
+    "config": 0, "dist": 0, "devices": 0, "workloads": 0, "data": 0, "transformer": 0, "tpplan": 0, "moe": 0,
+    "errors": 0, "layout": 0, "usermodel": 0, "hf": 0, "outputs": 0,
 }
 
 

@@ -7,7 +7,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from parallel import cli, sweep
-from parallel.workloads import WORKLOADS, SyntheticData
+from parallel.data import SyntheticData
+from parallel.workloads import WORKLOADS
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -37,14 +38,16 @@ def test_sweep_writes_one_tensorboard_run_per_grid_point(tmp_path, capsys):
     assert (out / "sweep.csv").read_text().count("\n") == 5
 
 
-def test_the_loader_serves_the_same_batches_as_every_other_command():
-    data = SyntheticData(WORKLOADS["cnn"], 0, 32)
-    loader = sweep.LoaderData(data, steps=3, num_workers=0, pin_memory=False, timeout=10)
+@pytest.mark.parametrize("workload, workers", [("cnn", 0), ("transformer", 1)])  # held samples; drawn per step
+def test_the_loader_serves_the_same_batches_as_every_other_command(workload, workers):
+    data = SyntheticData(WORKLOADS[workload], 0, 32)
+    loader = sweep.LoaderData(data, steps=3, num_workers=workers, pin_memory=False, timeout=10)
     for step in range(3):
         for a, b in zip(loader.batch(step), data.batch(step), strict=True):
             assert torch.equal(a, b)
     with pytest.raises(RuntimeError, match="in order"):
         loader.batch(0)
+    loader.close()
 
 
 @pytest.mark.parametrize("argv, message", [

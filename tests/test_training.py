@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from parallel import strategies
+from parallel.data import SyntheticData
 from parallel.dist import Dist
 from parallel.layout import ParallelDims
 from parallel.timing import StepTimer, summarize
 from parallel.train import NonFiniteLoss, step_lines, train
 from parallel.worker import execute
-from parallel.workloads import MLP, WORKLOADS, SyntheticData
+from parallel.workloads import MLP, WORKLOADS
 
 REPLICAS = lambda config, dist: ParallelDims.data_parallel(dist.world_size)  # noqa: E731 - what the loop asks a strategy
 

@@ -10,12 +10,13 @@ from torch import nn
 
 from parallel import strategies
 from parallel.config import RunConfig
+from parallel.data import SyntheticData
 from parallel.dist import Dist
 from parallel.errors import ConfigError
 from parallel.strategies.base import OptimizerGroup, make_optimizers
 from parallel.strategies.sync_batchnorm import AllReduceBatchNorm1d, AllReduceBatchNorm2d
 from parallel.worker import execute
-from parallel.workloads import WORKLOADS, SyntheticData, in_chunks
+from parallel.workloads import WORKLOADS, in_chunks
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -115,3 +116,49 @@ def test_the_held_out_set_stays_a_few_hundred_million_logits_at_a_real_vocabular
     assert SyntheticData(WORKLOADS["transformer"], 0, 8).heldout()[0].shape == (2048, 32)
     assert SyntheticData(gpt2, 0, 8).heldout()[0].shape == (20, 256)
     assert SyntheticData(llama, 0, 8).heldout()[1].shape == (16, 8192)
+
+
+def test_a_token_batch_is_one_global_batch_whatever_the_world_size():
+    # The oracle compares N ranks with `single` on the same global batch: every rank draws the whole batch
+    # of the step from (seed, step), in its own process (a fresh SyntheticData), and keeps its rows.
+    w = WORKLOADS["transformer"]
+    x, y = SyntheticData(w, 0, 16).batch(3)
+    assert x.shape == y.shape == (16, 32) and torch.equal(x[:, 1:], y[:, :-1])  # y: the next tokens
+    for world in (2, 4, 8):
+        shares = [SyntheticData(w, 0, 16).batch(3, rank, world) for rank in range(world)]
+        assert torch.equal(torch.cat([s[0] for s in shares]), x) and torch.equal(torch.cat([s[1] for s in shares]), y)
+
+
+def test_token_batches_follow_the_seed_and_the_step():
+    w = WORKLOADS["moe"]
+    a, again = SyntheticData(w, 0, 8), SyntheticData(w, 0, 8)
+    assert all(torch.equal(a.batch(5)[i], again.batch(5)[i]) for i in (0, 1))
+    assert not torch.equal(a.batch(5)[0], a.batch(6)[0])  # every step its own draw
+    assert not torch.equal(a.batch(5)[0], SyntheticData(w, 1, 8).batch(5)[0])  # every seed its own stream
+    hx, hy = a.heldout(64)
+    assert not any(torch.equal(hx[:8], a.batch(s)[0]) for s in range(4))  # not a training stream
+    assert (a.teacher[hx] == hy.unsqueeze(-1)).any(-1).float().mean() > 0.75  # but the same chain (0.81)
+
+
+def test_token_data_at_a_real_vocabulary_holds_the_chain_and_one_batch_only():
+    # Llama 3's 128,256 x 8,192 (#44): what stays held is the V x 4 table of likely successors (4 MB), not
+    # V^2 nor a data set; a batch is its own 8 x 8,192 tokens, not a view into anything bigger.
+    big = dataclasses.replace(WORKLOADS["transformer"], classes=128_256).with_seq_len(8192)
+    data = SyntheticData(big, 0, 8)
+    held = [v for v in vars(data).values() if isinstance(v, torch.Tensor)]
+    assert sum(t.untyped_storage().nbytes() for t in held) == 128_256 * 4 * 8
+    x, y = data.batch(0, 1, 2)
+    assert x.shape == y.shape == (4, 8192) and 0 <= int(x.min()) and int(x.max()) < 128_256
+    assert x.untyped_storage().nbytes() == y.untyped_storage().nbytes() == 4 * 8192 * 8
+    # Learnable: about 80% of next tokens are one of the token's 4 likely successors (1 in 32,000 by chance)
+    assert (data.teacher[x] == y.unsqueeze(-1)).any(-1).float().mean() > 0.75
+
+
+@pytest.mark.slow
+def test_the_data_cost_benchmark_measures_a_batch_in_a_fresh_process(capsys):
+    from parallel.harness import data_cost
+
+    (run,) = data_cost.measure(vocab=64, seq_len=32, batch=8, runs=1)
+    assert run["chain_bytes"] == 64 * 4 * 8 and run["batch_bytes"] == 2 * 8 * 32 * 8 and run["peak_rise_bytes"] >= 0
+    assert data_cost.main(["--vocab", "64", "--seq-len", "32", "--runs", "1"]) == 0
+    assert "beyond the batch" in capsys.readouterr().out

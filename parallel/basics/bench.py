@@ -28,9 +28,10 @@ import torch
 from torch import nn
 
 from parallel.basics import noise
+from parallel.data import SyntheticData
 from parallel.devices import gpu_count, synchronizer
 from parallel.timing import StepTimer, summarize
-from parallel.workloads import WORKLOADS, SyntheticData
+from parallel.workloads import WORKLOADS
 
 
 def time_synced(fn: Callable[[], object], synchronize: Callable[[], None], repeats: int, warmup: int = 2) -> dict:

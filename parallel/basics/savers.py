@@ -18,7 +18,6 @@ allocator events (profile_memory=True): torch has no CPU allocator statistics of
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import sys
 from collections.abc import Callable
@@ -30,11 +29,12 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint_sequential
 
 from parallel.basics import noise
+from parallel.data import SyntheticData
 from parallel.devices import activate, empty_cache, peak_memory, reset_peak_memory, synchronizer
 from parallel.errors import ConfigError
 from parallel.strategies.base import state_bytes
 from parallel.timing import StepTimer, summarize
-from parallel.workloads import WORKLOADS, SyntheticData
+from parallel.workloads import WORKLOADS
 
 MODES = {"fp32": (False, False), "autocast": (True, False), "checkpointing": (False, True), "both": (True, True)}
 SEGMENTS = 2
@@ -132,11 +132,6 @@ def largest_batch(memory_at: Callable[[int], int | None], budget: int, start: in
     return lo, measured[lo]
 
 
-@functools.lru_cache(maxsize=2)
-def _data(workload: str) -> SyntheticData:
-    return SyntheticData(WORKLOADS[workload], 0, 1)
-
-
 @dataclass
 class Result:
     mode: str
@@ -178,9 +173,7 @@ def run(workload: str, device: torch.device, batch: int, budget: int | None, ste
 
 
 def _memory_or_none(workload: str, mode: str, device: torch.device, batch: int) -> int | None:
-    data = _data(workload)  # a batch of any size from the 8192 samples (repeats are fine for measuring memory)
-    idx = torch.arange(batch) % data.x.shape[0]
-    x, y = data.x[idx].to(device), data.y[idx].to(device)
+    x, y = (t.to(device) for t in SyntheticData(WORKLOADS[workload], 0, batch).batch(0))  # any size: made to fit
     try:
         return step_memory(Trainer(workload, mode, device), x, y)
     except torch.OutOfMemoryError:
