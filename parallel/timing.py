@@ -77,7 +77,7 @@ def median_time(fn: Callable[[], object], reps: int, synchronize: Callable[[], N
         fn()
     if budget_s is not None:
         least = 1 if timer.elapsed > budget_s else 3
-        reps = max(least, min(reps, int(budget_s / max(timer.elapsed, 1e-9))))
+        reps = min(reps, max(least, int(budget_s / max(timer.elapsed, 1e-9))))
     for _ in range(reps):
         with timer:
             fn()
