@@ -155,10 +155,8 @@ def test_token_data_at_a_real_vocabulary_holds_the_chain_and_one_batch_only():
 
 
 @pytest.mark.slow
-def test_the_data_cost_benchmark_measures_a_batch_in_a_fresh_process(capsys):
+def test_the_data_cost_benchmark_measures_a_batch_in_a_fresh_process():
     from parallel.harness import data_cost
 
     (run,) = data_cost.measure(vocab=64, seq_len=32, batch=8, runs=1)
     assert run["chain_bytes"] == 64 * 4 * 8 and run["batch_bytes"] == 2 * 8 * 32 * 8 and run["peak_rise_bytes"] >= 0
-    assert data_cost.main(["--vocab", "64", "--seq-len", "32", "--runs", "1"]) == 0
-    assert "beyond the batch" in capsys.readouterr().out
