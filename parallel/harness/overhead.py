@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                 if s.synchronous and not s.unsupported(workload) and not s.available(config.spec)]
     what = workload.description if any(shape.values()) else args.workload
     table = Table(title=f"The harness against a bare loop of each strategy: {what}, batch {args.batch_size}, "
-                        f"{args.devices}, {args.rounds} alternating rounds of {args.steps} steps (median [min-max])",
+                        f"{args.devices}, {args.rounds} alternating rounds of {args.steps} steps (median, min-max)",
                   title_justify="left")
     for col in ("strategy", "harness ms", "bare loop ms", "harness adds"):
         table.add_column(col, justify="left" if col == "strategy" else "right")
