@@ -165,24 +165,23 @@ def test_a_strategy_is_judged_by_its_own_run_on_the_twin():
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_model_too_big_for_one_device_is_compared_on_its_twin_and_a_bug_is_still_caught(tmp_path):
-    """compare under a cap `single` is over, as a user types it: exit 0, the twin named, the rows judged
-    there; then ddp with gradients summed, not averaged (it fits 5.5 MiB where single's 5.8 does not)."""
+    """compare under a cap `single` is over, as a user types it: the twin named, the rows judged there;
+    fsdp matches, and ddp with gradients summed, not averaged (it fits 5.5 MiB where single's 5.8 does not),
+    does not: exit 1 for that row alone. (One run of both: the suite's time; the run with no bug exits 0,
+    docs/measurements.md.)"""
     common = ["--workload", "transformer", "--devices", "cpu:2", "--batch-size", "2", "--steps", "2", "--warmup",
               "1", "--timeout", "120"]
-    p = in_process("compare", *common, "--memory-cap", "4", "--strategies", "fsdp", "--out", tmp_path / "a")
-    assert p.returncode == 0, p.stdout + p.stderr
+    p = in_process("compare", *common, "--memory-cap", "5.5", "--strategies", "fsdp,ddp", "--mutant",
+                   "ddp:sum-not-mean", "--out", tmp_path / "a")
+    assert p.returncode == 1, p.stdout + p.stderr
     flat = " ".join(p.stdout.split())
     assert "judged against `single` on the shallow twin" in flat and "the same model with 1 block" in flat
     assert "speedup: samples/s over fsdp's" in flat
     doc = json.loads((tmp_path / "a" / "results.json").read_text())
-    single, fsdp = doc["rows"]
+    single, fsdp, ddp = doc["rows"]
     assert (single["variant"], single["twin_blocks"], single["equivalence"]["verdict"]) == ("twin=1", 1, "baseline")
     assert (fsdp["twin_blocks"], fsdp["equivalence"]["verdict"], fsdp["speedup_over"]) == (1, "match", "fsdp")
     assert fsdp["details"]["model_state_bytes_per_device"][0] > 2 * MiB  # measured on the whole model
     assert (tmp_path / "a" / "logs" / "fsdp-twin=1.log").exists() and doc["cost_model"] == {}
-    p = in_process("compare", *common, "--memory-cap", "5.5", "--strategies", "ddp", "--mutant", "ddp:sum-not-mean",
-                   "--out", tmp_path / "b")
-    assert p.returncode == 1, p.stdout + p.stderr
-    ddp = json.loads((tmp_path / "b" / "results.json").read_text())["rows"][1]
     assert (ddp["twin_blocks"], ddp["equivalence"]["verdict"]) == (1, "mismatch"), ddp["equivalence"]
     assert ddp["equivalence"]["ratio"] > 5
