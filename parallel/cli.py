@@ -232,20 +232,18 @@ def config_from_args(args: argparse.Namespace, default_out: bool = True) -> RunC
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     options = {k.removeprefix("option_"): v for k, v in vars(args).items() if k.startswith("option_") and v is not None}
     given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
-    real = parse_devices(given.get("devices", RunConfig.devices)).real
-    if "workload" not in given and not given.get("model") and not any(given.get(k) for k in ("preset", *SHAPE)) \
-            and real:
-        # GPUs and no model named: one whose step is compute, not kernel launches
+    spec = parse_devices(given.get("devices", RunConfig.devices))
+    shaped = any(given.get(k) for k in ("preset", *SHAPE))
+    gpu_default = spec.real and "workload" not in given and not given.get("model") and not shaped
+    if gpu_default:  # GPUs and no model named: one whose step is compute, not kernel launches
         given |= {k: v for k, v in GPU_DEFAULT.items() if not given.get(k)}
     given = plan_models.with_preset(given)
-    shaped = any(given.get(k) for k in ("preset", *SHAPE))
+    shaped = shaped or gpu_default
     given.setdefault("workload", "transformer" if shaped else RunConfig.workload)
-    given.setdefault("warmup", SHAPED_WARMUP if shaped and not real else RunConfig.warmup)
+    given.setdefault("warmup", SHAPED_WARMUP if shaped and not spec.real else RunConfig.warmup)
     if given.get("batch_size") is None:  # not given: the default, rounded to the world by validate
-        per_gpu = given.get("why") == GPU_DEFAULT["why"]  # the GPU default: 8 a GPU
-        world = given.get("world_size") or parse_devices(given.get("devices", "auto")).count
-        batch = SHAPED_BATCH * (world if per_gpu else 1)
-        given.update(batch_size=batch if shaped else RunConfig.batch_size, batch_auto=True)
+        per_gpu = (given.get("world_size") or spec.count) if gpu_default else 1  # the GPU default: 8 a GPU
+        given.update(batch_size=SHAPED_BATCH * per_gpu if shaped else RunConfig.batch_size, batch_auto=True)
     config = RunConfig(**given, options=options).validate()
     if not config.out and default_out:
         config.out = str(Path("results") / time.strftime("run-%Y%m%d-%H%M%S"))

@@ -246,7 +246,6 @@ def shaped(workload, vocab: int = 0, seq_len: int = 0, arch: str = "", layers: i
     name = f"{'GPT' if a['arch'] == 'gpt' else 'Llama'}-style transformer" + (f" ({preset})" if preset else "")
     description = (f"{name}, {a['depth']} blocks, width {a['width']}, {a['heads']} heads{kv}, {a['vocab']} tokens "
                    f"x {a['context']}, {params / 1e6:.1f}M params" + (", tied head" if tied else ""))
-    size = max(256, workload.dataset_size * workload.input_shape[0] // a["context"])  # as many tokens
     return dataclasses.replace(workload, model_args=tuple(args.items()), classes=a["vocab"],
-                               input_shape=(a["context"],), dataset_size=size, description=description,
+                               input_shape=(a["context"],), description=description,
                                tied="head.1.weight = embed.tokens.weight" if tied else "")
