@@ -120,7 +120,7 @@ def check(config) -> None:
 @dataclass
 class State:
     ring: Ring  # shared by every attention layer: the group, the positions it masks by, its counts
-    index: torch.Tensor  # which positions of a sequence this rank keeps (its slice of the tokens)
+    index: torch.Tensor  # which positions of a sequence this rank keeps: on the CPU, where batches are made
     positions: torch.Tensor  # the global positions it gives the model (the same, but for a bug)
     counter: wire.Counter  # bytes by collective kind, counted in the warm-up steps
     world: int
@@ -139,7 +139,7 @@ def install(model: nn.Module, config, dist, dims_: ParallelDims) -> State:
                 local_mask=injected(config, LOCAL_MASK), keep_grads_home=injected(config, NOT_DIFFERENTIABLE))
     for attention in model.attentions():
         attention.attend = ring
-    return State(ring, layout.positions(cp_rank).to(dist.device), seen.positions(cp_rank).to(dist.device),
+    return State(ring, layout.positions(cp_rank), seen.positions(cp_rank).to(dist.device),
                  wire.Counter(config.warmup), dist.world_size)
 
 
@@ -154,7 +154,7 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
 def local_loss(t: Trainable, batch):
     """The mean loss over this rank's slice of every sequence of its share of the batch."""
     s = t.state
-    x, y = (b[:, s.index].to(t.device, non_blocking=True) for b in batch)  # (B/dp, T/cp) each
+    x, y = (b[:, s.index.to(b.device)].to(t.device, non_blocking=True) for b in batch)  # (B/dp, T/cp) each
     return t.loss_fn(t.model(x, positions=s.positions), y)
 
 
