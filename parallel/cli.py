@@ -447,6 +447,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # stopped outside the parts that keep their work (after compare's rows: they are
+        print("interrupted", file=sys.stderr)  # saved as each ends): one line, no traceback (seen on an H100)
+        return 130
 
 
 def script_main(name: str, argv: list[str] | None = None) -> int:

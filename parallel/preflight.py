@@ -65,12 +65,26 @@ def _config(args) -> RunConfig:
     out = args.out or str(Path("results") / time.strftime("preflight-%Y%m%d-%H%M%S"))
     model = {k: getattr(args, k) for k in ("model", "input_shape", "classes", "vocab", "seq_len", "data")}
     return RunConfig(workload=args.workload, **model, devices=args.devices, batch_size=64, batch_auto=True,
-                     steps=2, warmup=1, timeout=args.timeout, pg_timeout=min(60.0, args.timeout), out=out).validate()
+                     steps=2, warmup=1, timeout=args.timeout, pg_timeout=min(60.0, args.timeout), out=out,
+                     extras=False).validate()  # a path proven, not measured: no strategy's own measurements
 
 
-def strategy_checks(config: RunConfig, chosen: list[tuple], skipped: dict[str, str]) -> list[Check]:
-    """The strategies that can run here, two steps through the harness with `single` as the baseline."""
-    rows = run_strategies(config, chosen)
+def strategy_checks(config: RunConfig, chosen: list[tuple], skipped: dict[str, str],
+                    done: list[Check]) -> list[Check]:
+    """The strategies that can run here, two steps through the harness with `single` as the baseline;
+    each finished one is in `done` at once (kept when the run is stopped)."""
+    start = len(done)
+
+    def keep(rows):  # the rows so far replace this call's checks so far
+        done[start:] = _rows_checked(config, rows)
+
+    run_strategies(config, chosen, on_row=keep)
+    done += [Check(f"{n} on {config.devices}", "its launch on these devices", "not run", why)
+             for n, why in skipped.items()]
+    return done
+
+
+def _rows_checked(config: RunConfig, rows: list) -> list[Check]:
     checks = []
     for r in rows:
         c = Check(f"{r.label} on {config.devices}", f"{r.launcher} launch, {r.world_size} device(s), 2 steps, "
@@ -82,8 +96,6 @@ def strategy_checks(config: RunConfig, chosen: list[tuple], skipped: dict[str, s
             why = r.error or f"{r.equivalence.verdict}: {r.equivalence.reason}"
             c.status, c.detail = "failed", f"{why} (log: {log})"
         checks.append(c)
-    checks += [Check(f"{n} on {config.devices}", "its launch on these devices", "not run", why)
-               for n, why in skipped.items()]
     return checks
 
 
@@ -108,8 +120,7 @@ def elsewhere_names(config: RunConfig, names: list[str]) -> dict[str, list[str]]
     return out
 
 
-def elsewhere_checks(config: RunConfig, found: dict[str, list[str]]) -> list[Check]:
-    checks = []
+def elsewhere_checks(config: RunConfig, found: dict[str, list[str]], checks: list[Check]) -> None:
     for _, _, run, folder in ELSEWHERE:
         if folder not in found:
             continue
@@ -117,14 +128,14 @@ def elsewhere_checks(config: RunConfig, found: dict[str, list[str]]) -> list[Che
         other = dataclasses.replace(config, **{**fields, **run}, out=str(Path(config.out) / folder)).validate()
         chosen, skipped = plan(other, found[folder], strict=False)
         prepare_out(Path(other.out))
-        checks += strategy_checks(other, chosen, skipped)
-    return checks
+        strategy_checks(other, chosen, skipped, checks)
 
 
 def _child(name: str, proves: str, argv: list[str], config: RunConfig, env: dict | None = None) -> Check:
     log = Path(config.out) / "logs" / f"preflight-{re.sub(r'[^a-z0-9]+', '-', name.lower()).strip('-')}.log"
     # forked from the zygote where there is no GPU (harness/zygote.py); torchrun's workers here are scripts
-    outcome = launch.run_child([sys.executable, *argv], config.timeout, log, env=env, fork=gpu_count() == 0)
+    fork = launch.may_fork(gpu_count() > 0)
+    outcome = launch.run_child([sys.executable, *argv], config.timeout, log, env=env, fork=fork)
     if outcome.returncode == 0 and not outcome.timed_out:
         return Check(name, proves, "passed", f"{outcome.wall_s:.0f} s")
     return Check(name, proves, "failed", f"{outcome.error} (log: {log})")
@@ -140,7 +151,7 @@ def restart_check(config: RunConfig) -> Check:
     store = launch.LoopbackStore(0, config.timeout)
     # Without GPUs each worker is forked from the zygote through a stand-in (harness/forked.py), as the
     # harness's own launches are: torchrun, its rendezvous and its restart are the same
-    stand_in = ["-m", "parallel.harness.forked"] if gpu_count() == 0 else []
+    stand_in = ["-m", "parallel.harness.forked"] if launch.may_fork(gpu_count() > 0) else []
     argv = ["-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={n}", "--max-restarts=1",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{store.port}", "--rdzv-conf=is_host=false",
             "--local-addr=127.0.0.1", *stand_in, str(ROOT / "scripts" / "ddp.py"), *usermodel.argv(config),
@@ -153,25 +164,22 @@ def restart_check(config: RunConfig) -> Check:
         store.close()
 
 
-def basics_checks(config: RunConfig) -> list[Check]:
+def basics_checks(config: RunConfig, checks: list[Check]) -> None:
+    """The GPU basics at their smallest sizes and fewest trials, each appended to `checks` as it ends."""
     gpu = gpu_count() > 0
     out = str(Path(config.out) / "basics")
-    checks = [
-        _child("bench cpu-vs-gpu", "each case timed synchronized and naively" + ("" if gpu else "; CPU side only"),
-               ["-m", "parallel", "bench", "cpu-vs-gpu", "--scale", "0.01", "--repeats", "3", "--out", out], config),
-        _child("bench memory", "fp32, autocast (fp16 + GradScaler on CUDA, bf16 on CPU), checkpointing",
-               ["-m", "parallel", "bench", "memory", "--workload", "cnn", "--batch-size", "32", "--budget-mb", "0",
-                "--out", out], config),
-        _child("devices", "memory per device, read without a CUDA context; allocate, free, empty_cache",
-               ["-m", "parallel", "devices"], config),
-    ]
-    streams = Check("bench streams", "a side-stream race and its two fixes")
-    if gpu:
-        streams = _child(streams.name, streams.proves, ["-m", "parallel", "bench", "streams", "--trials", "3",
-                                                        "--out", out], config)
-    else:
-        streams.detail = "needs CUDA"
-    return checks + [streams]
+    for name, proves, argv in [
+        ("bench cpu-vs-gpu", "each case timed synchronized and naively" + ("" if gpu else "; CPU side only"),
+         ["bench", "cpu-vs-gpu", "--scale", "0.01", "--repeats", "3", "--out", out]),
+        ("bench memory", "fp32, autocast (fp16 + GradScaler on CUDA, bf16 on CPU), checkpointing",
+         ["bench", "memory", "--workload", "cnn", "--batch-size", "32", "--budget-mb", "0", "--out", out]),
+        ("devices", "memory per device, read without a CUDA context; allocate, free, empty_cache", ["devices"]),
+        ("bench streams", "a side-stream race and its two fixes", ["bench", "streams", "--trials", "3", "--out", out]),
+    ]:
+        if name == "bench streams" and not gpu:
+            checks.append(Check(name, proves, "not run", "needs CUDA"))
+        else:
+            checks.append(_child(name, proves, ["-m", "parallel", *argv], config))
 
 
 def cuda_only(config: RunConfig) -> list[Check]:
@@ -216,21 +224,31 @@ def main(args, console) -> int:
     prepare_out(Path(config.out))
     other = elsewhere_names(config, strategies.parse_list(args.strategies))  # on GPUs: their own workloads, below
     moved = {n for names in other.values() for n in names}
-    checks = strategy_checks(config, chosen, {n: why for n, why in skipped.items() if n not in moved})
-    checks += elsewhere_checks(config, other)  # each makes its OUT/logs/, with its own progress bar
-    with make_progress(console) as progress:
-        task = progress.add_task("GPU basics, torchrun restart", total=2)
-        checks += basics_checks(config)
-        progress.advance(task)
-        checks.append(restart_check(config))
-        progress.advance(task)
+    checks: list[Check] = []  # every finished check, as it finishes: a stop keeps them
+    try:
+        strategy_checks(config, chosen, {n: why for n, why in skipped.items() if n not in moved}, checks)
+        elsewhere_checks(config, other, checks)  # each makes its OUT/logs/, with its own progress bar
+        with make_progress(console) as progress:
+            task = progress.add_task("GPU basics, torchrun restart", total=2)
+            basics_checks(config, checks)
+            progress.advance(task)
+            checks.append(restart_check(config))
+            progress.advance(task)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (cli._stop_like_ctrl_c): run_child ended the running check
+        _write(config, checks, stopped=True)
+        console.print(f"interrupted: {len(checks)} finished checks are in {config.out}/preflight.json",
+                      markup=False, style="bold red")
+        return 130
     checks += cuda_only(config)
-    atomic_write(Path(config.out) / "preflight.json", json.dumps(
-        {"devices": config.devices, "workload": config.workload, "checks": [dataclasses.asdict(c) for c in checks]},
-        indent=2))
+    _write(config, checks)
     console.print(table(checks))
     failed = [c for c in checks if c.status == "failed"]
     console.print(f"{sum(c.status == 'passed' for c in checks)} passed, {len(failed)} failed, "
                   f"{sum(c.status == 'not run' for c in checks)} not run; {config.out}/preflight.json", markup=False)
     return 1 if failed else 0
 
+
+def _write(config: RunConfig, checks: list[Check], stopped: bool = False) -> None:
+    atomic_write(Path(config.out) / "preflight.json", json.dumps(
+        {"devices": config.devices, "workload": config.workload, "stopped": stopped,
+         "checks": [dataclasses.asdict(c) for c in checks]}, indent=2))

@@ -27,6 +27,7 @@ from parallel.config import RunConfig
 from parallel.devices import activate, cap_memory, exact_fp32, peak_memory, reset_peak_memory
 from parallel.dist import Dist
 from parallel.errors import ConfigError
+from parallel.harness.launch import LAUNCHED_AT
 from parallel.profiling import make_profiler
 from parallel.results import Measured, Row, atomic_write
 from parallel.strategies.base import every_rank
@@ -38,6 +39,8 @@ from parallel.usermodel import workload_of
 def execute(strategy, config: RunConfig, dist: Dist, data=None, run: str = "") -> tuple[Row, dict]:
     """Train once with `strategy` in this process (one rank of it); returns the row and final parameters.
     `data`: where batches come from (default: SyntheticData; the sweep passes a DataLoader's)."""
+    began = time.perf_counter()  # the phases' times: where a run's seconds go (a short run is mostly start-up)
+    phases = {"start": round(time.time() - float(os.environ.get(LAUNCHED_AT, time.time())), 2)}
     spec = config.spec
     local = devices_driven(strategy, config, dist)
     # The cores are split between devices; this process drives len(local) of them. Set explicitly:
@@ -58,8 +61,10 @@ def execute(strategy, config: RunConfig, dist: Dist, data=None, run: str = "") -
         trainable = strategy.setup(model, make_optimizer(config), workload.loss, dist, config)
         trainable.mutant = config.mutant  # the injected bug, if any, that train_step may carry (--mutant)
         layer = activations.meter_for(strategy, trainable.model, workload, config)
+        phases["setup"], began = round(time.perf_counter() - began, 2), time.perf_counter()
         with make_profiler(config.profile, config.out, run or strategy.name, dist.rank, dist.device) as prof:
             result = strategy.train(strategy, trainable, data, config, dist, prof)
+        phases["train"], began = round(time.perf_counter() - began, 2), time.perf_counter()
         comm_bytes, comm_steps = trainable.comm_bytes, trainable.comm_steps
         state = strategy.state_dict(trainable)
         peaks, peak_kind = peak_memory(local)
@@ -67,10 +72,11 @@ def execute(strategy, config: RunConfig, dist: Dist, data=None, run: str = "") -
         with precision(config, trainable.device):  # what it times is the run's own step
             extra = strategy.extra_measurements(trainable, data, config, dist, result) if config.extras else {}
             extra |= layer.details(workload.input_shape[0], config.precision) if layer is not None else {}
+    phases["extras"] = round(time.perf_counter() - began, 2)
     measured = extra.pop("measured", Measured())
     details = {"model_state_bytes_per_device": strategy.model_state_bytes(trainable, config),
                **({f"{peak_kind}_per_device": peaks} if len(peaks) > 1 else {}),
-               **_peak_per_rank(peak, peak_kind, dist), **extra}
+               **_peak_per_rank(peak, peak_kind, dist), **extra, "phases_s": phases}
     if why := every_rank_reason(trainable.not_expected, dist):
         details["not_expected"] = why
     predicted = details.pop("comm_bytes_predicted", predicted)  # a prediction that needs the run (routing)

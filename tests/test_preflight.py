@@ -2,10 +2,16 @@
 pass on the CPU, and the CUDA checks are listed as not run, each with its reason."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
 from parallel import cli
+from tests.conftest import ROOT
 
 
 @pytest.mark.slow
@@ -33,3 +39,71 @@ def test_preflight_refuses_bad_input(refused):
     refused(["preflight", "--devices", "cpu:0"], "the virtual device count must be 1..64, got 0")
     refused(["preflight", "--workload", "nosuch"], "unknown workload 'nosuch'")
     refused(["preflight", "--strategies", "nosuch"], "unknown strategy 'nosuch'")
+
+
+def test_a_stopped_preflight_prints_one_line_and_keeps_its_finished_checks(tmp_path, monkeypatch, capsys):
+    # SIGTERM (a scheduler, `timeout`) is turned into Ctrl-C's KeyboardInterrupt (cli._interrupt); before, a
+    # stopped preflight printed a 20-line traceback and kept nothing (H100, 2026-11-25)
+    from parallel import preflight
+    from parallel.results import Equivalence, Row
+
+    def stopped_after_one_row(config, chosen, on_row):
+        row = Row("single", "", "inprocess", config.devices, "serial", 1, config.batch_size)
+        row.equivalence = Equivalence("baseline", 0.0)
+        on_row([row])
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises before this ends
+        raise AssertionError("SIGTERM did not interrupt")
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    monkeypatch.setattr(preflight, "run_strategies", stopped_after_one_row)
+    try:
+        code = cli.main(["preflight", "--devices", "cpu:1", "--strategies", "single", "--out", str(tmp_path)])
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+    saved = json.loads((tmp_path / "preflight.json").read_text())
+    assert code == 130 and saved["stopped"] and [c["status"] for c in saved["checks"]] == ["passed"]
+    out = capsys.readouterr().out
+    assert "interrupted: 1 finished checks" in out and "Traceback" not in out
+
+
+def test_a_comparison_stopped_after_its_rows_prints_one_line(tmp_path, monkeypatch, capsys):
+    # Stopped in the cost model's timing, after every row was saved: the traceback an H100 run printed
+    from parallel.harness import costmodel
+
+    def stopped(*_):
+        raise KeyboardInterrupt("signal 15")
+
+    monkeypatch.setattr(costmodel, "apply", stopped)
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = cli.main(["compare", "--strategies", "single", "--devices", "cpu:1", "--steps", "1", "--warmup", "0",
+                         "--batch-size", "8", "--out", str(tmp_path)])
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+    err = capsys.readouterr().err
+    assert code == 130 and err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
+    assert (tmp_path / "results.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_sigterm_ends_a_real_preflight_and_every_child_it_started(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "parallel", "preflight", "--devices", "cpu:2", "--out",
+                             str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "logs").exists() or not any((tmp_path / "logs").iterdir()):  # a check under way
+        assert time.monotonic() < deadline and proc.poll() is None, "preflight started no check"
+        time.sleep(0.2)
+    time.sleep(2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in out, out[-2000:]
+    assert "interrupted: " in " ".join(out.strip().splitlines()[-2:])  # the last line (a long path folds it)
+    assert json.loads((tmp_path / "preflight.json").read_text())["stopped"]
+    time.sleep(1)
+    left = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert left == [], f"processes left in the preflight's session: {left}"

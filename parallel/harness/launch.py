@@ -169,15 +169,24 @@ def _group_running(pgid: int) -> bool:
     return False
 
 
+LAUNCHED_AT = "PARALLEL_LAUNCHED_AT"  # when the parent started the child: the child's start-up is read from it
+
+
 def torchrun_env() -> dict[str, str]:
     """What every torchrun launch of the harness adds to the environment (see the module docstring)."""
     return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "NCCL_SOCKET_IFNAME": os.environ.get("NCCL_SOCKET_IFNAME", "lo")}
 
 
+def may_fork(gpus: bool) -> bool:
+    """Whether a child may start from the zygote: yes, unless PARALLEL_FORK_GPU=0 keeps GPU runs' children
+    fresh interpreters (the zygote never touches CUDA, so each child initialises its own; zygote.py)."""
+    return not gpus or os.environ.get("PARALLEL_FORK_GPU", "1") != "0"
+
+
 def run_child(cmd: list[str], timeout: float, log_path: Path, env: dict | None = None, fork: bool = False) -> Outcome:
     """`cmd` in a session of its own, its output to log_path, ended (with all it started) at `timeout`;
     `fork`: started from the zygote (harness/zygote.py: no 6 s of imports), where it can."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", LAUNCHED_AT: repr(time.time()), **(env or {})}
     start = time.perf_counter()
     with open(log_path, "w") as log:
         proc = zygote.popen(cmd, env, str(log_path)) if fork else None

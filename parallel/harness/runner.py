@@ -49,9 +49,9 @@ def run_one(strategy, variant: str, config: RunConfig, work: Path, logs: Path) -
     watch = load.ForeignLoad(gpus)
     try:
         cmd = launch.command(strategy, config, paths, store.port if store else 0, tb_run(strategy.name, variant),
-                             fork=not gpus)
+                             fork=launch.may_fork(bool(gpus)))
         env = {**(launch.torchrun_env() if store else {}), **checked_env(workload_of(config))}  # checked once
-        outcome = launch.run_child(cmd, config.timeout, logs / f"{stem}.log", env=env, fork=not gpus)
+        outcome = launch.run_child(cmd, config.timeout, logs / f"{stem}.log", env=env, fork=launch.may_fork(bool(gpus)))
     finally:
         if store:
             store.close()
@@ -62,6 +62,7 @@ def run_one(strategy, variant: str, config: RunConfig, work: Path, logs: Path) -
         return _failed_row(strategy, variant, config, outcome), None
     row = Row.from_dict(json.loads(paths["result"].read_text()))
     row.variant = variant
+    row.details["phases_s"] = {**row.details.get("phases_s", {}), "launch": round(outcome.wall_s, 2)}
     row.foreign_cpu, row.foreign_gpu_pids = foreign_cpu, foreign_gpu
     if config.mutant.startswith(f"{strategy.name}:"):  # the row that carries an injected bug says so
         row.variant = ",".join(filter(None, [variant, f"mutant={config.mutant.split(':', 1)[1]}"]))
