@@ -9,12 +9,8 @@ import math
 from parallel.errors import ConfigError
 from parallel.plan import models, search
 from parallel.plan.hardware import GPUS, cluster
-from parallel.plan.layouts import ELEM, Training
+from parallel.plan.layouts import ELEM, STACKS, Training
 
-STACKS = {  # the software a plan assumes: torch's today, or the one the published Megatron runs used
-    "torch": {"attention": "flash", "dropout": False, "dp_overlap": True},
-    "megatron-2022": {"attention": "unfused", "dropout": True, "dp_overlap": False},
-}
 NO_CONTEXT_PARALLEL = {"megatron-2022"}  # context parallelism came to Megatron-LM later (2024)
 
 

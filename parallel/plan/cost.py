@@ -6,8 +6,10 @@ T_stage is one micro-batch's forward and backward through the busiest stage: per
 at the kind's efficiency for the layer's width on a GPU (h/tp), elementwise kernels at its HBM bandwidth,
 and tensor-, context- and expert-parallel collectives on the ring model (hardware.ring_seconds, the one the
 report fits to each run). The bubble is the schedule's closed form (strategies/replay.CLOSED_FORMS, the one
-the report checks against its replay of each pipeline run). Activations are activations.formula per layer
-(the one each run's LayerMeter checks exactly) times the micro-batches a stage holds. docs/planner.md.
+the report checks against its replay of each pipeline run). Each piece (a layer's forward, its backward, the
+head, the optimizer) takes at least the host's time to launch its kernels (`launched`). Activations are
+activations.formula per layer (the one each run's LayerMeter checks exactly) times the micro-batches a stage
+holds. docs/planner.md.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ from parallel.strategies.replay import CLOSED_FORMS
 @dataclasses.dataclass
 class Parts:
     """Seconds of one micro-batch through one layer on one GPU: forward and backward, each with the
-    collectives on its path; `comm` says how much of them was communication, by dimension."""
+    collectives on its path; `comm` says how much of them was communication, by dimension, and `overhead`
+    how much went to kernels rather than in them (the GPU's gaps, or waiting for the host's launches)."""
     forward: float = 0.0
     backward: float = 0.0
     comm: dict = dataclasses.field(default_factory=dict)
+    overhead: float = 0.0
 
     def add_comm(self, dim: str, forward: float, backward: float) -> None:
         self.forward, self.backward = self.forward + forward, self.backward + backward
@@ -35,7 +39,25 @@ class Parts:
 
     @property
     def compute(self) -> float:
-        return self.forward + self.backward - sum(self.comm.values())
+        return self.forward + self.backward - sum(self.comm.values()) - self.overhead
+
+
+# Kernels eager PyTorch launches in a training step, counted by the profiler on GPT-2 small under bf16
+# autocast (one H100, torch 2.11, 2026-11-26): 84 a block, forward and backward, and 46 outside the blocks
+# (1,054 at 12 blocks, 214 at 2, micro-batch 1; larger tensors split a few more). Forward is taken as a
+# third of a block's (backward runs two matmuls for each of forward's); the 46 split by the ops that run
+# them: the final norm, head and loss 20, the embeddings, fused AdamW and the loss's read-back 26.
+KERNELS = {"forward": 28, "backward": 56, "head": 20, "step": 26}
+
+
+def launched(device_s: float, kernels: int, cl: Cluster) -> tuple[float, float]:
+    """(seconds, of which overhead) of a piece of a step that does `device_s` of arithmetic and memory traffic
+    in `kernels` kernels: the GPU's time, with its gap between kernels, or the host's time to launch them where
+    that is longer. The GPU cannot start a kernel the host has not launched; the host is taken not to run
+    ahead of the GPU from one piece to the next (each piece's overhead is paid, not pooled)."""
+    e = cl.gpu.efficiency
+    t = max(device_s + kernels * e.gap_s, kernels * e.launch_s)
+    return t, t - device_s
 
 
 def layer_traffic(model: ModelSpec, lay: Layout, train: Training) -> dict[str, tuple[str, float, int, int]]:
@@ -79,10 +101,12 @@ def layer_time(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> P
     mlp = tokens * model.F / lay.tp * (model.top_k if model.experts else 1)
     moved = whole * elem * (2 * 2 + 2 * 3) + train.dropout * 2 * whole + mlp * elem * (3 if model.gated else 2)
     softmax = scores * (2 * elem + train.dropout * (1 + 2 * elem)) if train.attention == "unfused" else 0.0
-    ew, ew_core = moved / hbm, softmax / hbm
-    t = Parts(mm + core + ew + ew_core, 2 * (mm + core + ew + ew_core))
+    ew, ew_core = moved * train.elementwise / hbm, softmax / hbm
+    (fwd, over_f), (bwd, over_b) = (launched(n * (mm + core + ew + ew_core), KERNELS[k], cl)
+                                    for n, k in ((1, "forward"), (2, "backward")))
+    t = Parts(fwd, bwd, overhead=over_f + over_b)
     if lay.recompute == "full":
-        t.backward += t.forward
+        t.backward, t.overhead = t.backward + t.forward, t.overhead + over_f
     elif lay.recompute == "selective":
         t.backward += core + ew_core
     traffic = layer_traffic(model, lay, train)
@@ -95,12 +119,13 @@ def layer_time(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> P
     return t
 
 
-def head_time(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> float:
-    """The last stage's extra: the output projection to the vocabulary and the loss, forward and back."""
+def head_time(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> tuple[float, float]:
+    """The last stage's extra: the output projection to the vocabulary and the loss, forward and back
+    (seconds, of which launch overhead)."""
     tokens = lay.tokens(model.seq)
     peak = cl.matmul_rate(train.precision, model.hidden / lay.tp)
     loss = tokens * model.vocab / lay.tp * 16 / (cl.gpu.hbm * cl.gpu.efficiency.memory)
-    return 3 * model.logits_flops(tokens) / lay.tp / peak + loss
+    return launched(3 * model.logits_flops(tokens) / lay.tp / peak + loss, KERNELS["head"], cl)
 
 
 def dp_traffic(psi: float, lay: Layout, train: Training) -> list[tuple[str, float, int]]:
@@ -135,11 +160,11 @@ def predict(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> dict
     m, p, v = micro_batches(lay, train), lay.pp, lay.stages_per_rank
     layers = lay.layers(model.layers)
     lt = layer_time(model, lay, train, cl)
-    head = head_time(model, lay, train, cl)
+    head, head_over = head_time(model, lay, train, cl)
     busiest = layers * (lt.forward + lt.backward) + head  # the last stage (pp = 1: the only one)
     f, b = layers * lt.forward / v, layers * lt.backward / v  # one chunk
     bubble = max(0.0, CLOSED_FORMS[schedule_of(lay)](p, f, b, b / 2, b / 2)) if p > 1 else 0.0
-    parts = {"compute": m * (layers * lt.compute + head), "bubble": bubble}
+    parts = {"compute": m * (layers * lt.compute + head - head_over), "bubble": bubble}
     comm = {dim: m * layers * s for dim, s in lt.comm.items()}
     if p > 1:  # each micro-batch's hand-offs, forward and back, once per chunk a rank holds
         act = lay.tokens(model.seq) * model.hidden * elem / (lay.tp if train.pp_scatter_gather else 1)
@@ -158,8 +183,10 @@ def predict(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> dict
     if shards > 1:
         comm["dp"] = max(0.0, dp - hidden)
     owned = dense / (shards if lay.zero_stage else 1) + experts / (expert_shards if lay.zero_stage else 1)
-    optimizer = owned * 30 / (cl.gpu.hbm * e.memory)  # Adam: 30 bytes a parameter it owns
-    parts["optimizer"] = optimizer
+    # Adam: 30 bytes a parameter it owns; the step's kernels outside the layers launch around it
+    optimizer, step_over = launched(owned * 30 / (cl.gpu.hbm * e.memory), KERNELS["step"], cl)
+    parts["optimizer"] = optimizer - step_over
+    parts["overhead"] = m * (layers * lt.overhead + head_over) + step_over
     step = m * busiest + bubble + sum(v for k, v in comm.items() if k in ("pp", "dp")) + optimizer
     gpus = lay.gpus
     flops = model.model_flops(train.global_batch)

@@ -9,9 +9,13 @@ The efficiencies are what a kind reaches of those peaks in training, named and s
 were set for the A100 by fitting the 18 published A100 rows (docs/planner.md says how): matrix
 multiplies follow eff(x) = MM_MAX x / (x + MM_HALF), x the width a GPU's share of a layer's matrices has
 (h / tp), which is why wide models reach more of the peak. The H100, H200 and B200 take the A100's
-efficiencies (the H100's and H200's NVLink excepted, from NCCL's measured bus bandwidth): no published
-training run of theirs was read, so their figures are the A100's habits scaled to their peaks
-(docs/planner.md, "what it does not model").
+efficiencies (the H100's and H200's NVLink excepted, from NCCL's measured bus bandwidth; and their matrix
+multiplies, which reach less of their higher peak at a given width, timed on one H100): no published
+training run of theirs was read (docs/planner.md, "what it does not model").
+
+A step also pays the host: every kernel is launched from Python through the dispatcher, about 29 µs each
+in eager PyTorch (`launch_s`, fitted to a bare loop on one H100). A calibration on the user's GPU scales
+the compute and the overhead of a kind with `Efficiency.scaled` (docs/planner.md, "One GPU").
 """
 
 from __future__ import annotations
@@ -23,6 +27,11 @@ from parallel.formulas import ring_seconds
 GiB = 2**30
 
 
+# Fitted to a bare loop on GPT-2 small, one H100 (docs/planner.md, "One GPU"): a host's figure, so every kind
+# takes it until calibrated.
+LAUNCH_S = 29e-6
+
+
 @dataclasses.dataclass(frozen=True)
 class Efficiency:
     mm_max: float = 0.80  # matrix multiplies: the share of peak a very wide one reaches
@@ -31,15 +40,31 @@ class Efficiency:
     nvlink: float = 0.65  # NCCL ring collectives inside a node: share of NVLink's bandwidth per direction
     network: float = 0.85  # ... across nodes: share of the NIC's bandwidth
     latency_s: float = 20e-6  # per ring step of a collective, and per pipeline hand-off
+    launch_s: float = LAUNCH_S  # host seconds per kernel launched (eager PyTorch), the floor under each piece
+    gap_s: float = 0.0  # the GPU idle between two kernels back to back (the A100's fitted efficiencies hold it)
 
     def matmul(self, width: float) -> float:
         return self.mm_max * width / (width + self.mm_half)
 
+    def scaled(self, compute: float = 1.0, overhead: float = 1.0) -> Efficiency:
+        """These efficiencies for a GPU whose device work takes `compute` times the predicted time (matrix
+        multiplies and memory-bound kernels alike) and whose per-kernel costs (the host's launch, the GPU's
+        gap) take `overhead` times: what a calibration on a measured step sets."""
+        if compute <= 0 or overhead < 0:
+            raise ValueError(f"compute {compute:g} must be positive and overhead {overhead:g} not negative")
+        return dataclasses.replace(self, mm_max=self.mm_max / compute, memory=self.memory / compute,
+                                   launch_s=self.launch_s * overhead, gap_s=self.gap_s * overhead)
+
 
 # NVLink 4 through NVSwitch (H100, H200): NCCL's all-reduce bus bandwidth on 8 x H200 is 347 GB/s at 64 MiB
-# (stas00/ml-engineering, as ../shared/FIELD-NOTES.md quotes it), 0.77 of 450 GB/s per direction; the rest
-# of their efficiencies are the A100's (no published run of theirs was read).
-NVLINK4 = Efficiency(nvlink=0.77)
+# (stas00/ml-engineering, as ../shared/FIELD-NOTES.md quotes it), 0.77 of 450 GB/s per direction. Their
+# matrix multiplies, timed in bf16 on one H100 (torch 2.11, 2026-11-26, 16384 or 8192 rows), follow
+# 0.80 w / (w + 256) of the 989 peak, w the contraction: 593 TFLOP/s at 768 (timed 567-679 as the output
+# widens from 768 to 50304), 730 at 3072 (727), 760 at 6144 (764), 767 at 8192 (718). The A100's
+# half-width, 50, would give 742 at 768. Between kernels the H100 idled 2.7 µs each (GPT-2 small, micro-batch
+# 16: 55.6 ms a step, 52.2 of them in its 1,278 kernels, the profiler's sum).
+# The rest of their efficiencies are the A100's (no published run of theirs was read).
+GH100 = Efficiency(nvlink=0.77, mm_half=256.0, gap_s=2.7e-6)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,10 +88,10 @@ GPUS = {g.name: g for g in (
         "as the 40 GB; HBM2e 2,039 GB/s (NVIDIA datasheet via glennklockwood.com)"),
     Gpu("h100", 989e12, 494.5e12, 80, 3350e9, 450e9, 50e9,
         "H100 SXM: 989 TF dense (torchtitan utils), 3.35 TB/s, NVLink 900 GB/s both ways, 400 Gb/s NIC",
-        NVLINK4),
+        GH100),
     Gpu("h200", 989e12, 494.5e12, 141, 4800e9, 450e9, 50e9,
         "H200 SXM: 989 TF dense (torchtitan utils; 1,979 is the sparse figure), 141 GB, 4.8 TB/s, 400 Gb/s",
-        NVLINK4),
+        GH100),
     Gpu("b200", 2250e12, 1125e12, 180, 8000e9, 900e9, 50e9,
         "HGX B200: 2,250 TF dense (torchtitan utils, NVIDIA Blackwell datasheet), 180 GB (sources differ: "
         "179-192), 8 TB/s, NVLink 1.8 TB/s both ways; 400 Gb/s NIC assumed (no source read)"),

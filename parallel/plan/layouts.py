@@ -61,6 +61,17 @@ class Training:
     dp_overlap: bool = True  # data-parallel collectives under backward (DDP, FSDP2); Megatron 2021-22: False
     pp_scatter_gather: bool = True  # Narayanan's: a hand-off sends 1/tp of the activation across nodes
     optimizer_bytes: int = 12  # fp32 master copy, Adam's two moments (a fp32 run has no master: 8)
+    elementwise: float = 1.0  # elementwise bytes over the fused count (Megatron's kernels); eager torch: more
+
+
+# The software a plan assumes: torch's today, or the one the published Megatron runs used. torch is eager:
+# its elementwise kernels (an fp32 residual stream and a cast before each Linear under autocast, LayerNorm
+# and GELU unfused, bias gradients) move 5.4 times the bytes of Megatron's fused ones, fitted to a bare loop
+# on one H100 (docs/planner.md, "One GPU").
+STACKS = {
+    "torch": {"attention": "flash", "dropout": False, "dp_overlap": True, "elementwise": 5.4},
+    "megatron-2022": {"attention": "unfused", "dropout": True, "dp_overlap": False},
+}
 
 
 def micro_batches(lay: Layout, train: Training) -> int:

@@ -47,6 +47,12 @@ NARAYANAN_T2 = [
 ]
 T2_MODELS = {"175B": (96, 12288, 96), "530B": (105, 20480, 128)}  # (L, h, heads) of the paper's 174.6B, 529.6B
 
+# One H100 80GB, this project's own measurement (2026-11-25, ../shared/FIELD-NOTES.md): a bare PyTorch loop on
+# GPT-2 small's shape (examples/gpt2.GPT2: width 768, 12 blocks, 12 heads, vocabulary 50,304, 1,024 tokens,
+# untied head, 163M parameters), bf16 autocast, fused AdamW, eager, 15 timed steps after 4 of warm-up:
+# (micro-batch, ms a step). The planner's gpt ties the head (124M): the same matrix work a token.
+H100_GPT2_SMALL = [(1, 30.9), (4, 32.8), (16, 59.5)]
+
 
 def gpt(layers: int, hidden: int, heads: int, name: str = "") -> ModelSpec:
     return ModelSpec(layers, hidden, heads, 51200, 2048, name=name)

@@ -46,8 +46,8 @@ def _count(n: float) -> str:
     return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
-def _errors(title: str, rows: list[dict], unit: str):
-    t = _table(title, [("row", "left"), (f"published {unit}", "right"), ("predicted", "right"), ("error", "right")])
+def _errors(title: str, rows: list[dict], unit: str, source: str = "published"):
+    t = _table(title, [("row", "left"), (f"{source} {unit}", "right"), ("predicted", "right"), ("error", "right")])
     for r in rows:
         t.add_row(r["row"], f"{r['published']:.2f}", f"{r['predicted']:.2f}", f"{r['error']:+.1%}")
     s = v.summary(rows)
@@ -57,7 +57,7 @@ def _errors(title: str, rows: list[dict], unit: str):
 
 def validate(args, console) -> int:
     tables = {"narayanan_table1": v.table1(), "korthikanti_table5": v.table5(), "korthikanti_figure1": v.figure1(),
-              "narayanan_table2": v.table2()}
+              "narayanan_table2": v.table2(), "single_h100": v.single_h100()}
     machine = this_machine(args.results)
     if args.json:
         print(json.dumps({k: {"rows": rows, **v.summary(rows)} for k, rows in tables.items()}
@@ -74,6 +74,8 @@ def validate(args, console) -> int:
                        f"{' '.join(f'{x:.2f}' for x in r['published'])})" for k, r in cross["ratios"].items())
     console.print(f"Table 2's crossover {'reproduced' if cross['reproduced'] else '[red]NOT reproduced[/]'}: "
                   f"throughput per GPU over the fewest GPUs' as they double: {ratios}.")
+    console.print(_errors("One H100, GPT-2 small, eager (the fit): ms a step", tables["single_h100"], "ms",
+                          "measured"))
     if machine:
         t = _table(f"This machine's comparison ({machine['folder']}): the same ring and ZeRO formulas, calibrated "
                    "in the run", [("strategy", "left"), ("step ms", "right"), ("pred.", "right"), ("ratio", "right"),

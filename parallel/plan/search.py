@@ -62,10 +62,10 @@ def search(model: ModelSpec, cl: Cluster, train: Training, fixed: dict) -> tuple
 
 
 def shares(r: dict) -> dict[str, float]:
-    """Where a step's time goes, as shares: compute, bubble, optimizer and each dimension's exposed
-    communication (tensor-, context- and expert-parallel collectives sit inside compute's stage time)."""
-    parts = {"compute": r["parts_s"]["compute"], "bubble": r["parts_s"]["bubble"],
-             "optimizer": r["parts_s"]["optimizer"]} | {f"{k} comm": v for k, v in r["exposed_comm_s"].items()}
+    """Where a step's time goes, as shares: compute, bubble, optimizer, kernel overhead and each dimension's
+    exposed communication (tensor-, context- and expert-parallel collectives sit inside compute's stage time)."""
+    parts = {k: r["parts_s"][k] for k in ("compute", "bubble", "optimizer", "overhead")}
+    parts |= {f"{k} comm": v for k, v in r["exposed_comm_s"].items()}
     total = sum(parts.values()) or 1.0
     return {k: v / total for k, v in parts.items() if v > 0}
 

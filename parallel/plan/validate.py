@@ -1,14 +1,17 @@
-"""`plan --validate`: every published row predicted with its own configuration, beside what was measured."""
+"""`plan --validate`: every published row predicted with its own configuration, beside what was measured, and
+the single-H100 steps the launch and eager-kernel terms were fitted to."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 from parallel.formulas import model_state
 from parallel.plan import published as pub
 from parallel.plan.cost import predict
 from parallel.plan.hardware import GPUS, Cluster, Efficiency, GiB
-from parallel.plan.layouts import Layout, Training
+from parallel.plan.layouts import STACKS, Layout, Training
+from parallel.plan.models import PRESETS
 
 MEGATRON = dict(precision="fp16", attention="unfused", dropout=True, grad_bytes=4, dp_overlap=False)
 
@@ -16,8 +19,6 @@ MEGATRON = dict(precision="fp16", attention="unfused", dropout=True, grad_bytes=
 def selene(gpus: int, efficiency: Efficiency | None = None) -> Cluster:
     gpu = GPUS["a100-80gb"]
     if efficiency is not None:
-        import dataclasses
-
         gpu = dataclasses.replace(gpu, efficiency=efficiency)
     return Cluster(gpu, gpus, 8)
 
@@ -87,6 +88,21 @@ def table2(efficiency=None) -> list[dict]:
             rows.append({"row": f"{scheme} {name} {gpus} GPUs", "scheme": scheme, "model": name, "gpus": gpus,
                          "published": published, "predicted": got, "error": got / published - 1,
                          "what": "TFLOP/s/GPU"})
+    return rows
+
+
+def single_h100(efficiency=None) -> list[dict]:
+    """The bare eager loop on GPT-2 small, one H100 (published.H100_GPT2_SMALL), as `plan --gpu h100 --gpus 1
+    --mbs N --global-batch N` predicts it on torch's stack: ms a step, measured and predicted."""
+    gpu = GPUS["h100"] if efficiency is None else dataclasses.replace(GPUS["h100"], efficiency=efficiency)
+    rows = []
+    for mbs, measured in pub.H100_GPT2_SMALL:
+        r = predict(PRESETS["gpt2-small"], Layout(mbs=mbs), Training(mbs, "bf16", **STACKS["torch"]),
+                    Cluster(gpu, 1, 1))
+        got = r["step_s"] * 1e3
+        rows.append({"row": f"gpt2-small mbs {mbs}", "published": measured, "predicted": got,
+                     "error": got / measured - 1, "what": "ms/step",
+                     "overhead": r["parts_s"]["overhead"] / r["step_s"]})
     return rows
 
 
