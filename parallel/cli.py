@@ -35,7 +35,7 @@ from parallel.checkpoint import atomic_save
 from parallel.config import ConfigError, RunConfig, nearest_multiple
 from parallel.devices import environment, parse_devices
 from parallel.dist import Dist, script_devices
-from parallel.harness import costmodel, mutants, pictures, report, scaling
+from parallel.harness import costmodel, memcheck, mutants, pictures, report, scaling
 from parallel.harness.report import make_console
 from parallel.harness.runner import BASELINE, plan, run_strategies
 from parallel.plan import cli as plan_cli
@@ -137,6 +137,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-cap", dest="memory_cap_mb", type=float, default=d.memory_cap_mb, metavar="MiB",
                    help="memory a device may hold: a strategy the planner puts over it is left out (named: "
                         "refused); on GPUs the allocator is capped too, so one over it runs out of memory (0: none)")
+    p.add_argument("--memory-snapshot", default=d.memory_snapshot, metavar="STRATEGY",
+                   help="on GPUs, the allocator's history over that strategy's last warm-up step, to OUT/memory/ "
+                        "(open it in pytorch.org/memory_viz; docs/gpus.md)")
     p.add_argument("--repeat", type=int, default=d.repeat, help="rounds of every strategy, interleaved; speedups "
                    "are paired with each round's own `single`: median [min-max] (3: the benchmark mode)")
     p.add_argument("--out", default=d.out, help="results folder (default results/run-<time>)")
@@ -309,6 +312,9 @@ def cmd_compare(args, names: list[str], baseline: bool) -> int:
     if getattr(args, "world_sizes", ""):
         return cmd_scaling(config, names, args.world_sizes)
     chosen, skipped = plan(config, names, baseline)  # every check before the first file is written
+    if config.memory_snapshot and config.memory_snapshot not in {s.name for s, _, _ in chosen}:
+        raise ConfigError(f"--memory-snapshot {config.memory_snapshot}: not a strategy this run trains "
+                          f"({', '.join(dict.fromkeys(s.name for s, _, _ in chosen))})")
     prepare_out(Path(config.out))
     console = make_console(getattr(args, "wide", False))
     if found := usermodel.describe(workload_of(config)):  # what the harness found in the user's model
@@ -326,6 +332,7 @@ def cmd_compare(args, names: list[str], baseline: bool) -> int:
         console.print(f"[bold red]interrupted[/]: finished rows are in {escape(config.out)}/results.json")
         return 130
 
+    memcheck.attach(rows, chosen, config)  # the planner's memory for each row's layout (counted, not run)
     # The cost model times `single` on the whole model: not where it does not fit (the shallow twin's runs)
     model = {} if BASELINE in skipped else costmodel.apply(rows, chosen, config)
     if getattr(args, "project_params", 0):

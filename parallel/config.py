@@ -70,6 +70,7 @@ class RunConfig:
     resume: bool = False  # continue from OUT/checkpoints/<strategy>/ if it exists (what a restart uses)
     resume_from: str = ""  # continue from this checkpoint; it must exist
     memory_cap_mb: float = 0.0  # MiB a device may hold (0: no cap): the planner refuses, CUDA's allocator enforces
+    memory_snapshot: str = ""  # a strategy whose last warm-up step's CUDA allocations go to OUT/memory/ (memory_viz)
     fail_at_step: int = -1  # for demos and tests: raise in the training loop at this step ...
     fail_rank: int = 0  # ... on this rank (or Hogwild worker); only in torchrun's first attempt
     hang_rank: int = -1  # for demos and tests: this rank stops responding at step 1

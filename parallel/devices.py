@@ -195,6 +195,19 @@ class Cuda:
     def peak_allocated(self, device: torch.device) -> int:
         return torch.cuda.max_memory_allocated(device)
 
+    def peak_reserved(self, device: torch.device) -> int:
+        """What the caching allocator held at its most (allocated + cached free blocks): nvidia-smi's view."""
+        return torch.cuda.max_memory_reserved(device)
+
+    def record_history(self, device: torch.device, on: bool) -> None:
+        """Start (or stop) recording every allocation and free with its stack, for a snapshot: torch's
+        _record_memory_history, the same signature in torch 2.11 and 2.13 (100,000 entries kept)."""
+        torch.cuda.memory._record_memory_history("all" if on else None, max_entries=100_000, device=device)
+
+    def dump_snapshot(self, path: str) -> None:
+        """The allocator's state and recorded history as a pickle that pytorch.org/memory_viz opens."""
+        torch.cuda.memory._dump_snapshot(path)
+
     def memory(self, device: torch.device) -> dict[str, int]:
         free, total = torch.cuda.mem_get_info(device)
         return {"allocated": torch.cuda.memory_allocated(device), "reserved": torch.cuda.memory_reserved(device),
@@ -350,6 +363,26 @@ def peak_memory(devices) -> tuple[list[int], str]:
     if cuda:
         return [CUDA.peak_allocated(d) for d in cuda], "cuda_max_allocated"
     return [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], "process_peak_rss"  # Linux: KiB
+
+
+def peak_reserved(devices) -> list[int]:
+    """CUDA's peak reserved bytes of every CUDA device the process drives ([] on the CPU)."""
+    return [CUDA.peak_reserved(d) for d in dict.fromkeys(devices) if d.type == "cuda"]
+
+
+@contextlib.contextmanager
+def memory_history(device: torch.device, path: str | None):
+    """Record the allocator's history on `device` while inside, and dump it to `path` on the way out (no
+    path, or not CUDA: nothing)."""
+    if path is None or device.type != "cuda":
+        yield
+        return
+    CUDA.record_history(device, True)
+    try:
+        yield
+    finally:
+        CUDA.dump_snapshot(path)
+        CUDA.record_history(device, False)
 
 
 def _record_events(devices) -> dict:

@@ -15,6 +15,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+# Set by the harness when it starts a child (harness/launch.run_child): the wall-clock time it did, from
+# which the child reads how long its start-up took (the `start` of a row's phases_s)
+LAUNCHED_AT = "PARALLEL_LAUNCHED_AT"
+
 
 class StepTimer:
     """`with timer: step()` -> `timer.elapsed` seconds, the device synchronized before each clock read."""

@@ -15,13 +15,14 @@ import math
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as td
 from torch.autograd.profiler import record_function
 
 from parallel import checkpoint
-from parallel.devices import synchronizer_all
+from parallel.devices import memory_history, synchronizer_all
 from parallel.dist import watch_group
 from parallel.timing import StepTimer
 
@@ -84,11 +85,13 @@ def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult
     start = checkpoint.resume_point(config, strategy, trainable)
     dims = strategy.dims(config, dist)  # which share of each global batch this rank takes, whose loss counts
     share = dims.batch_share(dist.rank)
+    snapshot = snapshot_path(strategy, config, dist)
     for step in range(start, total):
         batch = data.batch(step, *share)
         _faults(step, config, dist)
         _watchdog(config, dist)
-        with timer, record_function(f"step {step}"), precision(config, device):
+        with memory_history(device, snapshot if step == max(0, config.warmup - 1) else None), \
+                timer, record_function(f"step {step}"), precision(config, device):
             loss = strategy.train_step(trainable, batch, dist)
         losses.append(loss.detach().to(_LOSS[config.precision]).reshape(-1))  # (1,), or (k,) for k losses
         if step >= config.warmup:
@@ -108,6 +111,16 @@ def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult
     several = bool(global_losses) and len(global_losses[0]) > 1
     return TrainResult([v[0] for v in global_losses], step_s, (first or timer.started, timer.started + timer.elapsed),
                        loss_parts=global_losses if several else None)
+
+
+def snapshot_path(strategy, config, dist) -> str | None:
+    """Where --memory-snapshot puts this rank's allocator history: OUT/memory/STRATEGY-rankR.pickle, the
+    last warm-up step's (untimed; the first step where there is no warm-up), or None."""
+    if config.memory_snapshot != strategy.name or not config.out:
+        return None
+    folder = Path(config.out) / "memory"
+    folder.mkdir(parents=True, exist_ok=True)
+    return str(folder / f"{strategy.name}-rank{dist.rank}.pickle")
 
 
 def step_lines(losses: list[float], step_ms: list[float], warmup: int, steps: int,

@@ -24,14 +24,13 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from parallel import activations, strategies
 from parallel.config import RunConfig
-from parallel.devices import activate, cap_memory, exact_fp32, peak_memory, reset_peak_memory
+from parallel.devices import activate, cap_memory, exact_fp32, peak_memory, peak_reserved, reset_peak_memory
 from parallel.dist import Dist
 from parallel.errors import ConfigError
-from parallel.harness.launch import LAUNCHED_AT
 from parallel.profiling import make_profiler
 from parallel.results import Measured, Row, atomic_write
 from parallel.strategies.base import every_rank
-from parallel.timing import summarize
+from parallel.timing import LAUNCHED_AT, summarize
 from parallel.train import default_dtype, make_optimizer, precision, step_lines
 from parallel.usermodel import workload_of
 
@@ -68,7 +67,7 @@ def execute(strategy, config: RunConfig, dist: Dist, data=None, run: str = "") -
         comm_bytes, comm_steps = trainable.comm_bytes, trainable.comm_steps
         state = strategy.state_dict(trainable)
         peaks, peak_kind = peak_memory(local)
-        peak = max(peaks)
+        peak, reserved = max(peaks), peak_reserved(local)  # reserved: CUDA only (the allocator's cache too)
         with precision(config, trainable.device):  # what it times is the run's own step
             extra = strategy.extra_measurements(trainable, data, config, dist, result) if config.extras else {}
             extra |= layer.details(workload.input_shape[0], config.precision) if layer is not None else {}
@@ -77,6 +76,8 @@ def execute(strategy, config: RunConfig, dist: Dist, data=None, run: str = "") -
     details = {"model_state_bytes_per_device": strategy.model_state_bytes(trainable, config),
                **({f"{peak_kind}_per_device": peaks} if len(peaks) > 1 else {}),
                **_peak_per_rank(peak, peak_kind, dist), **extra, "phases_s": phases}
+    if reserved:
+        details |= {"cuda_max_reserved": max(reserved), **_peak_per_rank(max(reserved), "cuda_max_reserved", dist)}
     if why := every_rank_reason(trainable.not_expected, dist):
         details["not_expected"] = why
     predicted = details.pop("comm_bytes_predicted", predicted)  # a prediction that needs the run (routing)

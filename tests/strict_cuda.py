@@ -84,6 +84,24 @@ class StrictCuda(Cuda):
     def peak_allocated(self, device: torch.device) -> int:
         return 1000 * (self._stats(device, "peak") + 1)  # a different figure per device
 
+    def peak_reserved(self, device: torch.device) -> int:
+        return 2000 * (self._stats(device, "reserved") + 1)  # at least what was allocated, as CUDA's is
+
+    def record_history(self, device: torch.device, on: bool) -> None:
+        if not self.initialised:
+            raise RuntimeError("_record_memory_history before CUDA was initialised")
+        self.note("history", self._index(device), on)
+
+    def dump_snapshot(self, path: str) -> None:
+        """A stand-in snapshot: torch's pickle layout (segments, device_traces), empty."""
+        import pickle
+
+        if not self.initialised:
+            raise RuntimeError("_dump_snapshot before CUDA was initialised")
+        self.note("snapshot", path)
+        with open(path, "wb") as f:
+            pickle.dump({"segments": [], "device_traces": []}, f)
+
     def memory(self, device: torch.device) -> dict[str, int]:
         i = self._stats(device, "memory")
         return {"allocated": 0, "reserved": 0, "peak_allocated": 0, "total": 80 << 30, "free": (80 - i) << 30}

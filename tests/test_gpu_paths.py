@@ -334,3 +334,20 @@ def test_a_memory_cap_holds_the_allocator_of_every_gpu_a_process_drives(strict_c
     strict_cuda.log.clear()
     _execute("single", _config("cuda:0"), strict_cuda, monkeypatch)
     assert strict_cuda.entries("cap") == []  # no cap asked: the allocator left alone
+
+
+# #45: peak reserved beside peak allocated; --memory-snapshot's allocator history for one untimed step
+
+
+def test_reserved_memory_is_read_and_one_warm_up_step_is_snapshotted(strict_cuda, monkeypatch, tmp_path):
+    config = _config("cuda:0", memory_snapshot="single", out=str(tmp_path), warmup=2)
+    row, _ = _execute("single", config, strict_cuda, monkeypatch)
+    assert row.details["cuda_max_reserved"] == 2000 and row.peak_mem_bytes == 1000
+    history = strict_cuda.entries("history")
+    assert history == [("history", 0, True), ("history", 0, False)]  # on and off once: one step
+    at = [i for i, e in enumerate(strict_cuda.log) if e[0] in ("history", "clock", "snapshot")]
+    kinds = [strict_cuda.log[i][0] for i in at]
+    # recorded over the second (last) warm-up step, its two clock reads inside, dumped before the next step
+    assert kinds[:7] == ["clock", "clock", "history", "clock", "clock", "snapshot", "history"]
+    assert kinds[7:] == ["clock", "clock"] * 3  # the three timed steps, not recorded
+    assert (tmp_path / "memory" / "single-rank0.pickle").exists()

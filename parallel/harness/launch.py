@@ -38,6 +38,7 @@ from pathlib import Path
 
 from parallel.errors import ConfigError
 from parallel.harness import zygote
+from parallel.timing import LAUNCHED_AT
 
 
 @dataclass
@@ -167,9 +168,6 @@ def _group_running(pgid: int) -> bool:
         if int(group) == pgid and state != "Z":
             return True
     return False
-
-
-LAUNCHED_AT = "PARALLEL_LAUNCHED_AT"  # when the parent started the child: the child's start-up is read from it
 
 
 def torchrun_env() -> dict[str, str]:

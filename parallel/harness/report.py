@@ -16,7 +16,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 from rich.text import Text
 
-from parallel.harness import twin
+from parallel.harness import memcheck, twin
 from parallel.results import Row
 from parallel.tables import num as _num
 from parallel.tables import table as _table
@@ -685,7 +685,7 @@ def show(rows: list[Row], environment: dict, console: Console | None = None, ski
         console.print(why, style="dim", highlight=False, markup=False)
     console.print(table(rows, environment, wide, skipped))
     for extra in (*sharding_tables(rows), pipeline_table(rows, wide), layer_table(rows), context_table(rows),
-                  expert_table(rows)):
+                  expert_table(rows), memcheck.table(rows)):
         if extra is not None:
             console.print(extra)
     lines = notes(rows, environment, skipped) + (long_notes(rows, environment, skipped, cost_model) if wide else [])
