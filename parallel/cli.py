@@ -334,7 +334,7 @@ def cmd_compare(args, names: list[str], baseline: bool) -> int:
 
     memcheck.attach(rows, chosen, config)  # the planner's memory for each row's layout (counted, not run)
     # The cost model times `single` on the whole model: not where it does not fit (the shallow twin's runs)
-    model = {} if BASELINE in skipped else costmodel.apply(rows, chosen, config)
+    model = {} if BASELINE in skipped else costmodel.apply(rows, chosen, config, env)
     if getattr(args, "project_params", 0):
         model["memory_projection"] = costmodel.memory_projection(args.project_params)
     tracks = config.profile and profiling.merge(Path(config.out) / "tb", Path(config.out) / "timeline.json")

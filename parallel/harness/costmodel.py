@@ -18,6 +18,7 @@ busbw; it assumes the same bandwidth across nodes, which real clusters rarely re
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -142,9 +143,10 @@ class _threads:
         torch.set_num_threads(self.before)
 
 
-def apply(rows, chosen, config) -> dict:
+def apply(rows, chosen, config, environment: dict | None = None) -> dict:
     """Calibrate (after the strategies ran, so it disturbs none of them), set every row's
-    step_ms_predicted, and return the calibration and the projection for results.json."""
+    step_ms_predicted, and return the calibration, the planner's calibration on the same timings (on a GPU
+    the planner knows) and the projection for results.json."""
     cal = Calibration(config)
     single = next((r for r in rows if r.strategy == "single" and r.status == "ok" and r.step_ms_p50), None)
     if single and single.step_ms_p50 > 1e3 * CALIBRATION_BUDGET_S:  # a step of seconds: timed already, in its row
@@ -158,7 +160,8 @@ def apply(rows, chosen, config) -> dict:
     for (strategy, _, cfg), r in zip(chosen, rows, strict=True):
         if r.status == "ok":
             r.step_ms_predicted = strategy.predict_step_ms(cal, cfg, r)
-    return {"alpha_us": None if cal.alpha is None else cal.alpha * 1e6,
+    planner = planner_calibration(rows, cal, config, environment)
+    return ({"planner": planner} if planner else {}) | {"alpha_us": None if cal.alpha is None else cal.alpha * 1e6,
             "beta_ns_per_byte": None if cal.beta is None else cal.beta * 1e9,
             "copy_GB_per_s": cal.copy_bytes_per_s / 1e9,
             "compute_ms_by_batch": dict(cal._compute),
@@ -166,3 +169,20 @@ def apply(rows, chosen, config) -> dict:
                                    "NCCL bus bandwidth (8xH200, 64 MiB); not measured, optimistic across nodes",
                            "busbw_GB_per_s": PUBLISHED_BUSBW / 1e9,
                            "us_by_gpus": cal.projection()}}
+
+
+def planner_calibration(rows, cal: Calibration, config, environment: dict | None) -> dict | None:
+    """The planner calibrated on this run's own timings, single's row and `compute_ms` at each batch size
+    (plan/calibration.py: what `plan --calibrate OUT` reads back from results.json), with a line for the
+    report; None on a CPU (no GPU kind: `plan --calibrate OUT --gpu KIND`) or a model at no planner shape."""
+    from parallel.errors import ConfigError
+    from parallel.plan import calibration
+
+    single = next(({"strategy": r.strategy, "status": r.status, "step_ms_p50": r.step_ms_p50,
+                    "global_batch": r.global_batch, "twin_blocks": r.twin_blocks}
+                   for r in rows if r.strategy == "single" and not r.variant), None)
+    try:
+        result = calibration.of_comparison(dataclasses.asdict(config), environment or {}, single, cal._compute)
+    except ConfigError:
+        return None
+    return result | {"note": calibration.note(result)}

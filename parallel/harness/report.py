@@ -605,7 +605,8 @@ def cost_lines(model: dict | None) -> list[str]:
     return [f"pred. ms: the cost model calibrated in this run ({ab}copy {model['copy_GB_per_s']:.1f} GB/s, compute "
             "measured per batch size): compute on one device's share + communication not hidden + bubble.",
             f"Projection, not measured: all-reduce of these gradients at the published {proj['busbw_GB_per_s']:.0f} "
-            f"GB/s NCCL bus bandwidth (8xH200): {gpus} (optimistic across nodes)."] + memory_lines(model)
+            f"GB/s NCCL bus bandwidth (8xH200): {gpus} (optimistic across nodes)."] + memory_lines(model) + \
+        ([model["planner"]["note"]] if "planner" in model else [])
 
 
 def memory_lines(model: dict) -> list[str]:

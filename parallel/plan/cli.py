@@ -27,7 +27,10 @@ def add_parser(sub) -> None:
         m.add_argument(f"--{flag}", *also, type=int, metavar=what.split()[0], help=what)
     c = p.add_argument_group("cluster")
     c.add_argument("--gpus", type=int, help="GPUs in all")
-    c.add_argument("--gpu", default="a100-80gb", choices=sorted(GPUS), help="kind (a100-80gb)")
+    c.add_argument("--gpu", choices=sorted(GPUS), help="kind (a100-80gb, or a --calibration's; --calibrate: "
+                   "the kind to calibrate a CPU run against)")
+    c.add_argument("--calibration", metavar="FILE", help="plan with the scales `plan --calibrate` wrote (its "
+                   "calibration.json) for that GPU kind")
     c.add_argument("--gpus-per-node", type=int, default=8, metavar="N", help="GPUs joined by NVLink (8)")
     for flag in ("nvlink", "network", "hbm"):
         c.add_argument(f"--{flag}", type=float, metavar="GB/s", help=f"override the kind's {flag} bandwidth per GPU")
@@ -49,6 +52,8 @@ def add_parser(sub) -> None:
     o.add_argument("--top", type=int, default=10, metavar="N", help="layouts listed when searching (10)")
     o.add_argument("--validate", action="store_true", help="predict every published run in parallel/plan/"
                    "published.py and this machine's latest comparison; errors per row, mean and worst")
+    o.add_argument("--calibrate", metavar="OUT", help="calibrate the planner on a finished comparison's single "
+                   "step (OUT/results.json, the built-in transformer at a planner shape); writes OUT/calibration.json")
     o.add_argument("--results", metavar="DIR", help="--validate: the comparison to check (default: the newest "
                    "results/run-*)")
 
@@ -131,6 +136,10 @@ def main(args, console) -> int:
         from parallel.plan import report
 
         return report.validate(args, console)
+    if args.calibrate:
+        from parallel.plan import calibrate
+
+        return calibrate.main(args, console)
     model = model_of(args)
     if args.gpus is None or args.global_batch is None:
         raise ConfigError("plan needs --gpus N and --global-batch B (or --validate)")
@@ -143,8 +152,13 @@ def main(args, console) -> int:
     if args.top < 1:
         raise ConfigError(f"--top must be at least 1, got {args.top}")
     over = {k: v * (1e12 if k == "peak" else 1e9) for k, v in over.items() if v is not None}
+    kind, calibrated = args.gpu or "a100-80gb", None
+    if args.calibration:
+        from parallel.plan import calibrate
+
+        kind, over["efficiency"], calibrated = calibrate.load(args.calibration, args.gpu)
     try:
-        cl = cluster(args.gpus, args.gpu, args.gpus_per_node, **over)
+        cl = cluster(args.gpus, kind, args.gpus_per_node, **over)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     train = Training(args.global_batch, args.precision, **STACKS[args.stack])
@@ -163,10 +177,15 @@ def main(args, console) -> int:
     if all(k in fixed for k in ("tp", "pp", "dp")):
         results = results[:1]  # a fixed configuration: the best of what was left open
     if args.json:
-        print(json.dumps([_public(r) for r in results[:args.top]], indent=1))
+        extra = {"calibration": calibrated} if calibrated else {}
+        print(json.dumps([_public(r) | extra for r in results[:args.top]], indent=1))
         return 0
     from parallel.plan import report
 
+    if calibrated:
+        console.print(f"Calibrated ({calibrated['file']}, on {calibrated['device'] or 'a run'}): {kind}'s device work "
+                      f"x{calibrated['compute']:.4g}, its per-kernel costs x{calibrated['overhead']:.4g}.",
+                      highlight=False, markup=False)
     report.show(console, model, cl, train, results, tried, args.top)
     return 0
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from parallel.plan.hardware import Cluster
-from parallel.plan.layouts import ELEM, Layout, Training, micro_batches
+from parallel.plan.layouts import ELEM, OPTIMIZERS, Layout, Training, micro_batches, weight_bytes
 from parallel.plan.memory import memory, params_per_gpu
 from parallel.plan.models import ModelSpec
 from parallel.strategies.replay import CLOSED_FORMS
@@ -135,7 +135,7 @@ def dp_traffic(psi: float, lay: Layout, train: Training) -> list[tuple[str, floa
     into); ZeRO-3 (FSDP) every micro-batch gathers the parameters for forward and for backward (and
     for a full recompute) and reduce-scatters the gradients. The strategies' comm_bytes_predicted are the
     same collectives (tests/test_plan.py holds them equal; each run measures them)."""
-    param = 4 if train.precision == "fp32" else ELEM[train.precision]
+    param = weight_bytes(train)
     grads = psi * train.grad_bytes
     if lay.zero_stage == 3:
         gathers = 2 + (lay.recompute == "full")
@@ -183,8 +183,9 @@ def predict(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> dict
     if shards > 1:
         comm["dp"] = max(0.0, dp - hidden)
     owned = dense / (shards if lay.zero_stage else 1) + experts / (expert_shards if lay.zero_stage else 1)
-    # Adam: 30 bytes a parameter it owns; the step's kernels outside the layers launch around it
-    optimizer, step_over = launched(owned * 30 / (cl.gpu.hbm * e.memory), KERNELS["step"], cl)
+    # Adam: 30 bytes a parameter it owns (OPTIMIZERS); the step's kernels outside the layers launch around it
+    moved = OPTIMIZERS[train.optimizer][0]
+    optimizer, step_over = launched(owned * moved / (cl.gpu.hbm * e.memory), KERNELS["step"], cl)
     parts["optimizer"] = optimizer - step_over
     parts["overhead"] = m * (layers * lt.overhead + head_over) + step_over
     step = m * busiest + bubble + sum(v for k, v in comm.items() if k in ("pp", "dp")) + optimizer

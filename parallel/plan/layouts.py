@@ -61,7 +61,12 @@ class Training:
     dp_overlap: bool = True  # data-parallel collectives under backward (DDP, FSDP2); Megatron 2021-22: False
     pp_scatter_gather: bool = True  # Narayanan's: a hand-off sends 1/tp of the activation across nodes
     optimizer_bytes: int = 12  # fp32 master copy, Adam's two moments (a fp32 run has no master: 8)
+    optimizer: str = "adam"  # a key of OPTIMIZERS: what its step moves, and whether the weights stay fp32
     elementwise: float = 1.0  # elementwise bytes over the fused count (Megatron's kernels); eager torch: more
+
+    def __post_init__(self):
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer {self.optimizer!r}: one of {', '.join(OPTIMIZERS)}")
 
 
 # The software a plan assumes: torch's today, or the one the published Megatron runs used. torch is eager:
@@ -72,6 +77,21 @@ STACKS = {
     "torch": {"attention": "flash", "dropout": False, "dp_overlap": True, "elementwise": 5.4},
     "megatron-2022": {"attention": "unfused", "dropout": True, "dp_overlap": False},
 }
+
+
+# What an optimizer step reads and writes per parameter it owns (bytes), and the state it keeps beside the
+# weights and gradients (bytes; None: Training.optimizer_bytes). "adam" is the planner's own: mixed precision,
+# 16-bit weights with an fp32 master copy and two moments (read the fp32 gradient, master and moments, write
+# them and the 16-bit copy: 30). The "sgd" ones are `compare`'s (train.make_optimizer: torch.optim.SGD over fp32
+# weights, also under bf16 autocast, which casts them in each forward): with momentum, torch runs
+# buf.mul_(momentum), buf.add_(grad), param.add_(buf, alpha=-lr) (foreach on a GPU, a loop on a CPU: the same
+# bytes), 8 + 12 + 12 = 32 and one fp32 buffer; without, param.add_(grad) alone, 12 and nothing kept.
+OPTIMIZERS = {"adam": (30, None), "sgd-momentum": (32, 4), "sgd": (12, 0)}
+
+
+def weight_bytes(train: Training) -> int:
+    """Bytes of a weight as the GPU keeps it: 4 in fp32, and under the SGD ones (autocast over fp32 weights)."""
+    return 4 if train.precision == "fp32" or train.optimizer != "adam" else ELEM[train.precision]
 
 
 def micro_batches(lay: Layout, train: Training) -> int:

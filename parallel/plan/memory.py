@@ -7,7 +7,7 @@ from __future__ import annotations
 from parallel import activations
 from parallel.formulas import model_state
 from parallel.plan.hardware import GiB
-from parallel.plan.layouts import ELEM, Layout, Training, micro_batches
+from parallel.plan.layouts import ELEM, OPTIMIZERS, Layout, Training, micro_batches
 from parallel.plan.models import ModelSpec
 
 
@@ -19,9 +19,9 @@ def params_per_gpu(model: ModelSpec, lay: Layout, stage: str = "first") -> tuple
     experts = model.expert_params * model.experts * layers / (lay.tp * lay.ep) if model.experts else 0.0
     dense = (model.layer_params - (model.expert_params * model.experts if model.experts else 0)) * layers / lay.tp
     positions = model.seq * model.hidden if model.arch == "gpt" else 0
-    head = model.vocab * model.hidden + model.norm_params // 2
+    head = model.vocab * (model.hidden + (model.arch == "gpt" and not model.head_tied)) + model.norm_params // 2
     ends = {"first": model.vocab * model.hidden + positions, "last": head}
-    extra = sum(ends.values()) - (model.vocab * model.hidden if model.arch == "gpt" else 0) if lay.pp == 1 \
+    extra = sum(ends.values()) - (model.vocab * model.hidden if model.head_tied else 0) if lay.pp == 1 \
         else ends[stage]  # one GPU, a tied head is the embedding itself
     return dense + extra / lay.tp, experts
 
@@ -31,8 +31,13 @@ def state_of(model: ModelSpec, lay: Layout, train: Training, stage: str = "first
     parameters over the dp x cp / ep ranks that hold copies of the same experts."""
     dense, experts = params_per_gpu(model, lay, stage)
     shards, expert_shards = lay.shards()
-    sizes = (4, 4, train.optimizer_bytes - 4) if train.precision == "fp32" else \
-        (ELEM[train.precision], train.grad_bytes, train.optimizer_bytes)
+    state = OPTIMIZERS[train.optimizer][1]
+    if state is not None:  # SGD over fp32 weights (compare's): fp32 gradients, its buffer
+        sizes = (4, 4, state)
+    elif train.precision == "fp32":
+        sizes = (4, 4, train.optimizer_bytes - 4)
+    else:
+        sizes = (ELEM[train.precision], train.grad_bytes, train.optimizer_bytes)
     state = model_state(dense, lay.zero_stage, shards, *sizes)
     if experts:
         for k, v in model_state(experts, lay.zero_stage, expert_shards, *sizes).items():

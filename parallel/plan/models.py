@@ -26,6 +26,7 @@ class ModelSpec:
     top_k: int = 1
     arch: str = "gpt"  # gpt: GELU MLP, biases, learned positions, tied head; llama: SwiGLU, RMSNorm, untied
     name: str = ""
+    tied: bool | None = None  # the head's weight is the token embedding; None: the arch's (gpt yes, llama no)
 
     def __post_init__(self):
         for field in ("layers", "hidden", "heads", "vocab", "seq"):
@@ -41,6 +42,8 @@ class ModelSpec:
                              f"--kv-heads {self.kv}")
         if self.arch not in ("gpt", "llama"):
             raise ValueError(f"--arch {self.arch}: gpt or llama")
+        if self.tied and self.arch != "gpt":
+            raise ValueError("a tied head is gpt's (llama's is separate)")
 
     @property
     def F(self) -> int:
@@ -53,6 +56,10 @@ class ModelSpec:
     @property
     def gated(self) -> bool:
         return self.arch == "llama"
+
+    @property
+    def head_tied(self) -> bool:
+        return self.arch == "gpt" if self.tied is None else self.tied
 
     @property
     def attention_params(self) -> int:
@@ -78,7 +85,8 @@ class ModelSpec:
     def embedding_params(self) -> int:
         """Token (and learned position) embeddings; the head too where it is not tied; the final norm."""
         pos = self.seq * self.hidden if self.arch == "gpt" else 0
-        head = 0 if self.arch == "gpt" else self.vocab * self.hidden
+        # a head of its own: its weight (and a gpt's bias, as compare's untied gpt has)
+        head = 0 if self.head_tied else self.vocab * (self.hidden + (self.arch == "gpt"))
         return self.vocab * self.hidden + pos + head + self.norm_params // 2
 
     @property
