@@ -54,6 +54,7 @@ def spec_of(config: dict, layers: int = 0) -> ModelSpec:
     shaped = config.get("preset") or config.get("arch")
     if config.get("model") or config.get("workload") != "transformer" or not shaped:
         what = config.get("model") or config.get("workload") or "an unknown workload"
+        what = "the default (toy) transformer" if what == "transformer" else what
         raise ConfigError(f"the run trained {what}, not the built-in transformer at a planner shape: calibrate on "
                           "`compare --preset gpt2-small` (or --arch gpt|llama --layers --hidden --heads ...)")
     arch, h = config.get("arch") or "gpt", int(config["hidden"])
