@@ -13,9 +13,12 @@ through) and enforces the rules of CUDA's that the project relies on, as torch 2
 - the current device is per thread.
 
 Everything is logged in order (`log`: ("init", i), ("sync", i), ("reset", i), ("peak", i), ("record", i),
-("clock",) ...), so a test can check what was called, on which device, in which order. `on_cpu()` is a
-torch function mode that puts tensors asked for on "cuda:i" on the CPU instead (and logs ("to", i)), so
-whole strategies run with CUDA device objects end to end.
+("clock",) ...), so a test can check what was called, on which device, in which order. `with on_cpu(cuda):`
+(strict_on_cpu.py) puts tensors asked for on "cuda:i" on the CPU instead (and logs ("to", i)), so whole
+strategies run with CUDA device objects end to end, and tracks where each would be, refusing what CUDA
+refuses: two devices in one op, a GPU index into a CPU tensor (strict_devices.py; issue 45). The torch.cuda
+calls torch's own distributed code makes there (streams, events, the current device) come here
+(`torch_cuda`).
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ import threading
 import time
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from parallel.devices import Cuda
+from tests.strict_on_cpu import on_cpu
+
+__all__ = ["Clock", "StrictCuda", "StrictEvent", "on_cpu", "synced_before_every_clock"]
 
 
 class StrictCuda(Cuda):
@@ -130,6 +135,19 @@ class StrictCuda(Cuda):
         finally:
             self._tls.current = before
 
+    # -- torch.cuda as torch's distributed code calls it (DeviceMesh, FSDP2's streams): on_cpu puts these in
+    def torch_cuda(self) -> dict:
+        def set_device(device) -> None:
+            self._tls.current = self._index(torch.device("cuda", getattr(device, "index", device)))
+
+        return {"current_device": lambda: self.current or 0, "set_device": set_device,
+                "device_count": lambda: self.count, "is_initialized": lambda: self.initialised,
+                "Stream": FakeStream, "current_stream": lambda device=None: FakeStream(),
+                "default_stream": lambda device=None: FakeStream(), "stream": lambda s: contextlib.nullcontext(),
+                "Event": FakeEvent, "synchronize": lambda device=None: self.note("sync", self.current or 0),
+                # torch.random.fork_rng around pipelining's shape inference: the CPU's generator stands in
+                "get_rng_state": lambda device="cuda": torch.get_rng_state(), "set_rng_state": lambda *a, **k: None}
+
     # -- what the tests read
     def entries(self, kind: str) -> list[tuple]:
         return [e for e in self.log if e[0] == kind]
@@ -159,28 +177,34 @@ class StrictEvent:
         return (end.at - self.at) * 1e3
 
 
-class on_cpu(TorchFunctionMode):  # noqa: N801 - used as a context manager, like torch's own modes
-    """Tensors asked for on cuda:i are made on the CPU instead; every such request is logged ("to", i)."""
+class FakeStream:
+    """A CUDA stream with nothing to order: the stand-in runs every op at once, in program order."""
 
-    def __init__(self, cuda: StrictCuda):
-        super().__init__()
-        self.cuda = cuda
+    def __init__(self, *args, **kwargs):
+        pass
 
-    def _map(self, d):
-        if isinstance(d, str) and d.startswith("cuda"):
-            d = torch.device(d)
-        if isinstance(d, torch.device) and d.type == "cuda":
-            self.cuda.note("to", self.cuda._index(d))
-            return torch.device("cpu")
-        return d
+    def wait_stream(self, stream) -> None:
+        pass
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func is torch.device:  # naming a device is fine; putting a tensor there is what moves
-            return func(*args, **kwargs)
-        if "device" in kwargs:
-            kwargs["device"] = self._map(kwargs["device"])
-        return func(*(self._map(a) for a in args), **kwargs)
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event or FakeEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class FakeEvent(FakeStream):
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
 
 
 class Clock:
