@@ -94,8 +94,14 @@ class _Zygote:
             return self.exits.get(pid)
 
     def close(self) -> None:
+        """At the parent's exit: the closed pipe ends the zygote; one still importing torch (a run stopped
+        in its first seconds, on a busy machine) does not read it in time and is killed instead."""
         self.proc.stdin.close()
-        self.proc.wait(5)
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
