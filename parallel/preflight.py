@@ -237,7 +237,7 @@ def main(args, console) -> int:
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM (cli._stop_like_ctrl_c): run_child ended the running check
         _write(config, checks, stopped=True)
         console.print(f"interrupted: {len(checks)} finished checks are in {config.out}/preflight.json",
-                      markup=False, style="bold red")
+                      markup=False, style="bold red", soft_wrap=True)  # one line: a path is not folded
         return 130
     checks += cuda_only(config)
     _write(config, checks)
