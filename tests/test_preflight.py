@@ -71,15 +71,22 @@ def test_a_stopped_preflight_prints_one_line_and_keeps_its_finished_checks(tmp_p
 def test_a_comparison_stopped_after_its_rows_prints_one_line(tmp_path, monkeypatch, capsys):
     # Stopped in the cost model's timing, after every row was saved: the traceback an H100 run printed
     from parallel.harness import costmodel
+    from parallel.results import Equivalence, Row
+
+    def finished(config, chosen, baseline, on_row):  # `single`'s row, as a child would have written it
+        row = Row("single", "", "inprocess", config.devices, "virtual", 1, config.batch_size, step_ms_p50=1.0)
+        row.equivalence = Equivalence("baseline", 0.0)
+        on_row([row])
+        return [row]
 
     def stopped(*_):
         raise KeyboardInterrupt("signal 15")
 
+    monkeypatch.setattr(cli, "run_strategies", finished)
     monkeypatch.setattr(costmodel, "apply", stopped)
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        code = cli.main(["compare", "--strategies", "single", "--devices", "cpu:1", "--steps", "1", "--warmup", "0",
-                         "--batch-size", "8", "--out", str(tmp_path)])
+        code = cli.main(["compare", "--strategies", "single", "--devices", "cpu:1", "--out", str(tmp_path)])
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
@@ -91,14 +98,14 @@ def test_a_comparison_stopped_after_its_rows_prints_one_line(tmp_path, monkeypat
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sigterm_ends_a_real_preflight_and_every_child_it_started(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "parallel", "preflight", "--devices", "cpu:2", "--out",
-                             str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "parallel", "preflight", "--devices", "cpu:2", "--strategies",
+                             "single,ddp", "--out", str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.monotonic() + 60
     while not (tmp_path / "logs").exists() or not any((tmp_path / "logs").iterdir()):  # a check under way
         assert time.monotonic() < deadline and proc.poll() is None, "preflight started no check"
         time.sleep(0.2)
-    time.sleep(2)
+    time.sleep(0.5)  # inside its first check (the first seconds: the zygote may still be importing torch)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in out, out[-2000:]
