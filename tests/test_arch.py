@@ -104,6 +104,8 @@ def _judge(runs: list) -> None:
             assert verdict.verdict == "match" and verdict.ratio < FP64_MARGIN, (name, options, verdict)
 
 
+@pytest.mark.slow  # spawned ranks, 6-11 s: the fast tier keeps Llama's parts (RoPE, GQA, counts) and the
+# same collectives on the GPT shape (test_tensor_parallel.py, test_context_parallel.py)
 def test_llama_with_gqa_and_rope_matches_single_split_by_heads_and_sequence_and_a_rope_bug_does_not():
     # The last run is the zig-zag bug on Llama: RoPE turns each token by a position that is not its own
     bug = {"cp_layout": "zigzag", "mutant": "context_parallel:zigzag-positions-unpermuted"}

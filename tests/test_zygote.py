@@ -47,7 +47,7 @@ def test_a_forked_child_gets_its_arguments_environment_session_log_and_exit_code
 
 def test_a_forked_child_over_its_timeout_is_ended_with_its_group(module, tmp_path):
     start = time.monotonic()
-    outcome = launch.run_child([*module, "sleep"], 2, tmp_path / "slow.log", fork=True)
+    outcome = launch.run_child([*module, "sleep"], 1, tmp_path / "slow.log", fork=True)
     assert outcome.timed_out and time.monotonic() - start < 30
     child = zygote.popen([*module, "sleep"], dict(os.environ), str(tmp_path / "slow.log"))
     with pytest.raises(subprocess.TimeoutExpired):
