@@ -1,6 +1,7 @@
 import contextlib
 import io
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,16 @@ def session_alive(sid: int) -> list[int]:
         if int(fields[3]) == sid and fields[0] != "Z":
             alive.append(int(stat.parent.name))
     return alive
+
+
+@pytest.fixture
+def signals_restored():
+    """SIGTERM's and SIGINT's handlers as they were before the test: the commands that stop like Ctrl-C
+    (cli._stop_like_ctrl_c) set both in the test's own process."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for s, handler in before.items():
+        signal.signal(s, handler)
 
 
 @pytest.fixture

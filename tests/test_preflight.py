@@ -41,7 +41,8 @@ def test_preflight_refuses_bad_input(refused):
     refused(["preflight", "--strategies", "nosuch"], "unknown strategy 'nosuch'")
 
 
-def test_a_stopped_preflight_prints_one_line_and_keeps_its_finished_checks(tmp_path, monkeypatch, capsys):
+def test_a_stopped_preflight_prints_one_line_and_keeps_its_finished_checks(tmp_path, monkeypatch, capsys,
+                                                                          signals_restored):
     # SIGTERM (a scheduler, `timeout`) is turned into Ctrl-C's KeyboardInterrupt (cli._interrupt); before, a
     # stopped preflight printed a 20-line traceback and kept nothing (H100, 2026-11-25)
     from parallel import preflight
@@ -55,20 +56,15 @@ def test_a_stopped_preflight_prints_one_line_and_keeps_its_finished_checks(tmp_p
         time.sleep(5)  # the handler raises before this ends
         raise AssertionError("SIGTERM did not interrupt")
 
-    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     monkeypatch.setattr(preflight, "run_strategies", stopped_after_one_row)
-    try:
-        code = cli.main(["preflight", "--devices", "cpu:1", "--strategies", "single", "--out", str(tmp_path)])
-    finally:
-        for s, handler in before.items():
-            signal.signal(s, handler)
+    code = cli.main(["preflight", "--devices", "cpu:1", "--strategies", "single", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "preflight.json").read_text())
     assert code == 130 and saved["stopped"] and [c["status"] for c in saved["checks"]] == ["passed"]
     out = capsys.readouterr().out
     assert "interrupted: 1 finished checks" in out and "Traceback" not in out
 
 
-def test_a_comparison_stopped_after_its_rows_prints_one_line(tmp_path, monkeypatch, capsys):
+def test_a_comparison_stopped_after_its_rows_prints_one_line(tmp_path, monkeypatch, capsys, signals_restored):
     # Stopped in the cost model's timing, after every row was saved: the traceback an H100 run printed
     from parallel.harness import costmodel
     from parallel.results import Equivalence, Row
@@ -84,12 +80,7 @@ def test_a_comparison_stopped_after_its_rows_prints_one_line(tmp_path, monkeypat
 
     monkeypatch.setattr(cli, "run_strategies", finished)
     monkeypatch.setattr(costmodel, "apply", stopped)
-    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        code = cli.main(["compare", "--strategies", "single", "--devices", "cpu:1", "--out", str(tmp_path)])
-    finally:
-        for s, handler in before.items():
-            signal.signal(s, handler)
+    code = cli.main(["compare", "--strategies", "single", "--devices", "cpu:1", "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == 130 and err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
     assert (tmp_path / "results.json").exists()

@@ -201,7 +201,8 @@ def _listening(pids: set[int]) -> list[str]:
     return found
 
 
-def test_sigterm_stops_a_comparison_like_ctrl_c_and_keeps_the_finished_rows(tmp_path, monkeypatch, capsys):
+def test_sigterm_stops_a_comparison_like_ctrl_c_and_keeps_the_finished_rows(tmp_path, monkeypatch, capsys,
+                                                                            signals_restored):
     # A scheduler's SIGTERM is turned into Ctrl-C's KeyboardInterrupt (cli._interrupt); the end-to-end test
     # below sends SIGINT to a real comparison, so the rest of the way is the same.
     def interrupted_mid_run(config, chosen, baseline, on_row):
@@ -210,14 +211,9 @@ def test_sigterm_stops_a_comparison_like_ctrl_c_and_keeps_the_finished_rows(tmp_
         time.sleep(5)  # the handler raises before this ends
         raise AssertionError("SIGTERM did not interrupt")
 
-    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     monkeypatch.setattr(cli, "run_strategies", interrupted_mid_run)
-    try:
-        code = cli.main(["compare", "--strategies", "single", "--devices", "cpu:1", "--out", str(tmp_path)])
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # even where it was ignored
-    finally:
-        for s, handler in before.items():
-            signal.signal(s, handler)
+    code = cli.main(["compare", "--strategies", "single", "--devices", "cpu:1", "--out", str(tmp_path)])
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # even where it was ignored
     assert code == 130 and "interrupted" in capsys.readouterr().out and (tmp_path / "results.json").exists()
 
 
