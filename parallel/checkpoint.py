@@ -62,6 +62,23 @@ def state(trainable) -> dict:
     return {"model": model_sd, "optim": optim_sd, "step": torch.zeros((), dtype=torch.int64)}
 
 
+def per_rank(trainable, split, world: int) -> dict:
+    """A `checkpoint_state` for ranks that hold different plain tensors under the same names (manual_tp's
+    shards): the live parameters and SGD's momentum, each `split(name)` one under a key of this rank's own
+    (`@tp1of2`). DCP writes a plain tensor that every rank names alike once, as replicated: under the plain
+    names every rank resumed from rank 0's shards, a resume that trained another model (found in #45). It
+    resumes on the same world; `base.loaded_in_place` restores it (DCP loads into the live tensors)."""
+    rank = td.get_rank() if td.is_initialized() else 0
+    out, params = {"step": torch.zeros((), dtype=torch.int64)}, dict(trainable.model.named_parameters())
+    for name, value in trainable.model.state_dict().items():
+        key = f"{name}@tp{rank}of{world}" if split(name) else name
+        out[f"model.{key}"] = value
+        if name in params:  # SGD makes its momentum at the first step: made now, as zeros, to load into
+            out[f"momentum.{key}"] = trainable.optimizer.state[params[name]].setdefault(
+                "momentum_buffer", torch.zeros_like(params[name]))
+    return out
+
+
 def restore(trainable, sd: dict) -> None:
     """Put a loaded `state` back into the model and optimisers."""
     from torch.distributed.checkpoint.state_dict import set_state_dict

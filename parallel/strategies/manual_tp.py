@@ -32,6 +32,7 @@ import torch.distributed as td
 import torch.nn.functional as F
 from torch import nn
 
+from parallel import checkpoint
 from parallel.errors import ConfigError
 from parallel.formulas import element_bytes
 from parallel.layout import ParallelDims
@@ -42,6 +43,7 @@ from parallel.strategies.base import (
     Mutant,
     Trainable,
     injected,
+    loaded_in_place,
     model_state_every_rank,
     ring_allreduce_bytes,
 )
@@ -233,22 +235,24 @@ def train_step(t: Trainable, batch, dist):
 
 
 def _gathered(t: torch.Tensor, dim: int, world: int) -> torch.Tensor:
-    parts = [torch.empty_like(t) for _ in range(world)]
-    td.all_gather(parts, t.detach().contiguous())
+    td.all_gather(parts := [torch.empty_like(t) for _ in range(world)], t.detach().contiguous())
     return torch.cat(parts, dim=dim)
+
+
+def _split_dim(s, name: str) -> int | None:  # the dim split across ranks: colwise 0, rowwise weights 1, else None
+    module, _, kind = name.rpartition(".")
+    return 0 if module in s.colwise else 1 if module in s.rowwise and kind == "weight" else None
 
 
 def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
     """The whole model under its own names: every split weight gathered from the ranks (a collective)."""
-    s, out = t.state, {}
-    for name, value in t.model.state_dict().items():
-        module, _, kind = name.rpartition(".")
-        if module in s.colwise:
-            value = _gathered(value, 0, s.world)
-        elif module in s.rowwise and kind == "weight":
-            value = _gathered(value, 1, s.world)
-        out[name] = value.detach().cpu().clone()
-    return out
+    return {name: (value if (dim := _split_dim(t.state, name)) is None else _gathered(value, dim, t.state.world)
+                   ).detach().cpu().clone() for name, value in t.model.state_dict().items()}
+
+
+def checkpoint_state(t: Trainable) -> dict:
+    """The live state, each split tensor under a key of this rank's own (checkpoint.per_rank)."""
+    return checkpoint.per_rank(t, lambda name: _split_dim(t.state, name) is not None, t.state.world)
 
 
 def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
@@ -292,4 +296,4 @@ def predict_step_ms(cal, config, row) -> float | None:
 
 HOOKS = Hooks(dims=dims, check=check, state_dict=state_dict, model_state_bytes=model_state_every_rank,
               extra_measurements=extra_measurements, comm_bytes_predicted=comm_bytes_predicted,
-              predict_step_ms=predict_step_ms)
+              predict_step_ms=predict_step_ms, checkpoint_state=checkpoint_state, restore_checkpoint=loaded_in_place)
