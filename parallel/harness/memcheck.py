@@ -36,7 +36,7 @@ def _mib(n: float | None) -> str:
     return "-" if n is None else f"{n / 2**20:,.0f}M" if n >= 2**20 else f"{n / 2**10:,.0f}K"
 
 
-def _off(measured: float | None, planned: float) -> str:
+def _off(measured: float | None, planned: float | None) -> str:
     return "-" if not measured or not planned else f"{measured / planned - 1:+.0%}"
 
 
@@ -58,12 +58,13 @@ def table(rows: list[Row]) -> Table | None:
     for r in shown:
         p = r.details["planner_memory"]
         state = _largest(r.details.get("model_state_bytes_per_device"))
+        total = None if p["activations"] is None else p["total"]  # a model whose activations are not counted
         cells = [r.strategy + (f" {r.variant}" if r.variant else ""), p["layout"], _mib(p["model_state"]),
-                 _mib(state), _off(state, p["model_state"]), _mib(p["activations"]), _mib(p["total"])]
+                 _mib(state), _off(state, p["model_state"]), _mib(p["activations"]), _mib(total)]
         if gpu:
             peak = r.peak_mem_bytes if r.peak_mem_kind == "cuda_max_allocated" else None
             together = r.device_kind == "shared" and r.launcher == "inprocess" and r.world_size > 1
-            cells += [_mib(peak), "-" if together else _off(peak, p["total"]),  # every replica on the one GPU
+            cells += [_mib(peak), "-" if together or total is None else _off(peak, total),  # replicas on one GPU
                       _mib(r.details.get("cuda_max_reserved"))]
         t.add_row(*cells)
     return t

@@ -53,7 +53,7 @@ def over_cap(name: str, variants: list, model: Callable, config: RunConfig) -> s
         need = local.need(name, cfg, model())
         if need and need["total"] > config.memory_cap_mb * 2**20:
             return (f"the planner puts it at {need['total'] / 2**20:.1f} MiB a device (model state "
-                    f"{need['model_state'] / 2**20:.1f}, activations {need['activations'] / 2**20:.1f}), over "
+                    f"{need['model_state'] / 2**20:.1f}, activations {(need['activations'] or 0) / 2**20:.1f}), over "
                     f"--memory-cap {config.memory_cap_mb:g} MiB")
     return ""
 

@@ -107,7 +107,7 @@ def need(name: str, config, model: nn.Module) -> dict | None:
         shards = shards // int(config.options.get("replicate", 1)) if shards == lay.dp else shards
     offloaded = name == "fsdp" and config.options.get("offload") == "cpu"
     state = {k: 0.0 if offloaded else v for k, v in model_state(psi, stage, shards, element, element, element).items()}
-    acts = 0.0
+    acts = None  # not the project's transformer: its activations are not counted
     if spec is not None:
         accum = int(config.options.get("accum", 1)) if name == "ddp" else 1
         lay = dataclasses.replace(lay, mbs=max(1, lay.mbs // accum))
@@ -118,5 +118,5 @@ def need(name: str, config, model: nn.Module) -> dict | None:
         logits = gathered * spec.seq / lay.cp * spec.vocab / lay.tp * 4 * 2  # the logits and their softmax
         acts = lay.layers(spec.layers) * layer * held + logits
     model_bytes = sum(state.values())
-    return {**state, "model_state": model_bytes, "activations": acts, "total": model_bytes + acts,
+    return {**state, "model_state": model_bytes, "activations": acts, "total": model_bytes + (acts or 0.0),
             "layout": lay.describe()}
