@@ -9,7 +9,8 @@ from parallel.harness import equivalence
 from parallel.harness.ranks import RankError, run_ranks
 from parallel.usermodel import workload_of
 
-__all__ = ["FP64_MARGIN", "BF16_MARGIN", "RankError", "judged_on_ranks", "run_ranks", "uninterrupted"]
+__all__ = ["FP64_MARGIN", "BF16_MARGIN", "RankError", "faulted_and_resumed", "judged_on_ranks", "run_ranks",
+           "uninterrupted"]
 
 # What an honest run may come to, as err/tol, before a test calls it a regression (docs/oracle.md, "Honest
 # noise against injected bugs, 10 seeds"). The verdict itself is the oracle's (at most 1); a margin catches
@@ -72,3 +73,25 @@ def uninterrupted(name: str, config) -> tuple[float, dict]:
     reference a restarted torchrun launch of the same run must end at bitwise (the same code, thread count
     and gloo all-reduce; only the launcher differs), for a fraction of a launch's cost."""
     return run_ranks(_uninterrupted, config.world_size, (name, config.to_json()), timeout=120)[0]
+
+
+def faulted_and_resumed(rank: int, world: int, name: str, folder: str, **fields) -> dict:
+    """In a spawned rank: `name` trained three times, with checkpoints every 2 steps: uninterrupted (in
+    FOLDER/whole); failing on every rank before step 3, the job killed, nothing left waiting in a collective
+    (FOLDER/faulted); re-run from that checkpoint. {run: rank 0's final state (None on the others), or the
+    fault's message}; `fields`: the run's own RunConfig fields (workload, options, ...)."""
+    from parallel.config import RunConfig
+    from parallel.train import InjectedFault
+
+    out = {}
+    for run, fail, resume in (("whole", False, False), ("interrupted", True, False), ("resumed", False, True)):
+        config = RunConfig(**{"devices": f"cpu:{world}", "steps": 5, "warmup": 1, **fields},
+                           out=f"{folder}/{'whole' if run == 'whole' else 'faulted'}", checkpoint_every=2,
+                           fail_at_step=3 if fail else -1, fail_rank=rank, resume=resume).validate()
+        try:
+            _, state = _execute(strategies.get(name), config, Dist(rank, rank, world, world))
+        except InjectedFault as e:
+            out[run] = str(e)
+            continue
+        out[run] = state if rank == 0 else None
+    return out

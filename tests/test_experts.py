@@ -16,7 +16,7 @@ from parallel.harness import equivalence
 from parallel.moe import MoE
 from parallel.usermodel import workload_of
 from tests.conftest import ROOT
-from tests.multirank import FP64_MARGIN, _execute, judged_on_ranks, run_ranks
+from tests.multirank import FP64_MARGIN, _execute, faulted_and_resumed, judged_on_ranks, run_ranks
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -202,23 +202,7 @@ def test_preflight_on_gpus_checks_expert_parallel_on_the_moe(strict_cuda):
 
 
 def _checkpointed(rank, world, folder):
-    """expert_parallel three times in one spawn: uninterrupted; failing on every rank before step 3; re-run
-    from its last checkpoint (test_sharded.py's pattern)."""
-    from parallel.train import InjectedFault
-
-    out = {}
-    for run, fail, resume in (("whole", False, False), ("interrupted", True, False), ("resumed", False, True)):
-        config = RunConfig(workload="moe", devices=f"cpu:{world}", batch_size=8, steps=5, warmup=1,
-                           out=f"{folder}/{'whole' if run == 'whole' else 'faulted'}", checkpoint_every=2,
-                           fail_at_step=3 if fail else -1, fail_rank=rank, resume=resume).validate()
-        dist = Dist(rank=rank, local_rank=rank, world_size=world, local_world_size=world)
-        try:
-            _, state = _execute(strategies.get("expert_parallel"), config, dist)
-        except InjectedFault as e:
-            out[run] = str(e)
-            continue
-        out[run] = state if rank == 0 else None
-    return out
+    return faulted_and_resumed(rank, world, "expert_parallel", folder, workload="moe", batch_size=8)
 
 
 @pytest.mark.slow

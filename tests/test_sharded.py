@@ -11,10 +11,9 @@ from parallel import strategies
 from parallel.config import RunConfig
 from parallel.dist import Dist
 from parallel.harness import equivalence, mutants
-from parallel.train import InjectedFault
 from parallel.worker import execute
 from parallel.workloads import WORKLOADS
-from tests.multirank import FP64_MARGIN, run_ranks
+from tests.multirank import FP64_MARGIN, faulted_and_resumed, run_ranks
 
 pytestmark = pytest.mark.timeout(240)
 MLP = WORKLOADS["mlp"].build_model(0)
@@ -131,24 +130,10 @@ def test_the_two_part_dcgan_is_refused_with_its_reason(refused, name):
 
 
 def _checkpointed(rank, world, folder):
-    """Each strategy three times in one spawn of the ranks: uninterrupted; interrupted by a fault on every
-    rank before step 3 (the job killed: nothing left waiting in a collective, so the spawn goes on); and
-    re-run from its last checkpoint."""
-    out = {}
-    for name in NAMES:
-        for run, fail, resume in (("whole", False, False), ("interrupted", True, False), ("resumed", False, True)):
-            config = RunConfig(workload="mlp", devices=f"cpu:{world}", batch_size=48, steps=5, warmup=1,
-                               out=f"{folder}/{name}-{'whole' if run == 'whole' else 'faulted'}",
-                               checkpoint_every=2, fail_at_step=3 if fail else -1, fail_rank=rank, resume=resume,
-                               options={"zero_stage": 2, "bucket_mb": 1} if name == "zero" else {}).validate()
-            dist = Dist(rank=rank, local_rank=rank, world_size=world, local_world_size=world)
-            try:
-                _, state = execute(strategies.get(name), config, dist)
-            except InjectedFault as e:
-                out[(name, run)] = str(e)
-                continue
-            out[(name, run)] = state if rank == 0 else None
-    return out
+    """Each strategy three times in one spawn of the ranks (multirank.faulted_and_resumed), in FOLDER/NAME."""
+    return {(name, run): v for name in NAMES for run, v in faulted_and_resumed(
+        rank, world, name, f"{folder}/{name}", workload="mlp", batch_size=48,
+        options={"zero_stage": 2, "bucket_mb": 1} if name == "zero" else {}).items()}
 
 
 NAMES = ["zero", "zero_optimizer", "fsdp"]
@@ -163,7 +148,7 @@ def test_a_resume_after_a_fault_ends_bitwise_like_an_uninterrupted_run(tmp_path)
     out = run_ranks(_checkpointed, 2, (str(tmp_path),), timeout=90)[0]
     for name in NAMES:
         assert out[(name, "interrupted")] == "injected fault at step 3 on rank 0 (--fail-at-step)"
-        assert sorted(p.name for p in (tmp_path / f"{name}-faulted" / "checkpoints" / name).iterdir()) == [
+        assert sorted(p.name for p in (tmp_path / name / "faulted" / "checkpoints" / name).iterdir()) == [
             ".metadata", "__0_0.distcp", "__1_0.distcp"]
         a, b = out[(name, "whole")], out[(name, "resumed")]
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name

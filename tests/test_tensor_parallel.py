@@ -9,7 +9,7 @@ import torch
 
 from parallel.config import RunConfig
 from parallel.workloads import WORKLOADS
-from tests.multirank import judged_on_ranks
+from tests.multirank import faulted_and_resumed, judged_on_ranks, run_ranks
 
 pytestmark = pytest.mark.timeout(240)
 BATCH, T, C = 16, 32, 128  # the transformer's activations: B x T x C per block boundary
@@ -93,31 +93,14 @@ def test_the_transformers_plan_splits_q_k_and_v_by_heads():
 
 
 def _resumed(rank, world, folder):
-    """manual_tp uninterrupted, then failed on every rank before step 3, then re-run from its checkpoint."""
-    from parallel import strategies
-    from parallel.dist import Dist
-    from parallel.train import InjectedFault
-    from parallel.worker import execute
-
-    out = {}
-    for run, fail, resume in (("whole", False, False), ("interrupted", True, False), ("resumed", False, True)):
-        config = RunConfig(workload="transformer", devices=f"cpu:{world}", batch_size=8, seq_len=16, steps=5,
-                           warmup=1, extras=False, out=f"{folder}/{'whole' if run == 'whole' else 'faulted'}",
-                           checkpoint_every=2, fail_at_step=3 if fail else -1, fail_rank=rank, resume=resume).validate()
-        try:
-            _, state = execute(strategies.get("manual_tp"), config, Dist(rank, rank, world, world))
-        except InjectedFault:
-            continue
-        out[run] = state if rank == 0 else None
-    return out
+    return faulted_and_resumed(rank, world, "manual_tp", folder, workload="transformer", batch_size=8, seq_len=16,
+                               extras=False)
 
 
 @pytest.mark.slow
 def test_manual_tp_resumes_each_rank_from_its_own_shards_bitwise(tmp_path):
     # Under the plain names DCP wrote each split weight once, as if replicated: every rank resumed from rank
     # 0's shards and trained another model, silently (found in #45: step 3's loss 4.3304 against 4.3159)
-    from tests.multirank import run_ranks
-
     out = run_ranks(_resumed, 2, (str(tmp_path),), timeout=90)[0]
     whole, resumed = out["whole"], out["resumed"]
     assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole)
