@@ -431,11 +431,7 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_devices()
         if args.command == "bench":
             _stop_like_ctrl_c()
-            try:
-                return basics_cli.main(args, make_console())
-            except KeyboardInterrupt:
-                print("interrupted", file=sys.stderr)
-                return 130
+            return basics_cli.main(args, make_console())  # a stop: one line, below
         if args.command == "sweep":
             _stop_like_ctrl_c()
             return sweep.main(args, make_console())

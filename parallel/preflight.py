@@ -69,8 +69,7 @@ def _config(args) -> RunConfig:
                      extras=False).validate()  # a path proven, not measured: no strategy's own measurements
 
 
-def strategy_checks(config: RunConfig, chosen: list[tuple], skipped: dict[str, str],
-                    done: list[Check]) -> list[Check]:
+def strategy_checks(config: RunConfig, chosen: list[tuple], skipped: dict[str, str], done: list[Check]) -> None:
     """The strategies that can run here, two steps through the harness with `single` as the baseline;
     each finished one is in `done` at once (kept when the run is stopped)."""
     start = len(done)
@@ -81,7 +80,6 @@ def strategy_checks(config: RunConfig, chosen: list[tuple], skipped: dict[str, s
     run_strategies(config, chosen, on_row=keep)
     done += [Check(f"{n} on {config.devices}", "its launch on these devices", "not run", why)
              for n, why in skipped.items()]
-    return done
 
 
 def _rows_checked(config: RunConfig, rows: list) -> list[Check]:
@@ -133,9 +131,9 @@ def elsewhere_checks(config: RunConfig, found: dict[str, list[str]], checks: lis
 
 def _child(name: str, proves: str, argv: list[str], config: RunConfig, env: dict | None = None) -> Check:
     log = Path(config.out) / "logs" / f"preflight-{re.sub(r'[^a-z0-9]+', '-', name.lower()).strip('-')}.log"
-    # forked from the zygote where there is no GPU (harness/zygote.py); torchrun's workers here are scripts
-    fork = launch.may_fork(gpu_count() > 0)
-    outcome = launch.run_child([sys.executable, *argv], config.timeout, log, env=env, fork=fork)
+    # forked from the zygote (harness/zygote.py; launch.may_fork); torchrun's workers here are scripts
+    outcome = launch.run_child([sys.executable, *argv], config.timeout, log, env=env,
+                               fork=launch.may_fork(gpu_count() > 0))
     if outcome.returncode == 0 and not outcome.timed_out:
         return Check(name, proves, "passed", f"{outcome.wall_s:.0f} s")
     return Check(name, proves, "failed", f"{outcome.error} (log: {log})")
@@ -149,8 +147,8 @@ def restart_check(config: RunConfig) -> Check:
     devices = str(config.spec.first(n))
     out = Path(config.out) / "restart"
     store = launch.LoopbackStore(0, config.timeout)
-    # Without GPUs each worker is forked from the zygote through a stand-in (harness/forked.py), as the
-    # harness's own launches are: torchrun, its rendezvous and its restart are the same
+    # Each worker is forked from the zygote through a stand-in (harness/forked.py), as the harness's own
+    # launches are (launch.may_fork): torchrun, its rendezvous and its restart are the same
     stand_in = ["-m", "parallel.harness.forked"] if launch.may_fork(gpu_count() > 0) else []
     argv = ["-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={n}", "--max-restarts=1",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{store.port}", "--rdzv-conf=is_host=false",

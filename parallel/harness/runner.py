@@ -48,10 +48,11 @@ def run_one(strategy, variant: str, config: RunConfig, work: Path, logs: Path) -
     gpus = [d.index for d in map(config.spec.device, range(strategy.world_size(config))) if d.type == "cuda"]
     watch = load.ForeignLoad(gpus)
     try:
+        fork = launch.may_fork(bool(gpus))
         cmd = launch.command(strategy, config, paths, store.port if store else 0, tb_run(strategy.name, variant),
-                             fork=launch.may_fork(bool(gpus)))
+                             fork=fork)
         env = {**(launch.torchrun_env() if store else {}), **checked_env(workload_of(config))}  # checked once
-        outcome = launch.run_child(cmd, config.timeout, logs / f"{stem}.log", env=env, fork=launch.may_fork(bool(gpus)))
+        outcome = launch.run_child(cmd, config.timeout, logs / f"{stem}.log", env=env, fork=fork)
     finally:
         if store:
             store.close()

@@ -103,8 +103,6 @@ def need(name: str, config, model: nn.Module) -> dict | None:
     if spec is not None and (lay.tp > 1 or lay.pp > 1 or lay.ep > 1):
         dense, experts = params_per_gpu(spec, lay, "first")
         psi = dense + experts
-    if name == "fsdp":
-        shards = shards // int(config.options.get("replicate", 1)) if shards == lay.dp else shards
     offloaded = name == "fsdp" and config.options.get("offload") == "cpu"
     state = {k: 0.0 if offloaded else v for k, v in model_state(psi, stage, shards, element, element, element).items()}
     acts = None  # not the project's transformer: its activations are not counted
