@@ -12,7 +12,7 @@ Three departures, each for a reason a comparison needs:
   one from one device's), and no strategy could match `single` exactly.
 - The head is not tied to the token embedding (`gpt2_tied` ties it, as the released GPT-2 does: the
   weight then lives in the first and the last pipeline stage at once, and the pipelines keep the two
-  copies in step by summing their gradients, as Megatron does; parallel/strategies/tied.py).
+  copies in step by summing their gradients, as Megatron does; parallel/kit/tied.py).
 - q, k and v are three Linear layers, not one fused one, and the attention reads its head count from
   the tensors: so tensor parallelism can give each rank whole heads (a fused [q|k|v] split into
   contiguous halves would give rank 0 all of q and half of k).

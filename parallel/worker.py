@@ -27,9 +27,9 @@ from parallel.config import RunConfig
 from parallel.devices import activate, cap_memory, exact_fp32, peak_memory, peak_reserved, reset_peak_memory
 from parallel.dist import Dist
 from parallel.errors import ConfigError
+from parallel.kit.collectives import every_rank
 from parallel.profiling import make_profiler
 from parallel.results import Measured, Row, atomic_write
-from parallel.strategies.base import every_rank
 from parallel.timing import LAUNCHED_AT, summarize
 from parallel.train import default_dtype, make_optimizer, precision, step_lines
 from parallel.usermodel import workload_of

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from parallel import strategies
 from parallel.config import RunConfig
 from parallel.errors import ConfigError
-from parallel.strategies.ring_attention import Layout, Ring
+from parallel.kit.ring_attention import Layout, Ring
 from parallel.usermodel import workload_of
 from tests.multirank import judged_on_ranks, run_ranks
 

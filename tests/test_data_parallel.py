@@ -14,7 +14,7 @@ from torch import nn
 from parallel import strategies
 from parallel.config import RunConfig
 from parallel.dist import Dist
-from parallel.strategies.primitives import DeviceThreads, gather, parallel_apply, replicate, scatter
+from parallel.kit.primitives import DeviceThreads, gather, parallel_apply, replicate, scatter
 from parallel.worker import execute
 from parallel.workloads import WORKLOADS
 from tests.conftest import judged

@@ -17,7 +17,8 @@ from parallel.config import ConfigError, RunConfig
 from parallel.data import SyntheticData
 from parallel.dist import Dist, script_devices
 from parallel.harness import costmodel
-from parallel.strategies import stage_time, stages
+from parallel.kit import stages
+from parallel.measure import stage_time
 from parallel.timing import StepTimer
 from parallel.workloads import WORKLOADS
 from tests.strict_cuda import Clock, on_cpu, synced_before_every_clock

@@ -1,6 +1,11 @@
-"""Imports flow one way: cli -> harness -> worker -> strategies -> core (the loop, its tools, config, dist,
-devices, workloads). Read from the source, every import counted, at module level or inside a function:
-an import hidden in a function ties two modules together all the same."""
+"""Imports flow one way, between the package's rooms and inside them:
+
+    cli, sweep, preflight, basics -> harness -> worker, plan -> strategies -> measure -> kit
+        -> the loop and its tools (train, wire, timing, ...) -> core (config, dist, devices, workloads, ...)
+
+Read from the source, every import counted, at module level or inside a function: an import hidden in a
+function ties two modules together all the same. Inside a room (a folder), no module may reach itself
+through others either: the module graph of the whole package has no circle."""
 
 import ast
 from pathlib import Path
@@ -10,12 +15,14 @@ from tests.conftest import ROOT
 PACKAGE = ROOT / "parallel"
 # Each module (or sub-package) and its layer; a module may import its own layer or any lower one.
 LAYERS = {
-    "cli": 5, "__main__": 5, "sweep": 5, "preflight": 5, "basics": 5, "envinfo": 5,
-    "harness": 4,
-    "worker": 3, "plan": 3,
-    "strategies": 2,
+    "cli": 7, "__main__": 7, "sweep": 7, "preflight": 7, "basics": 7, "envinfo": 7,
+    "harness": 6,
+    "worker": 5, "plan": 5,
+    "strategies": 4,  # only strategies, and the interface they share (base)
+    "measure": 3,  # one home per measurement family: what is measured, predicted, shown; never a strategy
+    "kit": 2,  # the building blocks strategies share: collectives by hand, stages, schedules, ring attention
     "train": 1, "timing": 1, "profiling": 1, "checkpoint": 1, "results": 1, "activations": 1, "formulas": 1,
-    "tables": 1,
+    "tables": 1, "wire": 1,
     "config": 0, "dist": 0, "devices": 0, "workloads": 0, "data": 0, "transformer": 0, "tpplan": 0, "moe": 0,
     "errors": 0, "layout": 0, "usermodel": 0, "hf": 0, "outputs": 0,
 }
@@ -26,8 +33,14 @@ def room(module: str) -> str:
     return module.split(".")[1] if module.count(".") else "parallel"
 
 
+def _module(name: str) -> bool:
+    path = ROOT / Path(*name.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
 def imports() -> set[tuple[str, str, str]]:
-    """(importing module, imported module, where) for every import of a parallel module."""
+    """(importing module, imported module, where) for every import of a parallel module: `from a.b import c`
+    names a.b.c where c is a module, else a.b."""
     found = set()
     for f in PACKAGE.rglob("*.py"):
         rel = f.relative_to(ROOT).with_suffix("")
@@ -40,12 +53,11 @@ def imports() -> set[tuple[str, str, str]]:
                 base = node.module or ""
                 if node.level:
                     base = ".".join([*package[: len(package) - node.level + 1], *([base] if base else [])])
-                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+                targets = [f"{base}.{a.name}" if _module(f"{base}.{a.name}") else base for a in node.names]
             else:
                 continue
             for t in targets:
-                if t.startswith("parallel.") and (ROOT / Path(*t.split("."))).with_suffix(".py").exists() or \
-                        t.startswith("parallel.") and (ROOT / Path(*t.split("."))).is_dir():
+                if t.startswith("parallel.") and _module(t):
                     found.add((name, t, f"{f.relative_to(ROOT)}:{node.lineno}"))
     return found
 
@@ -59,6 +71,7 @@ def test_the_scan_sees_imports_at_module_level_and_inside_functions():
     found = {(m, t) for m, t, _ in imports()}
     assert ("parallel.worker", "parallel.strategies") in found  # module level
     assert ("parallel.cli", "parallel.harness.runner") in found  # inside a function
+    assert ("parallel.measure.replay", "parallel.kit.schedules") in found  # inside a folder
 
 
 def test_imports_flow_one_way():
@@ -67,14 +80,61 @@ def test_imports_flow_one_way():
     assert upward == [], "\n".join(upward)
 
 
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected parts of more than one node (Tarjan's algorithm): each is a circle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                out.append(sorted(part))
+
+    for v in list(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_circle_among_modules_even_inside_a_folder():
+    edges: dict[str, set[str]] = {}
+    for m, t, _ in imports():
+        if m != t:
+            edges.setdefault(m, set()).add(t)
+    assert circles(edges) == []
+
+
 def test_no_two_rooms_import_each_other_even_within_a_layer():
     edges: dict[str, set[str]] = {}
     for m, t, _ in imports():
         if room(m) != room(t):
             edges.setdefault(room(m), set()).add(room(t))
+    assert [c for c in circles(edges)] == []
 
-    def reaches(a: str, b: str, seen: set[str]) -> bool:
-        return any(n == b or (n not in seen and reaches(n, b, seen | {n})) for n in edges.get(a, ()))
 
-    cycles = sorted(f"{a} <-> {b}" for a, targets in edges.items() for b in targets if reaches(b, a, {b}))
-    assert cycles == [], cycles
+def test_the_circle_finder_finds_a_planted_circle():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_strategies_holds_only_strategies():
+    from parallel.strategies import NAMES
+
+    files = {f.stem for f in (PACKAGE / "strategies").glob("*.py")}
+    assert files - {"base", "__init__"} == set(NAMES)
+

@@ -7,8 +7,8 @@ import torch
 
 from parallel.config import ConfigError
 from parallel.dist import Dist
+from parallel.kit.tensors import param_bytes, state_bytes, tensor_bytes
 from parallel.layout import ParallelDims
-from parallel.strategies.base import param_bytes, state_bytes, tensor_bytes
 from tests.multirank import run_ranks
 
 pytestmark = pytest.mark.timeout(120)

@@ -10,7 +10,8 @@ from parallel import strategies
 from parallel.config import RunConfig
 from parallel.dist import Dist
 from parallel.harness import pictures
-from parallel.strategies import pipeline, stages, tied
+from parallel.kit import schedules, stages, tied
+from parallel.strategies import pipeline
 from parallel.worker import execute
 from parallel.workloads import WORKLOADS
 from tests.conftest import judged
@@ -78,7 +79,7 @@ def test_partition_is_the_best_contiguous_split():
 def test_schedules_run_every_micro_batch_forward_then_backward(schedule):
     for p, m in [(2, 1), (2, 8), (4, 3), (4, 8)]:
         for s in range(p):
-            ops = pipeline.SCHEDULES[schedule](s, p, m)
+            ops = schedules.SCHEDULES[schedule](s, p, m)
             assert sorted(ops) == sorted([("F", j) for j in range(m)] + [("B", j) for j in range(m)])
             assert all(ops.index(("F", j)) < ops.index(("B", j)) for j in range(m))
             live = max(sum(1 for op, j in ops[:i] if op == "F") - sum(1 for op, j in ops[:i] if op == "B")
@@ -120,18 +121,18 @@ def test_balance_by_params_puts_the_convolutions_together():
 
 
 def test_simulate_gives_the_textbook_time_for_equal_stages_and_waits_for_the_slowest():
-    from parallel.strategies.stage_time import simulate
+    from parallel.measure.stage_time import simulate
 
     for schedule in ("gpipe", "1f1b"):
         for p, m in ((2, 4), (3, 8), (4, 1)):
-            ops = [pipeline.SCHEDULES[schedule](s, p, m) for s in range(p)]
+            ops = [schedules.SCHEDULES[schedule](s, p, m) for s in range(p)]
             # equal stages, F = 1, B = 2: (m + p - 1) slots of F and of B, whatever the order
             assert simulate(ops, [1.0] * p, [2.0] * p) == pytest.approx((m + p - 1) * 3), (schedule, p, m)
     # GPipe's forward phase runs at the slowest forward, its backward phase at the slowest backward:
     # stage 0 forward-heavy (F 3, B 1), stage 1 backward-heavy (F 1, B 3), m = 4: stage 0's 4 forwards,
     # stage 1's last forward, stage 1's 4 backwards, stage 0's last backward; equal stages of the same
     # total work (F 2, B 2) would take (m + p - 1) x 4 = 20
-    ops = [pipeline.gpipe(s, 2, 4) for s in range(2)]
+    ops = [schedules.gpipe(s, 2, 4) for s in range(2)]
     assert simulate(ops, [3.0, 1.0], [1.0, 3.0]) == pytest.approx(4 * 3 + 1 + 4 * 3 + 1)
     # a transfer between stages delays every hand-off
     assert simulate(ops, [1.0, 1.0], [1.0, 1.0], hop=0.5) > simulate(ops, [1.0, 1.0], [1.0, 1.0])

@@ -142,7 +142,7 @@ def _bounds_by_time(rank, world):
     import torch.distributed as td
 
     from parallel.dist import Dist
-    from parallel.strategies import stages
+    from parallel.kit import stages
     from parallel.strategies.base import options_of
     from parallel.usermodel import workload_of
 
@@ -167,7 +167,7 @@ def _bounds_by_time(rank, world):
 def test_the_cut_by_time_prices_the_hop_as_a_send_between_ranks():
     import torch
 
-    from parallel.strategies.stages import layers_of
+    from parallel.kit.stages import layers_of
     from parallel.usermodel import workload_of
     from tests.multirank import run_ranks
 
@@ -186,7 +186,7 @@ def test_the_cut_by_time_prices_the_hop_as_a_send_between_ranks():
 def test_every_stage_holds_parameters_where_the_model_allows():
     # Seen on cpu:3: the CNN cut by measured time once gave rank 1 only a ReLU and a pooling layer, whose
     # process then had no parameters for its optimiser ("optimizer got an empty parameter list").
-    from parallel.strategies import stages
+    from parallel.kit import stages
 
     holds = [True, False, False, True, False, False, False, True, False, True, False, True]  # the CNN's layers
     costs = [9.0, 0.1, 5.0, 3.0, 0.1, 0.1, 0.1, 0.2, 0.1, 0.1, 0.1, 0.1]  # a slow ReLU-and-pool pair after conv1

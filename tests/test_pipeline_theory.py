@@ -1,4 +1,4 @@
-"""The theory beside every pipeline run (strategies/replay.py): each rank's own action list
+"""The theory beside every pipeline run (measure/replay.py): each rank's own action list
 played out on piece times, the closed forms it must agree with where their assumptions hold, and the
 micro-batches each order keeps at once. Pure arithmetic on torch's own action lists: no process starts."""
 
@@ -7,8 +7,8 @@ import types
 import pytest
 
 from parallel.config import ConfigError, RunConfig
-from parallel.strategies import pipeline, pipeline_dist
-from parallel.strategies.replay import (
+from parallel.kit import schedules
+from parallel.measure.replay import (
     CLOSED_FORMS,
     closed_form_idle,
     held,
@@ -19,6 +19,7 @@ from parallel.strategies.replay import (
     torch_groups,
     torch_orders,
 )
+from parallel.strategies import pipeline, pipeline_dist
 
 
 def orders(schedule: str, p: int, m: int, groups: bool = False):
@@ -111,7 +112,7 @@ def test_the_micro_batches_each_order_holds():
 
 
 def test_play_is_the_replay_of_one_stage_per_device():
-    ops = [pipeline.one_f_one_b(s, 3, 6) for s in range(3)]
+    ops = [schedules.one_f_one_b(s, 3, 6) for s in range(3)]
     orders = {s: [(s, k, j) for k, j in ops[s]] for s in range(3)}
     pieces = replay(orders, {(s, k): 1.0 + s + (k == "B") for s in range(3) for k in "FB"}, dict.fromkeys(range(2), .2))
     played = pipeline.simulate(ops, [1.0, 2.0, 3.0], [2.0, 3.0, 4.0], hop=0.2)

@@ -17,8 +17,8 @@ from parallel import strategies
 from parallel.config import RunConfig
 from parallel.data import SyntheticData
 from parallel.dist import Dist
+from parallel.kit.ring_attention import Layout
 from parallel.strategies import context_parallel
-from parallel.strategies.ring_attention import Layout
 from parallel.workloads import WORKLOADS
 from tests.multirank import run_ranks
 from tests.strict_cuda import StrictCuda, on_cpu

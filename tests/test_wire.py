@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.distributed as td
 
-from parallel.strategies import wire
+from parallel import wire
+from parallel.kit import collectives
 from tests.multirank import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -19,8 +20,8 @@ def _collectives(rank, world):
     with wire.counted(sent):
         td.all_reduce(t)
         td.broadcast(t, src=0)
-        wire.all_gather(torch.empty(ELEMS * world), torch.ones(ELEMS))  # the package's names for this torch's
-        wire.reduce_scatter(torch.empty(ELEMS // world), torch.ones(ELEMS))
+        collectives.all_gather(torch.empty(ELEMS * world), torch.ones(ELEMS))  # the package's names for this torch's
+        collectives.reduce_scatter(torch.empty(ELEMS // world), torch.ones(ELEMS))
         funcol.all_reduce(torch.ones(ELEMS), "sum", td.group.WORLD).wait()
         if rank == 0:
             td.send(torch.ones(ELEMS), dst=1)

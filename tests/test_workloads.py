@@ -13,8 +13,8 @@ from parallel.config import RunConfig
 from parallel.data import SyntheticData
 from parallel.dist import Dist
 from parallel.errors import ConfigError
+from parallel.kit.sync_batchnorm import AllReduceBatchNorm1d, AllReduceBatchNorm2d
 from parallel.strategies.base import OptimizerGroup, make_optimizers
-from parallel.strategies.sync_batchnorm import AllReduceBatchNorm1d, AllReduceBatchNorm2d
 from parallel.worker import execute
 from parallel.workloads import WORKLOADS, in_chunks
 

@@ -32,7 +32,7 @@ from parallel.basics import noise
 from parallel.data import SyntheticData
 from parallel.devices import activate, empty_cache, peak_memory, reset_peak_memory, synchronizer
 from parallel.errors import ConfigError
-from parallel.strategies.base import state_bytes
+from parallel.kit.tensors import state_bytes
 from parallel.timing import StepTimer, summarize
 from parallel.workloads import WORKLOADS
 

@@ -27,7 +27,7 @@ from parallel import strategies
 from parallel.devices import synchronizer, synchronizer_all
 from parallel.dist import Dist
 from parallel.formulas import model_state, ring_seconds
-from parallel.strategies.base import grad_bytes
+from parallel.measure.sharded import grad_bytes
 from parallel.timing import median_time
 from parallel.train import make_optimizer
 from parallel.usermodel import workload_of
@@ -65,7 +65,7 @@ class Calibration:
         of `micro` samples, on one device's threads."""
         key = (tuple(bounds), micro)
         if key not in self._stages:
-            from parallel.strategies.stages import layers_of, measure_stages
+            from parallel.kit.stages import layers_of, measure_stages
 
             x = self.workload.dataset(self.config.seed, micro).batch(0)[0]
             with _threads(self.config.spec.threads_per_device()):

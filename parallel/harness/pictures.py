@@ -230,7 +230,7 @@ def experts(rows: list[Row]) -> str | None:
 def pieces(timeline: list) -> list[tuple[int, float, float, str, int]]:
     """(row of the chart, start ms, end ms, kind, micro-batch) from a row's stage_timeline or replay_timeline:
     in-process pipelines give one list per stage; pipeline_dist one list per rank, whose labels name the stage."""
-    from parallel.strategies.stage_time import PIECE
+    from parallel.measure.stage_time import PIECE
 
     out = []
     for lane, intervals in enumerate(timeline):

@@ -5,7 +5,7 @@
 T_stage is one micro-batch's forward and backward through the busiest stage: per layer, matrix multiplies
 at the kind's efficiency for the layer's width on a GPU (h/tp), elementwise kernels at its HBM bandwidth,
 and tensor-, context- and expert-parallel collectives on the ring model (hardware.ring_seconds, the one the
-report fits to each run). The bubble is the schedule's closed form (strategies/replay.CLOSED_FORMS, the one
+report fits to each run). The bubble is the schedule's closed form (measure/replay.CLOSED_FORMS, the one
 the report checks against its replay of each pipeline run). Each piece (a layer's forward, its backward, the
 head, the optimizer) takes at least the host's time to launch its kernels (`launched`). Activations are
 activations.formula per layer (the one each run's LayerMeter checks exactly) times the micro-batches a stage
@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from parallel.measure.replay import CLOSED_FORMS
 from parallel.plan.hardware import Cluster
 from parallel.plan.layouts import ELEM, OPTIMIZERS, Layout, Training, micro_batches, weight_bytes
 from parallel.plan.memory import memory, params_per_gpu
 from parallel.plan.models import ModelSpec
-from parallel.strategies.replay import CLOSED_FORMS
 
 
 @dataclasses.dataclass

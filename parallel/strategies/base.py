@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,7 +12,8 @@ import torch
 from torch import nn
 
 from parallel import checkpoint
-from parallel.formulas import wire_bytes
+from parallel.kit.collectives import every_rank
+from parallel.kit.tensors import gathered_on_cpu, state_bytes
 from parallel.layout import ParallelDims
 from parallel.results import Rule
 
@@ -127,85 +127,6 @@ def comm_bytes_predicted(model: nn.Module, config) -> int | None:
     return None
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    """What this device really holds of `t`: a DTensor's local shard (a DTensor's numel() is the global
-    size), else the tensor itself. (A tensor can be a DTensor only once torch.distributed.tensor is
-    imported; not importing it here saves every process about 0.5 s of start-up.)"""
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    return t.to_local() if dtensor is not None and isinstance(t, dtensor.DTensor) else t
-
-
-def tensor_bytes(t: torch.Tensor, allocated: bool = False) -> int:
-    """Bytes of what this device holds of `t`: logical (elements x size), or allocated (the storage,
-    padding of an uneven shard included)."""
-    t = local(t)
-    return t.untyped_storage().nbytes() if allocated else t.numel() * t.element_size()
-
-
-def param_bytes(params, allocated: bool = False) -> int:
-    return sum(tensor_bytes(p, allocated) for p in params)
-
-
-def optimizer_state_bytes(params, optimizer, allocated: bool = False) -> int:
-    """The optimiser's state for `params` (momentum, ...) that this device holds."""
-    return sum(tensor_bytes(v, allocated) for p in params for v in optimizer.state.get(p, {}).values()
-               if isinstance(v, torch.Tensor))
-
-
-def state_bytes(params, optimizer, allocated: bool = False) -> int:
-    """Parameters + their gradients + the optimiser's state for them (momentum, ...), counted from the
-    tensors this device holds (local shards of DTensors)."""
-    params = list(params)
-    total = sum(tensor_bytes(p, allocated) + (tensor_bytes(p.grad, allocated) if p.grad is not None else 0)
-                for p in params)
-    return total + (optimizer_state_bytes(params, optimizer, allocated) if optimizer is not None else 0)
-
-
-def every_rank(value) -> list:
-    """`value` from every rank of the process group, in rank order (a collective: every rank calls it);
-    [value] in a world of one."""
-    import torch.distributed as td
-
-    if not td.is_initialized() or td.get_world_size() == 1:
-        return [value]
-    out = [None] * td.get_world_size()
-    td.all_gather_object(out, value)
-    return out
-
-
-def full_state_dict(t: Trainable) -> dict[str, torch.Tensor]:
-    """A `state_dict` for models of DTensor shards (FSDP2, tensor parallel): the whole model under its plain
-    names, on CPU, by torch's get_model_state_dict(full_state_dict=True), a collective; rank 0 gets them."""
-    import torch.distributed as td
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    if t.device.type == "cuda" and td.get_backend() == "gloo":  # ranks sharing one GPU (cuda:0x2)
-        return gathered_on_cpu(t.model)
-    sd = get_model_state_dict(t.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k: v.detach().cpu().clone() for k, v in sd.items()}
-
-
-def gathered_on_cpu(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's state on CPU, each DTensor's local shard moved to the CPU first and gathered there
-    (a collective, every rank in the same order). For gloo with CUDA tensors, where DTensor's own gather
-    (torch's functional collectives) crashes the process: SIGSEGV in redistribute, seen on an H200 with
-    two ranks sharing it (torch 2.11); gloo gathers CPU tensors the way every CPU run does."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor
-
-    meshes: dict = {}
-    out = {}
-    for name, v in model.state_dict().items():
-        if isinstance(v, DTensor):
-            mesh = v.device_mesh
-            if mesh not in meshes:  # the same ranks, on the CPU (a 1-D mesh of the world uses the default group)
-                meshes[mesh] = DeviceMesh("cpu", mesh.mesh, mesh_dim_names=mesh.mesh_dim_names)
-            v = DTensor.from_local(v.to_local().detach().cpu(), meshes[mesh], v.placements, run_check=False,
-                                   shape=v.shape, stride=v.stride()).full_tensor()
-        out[name] = v.detach().cpu().clone()
-    return out
-
-
 def model_state_every_rank(t: Trainable, config) -> list[int]:
     """A `model_state_bytes` for strategies whose ranks hold different parts: parameters, gradients and
     optimiser state counted from each rank's own tensors (local shards), gathered from every rank."""
@@ -241,86 +162,10 @@ def extra_measurements(trainable: Trainable, data, config, dist, result) -> dict
     return {}
 
 
-def sum_gradients(params, divide_by: int, group=None) -> None:
-    """The gradients of `params` summed over `group` (None: every rank) in one flat all-reduce, then divided
-    by `divide_by` (the ranks whose mean losses make the step's: context and expert parallelism). A
-    parameter with no gradient this step (an expert no row reached, a router whose gates were unused)
-    counts as zero, so every rank sends the same flat tensor."""
-    import torch.distributed as td
-
-    params = list(params)
-    if not params:
-        return
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    td.all_reduce(flat, group=group)
-    flat /= divide_by
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def ring_allreduce_bytes(payload_bytes: float, world: int) -> float:
-    """Bytes each rank sends to all-reduce `payload_bytes` with a ring: reduce-scatter then all-gather,
-    each moving (N-1)/N of the payload (the nccl-tests busbw convention; the planner's formulas.wire_bytes)."""
-    return wire_bytes("all_reduce", payload_bytes, world)
-
-
 def options_of(options_cls, config):
     """A strategy's typed Options from config.options, ignoring other strategies' flags."""
     names = {f.name for f in dataclasses.fields(options_cls)}
     return options_cls(**{k: v for k, v in config.options.items() if k in names})
-
-
-def grad_bytes(model: nn.Module) -> int:
-    return param_bytes(p for p in model.parameters() if p.requires_grad)
-
-
-def allreduce_every_gradient(model: nn.Module, config) -> float:
-    """Data parallel's textbook bytes a rank sends per step (ddp, manual_ddp): every gradient all-reduced
-    once, with a ring."""
-    return ring_allreduce_bytes(grad_bytes(model), config.world_size)
-
-
-def predict_data_parallel_ms(cal, config, accum: int) -> float | None:
-    """Data parallel (ddp, manual_ddp): each rank computes its share (in `accum` pieces) and all-reduces
-    every gradient once a step.
-    - gloo on CPU: the all-reduce cannot hide behind compute (the ranks' threads already use every
-      core), so it is added whole.
-    - nccl: the buckets all-reduce on their own stream while backward goes on, so only what outlasts the
-      last micro-batch's backward shows (backward is about two thirds of a step's arithmetic, twice the
-      forward's), and never less than the last bucket's all-reduce, which starts when backward ends
-      (the first layers' bucket; DDP's is 1 MiB)."""
-    n = config.world_size
-    comm = cal.allreduce_ms(cal.grad_bytes, n)
-    if comm is None:
-        return None
-    micro = cal.compute_ms(config.batch_size // (n * accum))
-    if not cal.overlaps:
-        return accum * micro + comm
-    return accum * micro + max(comm - 2 / 3 * micro, cal.allreduce_ms(min(cal.grad_bytes, 2**20), n))
-
-
-def predict_sharded_ms(cal, config, row, all_gathers: int) -> float | None:
-    """Sharded data parallel (zero, fsdp): each rank computes its share, then one reduce-scatter of the
-    gradients and `all_gathers` all-gathers of the parameters, none hidden (they block in or after
-    backward here; FSDP2's prefetch on GPUs would hide some: an upper bound there). The collectives' times
-    are the row's own, measured in this run (wire.timed_collectives: on gloo a reduce-scatter costs about
-    an all-reduce); without them, from the all-reduce calibration: an all-gather or an nccl reduce-scatter
-    is half an all-reduce's traffic, gloo's reduce-scatter a whole one (PR #118911)."""
-    m, n = row.measured, config.world_size
-    if m.reduce_scatter_all_grads_ms is not None and m.all_gather_all_params_ms is not None:
-        comm = m.reduce_scatter_all_grads_ms + all_gathers * m.all_gather_all_params_ms
-    else:
-        allreduce = cal.allreduce_ms(cal.grad_bytes, n)
-        if allreduce is None:
-            return None
-        comm = (allreduce / 2 if cal.overlaps else allreduce) + all_gathers * allreduce / 2
-    return cal.compute_ms(config.batch_size // n) + comm
 
 
 @dataclass(frozen=True)
@@ -344,3 +189,15 @@ class Hooks:
     restore_checkpoint: Callable = checkpoint.restore  # ... and how it goes back in after a load
     model_state_bytes: Callable = model_state_bytes
     train: Callable | None = None  # None: THE loop (parallel.train.train); Hogwild brings its own
+
+
+def full_state_dict(t: Trainable) -> dict[str, torch.Tensor]:
+    """A `state_dict` for models of DTensor shards (FSDP2, tensor parallel): the whole model under its plain
+    names, on CPU, by torch's get_model_state_dict(full_state_dict=True), a collective; rank 0 gets them."""
+    import torch.distributed as td
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if t.device.type == "cuda" and td.get_backend() == "gloo":  # ranks sharing one GPU (cuda:0x2)
+        return gathered_on_cpu(t.model)
+    sd = get_model_state_dict(t.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.detach().cpu().clone() for k, v in sd.items()}

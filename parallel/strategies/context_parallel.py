@@ -30,23 +30,16 @@ import torch
 import torch.distributed as td
 from torch import nn
 
+from parallel import wire
 from parallel.devices import SHARED_GLOO_NO_P2P, synchronizer
 from parallel.errors import ConfigError
 from parallel.formulas import element_bytes
+from parallel.kit.collectives import every_rank, sum_gradients
+from parallel.kit.ring_attention import COMMS, LAYOUTS, Layout, Ring, split_check, work_alone
+from parallel.kit.tensors import local
 from parallel.layout import ParallelDims
-from parallel.strategies import wire
-from parallel.strategies.base import (
-    Hooks,
-    Mutant,
-    Trainable,
-    allreduce_every_gradient,
-    every_rank,
-    injected,
-    local,
-    options_of,
-    sum_gradients,
-)
-from parallel.strategies.ring_attention import COMMS, LAYOUTS, Layout, Ring, split_check, work_alone
+from parallel.measure.sharded import allreduce_every_gradient
+from parallel.strategies.base import Hooks, Mutant, Trainable, injected, options_of
 from parallel.usermodel import workload_of
 
 NAME = "context_parallel"

@@ -34,23 +34,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from parallel.devices import synchronizer
 from parallel.errors import ConfigError
 from parallel.formulas import sgd_state
+from parallel.kit import sync_batchnorm
+from parallel.kit.tensors import optimizer_state_bytes, param_bytes, state_bytes
+from parallel.measure.sharded import allreduce_every_gradient, predict_data_parallel_ms, ring_allreduce_bytes
 from parallel.outputs import call
 from parallel.results import Measured, Rule
-from parallel.strategies import sync_batchnorm
-from parallel.strategies.base import (
-    Hooks,
-    Mutant,
-    Trainable,
-    allreduce_every_gradient,
-    injected,
-    make_optimizers,
-    optimizer_state_bytes,
-    options_of,
-    param_bytes,
-    predict_data_parallel_ms,
-    ring_allreduce_bytes,
-    state_bytes,
-)
+from parallel.strategies.base import Hooks, Mutant, Trainable, injected, make_optimizers, options_of
 from parallel.timing import StepTimer, summarize
 from parallel.usermodel import workload_of
 

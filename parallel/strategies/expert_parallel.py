@@ -29,24 +29,15 @@ import torch
 import torch.distributed as td
 from torch import nn
 
-from parallel import checkpoint
+from parallel import checkpoint, wire
 from parallel.errors import ConfigError
 from parallel.formulas import element_bytes
+from parallel.kit.collectives import every_rank, sum_gradients
+from parallel.kit.expert_dispatch import Dispatch
+from parallel.kit.tensors import param_bytes
+from parallel.measure.sharded import ring_allreduce_bytes
 from parallel.outputs import call
-from parallel.strategies import wire
-from parallel.strategies.base import (
-    Hooks,
-    Mutant,
-    Trainable,
-    every_rank,
-    injected,
-    model_state_every_rank,
-    options_of,
-    param_bytes,
-    ring_allreduce_bytes,
-    sum_gradients,
-)
-from parallel.strategies.expert_dispatch import Dispatch
+from parallel.strategies.base import Hooks, Mutant, Trainable, injected, model_state_every_rank, options_of
 from parallel.usermodel import shape_model, workload_of
 
 NAME = "expert_parallel"

@@ -35,25 +35,23 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from parallel import wire
 from parallel.errors import ConfigError
 from parallel.formulas import element_bytes, sgd_state, wire_bytes
+from parallel.kit.collectives import every_rank
+from parallel.kit.tensors import optimizer_state_bytes, param_bytes, tensor_bytes
 from parallel.layout import ParallelDims
+from parallel.measure.sharded import measured_collectives, predict_sharded_ms
 from parallel.outputs import call
 from parallel.results import Rule
-from parallel.strategies import wire
 from parallel.strategies.base import (
     Hooks,
     Mutant,
     Trainable,
-    every_rank,
     full_state_dict,
     injected,
     model_state_every_rank,
-    optimizer_state_bytes,
     options_of,
-    param_bytes,
-    predict_sharded_ms,
-    tensor_bytes,
 )
 
 NAME = "fsdp"
@@ -239,7 +237,7 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
             "zero_formula_bytes": sgd_state(psi // (e := element_bytes(config.precision)), 3, n, e),
             "groups": len(t.state.groups),
             "fsdp_groups": group_names(t),
-            "measured": wire.measured_collectives(t.device, psi // 4, rounds=max(3, min(10, config.steps)))}
+            "measured": measured_collectives(t.device, psi // 4, rounds=max(3, min(10, config.steps)))}
 
 
 def tolerance(config) -> Rule | None:

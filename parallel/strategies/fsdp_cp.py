@@ -16,16 +16,9 @@ from __future__ import annotations
 
 import warnings
 
+from parallel.kit.tensors import param_bytes
 from parallel.strategies import context_parallel, fsdp
-from parallel.strategies.base import (
-    Hooks,
-    Mutant,
-    Trainable,
-    full_state_dict,
-    injected,
-    model_state_every_rank,
-    param_bytes,
-)
+from parallel.strategies.base import Hooks, Mutant, Trainable, full_state_dict, injected, model_state_every_rank
 from parallel.strategies.context_parallel import Options, check_cp, cp_of, layout_of
 
 NAME = "fsdp_cp"

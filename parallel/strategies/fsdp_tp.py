@@ -20,10 +20,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from parallel import wire
 from parallel.errors import ConfigError
 from parallel.layout import ParallelDims
 from parallel.outputs import call
-from parallel.strategies import fsdp, manual_tp, tensor_parallel, wire
+from parallel.strategies import fsdp, manual_tp, tensor_parallel
 from parallel.strategies.base import (
     Hooks,
     Mutant,

@@ -27,9 +27,10 @@ import torch
 from parallel.devices import cpu_cores
 from parallel.dist import Dist, fresh_processes
 from parallel.errors import ConfigError
+from parallel.kit.tensors import param_bytes
 from parallel.outputs import call
 from parallel.profiling import make_profiler
-from parallel.strategies.base import Hooks, Trainable, options_of, param_bytes
+from parallel.strategies.base import Hooks, Trainable, options_of
 from parallel.strategies.base import dims as base_dims
 from parallel.train import TrainResult, default_dtype, make_optimizer
 from parallel.train import train as the_loop

@@ -32,18 +32,10 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from parallel.errors import ConfigError
+from parallel.kit.tensors import state_bytes
+from parallel.measure.sharded import allreduce_every_gradient, predict_data_parallel_ms, ring_allreduce_bytes
 from parallel.outputs import call
-from parallel.strategies.base import (
-    Hooks,
-    Mutant,
-    Trainable,
-    allreduce_every_gradient,
-    injected,
-    options_of,
-    predict_data_parallel_ms,
-    ring_allreduce_bytes,
-    state_bytes,
-)
+from parallel.strategies.base import Hooks, Mutant, Trainable, injected, options_of
 
 NAME = "manual_ddp"
 LAUNCH = "torchrun"

@@ -28,9 +28,11 @@ import torch
 
 from parallel.devices import IntervalClock
 from parallel.formulas import element_bytes
+from parallel.kit.primitives import DeviceThreads, gather, parallel_apply, replicate, scatter
+from parallel.kit.tensors import param_bytes, state_bytes
+from parallel.measure.sharded import grad_bytes
 from parallel.outputs import call, keyword_of, logits_of
-from parallel.strategies.base import Hooks, Mutant, Trainable, grad_bytes, injected, param_bytes, state_bytes
-from parallel.strategies.primitives import DeviceThreads, gather, parallel_apply, replicate, scatter
+from parallel.strategies.base import Hooks, Mutant, Trainable, injected
 from parallel.timing import PhaseTimer
 from parallel.usermodel import workload_of
 

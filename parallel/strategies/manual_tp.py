@@ -32,21 +32,13 @@ import torch.distributed as td
 import torch.nn.functional as F
 from torch import nn
 
-from parallel import checkpoint
+from parallel import checkpoint, wire
 from parallel.errors import ConfigError
 from parallel.formulas import element_bytes
 from parallel.layout import ParallelDims
+from parallel.measure.sharded import ring_allreduce_bytes
 from parallel.outputs import call
-from parallel.strategies import wire
-from parallel.strategies.base import (
-    Hooks,
-    Mutant,
-    Trainable,
-    injected,
-    loaded_in_place,
-    model_state_every_rank,
-    ring_allreduce_bytes,
-)
+from parallel.strategies.base import Hooks, Mutant, Trainable, injected, loaded_in_place, model_state_every_rank
 from parallel.transformer import Attention
 from parallel.usermodel import shape_model, workload_of
 from parallel.workloads import tp_plan_of

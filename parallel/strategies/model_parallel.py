@@ -19,9 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from parallel.errors import ConfigError
-from parallel.strategies.base import Hooks, Mutant, Trainable, injected, options_of, state_bytes
-from parallel.strategies.stage_time import Busy
-from parallel.strategies.stages import (
+from parallel.kit.stages import (
     ActivationMeter,
     Split,
     check_layers,
@@ -31,6 +29,9 @@ from parallel.strategies.stages import (
     stage_backward,
     stage_forward,
 )
+from parallel.kit.tensors import state_bytes
+from parallel.measure.stage_time import Busy
+from parallel.strategies.base import Hooks, Mutant, Trainable, injected, options_of
 from parallel.usermodel import workload_of
 
 NAME = "model_parallel"

@@ -36,12 +36,13 @@ from dataclasses import dataclass, field
 import torch
 
 from parallel.errors import ConfigError
+from parallel.kit.primitives import DeviceThreads
+from parallel.kit.schedules import SCHEDULES
+from parallel.kit.stages import check_layers, stage_backward, stage_forward
+from parallel.measure.stage_time import simulate
 from parallel.strategies.base import Hooks, Mutant, Trainable, injected, options_of
 from parallel.strategies.model_parallel import Options as SplitOptions
 from parallel.strategies.model_parallel import Stages, model_state_bytes, setup_stages, stage_details
-from parallel.strategies.primitives import DeviceThreads
-from parallel.strategies.stage_time import simulate
-from parallel.strategies.stages import check_layers, stage_backward, stage_forward
 
 NAME = "pipeline"
 LAYERED = True  # cuts the model's pipeline_layers() into stages
@@ -72,23 +73,6 @@ class Options(SplitOptions):
     def schedules(self) -> dict:
         """The schedules this strategy runs, by name."""
         return SCHEDULES
-
-
-def gpipe(s: int, p: int, m: int) -> list[tuple[str, int]]:
-    """Every forward, then every backward, last micro-batch first."""
-    return [("F", j) for j in range(m)] + [("B", j) for j in reversed(range(m))]
-
-
-def one_f_one_b(s: int, p: int, m: int) -> list[tuple[str, int]]:
-    """Warm-up: p-1-s forwards; steady state: one forward, one backward; cool-down: the backwards left."""
-    warm = min(p - 1 - s, m)
-    ops = [("F", j) for j in range(warm)]
-    for j in range(warm, m):
-        ops += [("F", j), ("B", j - warm)]
-    return ops + [("B", j) for j in range(m - warm, m)]
-
-
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
 
 
 def defaults(config) -> dict:

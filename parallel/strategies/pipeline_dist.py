@@ -40,16 +40,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from parallel import wire
 from parallel.devices import SHARED_GLOO_NO_P2P
 from parallel.errors import ConfigError
+from parallel.kit.collectives import every_rank
+from parallel.kit.stages import ActivationMeter, agreed_cut, describe, layers_of
+from parallel.kit.tied import TiedAcross
 from parallel.layout import ParallelDims
+from parallel.measure.replay import closed_form_idle, hop_ms, pipeline_theory, torch_groups, torch_orders
+from parallel.measure.stage_time import Busy, timed_loss, timed_stage
 from parallel.results import Measured
-from parallel.strategies import pipeline, wire
-from parallel.strategies.base import Hooks, Mutant, Trainable, every_rank, injected, model_state_every_rank, options_of
-from parallel.strategies.replay import closed_form_idle, hop_ms, pipeline_theory, torch_groups, torch_orders
-from parallel.strategies.stage_time import Busy, timed_loss, timed_stage
-from parallel.strategies.stages import ActivationMeter, agreed_cut, describe, layers_of
-from parallel.strategies.tied import TiedAcross
+from parallel.strategies import pipeline
+from parallel.strategies.base import Hooks, Mutant, Trainable, injected, model_state_every_rank, options_of
 from parallel.usermodel import shape_model
 
 EXAMPLES_GPT2 = str(Path(__file__).resolve().parents[2] / "examples" / "gpt2.py")  # the tied-head mutant's model

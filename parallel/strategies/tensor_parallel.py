@@ -27,22 +27,23 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from parallel import wire
 from parallel.devices import SHARED_GLOO_NO_DTENSOR
 from parallel.errors import ConfigError
+from parallel.kit.stages import ActivationMeter
+from parallel.kit.tensors import local
 from parallel.layout import ParallelDims
 from parallel.outputs import call
-from parallel.strategies import manual_tp, wire
+from parallel.strategies import manual_tp
 from parallel.strategies.base import (
     Hooks,
     Mutant,
     Trainable,
     full_state_dict,
     injected,
-    local,
     model_state_every_rank,
     options_of,
 )
-from parallel.strategies.stages import ActivationMeter
 from parallel.usermodel import workload_of
 from parallel.workloads import tp_plan_of
 

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import torch
 
+from parallel import wire
 from parallel.devices import SHARED_GLOO_NO_DTENSOR
 from parallel.errors import ConfigError
+from parallel.kit.ring_attention import split_check
 from parallel.layout import ParallelDims
-from parallel.strategies import wire
 from parallel.strategies.base import Hooks, Trainable
 from parallel.strategies.context_parallel import average_gradients
-from parallel.strategies.ring_attention import split_check
 from parallel.usermodel import workload_of
 
 NAME = "torch_cp"

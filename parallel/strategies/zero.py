@@ -36,22 +36,14 @@ import torch.distributed as td
 from torch import nn
 from torch.autograd.profiler import record_function
 
+from parallel import wire
 from parallel.errors import ConfigError
 from parallel.formulas import element_bytes, sgd_state, wire_bytes
+from parallel.kit.collectives import all_gather, reduce_scatter
+from parallel.kit.tensors import optimizer_state_bytes, param_bytes, tensor_bytes
+from parallel.measure.sharded import measured_collectives, predict_sharded_ms
 from parallel.outputs import call
-from parallel.strategies import wire
-from parallel.strategies.base import (
-    Hooks,
-    Mutant,
-    Trainable,
-    injected,
-    loaded_in_place,
-    optimizer_state_bytes,
-    options_of,
-    param_bytes,
-    predict_sharded_ms,
-    tensor_bytes,
-)
+from parallel.strategies.base import Hooks, Mutant, Trainable, injected, loaded_in_place, options_of
 from parallel.strategies.manual_ddp import DEFAULT_BUCKET_MB, buckets_in_backward_order
 
 NAME = "zero"
@@ -167,7 +159,7 @@ def _reduce(z: Shards, b: Bucket) -> None:
         whole = z.grads[b.start:b.end] if z.grads is not None else b.staged
         if whole is None:  # stage 2, a bucket none of whose parameters got a gradient this step
             whole = z.flat.new_zeros(b.end - b.start)
-        wire.reduce_scatter(grad, whole)  # the sum over the ranks of this rank's chunk
+        reduce_scatter(grad, whole)  # the sum over the ranks of this rank's chunk
         b.shard.grad = grad.div_(z.world)  # the mean: what `single` computes on the whole batch
     b.staged, b.reduced = None, True
 
@@ -188,7 +180,7 @@ def train_step(t: Trainable, batch, dist):
             b.shard.grad, b.ready, b.reduced = None, 0, False  # stage 1's gradients live in the buffer
             if not injected(t, NO_ALL_GATHER):
                 with record_function(f"all-gather bucket {b.index}"):  # every rank's chunks into its weights
-                    wire.all_gather(z.flat[b.start:b.end], b.shard.detach().clone())
+                    all_gather(z.flat[b.start:b.end], b.shard.detach().clone())
     t.comm_bytes, t.comm_steps = z.counter.total, z.counter.counted
     return loss.detach()
 
@@ -226,7 +218,7 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
             # parameter): DDP 12 Psi; stage 1: 4 + 4 + 4/N; stage 2: 4 + (4 + 4)/N (Psi = parameter count),
             # by the formula the planner uses (formulas.model_state)
             "zero_formula_bytes": sgd_state(psi // z.flat.element_size(), z.stage, n, z.flat.element_size()),
-            "measured": wire.measured_collectives(t.device, z.flat.numel(), rounds=max(3, min(10, config.steps)))}
+            "measured": measured_collectives(t.device, z.flat.numel(), rounds=max(3, min(10, config.steps)))}
 
 
 def checkpoint_state(t: Trainable) -> dict:

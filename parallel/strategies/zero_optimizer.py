@@ -25,20 +25,13 @@ from torch.autograd.profiler import record_function
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from parallel import wire
 from parallel.formulas import element_bytes, sgd_state, wire_bytes
+from parallel.kit.collectives import every_rank
+from parallel.kit.tensors import optimizer_state_bytes, tensor_bytes
+from parallel.measure.sharded import predict_data_parallel_ms
 from parallel.outputs import call
-from parallel.strategies import wire
-from parallel.strategies.base import (
-    Hooks,
-    Mutant,
-    Trainable,
-    every_rank,
-    injected,
-    loaded_in_place,
-    optimizer_state_bytes,
-    predict_data_parallel_ms,
-    tensor_bytes,
-)
+from parallel.strategies.base import Hooks, Mutant, Trainable, injected, loaded_in_place
 
 NAME = "zero_optimizer"
 LAUNCH = "torchrun"

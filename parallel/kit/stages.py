@@ -18,8 +18,8 @@ from torch import nn
 
 from parallel.devices import synchronizer_all
 from parallel.errors import ConfigError
-from parallel.strategies.base import local, param_bytes
-from parallel.strategies.tied import sum_tied, untie
+from parallel.kit.tensors import local, param_bytes
+from parallel.kit.tied import sum_tied, untie
 from parallel.timing import median_time
 from parallel.usermodel import shape_model
 

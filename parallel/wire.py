@@ -34,17 +34,7 @@ import sys
 
 import torch
 import torch.distributed
-import torch.distributed as td
 from torch.utils._python_dispatch import TorchDispatchMode
-
-from parallel.devices import synchronizer
-from parallel.results import Measured
-from parallel.timing import StepTimer, summarize
-
-# gloo has reduce_scatter_single / all_gather_single in torch 2.13; torch 2.11 (the oldest the suite ran on)
-# has only reduce_scatter_tensor / all_gather_into_tensor (deprecated names in 2.13).
-reduce_scatter = getattr(td, "reduce_scatter_single", None) or td.reduce_scatter_tensor
-all_gather = getattr(td, "all_gather_single", None) or td.all_gather_into_tensor
 
 # Operation name (namespace and overload dropped) -> (kind, the argument holding what is sent,
 # the share of that argument's bytes a rank sends given the group's size n).
@@ -224,28 +214,3 @@ def counted(sent: dict[str, float]):
         sent[kind] = sent.get(kind, 0.0) + nbytes
 
 
-def timed_collectives(device: torch.device, numel: int, rounds: int = 10) -> dict[str, float]:
-    """Median ms of one all-reduce, one reduce-scatter and one all-gather of `numel` fp32 elements (padded
-    to a multiple of N) over the world, timed in turns round by round (the first round dropped), so that a
-    drift of the machine's speed hits all three alike: what each costs here, in one run."""
-    n = td.get_world_size()
-    whole = torch.zeros(-(-numel // n) * n, device=device)
-    part = torch.zeros(whole.numel() // n, device=device)
-    work = {"all_reduce": lambda: td.all_reduce(whole), "reduce_scatter": lambda: reduce_scatter(part, whole),
-            "all_gather": lambda: all_gather(whole, part)}
-    timer, times = StepTimer(synchronizer(device)), {k: [] for k in work}
-    for i in range(rounds + 1):
-        for kind, run in work.items():
-            with timer:
-                run()
-            if i:
-                times[kind].append(timer.elapsed)
-    return {k: summarize(v)["p50_ms"] for k, v in times.items()}
-
-
-def measured_collectives(device: torch.device, numel: int, rounds: int) -> Measured:
-    """timed_collectives as the row's declared measurements (the report's CPU caveat and the cost model
-    read them)."""
-    ms = timed_collectives(device, numel, rounds)
-    return Measured(allreduce_all_grads_ms=ms["all_reduce"], reduce_scatter_all_grads_ms=ms["reduce_scatter"],
-                    all_gather_all_params_ms=ms["all_gather"])

@@ -15,9 +15,9 @@ import torch
 from torch.autograd.profiler import record_function
 
 from parallel.devices import IntervalClock
+from parallel.kit.stages import ActivationMeter
+from parallel.measure.replay import closed_form_idle, pipeline_theory, replay
 from parallel.results import Measured
-from parallel.strategies.replay import closed_form_idle, pipeline_theory, replay
-from parallel.strategies.stages import ActivationMeter
 
 PIECE = re.compile(r"(?:stage (\d+) )?([FBIWL])(\d+)$")  # a Busy label: "F3" (stage = its lane), "stage 2 W0"
 

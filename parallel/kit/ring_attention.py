@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as td
 
-from parallel.strategies import wire
+from parallel.kit import collectives
 
 LAYOUTS = ("contiguous", "zigzag")
 COMMS = ("ring", "allgather")
@@ -242,7 +242,7 @@ def _wait(works) -> None:
 def _gathered(ring: Ring, kv: torch.Tensor) -> torch.Tensor:
     """Every rank's [K; V] block, (W, 2, B, H, L, D), by an all-gather."""
     out = kv.new_empty((len(ring.ranks), *kv.shape))
-    wire.all_gather(out.view(-1), kv.contiguous().view(-1), group=ring.group)
+    collectives.all_gather(out.view(-1), kv.contiguous().view(-1), group=ring.group)
     return out
 
 
@@ -284,7 +284,7 @@ class _Ring(torch.autograd.Function):
                 dkv = grads[me]
             else:
                 dkv = torch.empty_like(kv)
-                wire.reduce_scatter(dkv.view(-1), grads.view(-1), group=ring.group)
+                collectives.reduce_scatter(dkv.view(-1), grads.view(-1), group=ring.group)
             return dq, dkv[0], dkv[1], None
         own = torch.stack(_backward_block(ring, q, k, v, me, do, out, lse, delta, dq))
         carried = None  # the dK,dV of the block held, summed over the ranks it has visited

@@ -12,8 +12,9 @@ from collections import Counter
 
 import torch
 
-from parallel.strategies.base import every_rank
-from parallel.strategies.stages import SentHop
+from parallel.kit.collectives import every_rank
+from parallel.kit.schedules import one_f_one_b
+from parallel.kit.stages import SentHop
 
 Action = tuple[int, str, int]  # (stage, "F" | "I" | "B" | "W", micro-batch): one piece of a schedule
 
@@ -169,7 +170,6 @@ def torch_orders(schedule, name: str, p: int, m: int) -> dict[int, list]:
     if name == "gpipe":
         return {r: [(r, "F", j) for j in range(m)] + [(r, "B", j) for j in range(m)] for r in range(p)}
     if name == "1f1b":
-        from parallel.strategies.pipeline import one_f_one_b
 
         return {r: [(r, kind, j) for kind, j in one_f_one_b(r, p, m)] for r in range(p)}
     return {r: [a for a, _ in _flat(schedule.pipeline_order[r])] for r in range(p)}

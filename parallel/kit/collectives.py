@@ -1,0 +1,46 @@
+"""Collectives by hand that several strategies share, and the names of torch's across versions."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as td
+
+# gloo has reduce_scatter_single / all_gather_single in torch 2.13; torch 2.11 (the oldest the suite ran on)
+# has only reduce_scatter_tensor / all_gather_into_tensor (deprecated names in 2.13).
+reduce_scatter = getattr(td, "reduce_scatter_single", None) or td.reduce_scatter_tensor
+all_gather = getattr(td, "all_gather_single", None) or td.all_gather_into_tensor
+
+
+def every_rank(value) -> list:
+    """`value` from every rank of the process group, in rank order (a collective: every rank calls it);
+    [value] in a world of one."""
+    import torch.distributed as td
+
+    if not td.is_initialized() or td.get_world_size() == 1:
+        return [value]
+    out = [None] * td.get_world_size()
+    td.all_gather_object(out, value)
+    return out
+
+
+def sum_gradients(params, divide_by: int, group=None) -> None:
+    """The gradients of `params` summed over `group` (None: every rank) in one flat all-reduce, then divided
+    by `divide_by` (the ranks whose mean losses make the step's: context and expert parallelism). A
+    parameter with no gradient this step (an expert no row reached, a router whose gates were unused)
+    counts as zero, so every rank sends the same flat tensor."""
+    import torch.distributed as td
+
+    params = list(params)
+    if not params:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    td.all_reduce(flat, group=group)
+    flat /= divide_by
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
