@@ -3,7 +3,7 @@
     for each of warmup + steps optimiser steps:
         batch  = this rank's share of global batch `step`   (its dp coordinate's share: strategy.dims)
         [sync, clock] strategy.train_step(...) [sync, clock]   <- only steps after the warm-up are timed
-                      (under --precision: fp32, or bf16 autocast)
+                      (under --precision: fp32, or bf16 autocast; the warm-up steps' collectives counted)
         profiler.step()
     losses are averaged over the ranks whose loss counts, once, at the end, and checked for NaN/inf
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as td
 from torch.autograd.profiler import record_function
 
-from parallel import checkpoint
+from parallel import checkpoint, wire
 from parallel.devices import memory_history, synchronizer_all
 from parallel.dist import watch_group
 from parallel.timing import StepTimer
@@ -35,6 +35,8 @@ class TrainResult:
     #                                          of the last (CLOCK_MONOTONIC: comparable across processes)
     samples_per_s: float | None = None  # set where it is not global batch / median step (Hogwild)
     loss_parts: list[list[float]] | None = None  # every loss of every step, when a step has several (the DCGAN's)
+    wire: wire.Counter = field(default_factory=lambda: wire.Counter(0))  # the collectives (and copies between
+    #                                         devices) of the counted steps; none for a loop of its own (Hogwild)
 
 
 def make_optimizer(config):
@@ -86,11 +88,14 @@ def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult
     dims = strategy.dims(config, dist)  # which share of each global batch this rank takes, whose loss counts
     share = dims.batch_share(dist.rank)
     snapshot = snapshot_path(strategy, config, dist)
+    # Bytes on the wire, counted in the warm-up steps (off the clock), per block for tensor parallelism
+    per_block = trainable is not None and getattr(strategy, "TENSOR_PARALLEL", False)  # Megatron counts per block
+    counter = wire.Counter(config.warmup, trainable.model if per_block else None)
     for step in range(start, total):
         batch = data.batch(step, *share)
         _faults(step, config, dist)
         _watchdog(config, dist)
-        with memory_history(device, snapshot if step == max(0, config.warmup - 1) else None), \
+        with counter.step(), memory_history(device, snapshot if step == max(0, config.warmup - 1) else None), \
                 timer, record_function(f"step {step}"), precision(config, device):
             loss = strategy.train_step(trainable, batch, dist)
         losses.append(loss.detach().to(_LOSS[config.precision]).reshape(-1))  # (1,), or (k,) for k losses
@@ -110,7 +115,7 @@ def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult
             raise NonFiniteLoss(f"loss is {values if len(values) > 1 else values[0]} at step {step} of {strategy.name}")
     several = bool(global_losses) and len(global_losses[0]) > 1
     return TrainResult([v[0] for v in global_losses], step_s, (first or timer.started, timer.started + timer.elapsed),
-                       loss_parts=global_losses if several else None)
+                       loss_parts=global_losses if several else None, wire=counter)
 
 
 def snapshot_path(strategy, config, dist) -> str | None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import re
 import sys
+import threading
 
 import torch
 import torch.distributed
@@ -125,18 +126,20 @@ class _Counting(TorchDispatchMode):
 
 
 class Counter:
-    """A strategy's count of its collectives, kept off the clock: the mode runs through the first `steps`
-    steps of the run (its warm-up steps, which the loop does not time) and the timed steps run without it;
-    the figures per step are those of the counted steps. steps=0 (a run without warm-up) counts every step.
+    """The loop's count of every rank's collectives, kept off the clock: the mode runs through the first
+    `steps` steps of the run (its warm-up steps, which the loop does not time) and the timed steps run
+    without it; the figures per step are those of the counted steps. steps=0 (a run without warm-up)
+    counts every step. THE loop (parallel/train.py) opens one around every strategy's step; no strategy
+    opens its own:
 
-        counter = wire.Counter(config.warmup)        # in setup
-        with counter.step(): ...                     # around each train_step's work
-        t.comm_bytes, t.comm_steps = counter.total, counter.counted
+        counter = wire.Counter(config.warmup)
+        with counter.step(): ...                     # around each train_step
 
     By kind: bytes sent (`sent`), collectives (`calls`), bytes sent inside backward (`backward`); given a
     model with `blocks` (the transformer), also the collectives run while one of its `blocks.<i>` runs,
     forward or backward (torch's ModTracker), for counts per block (`in_blocks`, their bytes
-    `in_blocks_bytes`).
+    `in_blocks_bytes`). Copies between the devices one process drives are not collectives: the building
+    blocks that make them report them (`moved`).
     """
 
     def __init__(self, steps: int, model: torch.nn.Module | None = None):
@@ -186,19 +189,45 @@ class Counter:
 
     @contextlib.contextmanager
     def step(self):
+        global _active
         self.seen += 1
         if self.steps and self.seen > self.steps:
             yield
             return
+        _active = self
         with contextlib.ExitStack() as stack:
             if self.blocks:
                 from torch.distributed._tools.mod_tracker import ModTracker
 
                 self._tracker = stack.enter_context(ModTracker())
             stack.enter_context(_Counting(self))
-            yield
+            try:
+                yield
+            finally:
+                _active = None
         self._tracker = None
         self.counted += 1
+
+
+_active: Counter | None = None  # the counter of the step being counted, if one is
+
+
+def counting() -> bool:
+    """Is this step one the loop counts (a warm-up step)? A building block that counts more than bytes
+    (expert dispatch's rows) counts in the same steps."""
+    return _active is not None
+
+
+def moved(nbytes: float, kind: str = "copy") -> None:
+    """`nbytes` copied between two devices of one process (a virtual or real device's copy, no collective
+    the mode could see), counted as sent when this step is counted: the in-process building blocks call it
+    (kit.primitives' scatter, gather and replicate; kit.stages' hand-offs)."""
+    if _active is not None:
+        with _MOVES:  # the stages' threads of one process report at once
+            _active.add(kind, nbytes)
+
+
+_MOVES = threading.Lock()
 
 
 _BLOCK = re.compile(r"\.blocks\.\d+(\.|$)")  # ModTracker's names: "Transformer.blocks.0.attn"

@@ -64,7 +64,6 @@ def execute(strategy, config: RunConfig, dist: Dist, data=None, run: str = "") -
         with make_profiler(config.profile, config.out, run or strategy.name, dist.rank, dist.device) as prof:
             result = strategy.train(strategy, trainable, data, config, dist, prof)
         phases["train"], began = round(time.perf_counter() - began, 2), time.perf_counter()
-        comm_bytes, comm_steps = trainable.comm_bytes, trainable.comm_steps
         state = strategy.state_dict(trainable)
         peaks, peak_kind = peak_memory(local)
         peak, reserved = max(peaks), peak_reserved(local)  # reserved: CUDA only (the allocator's cache too)
@@ -97,7 +96,7 @@ def execute(strategy, config: RunConfig, dist: Dist, data=None, run: str = "") -
         samples_per_s=result.samples_per_s or (stats["p50_ms"] and config.batch_size / (stats["p50_ms"] / 1e3)),
         peak_mem_bytes=peak,
         peak_mem_kind=peak_kind,
-        comm_bytes_per_step=None if comm_bytes is None or not ran else comm_bytes / (comm_steps or ran),
+        comm_bytes_per_step=result.wire.total / (result.wire.counted or ran) if ran and strategy.SENDS_SEEN else None,
         comm_bytes_predicted=predicted,
         final_loss=result.losses[-1] if ran else None,
         threads_per_device=threads // len(local),

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from parallel import wire
 from parallel.devices import device_context
 
 
@@ -32,7 +33,9 @@ def replicate(module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Mod
     """One replica per device. A replica's parameters are `p.to(device, copy=True)`: differentiable
     copies, so each replica's backward sends its gradient back to the original parameter, where the
     replicas' gradients add up: what torch's Broadcast / ReduceAddCoalesced pair does. Buffers are
-    copied without gradient. Each call builds fresh copies: the originals change at every step."""
+    copied without gradient. Each call builds fresh copies: the originals change at every step. Counted
+    as moved: the parameters to every device but the first, and their gradients back."""
+    wire.moved(2 * sum(p.numel() * p.element_size() for p in module.parameters()) * (len(devices) - 1))
     return [_replicate_one(module, device, {}) for device in devices]
 
 
@@ -53,9 +56,11 @@ def scatter(inputs, devices: Sequence[torch.device]) -> list:
     """Split tensors along dim 0 into len(devices) chunks the way torch.chunk does (ceil(B/N) each, the
     last smaller; possibly fewer chunks than devices, e.g. 4 rows on 3 devices -> 2 chunks of 2), and
     move chunk i to device i. Tuples, lists and dicts are scattered element-wise; anything else is
-    given to every device as it is."""
+    given to every device as it is. Counted as moved: every chunk but the first."""
     if isinstance(inputs, torch.Tensor):
-        return [c.to(d, non_blocking=True) for c, d in zip(inputs.chunk(len(devices)), devices, strict=False)]
+        chunks = inputs.chunk(len(devices))
+        wire.moved(sum(c.numel() * c.element_size() for c in chunks[1:]))
+        return [c.to(d, non_blocking=True) for c, d in zip(chunks, devices, strict=False)]
     if isinstance(inputs, (tuple, list)) and inputs:
         per_item = [scatter(x, devices) for x in inputs]
         return [type(inputs)(parts) for parts in zip(*per_item, strict=False)]
@@ -146,5 +151,7 @@ def parallel_apply(fns: Sequence[Callable], inputs: Sequence, devices: Sequence[
 
 def gather(outputs: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Concatenate the replicas' outputs along dim 0 on `device`; differentiable, so the gradient of
-    the result is split back to the replicas (what torch's Gather.backward, a Scatter, does)."""
+    the result is split back to the replicas (what torch's Gather.backward, a Scatter, does). Counted as
+    moved: every output but the first."""
+    wire.moved(sum(o.numel() * o.element_size() for o in outputs[1:]))
     return torch.cat([o.to(device, non_blocking=True) for o in outputs], dim=0)

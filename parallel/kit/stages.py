@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from parallel import wire
 from parallel.devices import synchronizer_all
 from parallel.errors import ConfigError
 from parallel.kit.tensors import local, param_bytes
@@ -283,7 +284,9 @@ class ActivationMeter:
 def stage_forward(stage: nn.Module, x: torch.Tensor, device: torch.device, first: bool, meter: ActivationMeter):
     """Run one stage on its device. The input is copied there (the transfer between devices; a real
     copy on virtual devices too) and cut from the previous stage's graph, so that each stage's backward
-    runs on its own (thread). Returns (input, output)."""
+    runs on its own (thread). Returns (input, output). Counted as moved, past the first stage."""
+    if not first:
+        wire.moved(x.numel() * x.element_size())
     inp = x.to(device, copy=True).detach().requires_grad_(not first)
     with meter:
         return inp, stage(inp)
@@ -293,5 +296,7 @@ def stage_backward(inp: torch.Tensor, out: torch.Tensor, grad_out: torch.Tensor 
     """Backward through one stage (grad_out None: `out` is the weighted loss); returns the gradient for
     the previous stage's output. The incoming gradient is copied to this stage's device: the transfer
     back, mirroring stage_forward's."""
+    if grad_out is not None:
+        wire.moved(grad_out.numel() * grad_out.element_size())
     out.backward(None if grad_out is None else grad_out.to(out.device, copy=True))
     return inp.grad

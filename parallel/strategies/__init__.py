@@ -44,7 +44,12 @@ CONSTANTS = {"Options": None, "NOT_EXPECTED_REASON": None, "CHECKPOINTS": True, 
              "ROUTING": False,  # ROUTING: its routers count over the whole batch (trains with --aux-loss)
              "LOGITS_LOSS": False,  # LOGITS_LOSS: it takes cross-entropy over the logits it gathers (LAYERED: its
              #   last stage's), not the loss a model computes itself (parallel/outputs.py)
-             "LAYER_ACTIVATIONS": False}  # one transformer layer's activations measured beside the formula
+             "LAYER_ACTIVATIONS": False,  # one transformer layer's activations measured beside the formula
+             "SENDS_SEEN": True}  # False: what it moves between devices happens inside torch, unseen by the loop's
+#                                   counter (nn.DataParallel's copies): the row shows no bytes
+
+
+MEASURED = ("extra_measurements", "predict_step_ms", "comm_bytes_predicted")  # what a MEASURE family provides
 
 
 def _hooks(module: ModuleType) -> base.Hooks:
@@ -73,6 +78,10 @@ class Strategy:
         hooks = _hooks(module)
         for f in dataclasses.fields(hooks):
             setattr(self, f.name, getattr(hooks, f.name))
+        self.MEASURE = getattr(module, "MEASURE", None)  # its measurement family (parallel/measure/), lent callables
+        for name in MEASURED:  # the family's measurement, where the strategy declares no hook of its own
+            if self.MEASURE is not None and getattr(hooks, name) is getattr(base.Hooks, name):
+                setattr(self, name, getattr(self.MEASURE, name))
         self.train = hooks.train or train.train
         self.setup = module.setup
         self.train_step = module.train_step

@@ -26,8 +26,6 @@ class Trainable:
     optimizer: torch.optim.Optimizer | OptimizerGroup
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     device: torch.device
-    comm_bytes: int | None = None  # bytes this rank sent through collectives so far; None: not counted
-    comm_steps: int | None = None  # how many steps comm_bytes covers (wire.Counter); None: every step run
     state: Any = None  # the strategy's own state: a small dataclass of its module (ddp.State, ...)
     devices: list[torch.device] = field(default_factory=list)  # every device this process drives, when
     #   more than `device`: the loop synchronizes them all before reading its clock (a pipeline's last

@@ -30,7 +30,6 @@ import torch
 import torch.distributed as td
 from torch import nn
 
-from parallel import wire
 from parallel.devices import SHARED_GLOO_NO_P2P, synchronizer
 from parallel.errors import ConfigError
 from parallel.formulas import element_bytes
@@ -115,7 +114,6 @@ class State:
     ring: Ring  # shared by every attention layer: the group, the positions it masks by, its counts
     index: torch.Tensor  # which positions of a sequence this rank keeps: on the CPU, where batches are made
     positions: torch.Tensor  # the global positions it gives the model (the same, but for a bug)
-    counter: wire.Counter  # bytes by collective kind, counted in the warm-up steps
     world: int
 
 
@@ -133,7 +131,7 @@ def install(model: nn.Module, config, dist, dims_: ParallelDims) -> State:
     for attention in model.attentions():
         attention.attend = ring
     return State(ring, layout.positions(cp_rank), seen.positions(cp_rank).to(dist.device),
-                 wire.Counter(config.warmup), dist.world_size)
+                 dist.world_size)
 
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
@@ -141,7 +139,7 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     state = install(model, config, dist, dims(config, dist))
     for p in model.parameters():  # every rank starts from rank 0's weights (they are built alike anyway)
         td.broadcast(p.detach(), src=0)
-    return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device, comm_bytes=0, state=state)
+    return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device, state=state)
 
 
 def local_loss(t: Trainable, batch):
@@ -153,13 +151,11 @@ def local_loss(t: Trainable, batch):
 
 def train_step(t: Trainable, batch, dist):
     s = t.state
-    with s.counter.step():
-        t.optimizer.zero_grad(set_to_none=True)
-        loss = local_loss(t, batch)
-        loss.backward()  # ring attention's backward carries every block's dK,dV back to its owner
-        average_gradients(list(t.model.parameters()), s.world)
-        t.optimizer.step()
-    t.comm_bytes, t.comm_steps = s.counter.total, s.counter.counted
+    t.optimizer.zero_grad(set_to_none=True)
+    loss = local_loss(t, batch)
+    loss.backward()  # ring attention's backward carries every block's dK,dV back to its owner
+    average_gradients(list(t.model.parameters()), s.world)
+    t.optimizer.step()
     return loss.detach()
 
 
@@ -262,11 +258,11 @@ def attention_ms(t: Trainable, batch_rows: int, rounds: int = 5) -> float:
     return statistics.median(times)
 
 
-def cp_measurements(t: Trainable, data, config, dist, cp: int) -> dict:
+def cp_measurements(t: Trainable, data, config, dist, result, cp: int) -> dict:
     """Bytes beside the formula, each rank's causal pairs and attention time, activations per rank."""
     s = t.state
     batch = data.batch(0, *layout_of(config, cp).batch_share(dist.rank))
-    out = {"bytes_per_step_by_collective": s.counter.per_step(), "cp": cp, "cp_layout": s.ring.layout.name,
+    out = {"bytes_per_step_by_collective": result.wire.per_step(), "cp": cp, "cp_layout": s.ring.layout.name,
            "cp_comm": s.ring.comm,
            "kv_block_bytes": kv_bytes(t.model, config, cp),
            "attention_bytes_predicted": attention_bytes_predicted(t.model, config, cp),
@@ -279,7 +275,7 @@ def cp_measurements(t: Trainable, data, config, dist, cp: int) -> dict:
 
 
 def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
-    return cp_measurements(t, data, config, dist, cp_of(config))
+    return cp_measurements(t, data, config, dist, result, cp_of(config))
 
 
 HOOKS = Hooks(dims=dims, check=check, comm_bytes_predicted=comm_bytes_predicted,

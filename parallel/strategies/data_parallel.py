@@ -26,6 +26,7 @@ from parallel.strategies.base import Hooks, Trainable
 NAME = "data_parallel"
 LAUNCH = "inprocess"
 SYNCHRONOUS = True
+SENDS_SEEN = False  # its copies between devices happen inside nn.DataParallel, unseen: no bytes shown
 LOGITS_LOSS = True  # the loss is taken over the gathered logits (a model's own loss: parallel/outputs.py)
 
 

@@ -36,7 +36,7 @@ from parallel.errors import ConfigError
 from parallel.formulas import sgd_state
 from parallel.kit import sync_batchnorm
 from parallel.kit.tensors import optimizer_state_bytes, param_bytes, state_bytes
-from parallel.measure.sharded import allreduce_every_gradient, predict_data_parallel_ms, ring_allreduce_bytes
+from parallel.measure.sharded import allreduce_every_gradient, predict_data_parallel_ms
 from parallel.outputs import call
 from parallel.results import Measured, Rule
 from parallel.strategies.base import Hooks, Mutant, Trainable, injected, make_optimizers, options_of
@@ -112,8 +112,6 @@ def _counting_allreduce(t: Trainable, bucket):  # no return annotation: DDP reje
     """DDP communication hook: count the bucket, then do what DDP does by default (divide by N,
     all-reduce); with prescale the gradients are already divided, so all-reduce the sum."""
     buf = bucket.buffer()
-    element = 2 if t.state.compress else buf.element_size()
-    t.comm_bytes += ring_allreduce_bytes(buf.numel() * element, t.state.world)
     t.state.buckets += 1
     with record_function(f"all-reduce bucket {bucket.index()}"):
         if injected(t, COMPRESSED_SUM):
@@ -140,7 +138,7 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     if not injected(config, UNSYNCED_BN):  # BatchNorm over the global batch, as one device computes it
         model = sync_batchnorm.convert(model, dist.device)
     if hasattr(model, "parts"):  # the DCGAN: a DDP per part, since each part has its own optimiser and backward
-        t = Trainable(model, make_optimizers(model, make_optimizer), loss_fn, dist.device, comm_bytes=0,
+        t = Trainable(model, make_optimizers(model, make_optimizer), loss_fn, dist.device,
                       state=State(dist.world_size, compress=opts.compress,
                                   parts={k: _wrap(m, dist, opts) for k, m in model.parts().items()}))
         for part in t.state.parts.values():
@@ -151,7 +149,7 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     if injected(config, LR_TIMES_N):
         for group in optimizer.param_groups:
             group["lr"] *= dist.world_size
-    t = Trainable(ddp, optimizer, loss_fn, dist.device, comm_bytes=0,
+    t = Trainable(ddp, optimizer, loss_fn, dist.device,
                   state=State(dist.world_size, accum=opts.accum, prescale=opts.prescale, compress=opts.compress))
     ddp.register_comm_hook(t, _counting_allreduce)
     return t

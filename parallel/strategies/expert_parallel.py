@@ -99,7 +99,6 @@ class State:
     dense: list[nn.Parameter]  # replicated: averaged over every rank
     experts: list[nn.Parameter]  # this rank's experts: summed over the ranks holding them, divided by N
     expert_group: object  # the ranks holding the same experts (None: one)
-    counter: wire.Counter
     world: int
 
 
@@ -139,28 +138,26 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     skip = {id(p) for moe in layers for p in moe.router.parameters()} if injected(config, ROUTER_UNREDUCED) else set()
     dense = [p for p in model.parameters() if id(p) not in expert_params | skip]
     state = State(dispatch, owned, dense, [p for p in model.parameters() if id(p) in expert_params], expert_group,
-                  wire.Counter(config.warmup), n)
-    return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device, comm_bytes=0, state=state)
+                  n)
+    return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device, state=state)
 
 
 def train_step(t: Trainable, batch, dist):
     s = t.state
-    with s.counter.step():
-        s.dispatch.counting = s.counter.counting
-        t.optimizer.zero_grad(set_to_none=True)
-        x, y = (b.to(t.device, non_blocking=True) for b in batch)
-        loss = t.loss_fn(call(t.model, x, y), y)
-        loss.backward()  # the all-to-alls' backward brings every expert the gradients of its rows
-        if s.world > 1:  # dense: summed over every rank; an expert: over the ranks holding it; / N both
-            sum_gradients(s.dense, s.world)
-        if s.expert_group is not None:
-            sum_gradients(s.experts, s.world, s.expert_group)
-        elif s.world > 1:
-            for p in s.experts:  # held by this rank alone: its gradient already has every row routed to it
-                if p.grad is not None:
-                    p.grad /= s.world
-        t.optimizer.step()
-    t.comm_bytes, t.comm_steps = s.counter.total, s.counter.counted
+    s.dispatch.counting = wire.counting()
+    t.optimizer.zero_grad(set_to_none=True)
+    x, y = (b.to(t.device, non_blocking=True) for b in batch)
+    loss = t.loss_fn(call(t.model, x, y), y)
+    loss.backward()  # the all-to-alls' backward brings every expert the gradients of its rows
+    if s.world > 1:  # dense: summed over every rank; an expert: over the ranks holding it; / N both
+        sum_gradients(s.dense, s.world)
+    if s.expert_group is not None:
+        sum_gradients(s.experts, s.world, s.expert_group)
+    elif s.world > 1:
+        for p in s.experts:  # held by this rank alone: its gradient already has every row routed to it
+            if p.grad is not None:
+                p.grad /= s.world
+    t.optimizer.step()
     if s.dispatch.dropped:
         t.not_expected = (f"capacity factor {t.model.moe_layers()[0].capacity_factor:g} dropped "
                           f"{s.dispatch.dropped} of {s.dispatch.assigned} routed assignments on rank {dist.rank} "
@@ -245,7 +242,7 @@ def predicted_bytes(model: nn.Module, config, rows_moved: float, element: tuple)
 def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
     """Bytes beside the prediction from this run's routing; rows per expert; drops; expert state per rank."""
     s, d = t.state, t.state.dispatch
-    steps = max(1, s.counter.counted)
+    steps = max(1, result.wire.counted)
     layers = len(t.model.moe_layers())
     tokens = config.batch_size // config.world_size * workload_of(config).input_shape[0]
     k = t.model.moe_layers()[0].top_k
@@ -255,7 +252,7 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
     leaving = d.rows_out / max(1, d.rows_routed)
     width = t.model.moe_layers()[0].router.in_features
     return {"comm_bytes_predicted": sum(predicted.values()),
-            "bytes_per_step_by_collective": s.counter.per_step(),
+            "bytes_per_step_by_collective": result.wire.per_step(),
             "bytes_predicted_by_collective": predicted,
             "ep": ep_of(config), "experts_per_rank": every_rank(s.owned),
             "rows_leaving_share_per_rank": every_rank(round(leaving, 4)),

@@ -35,7 +35,6 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from parallel import wire
 from parallel.errors import ConfigError
 from parallel.formulas import element_bytes, sgd_state, wire_bytes
 from parallel.kit.collectives import every_rank
@@ -94,7 +93,6 @@ class Options:
 
 @dataclass
 class Sharded:
-    counter: wire.Counter  # bytes by collective kind, counted in the warm-up steps
     groups: list[nn.Module]  # every FSDP group, blocks first, the root last
     reshard: bool
     sent: dict[str, float] = field(default_factory=dict)
@@ -157,20 +155,16 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
         for group in (*groups, model):
             group.set_gradient_divide_factor(1.0)
             group.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM, nccl's way of dividing
-    counter = wire.Counter(config.warmup)
-    return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device, comm_bytes=0,
-                     state=Sharded(counter, [*groups, model], bool(o.reshard)))
+    return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device,
+                     state=Sharded([*groups, model], bool(o.reshard)))
 
 
 def train_step(t: Trainable, batch, dist):
     x, y = (b.to(t.device, non_blocking=True) for b in batch)  # this rank's share, (B/N, ...)
-    counter = t.state.counter
-    with counter.step():
-        t.optimizer.zero_grad(set_to_none=True)
-        loss = t.loss_fn(call(t.model, x, y), y)  # each group all-gathered just before it runs, freed after
-        loss.backward()  # gathered again (reshard 1), gradients reduce-scattered group by group
-        t.optimizer.step()  # the local shards only
-    t.comm_bytes, t.comm_steps = counter.total, counter.counted
+    t.optimizer.zero_grad(set_to_none=True)
+    loss = t.loss_fn(call(t.model, x, y), y)  # each group all-gathered just before it runs, freed after
+    loss.backward()  # gathered again (reshard 1), gradients reduce-scattered group by group
+    t.optimizer.step()  # the local shards only
     return loss.detach()
 
 
@@ -230,7 +224,7 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
         t.loss_fn(call(t.model, x, y), y).backward()
     n = config.world_size // options_of(Options, config).replicate  # the ranks one copy is sharded over
     psi = sum(math.prod(p.shape) for p in t.model.parameters()) * element_bytes(config.precision)  # global shapes
-    return {"reshard": int(t.state.reshard), "bytes_per_step_by_collective": t.state.counter.per_step(),
+    return {"reshard": int(t.state.reshard), "bytes_per_step_by_collective": result.wire.per_step(),
             **{f"{k}_per_rank": every_rank(v) for k, v in local.items()},
             "unsharded_peak_bytes_per_rank": every_rank(peak.peak),
             # ZeRO-3's model state per device for fp32 SGD with momentum (K = 4): (4 + 4 + 4) Psi / N.

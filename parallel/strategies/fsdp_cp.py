@@ -56,17 +56,14 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     for block in fsdp.blocks(model):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device, comm_bytes=0, state=state)
+    return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device, state=state)
 
 
 def train_step(t: Trainable, batch, dist):
-    s = t.state
-    with s.counter.step():
-        t.optimizer.zero_grad(set_to_none=True)
-        loss = context_parallel.local_loss(t, batch)
-        loss.backward()  # the ring's dK,dV home; FSDP2 reduce-scatters the gradients, averaged over dp x cp
-        t.optimizer.step()
-    t.comm_bytes, t.comm_steps = s.counter.total, s.counter.counted
+    t.optimizer.zero_grad(set_to_none=True)
+    loss = context_parallel.local_loss(t, batch)
+    loss.backward()  # the ring's dK,dV home; FSDP2 reduce-scatters the gradients, averaged over dp x cp
+    t.optimizer.step()
     return loss.detach()
 
 
@@ -83,7 +80,7 @@ def comm_bytes_predicted(model, config) -> float:
 
 
 def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
-    return context_parallel.cp_measurements(t, data, config, dist, cp_of(config, DEFAULT_CP))
+    return context_parallel.cp_measurements(t, data, config, dist, result, cp_of(config, DEFAULT_CP))
 
 
 HOOKS = Hooks(dims=dims, check=check, comm_bytes_predicted=comm_bytes_predicted, state_dict=full_state_dict,

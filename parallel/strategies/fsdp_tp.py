@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from parallel import wire
 from parallel.errors import ConfigError
 from parallel.layout import ParallelDims
 from parallel.outputs import call
@@ -99,18 +98,15 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
         fully_shard(block, mesh=mesh["dp_shard"], reshard_after_forward=True)
     fully_shard(model, mesh=mesh["dp_shard"], reshard_after_forward=True)
     params = tensor_parallel.by_kind(model.parameters())
-    return Trainable(model, make_optimizer(params), loss_fn, dist.device, comm_bytes=0,
-                     state=wire.Counter(config.warmup, model))
+    return Trainable(model, make_optimizer(params), loss_fn, dist.device)
 
 
 def train_step(t: Trainable, batch, dist):
     x, y = (b.to(t.device, non_blocking=True) for b in batch)  # this dp coordinate's share, every tp rank alike
-    with t.state.step():
-        t.optimizer.zero_grad(set_to_none=True)
-        loss = t.loss_fn(call(t.model, x, y), y)
-        loss.backward()
-        t.optimizer.step()
-    t.comm_bytes, t.comm_steps = t.state.total, t.state.counted
+    t.optimizer.zero_grad(set_to_none=True)
+    loss = t.loss_fn(call(t.model, x, y), y)
+    loss.backward()
+    t.optimizer.step()
     return loss.detach()
 
 

@@ -80,7 +80,7 @@ def comm_bytes_predicted(model, config) -> int:
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     model.share_memory()  # parameters move to shared memory BEFORE the workers start
-    return Trainable(model, None, loss_fn, dist.device, comm_bytes=0, state=State(world_size(config)))
+    return Trainable(model, None, loss_fn, dist.device, state=State(world_size(config)))
 
 
 def train_step(t: Trainable, batch, dist):

@@ -33,7 +33,7 @@ from torch.autograd.profiler import record_function
 
 from parallel.errors import ConfigError
 from parallel.kit.tensors import state_bytes
-from parallel.measure.sharded import allreduce_every_gradient, predict_data_parallel_ms, ring_allreduce_bytes
+from parallel.measure.sharded import allreduce_every_gradient, predict_data_parallel_ms
 from parallel.outputs import call
 from parallel.strategies.base import Hooks, Mutant, Trainable, injected, options_of
 
@@ -88,18 +88,11 @@ class Bucket:
 
 @dataclass
 class Sync:
-    """What the hooks share: the buckets, and the bytes and collectives counted so far."""
+    """What the hooks share: the buckets."""
 
     world: int
     buckets: list[Bucket] = field(default_factory=list)
     bucket_of: dict[nn.Parameter, Bucket] = field(default_factory=dict)
-    bytes: float = 0.0
-    collectives: int = 0
-
-    def all_reduce(self, t: torch.Tensor, async_op: bool):
-        self.bytes += ring_allreduce_bytes(t.numel() * t.element_size(), self.world)
-        self.collectives += 1
-        return td.all_reduce(t, async_op=async_op)  # a sum; divided by N once it has arrived
 
 
 def buckets_in_backward_order(params: list[nn.Parameter], cap_bytes: float) -> list[list[nn.Parameter]]:
@@ -135,13 +128,13 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
         hook = lambda p: _naive(sync, p)  # noqa: E731
     for p in hooked:
         p.register_post_accumulate_grad_hook(hook)
-    return Trainable(model, make_optimizer(params), loss_fn, dist.device, comm_bytes=0, state=sync)
+    return Trainable(model, make_optimizer(params), loss_fn, dist.device, state=sync)
 
 
 def _naive(sync: Sync, p: nn.Parameter) -> None:
     """Backward has just accumulated p's gradient: average it over the ranks, now (blocking)."""
     with record_function("all-reduce one gradient"):
-        sync.all_reduce(p.grad, async_op=False)
+        td.all_reduce(p.grad, async_op=False)
     p.grad.div_(sync.world)
 
 
@@ -151,7 +144,7 @@ def _bucket_ready(sync: Sync, p: nn.Parameter) -> None:
     b.ready += 1
     if b.ready == len(b.params):
         with record_function(f"all-reduce bucket {b.index}"):
-            b.work = sync.all_reduce(b.buffer, async_op=True)
+            b.work = td.all_reduce(b.buffer, async_op=True)
 
 
 def _finish(sync: Sync) -> None:
@@ -159,7 +152,7 @@ def _finish(sync: Sync) -> None:
     now, so that every rank runs the same collectives), then divide the sums by N."""
     for b in sync.buckets:
         if b.work is None:
-            b.work = sync.all_reduce(b.buffer, async_op=True)
+            b.work = td.all_reduce(b.buffer, async_op=True)
     for b in sync.buckets:
         b.work.wait()
         b.buffer.div_(sync.world)
@@ -178,7 +171,6 @@ def train_step(t: Trainable, batch, dist):
     with record_function("wait for the buckets"):
         _finish(sync)
     t.optimizer.step()
-    t.comm_bytes = sync.bytes
     return loss.detach()
 
 
@@ -188,8 +180,8 @@ def model_state_bytes(t: Trainable, config) -> list[int]:
 
 
 def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
-    sync, steps = t.state, max(1, len(result.losses))
-    return {"all_reduces_per_step": sync.collectives / steps,
+    sync = t.state
+    return {"all_reduces_per_step": result.wire.per_step("calls").get("all_reduce", 0.0),
             "bucket_bytes": [b.buffer.numel() * b.buffer.element_size() for b in sync.buckets]}
 
 

@@ -76,7 +76,7 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     # device threads need (measured on the CNN, cpu:2: a step took 36 ms with 2 main threads, 26 with 1).
     torch.set_num_threads(spec.threads_per_device())
     model = model.to(devices[0])  # the original parameters live on the output device
-    return Trainable(model, make_optimizer(model.parameters()), loss_fn, devices[0], comm_bytes=0,
+    return Trainable(model, make_optimizer(model.parameters()), loss_fn, devices[0],
                      state=State(devices, DeviceThreads(devices, spec.threads_per_device()),
                                  param_bytes(model.parameters()), PhaseTimer(IntervalClock(devices))),
                      devices=devices)
@@ -84,11 +84,6 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
 
 def _backward(output: torch.Tensor, grad: torch.Tensor) -> None:
     torch.autograd.backward(output, grad)
-
-
-def _moved(chunks) -> int:
-    """Bytes of the chunks that leave (or reach) the first device: every chunk but the first."""
-    return sum(c.numel() * c.element_size() for c in chunks[1:] if c is not None)
 
 
 def train_step(t: Trainable, batch, dist):
@@ -117,7 +112,6 @@ def train_step(t: Trainable, batch, dist):
     with phase("optimizer"):
         t.optimizer.step()
     phase.end_step()
-    t.comm_bytes += 2 * t.state.param_bytes * (len(xs) - 1) + _moved(xs) + 2 * _moved(outs) + _moved(ys)
     return loss.detach()
 
 

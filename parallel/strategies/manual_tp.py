@@ -32,7 +32,7 @@ import torch.distributed as td
 import torch.nn.functional as F
 from torch import nn
 
-from parallel import checkpoint, wire
+from parallel import checkpoint
 from parallel.errors import ConfigError
 from parallel.formulas import element_bytes
 from parallel.layout import ParallelDims
@@ -122,7 +122,6 @@ class Split:
     world: int
     colwise: tuple[str, ...]
     rowwise: tuple[str, ...]
-    counter: wire.Counter  # per transformer block too: Megatron's count is per block
 
 
 def dims(config, dist) -> ParallelDims:
@@ -211,18 +210,16 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     # Every rank built the same model from the seed (workloads.build_model): each keeps its part of it.
     colwise, rowwise = shard(model, dist.rank, dist.world_size, config)
     model = model.to(dist.device)
-    return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device, comm_bytes=0,
-                     state=Split(dist.world_size, colwise, rowwise, wire.Counter(config.warmup, model)))
+    return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device,
+                     state=Split(dist.world_size, colwise, rowwise))
 
 
 def train_step(t: Trainable, batch, dist):
     x, y = (b.to(t.device, non_blocking=True) for b in batch)  # the whole batch, on every rank
-    with t.state.counter.step():
-        t.optimizer.zero_grad(set_to_none=True)
-        loss = t.loss_fn(call(t.model, x, y), y)
-        loss.backward()
-        t.optimizer.step()  # each rank its part of the split layers, and all of the replicated ones
-    t.comm_bytes, t.comm_steps = t.state.counter.total, t.state.counter.counted
+    t.optimizer.zero_grad(set_to_none=True)
+    loss = t.loss_fn(call(t.model, x, y), y)
+    loss.backward()
+    t.optimizer.step()  # each rank its part of the split layers, and all of the replicated ones
     return loss.detach()
 
 
@@ -248,7 +245,7 @@ def checkpoint_state(t: Trainable) -> dict:
 
 
 def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
-    return t.state.counter.measurements()  # Megatron: per block and step, 4 all-reduces of B x T x C
+    return result.wire.measurements()  # Megatron: per block and step, 4 all-reduces of B x T x C
 
 
 def payloads(model, config) -> list[float]:

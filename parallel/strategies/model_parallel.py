@@ -82,7 +82,7 @@ def setup_stages(model, make_optimizer, loss_fn, config, sample_size: int, balan
     # The timing input: a batch of the workload's own data (images, or token ids for the transformer).
     sample = workload_of(config).dataset(config.seed, sample_size).batch(0)[0]
     sp = split(model, devices, balance, sample, given_cut(config, balance, len(devices), layers_of(model)))
-    return Trainable(model, make_optimizer(model.parameters()), loss_fn, devices[0], comm_bytes=0,
+    return Trainable(model, make_optimizer(model.parameters()), loss_fn, devices[0],
                      state=Stages(sp, [ActivationMeter(s) for s in sp.stages], Busy(devices),
                                   meter_steps=max(1, config.warmup)),
                      devices=devices)
@@ -106,7 +106,6 @@ def train_step(t: Trainable, batch, dist):
             if s == last:
                 h = t.loss_fn(h, y.to(device))
         saved.append((inp, h))
-        t.comm_bytes += 2 * inp.numel() * inp.element_size() if s else 0  # activation in, its gradient back
     grad = None
     for s in reversed(range(len(sp.stages))):  # backward, last stage first
         if s < last and injected(t, NO_GRAD_BACK):

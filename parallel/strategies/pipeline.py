@@ -123,7 +123,6 @@ class _Step:
     bwd: list  # bwd[s]: gradients arriving at stage s
     losses: list
     timeout: float
-    moved: list  # moved[s]: bytes stage s received and sent back
     peak: list  # peak[s]: the most activation bytes stage s held at once
     abort: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
@@ -157,7 +156,6 @@ def _run_stage(t: Trainable, st: _Step, s: int) -> None:
                         st.losses[j] = out.detach()
                 saved[j], held[j] = (inp, out), meter.bytes - before
                 st.peak[s] = max(st.peak[s], sum(held.values()))
-                st.moved[s] += 2 * inp.numel() * inp.element_size() if s else 0  # activation in, gradient back
                 if not last:
                     st.fwd[s + 1].put(out.detach())
             else:
@@ -180,7 +178,7 @@ def train_step(t: Trainable, batch, dist):
     p = len(sp.stages)
     weights = [1 / len(ys)] * len(ys) if injected(t, EQUAL_WEIGHTS) else [len(c) / len(y) for c in ys]
     st = _Step(xs, ys, weights, [queue.SimpleQueue() for _ in range(p)],
-               [queue.SimpleQueue() for _ in range(p)], [None] * len(xs), t.state.timeout, [0] * p, [0] * p)
+               [queue.SimpleQueue() for _ in range(p)], [None] * len(xs), t.state.timeout, [0] * p)
     t.optimizer.zero_grad(set_to_none=True)
     t.state.start_step()
     t.state.busy.start_step()
@@ -191,7 +189,6 @@ def train_step(t: Trainable, batch, dist):
     sp.sum_tied()  # a weight two stages use (GPT-2's head): its copies' gradients summed (tied.untie)
     t.optimizer.step()
     t.state.busy.end_step()
-    t.comm_bytes += sum(st.moved)
     t.state.peak = [max(a, b) for a, b in zip(t.state.peak, st.peak, strict=True)]
     return torch.stack(st.losses).sum()
 

@@ -220,7 +220,6 @@ class State:
     first: bool  # this rank holds stage 0 (reads the inputs)
     last: bool  # this rank holds the last stage (computes the loss)
     busy: Busy
-    counter: wire.Counter
     tied: TiedAcross | None  # weights several stages use (GPT-2's head): their gradients summed
 
 
@@ -261,8 +260,8 @@ def build(model, make_optimizer, loss_fn, dist, config, o: Options, rank: int, p
     tied = TiedAcross(layers, bounds, rank_of.__getitem__, modules, config.pg_timeout) if shard is None else None
     local = nn.ModuleList(modules)
     state = State(schedule, p, rank, stages, names, bounds, 0 in ids, p * v - 1 in ids, busy,
-                  wire.Counter(config.warmup), tied)
-    return Trainable(local, make_optimizer(local.parameters()), loss_fn, dist.device, comm_bytes=0, state=state)
+                  tied)
+    return Trainable(local, make_optimizer(local.parameters()), loss_fn, dist.device, state=state)
 
 
 def train_step(t: Trainable, batch, dist):
@@ -271,16 +270,14 @@ def train_step(t: Trainable, batch, dist):
     losses: list[torch.Tensor] = []
     t.optimizer.zero_grad(set_to_none=True)
     for stage in s.stages:  # activations counted in the warm-up steps (off the clock), as the collectives
-        stage.meter.active = s.counter.seen < max(1, s.counter.steps)
+        stage.meter.active = wire.counting()
     s.busy.start_step()
-    with s.counter.step():
-        s.schedule.step(*([x] if s.first else []), **({"target": y, "losses": losses} if s.last else {}),
-                        return_outputs=False)
+    s.schedule.step(*([x] if s.first else []), **({"target": y, "losses": losses} if s.last else {}),
+                    return_outputs=False)
     if s.tied is not None and not injected(t, TIE_UNSUMMED):
         s.tied.sum(within_rank=not injected(t, TIE_IN_RANK))
     t.optimizer.step()
     s.busy.end_step()
-    t.comm_bytes, t.comm_steps = s.counter.total, s.counter.counted
     if not s.last:
         return torch.zeros((), device=t.device)  # not counted (dims: loss_pp)
     return torch.stack([v.detach() for v in losses]).mean()  # equal micro-batches: the batch mean
@@ -327,7 +324,7 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
            "stage_bounds": s.bounds,
            "stage_peak_activation_bytes": [peaks[i] for i in sorted(peaks)],
            "held_measured": [round(peaks[i] / ones[i]) if ones[i] else 0 for i in sorted(peaks)],
-           **s.counter.measurements()}
+           **result.wire.measurements()}
     placement, p = SCHEDULES[o.schedule][2], s.p
     hop = hop_ms(outs, p, placement, dist) if p == dist.world_size else {}
     closed = closed_form_idle(o.schedule, p, o.microbatches, o.v, pieces)

@@ -27,7 +27,7 @@ def comm_bytes_predicted(model, config) -> int:
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     model = model.to(dist.device)
-    return Trainable(model, make_optimizers(model, make_optimizer), loss_fn, dist.device, comm_bytes=0)
+    return Trainable(model, make_optimizers(model, make_optimizer), loss_fn, dist.device)
 
 
 def train_step(t: Trainable, batch, dist):

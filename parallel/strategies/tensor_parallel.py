@@ -76,7 +76,6 @@ class Options:
 
 @dataclass
 class State:
-    counter: wire.Counter
     loss_parallel: bool
     activation_bytes: int = 0  # saved for backward in one forward, this rank (measured in the warm-up)
 
@@ -166,8 +165,8 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     o = options_of(Options, config)
     mesh = dims(config, dist).mesh(dist.device.type)
     model = parallelize_module(model.to(dist.device), mesh, plan(model, o, config))
-    return Trainable(model, make_optimizer(by_kind(model.parameters())), loss_fn, dist.device, comm_bytes=0,
-                     state=State(wire.Counter(config.warmup, model), bool(o.loss_parallel)))
+    return Trainable(model, make_optimizer(by_kind(model.parameters())), loss_fn, dist.device,
+                     state=State(bool(o.loss_parallel)))
 
 
 def train_step(t: Trainable, batch, dist):
@@ -175,8 +174,8 @@ def train_step(t: Trainable, batch, dist):
 
     x, y = (b.to(t.device, non_blocking=True) for b in batch)  # the whole batch, on every rank
     s = t.state
-    measure = ActivationMeter(t.model) if s.counter.seen == 0 else contextlib.nullcontext()  # the first step
-    with s.counter.step(), loss_parallel() if s.loss_parallel else contextlib.nullcontext():
+    measure = ActivationMeter(t.model) if wire.counting() and not s.activation_bytes else contextlib.nullcontext()
+    with loss_parallel() if s.loss_parallel else contextlib.nullcontext():
         t.optimizer.zero_grad(set_to_none=True)
         with measure:
             out = call(t.model, x, y)
@@ -185,13 +184,12 @@ def train_step(t: Trainable, batch, dist):
         t.optimizer.step()
     if isinstance(measure, ActivationMeter):
         s.activation_bytes = measure.bytes
-    t.comm_bytes, t.comm_steps = s.counter.total, s.counter.counted
     return local(loss).detach()  # a replicated DTensor under loss parallelism: every rank's is the whole
 
 
 def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
     # Megatron: 4 all-reduces of B x T x C per block and step; with SP 4 all-gather + reduce-scatter pairs
-    return {**t.state.counter.measurements(), "activation_bytes_per_rank": t.state.activation_bytes}
+    return {**result.wire.measurements(), "activation_bytes_per_rank": t.state.activation_bytes}
 
 
 def available(spec) -> str | None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from parallel import wire
 from parallel.devices import SHARED_GLOO_NO_DTENSOR
 from parallel.errors import ConfigError
 from parallel.kit.ring_attention import split_check
@@ -53,25 +52,22 @@ def check(config) -> None:
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     model = model.to(dist.device)
     mesh = dims(config, dist).mesh(dist.device.type)
-    return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device, comm_bytes=0,
-                     state=(mesh, wire.Counter(config.warmup)))
+    return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device, state=mesh)
 
 
 def train_step(t: Trainable, batch, dist):
     from torch.distributed.tensor.experimental import context_parallel
 
-    mesh, counter = t.state
+    mesh = t.state
     x, y = (b.to(t.device).clone() for b in batch)  # (B, T): cut in place to this rank's (B, T/C) inside
     positions = torch.arange(x.shape[1], device=t.device).unsqueeze(0)  # (1, T), cut alike
-    with counter.step():
-        t.optimizer.zero_grad(set_to_none=True)
-        with context_parallel(mesh, buffers=[x, y, positions], buffer_seq_dims=[1, 1, 1],
-                              no_restore_buffers={x, y, positions}):
-            loss = t.loss_fn(t.model(x, positions=positions), y)  # the mean over this rank's tokens
-            loss.backward()
-        average_gradients(list(t.model.parameters()), dist.world_size)
-        t.optimizer.step()
-    t.comm_bytes, t.comm_steps = counter.total, counter.counted
+    t.optimizer.zero_grad(set_to_none=True)
+    with context_parallel(mesh, buffers=[x, y, positions], buffer_seq_dims=[1, 1, 1],
+                          no_restore_buffers={x, y, positions}):
+        loss = t.loss_fn(t.model(x, positions=positions), y)  # the mean over this rank's tokens
+        loss.backward()
+    average_gradients(list(t.model.parameters()), dist.world_size)
+    t.optimizer.step()
     return loss.detach()
 
 

@@ -20,7 +20,7 @@ momentum here), and at stage 2 only their gradients.
 
 Bytes a rank sends per step: reduce-scatter (N-1)/N x P + all-gather (N-1)/N x P = 2(N-1)/N x P, the
 same as DDP's one all-reduce (the paper's 2 Psi), for 1/N of the optimizer state (and at stage 2 of the
-gradients); counted at the collectives (wire.Counter). The reduce-scatters block inside backward: on
+gradients); counted at the collectives (the loop's wire.Counter). The reduce-scatters block inside backward: on
 CPU there is nothing to overlap with (the ranks' threads use every core); on GPUs, overlapping them
 (async, a bounded number in flight) would hide them behind backward as DDP does. Not done here.
 """
@@ -36,7 +36,6 @@ import torch.distributed as td
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from parallel import wire
 from parallel.errors import ConfigError
 from parallel.formulas import element_bytes, sgd_state, wire_bytes
 from parallel.kit.collectives import all_gather, reduce_scatter
@@ -95,7 +94,6 @@ class Shards:
     flat: torch.Tensor  # (P,) every parameter back to back, bucket by bucket, each padded to a multiple of N
     grads: torch.Tensor | None  # stage 1: (P,) the full gradient buffer, p.grad views into it
     buckets: list[Bucket]
-    counter: wire.Counter  # bytes by collective, counted in the warm-up steps
     offsets: dict[nn.Parameter, int] = field(default_factory=dict)  # each parameter's place in `flat`
     early: bool = False  # the zero:bucket-early bug
 
@@ -131,12 +129,12 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
         buckets.append(Bucket(i, start, start + size, group, nn.Parameter(flat[start + owner * chunk:][:chunk])))
         start += size
     td.broadcast(flat, src=0)  # every rank starts from rank 0's weights
-    z = Shards(n, o.zero_stage, flat, grads, buckets, wire.Counter(config.warmup), offsets,
+    z = Shards(n, o.zero_stage, flat, grads, buckets, offsets,
                injected(config, BUCKET_EARLY))
     for b in buckets:
         for p in b.params:
             p.register_post_accumulate_grad_hook(functools.partial(_landed, z, b))
-    return Trainable(model, make_optimizer(z.shards), loss_fn, dist.device, comm_bytes=0, state=z)
+    return Trainable(model, make_optimizer(z.shards), loss_fn, dist.device, state=z)
 
 
 def _landed(z: Shards, b: Bucket, p: nn.Parameter) -> None:
@@ -167,21 +165,19 @@ def _reduce(z: Shards, b: Bucket) -> None:
 def train_step(t: Trainable, batch, dist):
     z = t.state
     x, y = (b.to(t.device, non_blocking=True) for b in batch)  # this rank's share, (B/N, ...)
-    with z.counter.step():
-        if z.grads is not None:
-            z.grads.zero_()  # the parameters' .grad are views of it: zeroed in place, never set to None
-        loss = t.loss_fn(call(t.model, x, y), y)  # the mean over this rank's share
-        loss.backward()  # the hooks reduce-scatter each bucket as its last gradient lands
-        for b in z.buckets:  # one whose parameters got no gradient is reduced now: every rank runs the same
-            if not b.reduced:
-                _reduce(z, b)
-        t.optimizer.step()  # torch's update rule, on this rank's chunks only (in place: the model's weights)
-        for b in z.buckets:
-            b.shard.grad, b.ready, b.reduced = None, 0, False  # stage 1's gradients live in the buffer
-            if not injected(t, NO_ALL_GATHER):
-                with record_function(f"all-gather bucket {b.index}"):  # every rank's chunks into its weights
-                    all_gather(z.flat[b.start:b.end], b.shard.detach().clone())
-    t.comm_bytes, t.comm_steps = z.counter.total, z.counter.counted
+    if z.grads is not None:
+        z.grads.zero_()  # the parameters' .grad are views of it: zeroed in place, never set to None
+    loss = t.loss_fn(call(t.model, x, y), y)  # the mean over this rank's share
+    loss.backward()  # the hooks reduce-scatter each bucket as its last gradient lands
+    for b in z.buckets:  # one whose parameters got no gradient is reduced now: every rank runs the same
+        if not b.reduced:
+            _reduce(z, b)
+    t.optimizer.step()  # torch's update rule, on this rank's chunks only (in place: the model's weights)
+    for b in z.buckets:
+        b.shard.grad, b.ready, b.reduced = None, 0, False  # stage 1's gradients live in the buffer
+        if not injected(t, NO_ALL_GATHER):
+            with record_function(f"all-gather bucket {b.index}"):  # every rank's chunks into its weights
+                all_gather(z.flat[b.start:b.end], b.shard.detach().clone())
     return loss.detach()
 
 
@@ -209,7 +205,7 @@ def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
 def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
     z = t.state
     n, psi = z.world, z.flat.numel() * z.flat.element_size()
-    return {"zero_stage": z.stage, "bytes_per_step_by_collective": z.counter.per_step(),
+    return {"zero_stage": z.stage, "bytes_per_step_by_collective": result.wire.per_step(),
             "bucket_bytes": [(b.end - b.start) * z.flat.element_size() for b in z.buckets],
             "param_bytes_per_rank": tensor_bytes(z.flat),
             "grad_bytes_per_rank": tensor_bytes(z.grads) if z.grads is not None else psi // n,

@@ -13,7 +13,7 @@ uneven), and keeps optimizer state for those only. What it does each step, read 
 
 About 3 P in all where the ZeRO paper's stage 1 needs 2 P (reduce-scatter + all-gather, `zero`): DDP's
 full all-reduce stays. Its overlap with DDP (`overlap_with_ddp=True`) refuses gloo (pytorch#62300). Both
-are counted at the collectives (wire.Counter); DDP's all-reduce goes through a comm hook (torch's own
+are counted at the collectives (the loop's wire.Counter); DDP's all-reduce goes through a comm hook (torch's own
 allreduce_hook) so that it passes the dispatcher where the counter sees it.
 """
 
@@ -25,7 +25,6 @@ from torch.autograd.profiler import record_function
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from parallel import wire
 from parallel.formulas import element_bytes, sgd_state, wire_bytes
 from parallel.kit.collectives import every_rank
 from parallel.kit.tensors import optimizer_state_bytes, tensor_bytes
@@ -61,20 +60,18 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     ddp = DDP(model, device_ids=[dist.device] if dist.device.type == "cuda" else None, gradient_as_bucket_view=True)
     like = make_optimizer([torch.zeros(1, requires_grad=True)])  # the run's optimizer: its class and settings
     optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=type(like), **like.defaults)
-    t = Trainable(ddp, optimizer, loss_fn, dist.device, comm_bytes=0, state=wire.Counter(config.warmup))
+    t = Trainable(ddp, optimizer, loss_fn, dist.device)
     ddp.register_comm_hook(t, _labelled_allreduce)
     return t
 
 
 def train_step(t: Trainable, batch, dist):
     x, y = (b.to(t.device, non_blocking=True) for b in batch)  # this rank's share, (B/N, ...)
-    with t.state.step():
-        t.optimizer.zero_grad(set_to_none=True)
-        loss = t.loss_fn(call(t.model, x, y), y)
-        loss.backward()  # DDP's all-reduce, bucket by bucket
-        with record_function("step owned parameters, broadcast them"):
-            (t.optimizer.optim if injected(t, LOCAL_STEP_ONLY) else t.optimizer).step()
-    t.comm_bytes, t.comm_steps = t.state.total, t.state.counted
+    t.optimizer.zero_grad(set_to_none=True)
+    loss = t.loss_fn(call(t.model, x, y), y)
+    loss.backward()  # DDP's all-reduce, bucket by bucket
+    with record_function("step owned parameters, broadcast them"):
+        (t.optimizer.optim if injected(t, LOCAL_STEP_ONLY) else t.optimizer).step()
     return loss.detach()
 
 
