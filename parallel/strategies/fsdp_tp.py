@@ -111,7 +111,7 @@ def train_step(t: Trainable, batch, dist):
 
 
 def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
-    return {"mesh": str(_layout(config, dist)), **t.state.measurements()}
+    return {"mesh": str(_layout(config, dist)), **result.wire.measurements()}
 
 
 def predict_step_ms(cal, config, row) -> float | None:

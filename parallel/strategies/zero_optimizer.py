@@ -101,7 +101,7 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
     n, full = config.world_size, sum(tensor_bytes(p) for p in t.model.parameters())
     owned = [sum(tensor_bytes(p) for p in _owned(t, r)) for r in range(n)]
     optimizer = every_rank(optimizer_state_bytes(_owned(t, dist.rank), t.optimizer.optim))
-    return {"bytes_per_step_by_collective": t.state.per_step(),
+    return {"bytes_per_step_by_collective": result.wire.per_step(),
             "owned_param_bytes_per_rank": owned,  # greedy by size: uneven
             "param_bytes_per_rank": full, "grad_bytes_per_rank": full, "optimizer_state_bytes_per_rank": optimizer,
             # ZeRO-1's model state for fp32 SGD with momentum: (4 + 4) Psi + 4 Psi / N (an even share)
