@@ -19,8 +19,9 @@ only its input, sbh. Context parallelism gives each rank s/cp positions.
 
 `LayerMeter` measures it: the bytes autograd saves during one forward of a model's first Block, each
 storage counted once (q, k and v save the same input three times; the pipelines' ActivationMeter counts
-every save). The worker runs it for the strategies that declare LAYER_ACTIVATIONS (single, the tensor-
-and context-parallel ones): one more forward of one block, after the run, off the clock.
+every save). The worker runs it for the strategies that declare LAYER_ACTIVATIONS (single, the context-
+parallel ones) and those of one tensor-parallel group (measure/layers.py): one more forward of one block,
+after the run, off the clock; the report's table of it is measure/layers.py's.
 """
 
 from __future__ import annotations
@@ -74,9 +75,11 @@ def block_of(model: nn.Module) -> nn.Module | None:
 
 
 def meter_for(strategy, model: nn.Module, workload, config) -> LayerMeter | None:
-    """A LayerMeter on the model's first block, where the strategy declares LAYER_ACTIVATIONS, the
-    workload is a token model and the run measures its extras."""
-    if not (strategy.LAYER_ACTIVATIONS and config.extras and getattr(workload, "data", None) == "tokens"):
+    """A LayerMeter on the model's first block, where the strategy declares LAYER_ACTIVATIONS (or its
+    measurement family does: measure.layers' Megatron of one tensor-parallel group), the workload is a token
+    model and the run measures its extras."""
+    declared = strategy.LAYER_ACTIVATIONS or getattr(strategy.MEASURE, "layer_activations", False)
+    if not (declared and config.extras and getattr(workload, "data", None) == "tokens"):
         return None
     block = block_of(model)
     return LayerMeter(block) if block is not None else None

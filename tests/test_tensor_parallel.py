@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from parallel.config import RunConfig
+from parallel.measure import layers, result_of
 from parallel.workloads import WORKLOADS
 from tests.multirank import faulted_and_resumed, judged_on_ranks, run_ranks
 
@@ -35,21 +36,21 @@ def test_tensor_parallel_matches_single_and_counts_megatrons_collectives():
     rows = dict(zip([(n, w, tuple(o)) for n, w, o in TWO], _judged(2, TWO), strict=True))
     share = (2 - 1) / 2 * BATCH * T * C * E  # a ring's (N-1)/N of one B x T x C activation
     for name in ("manual_tp", "tensor_parallel"):
-        d = rows[(name, "transformer", ())].details
+        got = result_of(rows[(name, "transformer", ())], layers.Result)
         # Megatron: per block, g after attention and after the MLP forward, f before each backward
-        assert d["collectives_per_block_per_step"] == {"all_reduce": 4}, name
-        assert d["bytes_per_block_per_step"]["all_reduce"] == pytest.approx(4 * 2 * share, rel=0.01), name
+        assert got.collectives_per_block_per_step == {"all_reduce": 4}, name
+        assert got.bytes_per_block_per_step["all_reduce"] == pytest.approx(4 * 2 * share, rel=0.01), name
         mlp = rows[(name, "mlp", ())]  # two pairs: 2 forward; backward, the first layer's input is the data
-        assert mlp.details["collectives_per_step"] == {"all_reduce": 3}, name
+        assert result_of(mlp, layers.Result).collectives_per_step == {"all_reduce": 3}, name
         assert mlp.comm_bytes_per_step == pytest.approx(mlp.comm_bytes_predicted, rel=0.01), name
-    sp = rows[("tensor_parallel", "transformer", ("sequence_parallel", "loss_parallel"))].details
+    sp = result_of(rows[("tensor_parallel", "transformer", ("sequence_parallel", "loss_parallel"))], layers.Result)
     # Sequence parallel: each all-reduce becomes an all-gather and a reduce-scatter of the same activation
-    assert {k: sp["collectives_per_block_per_step"][k] for k in ("all_gather", "reduce_scatter")} == {
+    assert {k: sp.collectives_per_block_per_step[k] for k in ("all_gather", "reduce_scatter")} == {
         "all_gather": 4, "reduce_scatter": 4}
-    assert sp["bytes_per_block_per_step"]["all_gather"] == pytest.approx(4 * share, rel=0.01)
-    assert sp["bytes_per_block_per_step"]["reduce_scatter"] == pytest.approx(4 * share, rel=0.01)
+    assert sp.bytes_per_block_per_step["all_gather"] == pytest.approx(4 * share, rel=0.01)
+    assert sp.bytes_per_block_per_step["reduce_scatter"] == pytest.approx(4 * share, rel=0.01)
     plain = rows[("tensor_parallel", "transformer", ())].details
-    assert sp["activation_bytes_per_rank"] < plain["activation_bytes_per_rank"]
+    assert 0 < sp.activation_bytes_per_rank < plain["layers"]["activation_bytes_per_rank"]
     # one layer's activations: Megatron's split to the byte by hand and by DTensor (activations.formula)
     for d in (plain, rows[("manual_tp", "transformer", ())].details):
         assert d["layer_activation_bytes"] == d["layer_activation_predicted"] and d["layer_activation_layout"]["t"] == 2
@@ -65,7 +66,7 @@ def test_fsdp_x_tp_and_hsdp_match_single_on_four_ranks():
     rows = _judged(4, FOUR)
     hsdp = rows[2].details["bytes_per_step_by_collective"]  # 2 replicas of 2 shards: their all-reduce is there
     assert set(hsdp) == {"all_gather", "reduce_scatter", "all_reduce"}
-    assert rows[0].details["mesh"] == "dp_shard 2 x tp 2"
+    assert result_of(rows[0], layers.Result).mesh == "dp_shard 2 x tp 2"
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -17,25 +17,15 @@ from rich.table import Table
 from rich.text import Text
 
 from parallel.harness import memcheck, twin
+from parallel.measure import layers
 from parallel.results import Row
 from parallel.tables import num as _num
+from parallel.tables import size as _bytes
 from parallel.tables import table as _table
 
 WIDTH = 100  # the report's width when the output is not a terminal (a pipe, a file, CI's log)
 VERDICT_STYLE = {"match": "green", "baseline": "cyan", "mismatch": "bold red", "not-expected": "yellow",
                  "unchecked": "dim"}
-
-
-def _bytes(n, short: bool = False) -> str:
-    """Three significant digits for a person: 402 MiB, 64.4 KiB, 1.50 MiB (short: 1.5M); None is '-'."""
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1000 or unit == "TiB":
-            text = f"{n:.0f} {unit}" if unit == "B" or abs(n) >= 100 else f"{n:.3g} {unit}"
-            return text.replace(" ", "").replace("iB", "") if short else text
-        n /= 1024
-    return str(n)
 
 
 # The run ------------------------------------------------------------------------------------------------
@@ -231,57 +221,6 @@ def pipeline_table(rows: list[Row], wide: bool = False) -> Table | None:
     return t
 
 
-def layer_rows(rows: list[Row]) -> list[Row]:
-    return [r for r in rows if r.status == "ok" and r.details.get("layer_activation_predicted")]
-
-
-def _layout(d: dict) -> str:
-    lay = d.get("layer_activation_layout") or {}
-    if lay.get("t", 1) > 1:
-        return f"tp {lay['t']}{' sp' if lay.get('sp') else ''}"
-    return f"cp {lay['cp']}" if lay.get("cp", 1) > 1 else "one"
-
-
-def layer_table(rows: list[Row]) -> Table | None:
-    """One transformer layer's activations on one rank, measured (each storage once) beside the formula
-    (parallel/activations.py) and its named terms: what tensor, sequence and context parallelism split."""
-    chosen = layer_rows(rows)
-    if not chosen:
-        return None
-    t = _table("Activations of one transformer layer on one rank: measured against the formula's terms",
-               [("strategy", "left"), ("layout", "left"), ("measured", "right"), ("formula", "right"),
-                ("off", "right"), ("whole", "right"), ("split", "right"), ("core", "right"), ("kernel", "left")])
-    t.columns[0].min_width = 16
-    for r in chosen:
-        d = r.details
-        terms, measured, predicted = d["layer_activation_terms"], d["layer_activation_bytes"], d[
-            "layer_activation_predicted"]
-        t.add_row(r.label, _layout(d), _bytes(measured, short=True), _bytes(predicted, short=True),
-                  f"{measured / predicted - 1:+.1%}", _bytes(terms.get("whole"), short=True),
-                  _bytes(terms.get("split"), short=True), _bytes(terms.get("core"), short=True),
-                  (d.get("layer_activation_layout") or {}).get("kernel", "-"))
-    return t
-
-
-def layer_gaps(rows: list[Row]) -> list[str]:
-    """Where one layer's measured activations are over the formula by more than 1%, which tensor."""
-    out = []
-    for r in layer_rows(rows):
-        d = r.details
-        extra = d["layer_activation_bytes"] - d["layer_activation_predicted"]
-        if extra <= 0.01 * d["layer_activation_predicted"]:
-            continue
-        if n := d.get("layer_activation_gathered"):
-            lay = d["layer_activation_layout"]
-            out.append(f"{r.label}: {_bytes(extra)} over the formula: DTensor's sequence parallelism keeps the "
-                       f"all-gathered input of its {n} column-parallel regions (q, k, v; mlp.0), "
-                       f"{lay['b']} x {lay['s']} x {lay['h']} each, for backward, where Megatron keeps its 1/"
-                       f"{lay['t']} and gathers it again.")
-        else:
-            out.append(f"{r.label}: {_bytes(extra)} over the formula, in no tensor it names.")
-    return out
-
-
 def context_rows(rows: list[Row]) -> list[Row]:
     return [r for r in rows if r.status == "ok" and "causal_pairs_per_rank" in r.details]
 
@@ -464,7 +403,7 @@ def long_notes(rows: list[Row], environment: dict, skipped: dict | None = None, 
     out += [f"{r.label}: {f}" for r in rows for f in r.flags]
     out += skipped_in_full(skipped or {})
     out += [f"{r.label}: {r.equivalence.reason}" for r in rows if r.equivalence.verdict == "not-expected"]
-    out += _reduce_scatter_caveat(rows) + pipeline_gaps(rows) + layer_gaps(rows) + cost_lines(cost_model)
+    out += _reduce_scatter_caveat(rows) + pipeline_gaps(rows) + layers.layer_gaps(rows) + cost_lines(cost_model)
     kinds = {r.peak_mem_kind for r in rows if r.peak_mem_kind}
     if "process_peak_rss" in kinds:
         out.append("peak mem on CPU is the peak resident memory of rank 0's process (torch itself included); "
@@ -685,7 +624,7 @@ def show(rows: list[Row], environment: dict, console: Console | None = None, ski
     if why := (environment.get("run") or {}).get("why"):  # the CLI chose the workload (GPUs, none named)
         console.print(why, style="dim", highlight=False, markup=False)
     console.print(table(rows, environment, wide, skipped))
-    for extra in (*sharding_tables(rows), pipeline_table(rows, wide), layer_table(rows), context_table(rows),
+    for extra in (*sharding_tables(rows), pipeline_table(rows, wide), layers.layer_table(rows), context_table(rows),
                   expert_table(rows), memcheck.table(rows)):
         if extra is not None:
             console.print(extra)

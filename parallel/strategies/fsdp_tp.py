@@ -17,11 +17,11 @@ HSDP, the other 2-D data-parallel layout, is `fsdp --replicate R`.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from parallel.errors import ConfigError
 from parallel.layout import ParallelDims
+from parallel.measure import layers
 from parallel.outputs import call
 from parallel.strategies import fsdp, manual_tp, tensor_parallel
 from parallel.strategies.base import (
@@ -57,9 +57,10 @@ class Options:
             raise ConfigError(f"--tp must be at least 2 (tp 1 is `fsdp`), got {self.tp}")
 
 
-def _layout(config, dist) -> ParallelDims:
+def layout(config) -> ParallelDims:
+    """dp x tp: the ranks of a tensor-parallel group neighbours, FSDP over the dp ranks."""
     tp = options_of(Options, config).tp
-    return ParallelDims(world=dist.world_size, dp_shard=dist.world_size // tp, tp=tp)
+    return ParallelDims(world=config.world_size, dp_shard=config.world_size // tp, tp=tp)
 
 
 def dims(config, dist) -> ParallelDims:
@@ -67,7 +68,7 @@ def dims(config, dist) -> ParallelDims:
     bug, every rank its own share, as if all were data parallel."""
     if injected(config, TP_RANKS_SPLIT_BATCH):
         return ParallelDims.data_parallel(dist.world_size)
-    return _layout(config, dist)
+    return layout(config)
 
 
 def available(spec) -> str | None:
@@ -91,7 +92,7 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
-    mesh = _layout(config, dist).mesh(dist.device.type)
+    mesh = layout(config).mesh(dist.device.type)
     model = model.to(dist.device)
     parallelize_module(model, mesh["tp"], tensor_parallel.plan(model, tensor_parallel.Options(), config))
     for block in fsdp.blocks(model):
@@ -110,26 +111,8 @@ def train_step(t: Trainable, batch, dist):
     return loss.detach()
 
 
-def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
-    return {"mesh": str(_layout(config, dist)), **result.wire.measurements()}
-
-
-def predict_step_ms(cal, config, row) -> float | None:
-    """`single`'s step on a dp share split tp ways, Megatron's all-reduces of that share's activations over
-    tp, and FSDP's two all-gathers and one reduce-scatter of each rank's 1/tp of the parameters over dp,
-    none hidden (gloo's reduce-scatter costs an all-reduce; an all-gather half of one)."""
-    tp = options_of(Options, config).tp
-    dp = config.world_size // tp
-    if cal.allreduce_ms(1, tp) is None:
-        return None
-    share = dataclasses.replace(config, batch_size=config.batch_size // dp, world_size=tp)
-    model = shape_model(config)
-    megatron = sum(cal.allreduce_ms(p, tp) for p in manual_tp.payloads(model, share))
-    allreduce = cal.allreduce_ms(cal.grad_bytes / tp, dp)  # of this rank's 1/tp of the parameters, over dp
-    fsdp_ms = (allreduce / 2 if cal.overlaps else allreduce) + 2 * allreduce / 2  # reduce-scatter, 2 all-gathers
-    return cal.compute_ms(config.batch_size // dp) / tp + megatron + fsdp_ms
-
+# The collectives per block and the mesh; the step: Megatron's over tp, FSDP's over dp (parallel/measure/layers.py)
+MEASURE = layers.Megatron(layout=layout)
 
 HOOKS = Hooks(dims=dims, available=available, check=check, state_dict=full_state_dict,
-              model_state_bytes=model_state_every_rank, extra_measurements=extra_measurements,
-              predict_step_ms=predict_step_ms)
+              model_state_bytes=model_state_every_rank)

@@ -34,19 +34,17 @@ from torch import nn
 
 from parallel import checkpoint
 from parallel.errors import ConfigError
-from parallel.formulas import element_bytes
 from parallel.layout import ParallelDims
-from parallel.measure.sharded import ring_allreduce_bytes
+from parallel.measure import layers
 from parallel.outputs import call
 from parallel.strategies.base import Hooks, Mutant, Trainable, injected, loaded_in_place, model_state_every_rank
 from parallel.transformer import Attention
-from parallel.usermodel import shape_model, workload_of
+from parallel.usermodel import shape_model
 from parallel.workloads import tp_plan_of
 
 NAME = "manual_tp"
 LAUNCH = "torchrun"
 SYNCHRONOUS = True
-LAYER_ACTIVATIONS = True  # a transformer layer's activation bytes beside the formula (activations.py)
 TENSOR_PARALLEL = True  # trains only workloads whose model has a tp_plan()
 
 # Bugs the oracle must catch (`--mutant NAME`; base.Mutant).
@@ -117,7 +115,7 @@ class RowLinear(nn.Module):
 
 @dataclass
 class Split:
-    """What the strategy keeps: which modules are split how, for the state dict and the counts."""
+    """What the strategy keeps: which modules are split how, for the state dict and checkpoints."""
 
     world: int
     colwise: tuple[str, ...]
@@ -224,19 +222,31 @@ def train_step(t: Trainable, batch, dist):
 
 
 def _gathered(t: torch.Tensor, dim: int, world: int) -> torch.Tensor:
-    td.all_gather(parts := [torch.empty_like(t) for _ in range(world)], t.detach().contiguous())
+    """The whole tensor from every rank's part of it, joined along `dim` (a collective)."""
+    parts = [torch.empty_like(t) for _ in range(world)]
+    td.all_gather(parts, t.detach().contiguous())
     return torch.cat(parts, dim=dim)
 
 
-def _split_dim(s, name: str) -> int | None:  # the dim split across ranks: colwise 0, rowwise weights 1, else None
+def _split_dim(s: Split, name: str) -> int | None:
+    """The dim of a state-dict entry split across the ranks: colwise weights and biases 0, rowwise weights 1;
+    None for what every rank holds whole (rowwise biases, the replicated layers)."""
     module, _, kind = name.rpartition(".")
-    return 0 if module in s.colwise else 1 if module in s.rowwise and kind == "weight" else None
+    if module in s.colwise:
+        return 0
+    if module in s.rowwise and kind == "weight":
+        return 1
+    return None
 
 
 def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
     """The whole model under its own names: every split weight gathered from the ranks (a collective)."""
-    return {name: (value if (dim := _split_dim(t.state, name)) is None else _gathered(value, dim, t.state.world)
-                   ).detach().cpu().clone() for name, value in t.model.state_dict().items()}
+    out = {}
+    for name, value in t.model.state_dict().items():
+        dim = _split_dim(t.state, name)
+        whole = value if dim is None else _gathered(value, dim, t.state.world)
+        out[name] = whole.detach().cpu().clone()
+    return out
 
 
 def checkpoint_state(t: Trainable) -> dict:
@@ -244,45 +254,7 @@ def checkpoint_state(t: Trainable) -> dict:
     return checkpoint.per_rank(t, lambda name: _split_dim(t.state, name) is not None, t.state.world)
 
 
-def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
-    return result.wire.measurements()  # Megatron: per block and step, 4 all-reduces of B x T x C
-
-
-def payloads(model, config) -> list[float]:
-    """Bytes of every activation Megatron all-reduces per step: every rowwise layer's output forward (B x T
-    x its outputs), and every region's (or colwise layer outside one) input gradient backward (B x T x its
-    inputs); but not the gradient of the data itself, which nothing needs (the MLP's first layer)."""
-    plan, w = tp_plan_of(model), workload_of(config)
-    positions = config.batch_size * (w.input_shape[0] if w.data == "tokens" else 1)  # tokens: T per sample
-    forward = [model.get_submodule(r).out_features for r in plan.rowwise]
-    first_layer = next(n for n, _ in model.named_parameters()).rpartition(".")[0]
-    entries = [*plan.regions, *(c for c in plan.colwise if not any(c.startswith(r + ".") for r in plan.regions))]
-    backward = [_in_features(model, e) for e in entries if e != first_layer]
-    return [positions * c * element_bytes(config.precision) for c in forward + backward]
-
-
-def _in_features(model: nn.Module, name: str) -> int:
-    """A region's (or a colwise layer's) input width: that of its first Linear."""
-    return next(m for m in model.get_submodule(name).modules() if isinstance(m, nn.Linear)).in_features
-
-
-def comm_bytes_predicted(model, config) -> float | None:
-    """Megatron's all-reduces (payloads), 2(N-1)/N of each per rank (sequence parallel: an all-gather and
-    a reduce-scatter of the same activation, (N-1)/N each: the same bytes)."""
-    if tp_plan_of(model) is None:
-        return None
-    return sum(ring_allreduce_bytes(p, config.world_size) for p in payloads(model, config))
-
-
-def predict_step_ms(cal, config, row) -> float | None:
-    """`single`'s step on the whole batch split N ways (each rank computes 1/N of every split layer; the
-    replicated ones are small here), plus every all-reduce, none hidden (each blocks the next layer)."""
-    n, model = config.world_size, shape_model(config)
-    if cal.allreduce_ms(1, n) is None:
-        return None
-    return cal.compute_ms(config.batch_size) / n + sum(cal.allreduce_ms(p, n) for p in payloads(model, config))
-
+MEASURE = layers.Megatron()  # the collectives per block, Megatron's bytes and step (parallel/measure/layers.py)
 
 HOOKS = Hooks(dims=dims, check=check, state_dict=state_dict, model_state_bytes=model_state_every_rank,
-              extra_measurements=extra_measurements, comm_bytes_predicted=comm_bytes_predicted,
-              predict_step_ms=predict_step_ms, checkpoint_state=checkpoint_state, restore_checkpoint=loaded_in_place)
+              checkpoint_state=checkpoint_state, restore_checkpoint=loaded_in_place)

@@ -27,12 +27,11 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from parallel import wire
 from parallel.devices import SHARED_GLOO_NO_DTENSOR
 from parallel.errors import ConfigError
-from parallel.kit.stages import ActivationMeter
 from parallel.kit.tensors import local
 from parallel.layout import ParallelDims
+from parallel.measure import layers
 from parallel.outputs import call
 from parallel.strategies import manual_tp
 from parallel.strategies.base import (
@@ -50,7 +49,6 @@ from parallel.workloads import tp_plan_of
 NAME = "tensor_parallel"
 LAUNCH = "torchrun"
 SYNCHRONOUS = True
-LAYER_ACTIVATIONS = True  # a transformer layer's activation bytes beside the formula (activations.py)
 TENSOR_PARALLEL = True
 
 # A bug the oracle must catch (`--mutant NAME`; base.Mutant).
@@ -76,8 +74,7 @@ class Options:
 
 @dataclass
 class State:
-    loss_parallel: bool
-    activation_bytes: int = 0  # saved for backward in one forward, this rank (measured in the warm-up)
+    loss_parallel: bool  # the head's logits split by vocabulary into the loss
 
 
 def dims(config, dist) -> ParallelDims:
@@ -173,30 +170,20 @@ def train_step(t: Trainable, batch, dist):
     from torch.distributed.tensor.parallel import loss_parallel
 
     x, y = (b.to(t.device, non_blocking=True) for b in batch)  # the whole batch, on every rank
-    s = t.state
-    measure = ActivationMeter(t.model) if wire.counting() and not s.activation_bytes else contextlib.nullcontext()
-    with loss_parallel() if s.loss_parallel else contextlib.nullcontext():
+    with loss_parallel() if t.state.loss_parallel else contextlib.nullcontext():
         t.optimizer.zero_grad(set_to_none=True)
-        with measure:
-            out = call(t.model, x, y)
-        loss = t.loss_fn(out, y)
+        loss = t.loss_fn(call(t.model, x, y), y)
         loss.backward()
         t.optimizer.step()
-    if isinstance(measure, ActivationMeter):
-        s.activation_bytes = measure.bytes
     return local(loss).detach()  # a replicated DTensor under loss parallelism: every rank's is the whole
-
-
-def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
-    # Megatron: 4 all-reduces of B x T x C per block and step; with SP 4 all-gather + reduce-scatter pairs
-    return {**result.wire.measurements(), "activation_bytes_per_rank": t.state.activation_bytes}
 
 
 def available(spec) -> str | None:
     return SHARED_GLOO_NO_DTENSOR if spec.shared else None
 
 
+# The collectives per block, one forward's saved activations, Megatron's bytes and step (parallel/measure/layers.py)
+MEASURE = layers.Megatron(activations=True)
+
 HOOKS = Hooks(available=available, dims=dims, check=check, state_dict=full_state_dict,
-              model_state_bytes=model_state_every_rank,
-              extra_measurements=extra_measurements, comm_bytes_predicted=manual_tp.comm_bytes_predicted,
-              predict_step_ms=manual_tp.predict_step_ms)
+              model_state_bytes=model_state_every_rank)
