@@ -1,5 +1,5 @@
 """The style of every table the package prints (the report's, the planner's): rich, no vertical rules;
-and a number's cell ("-" where there is none)."""
+a number's cell ("-" where there is none) and a size in bytes."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ def num(x, fmt: str = ".1f") -> str:
 
 
 def size(n, short: bool = False) -> str:
-    """Three significant digits for a person: 402 MiB, 64.4 KiB, 1.50 MiB (short: 1.5M); None is '-'."""
+    """Bytes to three significant digits for a person: 402 MiB, 64.4 KiB, 1.50 MiB (short: 1.5M); None is '-'."""
     if n is None:
         return "-"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

@@ -18,7 +18,7 @@ from parallel.data import SyntheticData
 from parallel.dist import Dist, script_devices
 from parallel.harness import costmodel
 from parallel.kit import stages
-from parallel.measure import stage_time
+from parallel.measure import pipelines, stage_time
 from parallel.timing import StepTimer
 from parallel.workloads import WORKLOADS
 from tests.strict_cuda import Clock, on_cpu, synced_before_every_clock
@@ -256,7 +256,7 @@ def test_cpu_runs_are_unchanged_by_the_clock(small):
 
     config = dataclasses.replace(small(), options={"microbatches": 4})
     row, _ = worker.execute(strategies.get("pipeline"), config, Dist())
-    assert 0 <= row.measured.bubble_measured < 1 and len(row.details["stage_busy_ms"]) == 2
+    assert 0 <= row.measured.bubble_measured < 1 and len(pipelines.result(row).busy_ms) == 2
 
 
 def test_devices_command_initialises_cuda_before_reading_memory(strict_cuda, monkeypatch, capsys):

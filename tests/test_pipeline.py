@@ -9,8 +9,8 @@ import torch
 from parallel import strategies
 from parallel.config import RunConfig
 from parallel.dist import Dist
-from parallel.harness import pictures
 from parallel.kit import schedules, stages, tied
+from parallel.measure import pipelines, stage_time
 from parallel.strategies import pipeline
 from parallel.worker import execute
 from parallel.workloads import WORKLOADS
@@ -32,9 +32,9 @@ def check_matches_single(name, workload, **options):
 @pytest.mark.parametrize("workload", ["mlp", "cnn"])
 def test_model_parallel_matches_single(workload):
     row = check_matches_single("model_parallel", workload)
-    d, m = row.details, row.measured
+    d, m = pipelines.result(row), row.measured
     assert m.bubble_theory == 0.5 and 0 < m.bubble_measured < 1  # one stage busy at a time
-    assert len(d["stage_param_bytes"]) == 2 and all(b > 0 for b in d["stage_activation_bytes"])
+    assert len(d.param_bytes) == 2 and all(b > 0 for b in d.activation_bytes)
 
 
 # Every schedule and micro-batch count on the CNN (0.2 s each); the MLP (2 s each) once per schedule.
@@ -52,15 +52,16 @@ def test_1f1b_holds_fewer_activations_than_gpipe():
         config = RunConfig(workload="cnn", devices="cpu:2", batch_size=64, steps=2, warmup=0,
                            options={"microbatches": 8, "schedule": schedule, "balance": "params"}).validate()
         rows[schedule] = execute(strategies.get("pipeline"), config, Dist())[0]
-        peaks[schedule] = rows[schedule].details["stage_peak_activation_bytes"]
+        peaks[schedule] = pipelines.result(rows[schedule]).peak_activation_bytes
     # Split by parameters: a split by measured time may cut the two runs differently on a loaded machine.
     # Stage 0 holds all 8 micro-batches under GPipe, at most p = 2 under 1F1B; stage 1 (last) holds 1.
     assert peaks["1f1b"][0] * 4 == peaks["gpipe"][0] and peaks["1f1b"][1] * 8 == peaks["gpipe"][1]
     # what the meter saw is what each schedule's order holds (replay.held), and the replay drew it
-    assert rows["gpipe"].details["held_measured"] == rows["gpipe"].details["held_predicted"] == [8, 8]
-    assert rows["1f1b"].details["held_measured"] == rows["1f1b"].details["held_predicted"] == [2, 1]
-    replay = rows["1f1b"].details["replay_timeline"]
-    assert [len(stage) for stage in replay] == [16, 16] and pictures.gantt(rows["1f1b"]).startswith("<svg")
+    gpipe, one_f_one_b = pipelines.result(rows["gpipe"]), pipelines.result(rows["1f1b"])
+    assert gpipe.held_measured == gpipe.held_predicted == [8, 8]
+    assert one_f_one_b.held_measured == one_f_one_b.held_predicted == [2, 1]
+    assert [len(stage) for stage in one_f_one_b.replay_timeline] == [16, 16]
+    assert stage_time.gantt(one_f_one_b.timeline, one_f_one_b.replay_timeline).startswith("<svg")
 
 
 def test_partition_is_the_best_contiguous_split():

@@ -4,10 +4,14 @@ with each of torch's seven schedules on the MLP and the CNN (two on the transfor
 the refusals. (The registry's parity test in test_oracle.py runs pipeline_dist's default too; its bug and
 fsdp_pp's are in the mutants.)"""
 
+import dataclasses
+
 import pytest
 
 from parallel import strategies
 from parallel.config import ConfigError, RunConfig
+from parallel.kit import schedules
+from parallel.measure import pipelines
 from parallel.strategies import pipeline_dist
 from tests.multirank import judged_on_ranks
 
@@ -15,7 +19,7 @@ pytestmark = pytest.mark.timeout(300)
 BATCH = 32  # 4 micro-batches of 8 (torch's stages need equal micro-batches: refused otherwise)
 
 # Every schedule this torch runs over gloo (torch 2.11 cannot start a V schedule there: see the last test).
-RUNS_HERE = [s for s, (cls, _, _) in pipeline_dist.SCHEDULES.items() if not pipeline_dist._torch_lacks(cls, "gloo")]
+RUNS_HERE = [s for s, (cls, _, _) in pipeline_dist.SCHEDULES.items() if not schedules.torch_lacks(cls, "gloo")]
 # Every schedule on the MLP and the CNN; on the transformer (a run costs 3x theirs) a flat one and a V
 # (or a looped one where this torch runs no V over gloo): the schedules do not look at the layers they run.
 ON_TRANSFORMER = ["1f1b", next(s for s in ("zbv", "interleaved1f1b") if s in RUNS_HERE)]
@@ -38,15 +42,16 @@ def _judged(world: int, runs: list) -> list:
 def test_every_torch_schedule_matches_single_on_every_workload():
     rows = _judged(2, TWO)
     for (_, _, options), row in zip(TWO, rows, strict=True):
-        d, m, v = row.details, row.measured, 1 if options["schedule"] in ("gpipe", "1f1b") else 2
-        stages = d["stages"].split(" | ")
-        assert len(stages) == 2 * v and len(d["stage_peak_activation_bytes"]) == 2 * v, (options, d)
+        d, p, m = row.details, pipelines.result(row), row.measured
+        v = 1 if options["schedule"] in ("gpipe", "1f1b") else 2
+        stages = p.stages.split(" | ")
+        assert len(stages) == 2 * v and len(p.peak_activation_bytes) == 2 * v and p.v == v, (options, p)
         if options["schedule"] in ("gpipe", "1f1b", "interleaved1f1b", "loopedbfs"):  # closed forms free of times
             assert m.bubble_theory == pytest.approx(1 / (v * 4 + 1)), options
-        assert 0 < m.bubble_measured < 1 and all(0 <= f < 1 for f in d["rank_idle_fraction"])
+        assert 0 < m.bubble_measured < 1 and all(0 <= f < 1 for f in p.rank_idle)
         # every rank's actions replayed on this run's pieces; what each stage held is what its order holds
-        assert 0 <= m.bubble_replayed < 1 and d["replayed_step_ms"] > 0 and d["hop_ms"], options
-        assert d["held_measured"] == d["held_predicted"], (options, d["held_measured"], d["held_predicted"])
+        assert 0 <= m.bubble_replayed < 1 and p.replayed_step_ms > 0 and p.hop_ms, options
+        assert p.held_measured == p.held_predicted, (options, p.held_measured, p.held_predicted)
         assert d["bytes_per_step_by_collective"]["send"] > 0  # activations forward, gradients back: point to point
         assert "all_reduce" not in d["bytes_per_step_by_collective"]  # a pipeline has no collective
         # each rank holds its own stages only: the two ranks' model state adds up to one model's
@@ -56,8 +61,8 @@ def test_every_torch_schedule_matches_single_on_every_workload():
     whole = sum(by[("mlp", "gpipe")].details["model_state_bytes_per_device"])
     assert all(sum(by[("mlp", s)].details["model_state_bytes_per_device"]) == whole for s in RUNS_HERE)
     # 1F1B starts a micro-batch's backward before the next forward: the first stage holds fewer at once
-    assert (by[("cnn", "1f1b")].details["stage_peak_activation_bytes"][0]
-            < by[("cnn", "gpipe")].details["stage_peak_activation_bytes"][0])
+    assert (pipelines.result(by[("cnn", "1f1b")]).peak_activation_bytes[0]
+            < pipelines.result(by[("cnn", "gpipe")]).peak_activation_bytes[0])
 
 
 @pytest.mark.slow
@@ -65,7 +70,7 @@ def test_fsdp_x_pipelining_matches_single_on_four_ranks():
     rows = _judged(4, FOUR)
     for row in rows:
         sent = row.details["bytes_per_step_by_collective"]
-        assert row.details["mesh"] == "pp 2 x dp_shard 2"
+        assert pipelines.result(row).mesh == "pp 2 x dp_shard 2"
         assert {"send", "all_gather", "reduce_scatter"} <= set(sent)  # between stages, and within one
 
 
@@ -92,47 +97,47 @@ def test_refusals_name_the_numbers(refused, argv, message):
 
 
 def test_the_report_explains_a_bubble_well_over_its_theory_and_shows_every_pipeline_row():
-    from parallel.harness import report
     from parallel.results import Measured, Row
 
     def row(name, idle, busy):
+        result = pipelines.Result("params", "0-2 | 3-11", [0, 3, 12], "1f1b", 4, busy_ms=busy,
+                                  peak_activation_bytes=[9e6, 2e6])
         return Row(name, "", "torchrun", "cpu:2", "virtual", 2, 64, step_ms_p50=20.0, step_ms_predicted=15.0,
                    measured=Measured(bubble_measured=idle, bubble_theory=0.2),
-                   details={"stages": "0-2 | 3-11", "schedule": "1f1b", "microbatches": 4, "stage_busy_ms": busy,
-                            "stage_peak_activation_bytes": [9e6, 2e6], "model_state_bytes_per_device": [1e3, 4e5]})
+                   details={"pipelines": dataclasses.asdict(result), "model_state_bytes_per_device": [1e3, 4e5]})
 
     near, unequal, equal = row("a", 0.22, [14.0, 12.0]), row("b", 0.34, [14.4, 12.1]), row("c", 0.34, [13.0, 13.2])
-    lines = report.pipeline_gaps([near, unequal, equal])
+    lines = pipelines.gaps([near, unequal, equal])
     assert len(lines) == 2  # 22% against 20% is within a quarter of the theory: nothing to explain
     assert "faster stage waits" in lines[0] and "hand-offs" in lines[1]
     replayed = row("d", 0.34, [14.4, 12.1])  # the replay prices unequal stages: the rest is between the pieces
-    replayed.measured.bubble_replayed, replayed.details["held_measured"] = 0.25, [2, 1]
-    replayed.details |= {"replayed_step_ms": 18.0, "held_predicted": [2, 1]}
-    assert "between pieces" in report.pipeline_gaps([replayed])[0]
-    table = report.pipeline_table([near, unequal, equal, replayed])
+    replayed.measured.bubble_replayed = 0.25
+    replayed.details["pipelines"] |= {"replayed_step_ms": 18.0, "held_measured": [2, 1], "held_predicted": [2, 1]}
+    assert "between pieces" in pipelines.gaps([replayed])[0]
+    table = pipelines.table([near, unequal, equal, replayed])
     assert table.row_count == 4 and "34% (25%)" in table.columns[3]._cells and "2 1 (2 1)" in table.columns[6]._cells
 
 
 def test_an_older_torch_without_scale_grads_is_refused_not_run(monkeypatch):
-    import torch.distributed.pipelining.schedules as schedules
+    import torch.distributed.pipelining.schedules as torch_schedules
 
     class Old:  # a schedule as older releases wrote it: no scale_grads switch
         def __init__(self, stage, n_microbatches, loss_fn=None):
             pass
 
-    monkeypatch.setattr(schedules, "Schedule1F1B", Old)
-    assert "scale_grads" in pipeline_dist._torch_lacks("Schedule1F1B")
-    assert pipeline_dist._torch_lacks("ScheduleGPipe") is None
-    assert "lacks" in pipeline_dist._torch_lacks("ScheduleNotInThisTorch")
+    monkeypatch.setattr(torch_schedules, "Schedule1F1B", Old)
+    assert "scale_grads" in schedules.torch_lacks("Schedule1F1B")
+    assert schedules.torch_lacks("ScheduleGPipe") is None
+    assert "lacks" in schedules.torch_lacks("ScheduleNotInThisTorch")
 
 
 def test_a_v_schedule_over_gloo_is_refused_where_torch_would_send_from_a_rank_to_itself(monkeypatch):
     from torch.distributed.pipelining import PipelineStage
 
     monkeypatch.delattr(PipelineStage, "_warmup_forward_vote", raising=False)  # torch 2.11's warm-up
-    assert "sending from a rank to itself" in pipeline_dist._torch_lacks("ScheduleDualPipeV", "gloo")
-    assert pipeline_dist._torch_lacks("ScheduleDualPipeV", "nccl") is None  # not refused there: left to torch
-    assert pipeline_dist._torch_lacks("Schedule1F1B", "gloo") is None  # a loop: no stage pair within a rank
+    assert "sending from a rank to itself" in schedules.torch_lacks("ScheduleDualPipeV", "gloo")
+    assert schedules.torch_lacks("ScheduleDualPipeV", "nccl") is None  # not refused there: left to torch
+    assert schedules.torch_lacks("Schedule1F1B", "gloo") is None  # a loop: no stage pair within a rank
 
 
 def _bounds_by_time(rank, world):

@@ -19,7 +19,8 @@ from parallel.measure.replay import (
     torch_groups,
     torch_orders,
 )
-from parallel.strategies import pipeline, pipeline_dist
+from parallel.measure.stage_time import simulate
+from parallel.strategies import pipeline_dist
 
 
 def orders(schedule: str, p: int, m: int, groups: bool = False):
@@ -115,7 +116,7 @@ def test_play_is_the_replay_of_one_stage_per_device():
     ops = [schedules.one_f_one_b(s, 3, 6) for s in range(3)]
     orders = {s: [(s, k, j) for k, j in ops[s]] for s in range(3)}
     pieces = replay(orders, {(s, k): 1.0 + s + (k == "B") for s in range(3) for k in "FB"}, dict.fromkeys(range(2), .2))
-    played = pipeline.simulate(ops, [1.0, 2.0, 3.0], [2.0, 3.0, 4.0], hop=0.2)
+    played = simulate(ops, [1.0, 2.0, 3.0], [2.0, 3.0, 4.0], hop=0.2)
     assert max(p[5] for p in pieces) == pytest.approx(played)
 
 

@@ -9,44 +9,20 @@ OUT/report.png, which is how it is checked (tests/test_report.py, where Chromium
 from __future__ import annotations
 
 import html
-import io
 import re
 from pathlib import Path
 
+from parallel.charts import height as _height
+from parallel.charts import mib as _mib
+from parallel.charts import plt as _plt
+from parallel.charts import stacked as _stacked
+from parallel.charts import svg as _svg
 from parallel.harness import report
+from parallel.measure import pipelines
 from parallel.results import Row, atomic_write
 
-KIND_COLOR = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52"}
 VERDICT_COLOR = {"match": "#55a868", "baseline": "#4c72b0", "not-expected": "#dd8452", "mismatch": "#c44e52",
                  "unchecked": "#999999"}
-PIECE_COLOR = {"F": "#4c72b0", "B": "#dd8452", "I": "#dd8452", "W": "#8172b3", "L": "#55a868"}
-
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    plt.rcParams.update({"svg.fonttype": "none", "font.size": 9, "axes.spines.top": False,
-                         "axes.spines.right": False})
-    return plt
-
-
-def _svg(fig) -> str:
-    buf = io.StringIO()
-    fig.savefig(buf, format="svg", bbox_inches="tight")
-    _plt().close(fig)
-    text = buf.getvalue()
-    return text[text.index("<svg"):]
-
-
-def _height(n: int) -> float:
-    return 0.9 + 0.32 * max(n, 1)
-
-
-def _mib(n) -> float:
-    return (n or 0) / 2**20
 
 
 # The figures --------------------------------------------------------------------------------------------
@@ -101,50 +77,10 @@ def memory(rows: list[Row]) -> str | None:
     return _stacked(bars)
 
 
-def stage_memory(rows: list[Row]) -> str | None:
-    """Each pipeline stage's model state and the activations it held at once (its own scale: activations
-    dwarf a small model's state)."""
-    bars = []
-    for r in report.pipeline_rows(rows):
-        d = r.details
-        state = d.get("model_state_bytes_per_device") or []
-        acts = d.get("stage_peak_activation_bytes") or d.get("stage_activation_bytes") or []
-        for k in range(max(len(state), len(acts))):
-            bars.append((f"{r.label} stage {k}", {"model state": state[k] if k < len(state) else None,
-                                                  "activations": acts[k] if k < len(acts) else None}, None))
-    return _stacked(bars)
-
-
-def _stacked(bars: list[tuple]) -> str | None:
-    if not bars:
-        return None
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7.5, _height(len(bars))))
-    seen = set()
-    for i, (_, parts, formula) in enumerate(bars):
-        left = 0.0
-        for kind, value in parts.items():
-            if not value:
-                continue
-            color = KIND_COLOR.get(kind, "#8c8c8c")
-            ax.barh(i, _mib(value), left=left, color=color, label=None if kind in seen else kind)
-            seen.add(kind)
-            left += _mib(value)
-        if formula:
-            ax.plot(_mib(formula), i, marker="D", color="black", ms=5,
-                    label=None if "ZeRO formula" in seen else "ZeRO formula")
-            seen.add("ZeRO formula")
-    ax.set_yticks(range(len(bars)), [b[0] for b in bars])
-    ax.invert_yaxis()
-    ax.set_xlabel("MiB per rank (the largest rank's where only one is measured)")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
-    return _svg(fig)
-
-
 def collectives(rows: list[Row]) -> str | None:
     """Bytes one rank sends per step, stacked by collective, for every row that sends any."""
-    pipelines = report.pipeline_rows(rows)  # their sends are in their own table
-    shown = [(r, report.sent_by_collective(r)) for r in rows if r.status == "ok" and r not in pipelines]
+    piped = pipelines.rows(rows)  # their sends are in their own table
+    shown = [(r, report.sent_by_collective(r)) for r in rows if r.status == "ok" and r not in piped]
     shown = [(r, by) for r, by in shown if by and any(by.values())]
     if not shown:
         return None
@@ -227,48 +163,6 @@ def experts(rows: list[Row]) -> str | None:
     return _svg(fig)
 
 
-def pieces(timeline: list) -> list[tuple[int, float, float, str, int]]:
-    """(row of the chart, start ms, end ms, kind, micro-batch) from a row's stage_timeline or replay_timeline:
-    in-process pipelines give one list per stage; pipeline_dist one list per rank, whose labels name the stage."""
-    from parallel.measure.stage_time import PIECE
-
-    out = []
-    for lane, intervals in enumerate(timeline):
-        for start, end, label in intervals:
-            if m := PIECE.search(str(label)):
-                out.append((lane, float(start), float(end), m.group(2), int(m.group(3))))
-    return out
-
-
-def gantt(r: Row) -> str | None:
-    """The row's last step as each stage (or rank) spent it, beside every rank's actions replayed on the
-    medians of those same pieces and the measured hand-offs (replay.pipeline_theory): the gap between
-    the two is what the replay leaves out (the time between pieces: the schedule's own work, waiting)."""
-    measured = pieces(r.details.get("stage_timeline") or [])
-    if not measured:
-        return None
-    lanes = max(p[0] for p in measured) + 1
-    theory = pieces(r.details.get("replay_timeline") or [])
-    plt = _plt()
-    panels = [("measured: the last step", measured)] + ([("replayed: every rank's actions on the median pieces",
-                                                           theory)] if theory else [])
-    fig, axes = plt.subplots(len(panels), 1, figsize=(7.5, 0.8 + 0.45 * lanes * len(panels) + 0.4 * len(panels)),
-                             sharex=True, squeeze=False)
-    for ax, (title, ps) in zip(axes[:, 0], panels, strict=True):
-        t0 = min(b for _, b, _, _, _ in ps)
-        for lane, b, e, kind, j in ps:
-            ax.barh(lane, e - b, left=b - t0, color=PIECE_COLOR[kind], edgecolor="white", linewidth=0.5)
-            if e - b > 0:
-                ax.text(b - t0 + (e - b) / 2, lane, f"{kind}{j}", ha="center", va="center", fontsize=7, color="white")
-        ax.set_yticks(range(lanes), [f"{'rank' if 'schedule' in r.details and r.strategy != 'pipeline' else 'stage'} "
-                                     f"{k}" for k in range(lanes)])
-        ax.invert_yaxis()
-        ax.set_title(title, fontsize=9, loc="left")
-    axes[-1, 0].set_xlabel("ms since the step's first piece of work (F forward, L loss, B backward, I input gradient, "
-                           "W weight gradient)")
-    return _svg(fig)
-
-
 def errors(rows: list[Row]) -> str | None:
     """Every tensor's difference from `single`'s over its tolerance, per strategy (log scale; 1 is the
     tolerance): how close each came, and which tensors a mismatch is in."""
@@ -342,7 +236,7 @@ def page(rows: list[Row], environment: dict, skipped: dict | None, out: Path) ->
                 ("Model state per rank, by kind", memory(rows),
                  "Params, grads and optimizer state each rank holds (measured), beside the ZeRO paper's formula for "
                  "the strategy."),
-                ("Pipeline stages: model state and activations", stage_memory(rows),
+                ("Pipeline stages: model state and activations", pipelines.stage_memory(rows),
                  "What each stage holds: its part of the model state, and the most activations it kept at once."),
                 ("Bytes sent per step, by collective", collectives(rows),
                  "What one rank sends in an optimiser step, counted at the collective; the tick: the textbook's."),
@@ -352,11 +246,7 @@ def page(rows: list[Row], environment: dict, skipped: dict | None, out: Path) ->
                 ("Experts: each rank's load", experts(rows),
                  "The rows each rank's experts computed (one colour per expert) and its time in them: the busiest "
                  "rank sets the step, since every rank waits for it at the combine's all-to-all.")]
-    sections += [(f"Pipeline schedule: {r.label}", gantt(r), f"{r.details.get('schedule', 'one stage at a time')}, "
-                  f"m = {r.details.get('microbatches', 1)}, stages {r.details.get('stages', '')}: idle "
-                  f"{report._pct(r.measured.bubble_measured)} measured, "
-                  f"{report._pct(r.measured.bubble_replayed)} replayed")
-                 for r in report.pipeline_rows(rows)]
+    sections += pipelines.pictures(rows)
     sections.append(("Equivalence: every tensor against one device", errors(rows),
                      "Each dot is one tensor's largest difference from `single`'s over its own tolerance."))
     body = [f"<h1>{html.escape(report.header(environment))}</h1>", _main_table(rows, environment)]

@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from parallel.harness import memcheck, twin
-from parallel.measure import layers
+from parallel.measure import layers, pipelines
 from parallel.results import Row
 from parallel.tables import num as _num
 from parallel.tables import size as _bytes
@@ -173,52 +173,6 @@ def sharding_tables(rows: list[Row]) -> list[Table]:
         sent.add_row(r.label, *(_bytes(by.get(k)) if by.get(k) else "-" for k in kinds),
                      _bytes(r.comm_bytes_per_step), _bytes(r.comm_bytes_predicted))
     return [state, sent]
-
-
-def pipeline_rows(rows: list[Row]) -> list[Row]:
-    return [r for r in rows if r.status == "ok" and "stages" in r.details and
-            (r.measured.bubble_theory is not None or r.measured.bubble_replayed is not None)]
-
-
-def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{v:.0%}"
-
-
-def _beside(measured: str, theory: str) -> str:
-    return measured if theory in ("", "-") else f"{measured} ({theory})"
-
-
-def pipeline_table(rows: list[Row], wide: bool = False) -> Table | None:
-    """Every pipeline row: its schedule and micro-batches, the idle fraction and step measured beside
-    every rank's actions replayed on the run's own piece times (in brackets), the schedule's closed form,
-    and the micro-batches each stage held at once beside what its order holds (wide: the cut, the
-    activation bytes, the cost model's step, what goes point to point, the model state per rank)."""
-    chosen = pipeline_rows(rows)
-    if not chosen:
-        return None
-    heads = [("strategy", "left"), ("schedule", "left"), ("m", "right"), ("idle (replay)", "right"),
-             ("closed", "right"), ("ms (replay)", "right"), ("held (order)", "right")]
-    if wide:
-        heads += [("stages (layers)", "left"), ("activations", "right"), ("ms (model)", "right"),
-                  ("sent/step", "right"), ("model state per rank", "right")]
-    t = _table("Pipelines: idle and step against the schedule replayed on its own pieces; micro-batches held", heads)
-    t.columns[0].min_width = 16
-    for r in chosen:
-        d, m = r.details, r.measured
-        replayed = d.get("replayed_step_ms")
-        label = " ".join(w for w in r.label.split(" ") if not w.startswith("schedule="))  # its own column
-        cells = [label, d.get("schedule", "-"), str(d.get("microbatches", 1)),
-                 _beside(_pct(m.bubble_measured), _pct(m.bubble_replayed)), _pct(m.bubble_theory),
-                 _beside(_num(r.step_ms_p50, ".1f"), _num(replayed, ".1f") if replayed else "-"),
-                 _beside(" ".join(map(str, d.get("held_measured") or [])) or "-",
-                         " ".join(map(str, d.get("held_predicted") or [])) or "-")]
-        if wide:
-            acts = d.get("stage_peak_activation_bytes") or d.get("stage_activation_bytes") or []
-            cells += [d["stages"], " / ".join(_bytes(b, short=True) for b in acts), _num(r.step_ms_predicted, ".1f"),
-                      _bytes(r.comm_bytes_per_step),
-                      " / ".join(_bytes(b, short=True) for b in d.get("model_state_bytes_per_device") or [])]
-        t.add_row(*cells)
-    return t
 
 
 def context_rows(rows: list[Row]) -> list[Row]:
@@ -403,7 +357,7 @@ def long_notes(rows: list[Row], environment: dict, skipped: dict | None = None, 
     out += [f"{r.label}: {f}" for r in rows for f in r.flags]
     out += skipped_in_full(skipped or {})
     out += [f"{r.label}: {r.equivalence.reason}" for r in rows if r.equivalence.verdict == "not-expected"]
-    out += _reduce_scatter_caveat(rows) + pipeline_gaps(rows) + layers.layer_gaps(rows) + cost_lines(cost_model)
+    out += _reduce_scatter_caveat(rows) + pipelines.gaps(rows) + layers.layer_gaps(rows) + cost_lines(cost_model)
     kinds = {r.peak_mem_kind for r in rows if r.peak_mem_kind}
     if "process_peak_rss" in kinds:
         out.append("peak mem on CPU is the peak resident memory of rank 0's process (torch itself included); "
@@ -413,30 +367,6 @@ def long_notes(rows: list[Row], environment: dict, skipped: dict | None = None, 
         out.append(f"--repeat {rounds}: every strategy ran {rounds} times, in interleaved rounds; speedup is the "
                    f"median of each round's samples/s over that round's {over} [min-max over the rounds], ms "
                    "p50 the median of the rounds' (p95: the first round's); equivalence judged on the first round.")
-    return out
-
-
-def pipeline_gaps(rows: list[Row]) -> list[str]:
-    """Why a pipeline row idled more than its schedule replayed on its own pieces (by over a quarter of
-    it), or, where it was not replayed, than its closed form (which assumes equal stages)."""
-    out = []
-    for r in rows:
-        m, busy = r.measured, r.details.get("stage_busy_ms")
-        if r.status != "ok" or m.bubble_measured is None or not busy or len(busy) < 2:
-            continue
-        replayed = m.bubble_replayed is not None
-        theory = (m.bubble_replayed if replayed else m.bubble_theory) or 0.0
-        if m.bubble_measured <= theory * 1.25 or m.bubble_measured - theory <= 0.02:
-            continue
-        why = ("the replay has every piece's own time and the hand-offs, so the rest is the time between pieces: "
-               "the schedule's own work (posting and waiting on sends and receives), which it does not price"
-               if replayed else
-               f"its stages were busy {' / '.join(f'{b:.1f}' for b in busy)} ms a step, and a faster stage waits for "
-               "a slower one, which the closed form's equal stages leave out" if max(busy) > 1.1 * min(busy) else
-               f"its stages were equally busy ({' / '.join(f'{b:.1f}' for b in busy)} ms), so the rest is what each "
-               "of the m hand-offs costs (copies, queues, send/recv), which the closed form leaves out")
-        out.append(f"{r.label}: idle {m.bubble_measured:.0%} of each step against {theory:.0%} "
-                   f"{'replayed' if replayed else 'in theory'}: {why}.")
     return out
 
 
@@ -624,7 +554,7 @@ def show(rows: list[Row], environment: dict, console: Console | None = None, ski
     if why := (environment.get("run") or {}).get("why"):  # the CLI chose the workload (GPUs, none named)
         console.print(why, style="dim", highlight=False, markup=False)
     console.print(table(rows, environment, wide, skipped))
-    for extra in (*sharding_tables(rows), pipeline_table(rows, wide), layers.layer_table(rows), context_table(rows),
+    for extra in (*sharding_tables(rows), pipelines.table(rows, wide), layers.layer_table(rows), context_table(rows),
                   expert_table(rows), memcheck.table(rows)):
         if extra is not None:
             console.print(extra)

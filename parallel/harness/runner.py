@@ -27,6 +27,7 @@ from parallel.config import RunConfig
 from parallel.errors import ConfigError
 from parallel.harness import equivalence, launch, load, noise, twin
 from parallel.harness.report import make_progress
+from parallel.measure import pipelines
 from parallel.results import Equivalence, Row, file_stem, tb_run
 from parallel.usermodel import cannot_match, checked_env, shape_model, workload_of
 from parallel.workloads import eval_loss
@@ -251,8 +252,8 @@ def run_strategies(config: RunConfig, chosen: list[tuple], baseline: bool = True
                     cfg = dataclasses.replace(cfg, cuts={**cuts, **cfg.cuts})
                     chosen[i] = (s, variant, cfg)  # its repeat rounds too
                 row, state = run_one(s, variant, cfg, work, logs)
-                if (bounds := row.details.get("stage_bounds")) and (balance := row.details.get("balance")):
-                    cuts.setdefault(f"{balance}:{len(bounds) - 1}", bounds)
+                if cut := pipelines.result(row):  # a pipeline's stages
+                    cuts.setdefault(f"{cut.balance}:{len(cut.bounds) - 1}", cut.bounds)
                 if state is not None:
                     row.eval_loss = eval_loss(workload_of(cfg), state, config.seed)
                 judged = row  # the run the verdict is on: the row's own, or its run on the shallow twin

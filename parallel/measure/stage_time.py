@@ -1,6 +1,7 @@
 """Time on a pipeline's stages: a schedule played out on given forward and backward times (`play`,
 `simulate`: the theory beside a measurement, and the cost model's prediction), and measured (`Busy`: each
-stage's busy intervals in a step; `timed_stage`: torch's PipelineStage with its pieces timed). The stages
+stage's busy intervals in a step; `Watch`: a process's stages watched; `timed_stage`: torch's PipelineStage
+with its pieces timed); and drawn (`gantt`, report.html's chart of a step). The stages
 themselves, how a model is cut into them and what they hold: stages.py.
 """
 
@@ -14,12 +15,14 @@ import statistics
 import torch
 from torch.autograd.profiler import record_function
 
+from parallel import charts, wire
 from parallel.devices import IntervalClock
 from parallel.kit.stages import ActivationMeter
-from parallel.measure.replay import closed_form_idle, pipeline_theory, replay
-from parallel.results import Measured
+from parallel.measure.replay import replay
 
 PIECE = re.compile(r"(?:stage (\d+) )?([FBIWL])(\d+)$")  # a Busy label: "F3" (stage = its lane), "stage 2 W0"
+PIECE_COLOR = {"F": "#4c72b0", "B": "#dd8452", "I": "#dd8452", "W": "#8172b3", "L": "#55a868"}
+
 
 def simulate(ops: list[list[tuple[str, int]]], fwd: list[float], bwd: list[float], hop: float = 0.0) -> float:
     """How long a schedule takes (`play`'s last end). Unequal stages and unequal forward and backward
@@ -111,25 +114,49 @@ class Busy:
                                                                                                 strict=True)]
                 for stage, stamps in self._last]
 
-    def summary(self, skip: int, ops: list[list[tuple[str, int]]], schedule: str, step_s: list[float]) -> dict:
-        """The measured idle fraction and each stage's busy ms (medians after `skip` steps), beside the
-        theory: `ops` (stage s runs ops[s], ("F" | "B", micro-batch), in order, one stage per lane) replayed
-        on the pieces' median times (pipeline_theory; hand-offs are inside the pieces here). `step_s`: the
-        timed steps' seconds (the warm-up's are not timed), for the time a step spends outside the pieces."""
-        p, m = len(ops), 1 + max(j for stage in ops for _, j in stage)
-        orders = {s: [(s, kind, j) for kind, j in stage] for s, stage in enumerate(ops)}
-        pieces = self.piece_ms(skip)
-        theory = closed_form_idle(schedule, p, m, 1, pieces) if self.pieces else (p - 1) / (m + p - 1)
-        if not self.bubbles:
-            return {"measured": Measured(bubble_theory=theory)}
-        kept = self.bubbles[skip:] or self.bubbles
-        per_stage = list(zip(*(self.busy_ms[skip:] or self.busy_ms), strict=True))
-        outside = self.outside_ms(step_s)
-        out = pipeline_theory(orders, pieces, {}, outside, rank=None)
-        return {"measured": Measured(bubble_measured=statistics.median(kept), bubble_theory=theory,
-                                     bubble_replayed=out.pop("replayed_idle", None)),
-                "stage_busy_ms": [round(statistics.median(s), 2) for s in per_stage], "stage_timeline": self.timeline,
-                **out}
+
+class Watch:
+    """How the stages of one process (model_parallel, pipeline: a thread each) are watched, for the report
+    alone: each piece's busy interval (`Busy`), the activation bytes each stage saves for backward (its
+    ActivationMeter, on in the first `meter_steps` steps only: the warm-up, off the clock), and the most
+    each stage held at once (`peak`, over the micro-batches it had run forward and not yet backward).
+    `with watch.forward(s, j): ...` around stage s's forward of micro-batch j (giving the stage its
+    meter, watch.meters[s]), `with watch.backward(s, j): ...` around its backward; stage s's thread only
+    touches stage s's entries."""
+
+    def __init__(self, stages: list, devices: list[torch.device], meter_steps: int):
+        self.busy, self.meters = Busy(devices), [ActivationMeter(s) for s in stages]
+        self.meter_steps, self.seen = max(1, meter_steps), 0  # steps the meters count; steps begun
+        self.peak = [0] * len(stages)  # the most activation bytes each stage held at once, over the run
+        self.held: list[dict[int, int]] = [{} for _ in stages]  # per stage: micro-batch -> bytes it holds
+
+    def start_step(self) -> None:
+        for m in self.meters:
+            m.active = self.seen < self.meter_steps
+        self.seen += 1
+        self.held = [{} for _ in self.held]  # a micro-batch whose backward never ran (an injected bug) is gone
+        self.busy.start_step()
+
+    def end_step(self) -> None:
+        self.busy.end_step()
+
+    def metered(self) -> int:
+        """The steps the meters counted (at least one)."""
+        return max(1, min(self.seen, self.meter_steps))
+
+    @contextlib.contextmanager
+    def forward(self, s: int, j: int):
+        before = self.meters[s].bytes
+        with self.busy(s, f"F{j}"):
+            yield
+        self.held[s][j] = self.meters[s].bytes - before
+        self.peak[s] = max(self.peak[s], sum(self.held[s].values()))
+
+    @contextlib.contextmanager
+    def backward(self, s: int, j: int):
+        with self.busy(s, f"B{j}"):
+            yield
+        self.held[s].pop(j, None)
 
 
 def timed_loss(loss_fn, busy: Busy, stage: int, m: int):
@@ -154,6 +181,7 @@ def timed_stage(module, index, count, device, group, busy: Busy, meter: Activati
 
     class Timed(PipelineStage):
         def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+            meter.active = wire.counting()  # the warm-up steps (off the clock), as the collectives are counted
             before = meter.bytes
             with busy(0, f"stage {index} F{fwd_chunk_id}"), meter:
                 out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
@@ -181,3 +209,41 @@ def timed_stage(module, index, count, device, group, busy: Busy, meter: Activati
     # micro-batch -> activation bytes kept; the most at once; one micro-batch's; the bytes its output sends on
     stage.held, stage.peak, stage.one, stage.out_bytes, stage.meter = {}, 0, 0, 0, meter
     return stage
+
+
+def pieces(timeline: list) -> list[tuple[int, float, float, str, int]]:
+    """(row of the chart, start ms, end ms, kind, micro-batch) from a Busy timeline or a replay's: a process's
+    stages give one list per stage; pipeline_dist one list per rank, whose labels name the stage."""
+    out = []
+    for lane, intervals in enumerate(timeline):
+        for start, end, label in intervals:
+            if m := PIECE.search(str(label)):
+                out.append((lane, float(start), float(end), m.group(2), int(m.group(3))))
+    return out
+
+
+def gantt(timeline: list | None, replayed: list | None, lanes: str = "stage") -> str | None:
+    """A step as each stage (or rank: `lanes`) spent it, beside every rank's actions replayed on the
+    medians of those same pieces and the measured hand-offs (replay.pipeline_theory): the gap between
+    the two is what the replay leaves out (the time between pieces: the schedule's own work, waiting)."""
+    measured = pieces(timeline or [])
+    if not measured:
+        return None
+    n = max(p[0] for p in measured) + 1
+    theory = pieces(replayed or [])
+    panels = [("measured: the last step", measured)] + ([("replayed: every rank's actions on the median pieces",
+                                                           theory)] if theory else [])
+    fig, axes = charts.plt().subplots(len(panels), 1, figsize=(7.5, 0.8 + 0.45 * n * len(panels) + 0.4 * len(panels)),
+                                      sharex=True, squeeze=False)
+    for ax, (title, ps) in zip(axes[:, 0], panels, strict=True):
+        t0 = min(b for _, b, _, _, _ in ps)
+        for lane, b, e, kind, j in ps:
+            ax.barh(lane, e - b, left=b - t0, color=PIECE_COLOR[kind], edgecolor="white", linewidth=0.5)
+            if e - b > 0:
+                ax.text(b - t0 + (e - b) / 2, lane, f"{kind}{j}", ha="center", va="center", fontsize=7, color="white")
+        ax.set_yticks(range(n), [f"{lanes} {k}" for k in range(n)])
+        ax.invert_yaxis()
+        ax.set_title(title, fontsize=9, loc="left")
+    axes[-1, 0].set_xlabel("ms since the step's first piece of work (F forward, L loss, B backward, I input gradient, "
+                           "W weight gradient)")
+    return charts.svg(fig)

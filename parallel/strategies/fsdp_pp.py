@@ -28,6 +28,7 @@ import torch
 from parallel.devices import SHARED_GLOO_NO_P2P
 from parallel.errors import ConfigError
 from parallel.layout import ParallelDims
+from parallel.measure import pipelines
 from parallel.strategies import pipeline_dist
 from parallel.strategies.base import Hooks, Mutant, Trainable, injected, model_state_every_rank, options_of
 from parallel.strategies.fsdp import blocks
@@ -136,9 +137,6 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
 train_step = pipeline_dist.train_step
 
 
-def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
-    return {"mesh": str(_layout(config, dist)), **pipeline_dist.extra_measurements(t, data, config, dist, result)}
-
-
+MEASURE = pipelines.Torch(lambda config: options_of(Options, config), layout=_layout)  # the mesh in its result
 HOOKS = Hooks(available=available, dims=dims, check=check, defaults=defaults, state_dict=pipeline_dist.state_dict,
-              model_state_bytes=model_state_every_rank, extra_measurements=extra_measurements)
+              model_state_bytes=model_state_every_rank)

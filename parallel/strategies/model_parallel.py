@@ -20,7 +20,6 @@ import torch
 
 from parallel.errors import ConfigError
 from parallel.kit.stages import (
-    ActivationMeter,
     Split,
     check_layers,
     given_cut,
@@ -30,7 +29,8 @@ from parallel.kit.stages import (
     stage_forward,
 )
 from parallel.kit.tensors import state_bytes
-from parallel.measure.stage_time import Busy
+from parallel.measure import pipelines
+from parallel.measure.stage_time import Watch
 from parallel.strategies.base import Hooks, Mutant, Trainable, injected, options_of
 from parallel.usermodel import workload_of
 
@@ -57,25 +57,12 @@ class Options:
 @dataclass
 class Stages:
     split: Split  # the stages and their devices
-    meters: list[ActivationMeter]  # activation bytes each stage saves for backward
-    busy: Busy  # each stage's busy intervals, step by step
-    meter_steps: int = field(default=1, kw_only=True)  # the steps the meters count (the warm-up, off the
-    #   clock; at least the first)
-    seen: int = field(default=0, kw_only=True)  # steps begun
-
-    def start_step(self) -> None:
-        """Meters on for the first `meter_steps` steps only."""
-        for m in self.meters:
-            m.active = self.seen < self.meter_steps
-        self.seen += 1
-
-    def metered(self) -> int:
-        return max(1, min(self.seen, self.meter_steps))
+    watch: Watch  # each stage's busy time and activations, for the report (measure.pipelines)
 
 
 def setup_stages(model, make_optimizer, loss_fn, config, sample_size: int, balance: str) -> Trainable:
     """Shared with `pipeline`: split the model over the devices, one device's share of the cores for the
-    main thread (it runs or coordinates the stages), activation meters and busy clocks per stage."""
+    main thread (it runs or coordinates the stages)."""
     spec = config.spec
     devices = [spec.device(i) for i in range(config.world_size)]
     torch.set_num_threads(spec.threads_per_device())
@@ -83,8 +70,7 @@ def setup_stages(model, make_optimizer, loss_fn, config, sample_size: int, balan
     sample = workload_of(config).dataset(config.seed, sample_size).batch(0)[0]
     sp = split(model, devices, balance, sample, given_cut(config, balance, len(devices), layers_of(model)))
     return Trainable(model, make_optimizer(model.parameters()), loss_fn, devices[0],
-                     state=Stages(sp, [ActivationMeter(s) for s in sp.stages], Busy(devices),
-                                  meter_steps=max(1, config.warmup)),
+                     state=Stages(sp, Watch(sp.stages, devices, config.warmup)),
                      devices=devices)
 
 
@@ -93,16 +79,15 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
 
 
 def train_step(t: Trainable, batch, dist):
-    sp, busy, meters = t.state.split, t.state.busy, t.state.meters
+    sp, watch = t.state.split, t.state.watch
     x, y = batch
     last = len(sp.stages) - 1
     t.optimizer.zero_grad(set_to_none=True)
-    t.state.start_step()
-    busy.start_step()
+    watch.start_step()
     saved, h = [], x
     for s, (stage, device) in enumerate(zip(sp.stages, sp.devices, strict=True)):  # forward, stage by stage
-        with busy(s, "F0"):
-            inp, h = stage_forward(stage, h, device, s == 0, meters[s])
+        with watch.forward(s, 0):
+            inp, h = stage_forward(stage, h, device, s == 0, watch.meters[s])
             if s == last:
                 h = t.loss_fn(h, y.to(device))
         saved.append((inp, h))
@@ -110,37 +95,17 @@ def train_step(t: Trainable, batch, dist):
     for s in reversed(range(len(sp.stages))):  # backward, last stage first
         if s < last and injected(t, NO_GRAD_BACK):
             break
-        with busy(s, "B0"):
+        with watch.backward(s, 0):
             grad = stage_backward(*saved[s], grad)
     sp.sum_tied()  # a weight two stages use (GPT-2's head): its copies' gradients summed (tied.untie)
     t.optimizer.step()
-    busy.end_step()
+    watch.end_step()
     return saved[last][1].detach()
-
-
-def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
-    return stage_details(t, config, result, [[("F", 0), ("B", 0)]] * len(t.state.split.stages), "gpipe")
-
-
-def stage_details(t: Trainable, config, result, ops: list[list[tuple[str, int]]], schedule: str) -> dict:
-    """What the stages were and held, and their idle time beside the theory of `schedule` (`ops`: each
-    stage's pieces in order; one stage at a time is gpipe of one micro-batch)."""
-    sp, steps = t.state.split, t.state.metered()
-    return {"balance": sp.balance, "stages": sp.describe(), "stage_bounds": sp.bounds,
-            "stage_param_bytes": sp.param_bytes(),
-            "stage_activation_bytes": [m.bytes // steps for m in t.state.meters],  # held at the end of forward
-
-            **t.state.busy.summary(config.warmup, ops, schedule, result.step_s)}
-
-
-def predict_step_ms(cal, config, row) -> float:
-    """One stage at a time: the whole model's compute, plus the activations and gradients copied."""
-    return cal.compute_ms(config.batch_size) + cal.copy_ms(row.comm_bytes_per_step or 0)
 
 
 def model_state_bytes(t: Trainable, config) -> list[int]:
     return [state_bytes(list(stage.parameters()), t.optimizer) for stage in t.state.split.stages]
 
 
-HOOKS = Hooks(check=check_layers, extra_measurements=extra_measurements, predict_step_ms=predict_step_ms,
-              model_state_bytes=model_state_bytes)
+MEASURE = pipelines.Threads(one_at_a_time=True)
+HOOKS = Hooks(check=check_layers, model_state_bytes=model_state_bytes)

@@ -23,7 +23,7 @@ The defaults, 1F1B over m = 4, are what measured fastest on the default comparis
 speedup over `single` in the same run, two runs): 1f1b m=2 1.06/1.23x, m=4 1.34/1.35x, m=8 1.33/1.29x;
 gpipe m=2 1.10/0.96x, m=4 1.01/1.11x, m=8 1.09/1.13x. More micro-batches shrink the bubble but each pays
 the per-operation overhead on a smaller batch; GPipe loses to the forward/backward imbalance above. The
-cost model plays the chosen schedule out on each stage's own forward and backward times (stage_time.simulate).
+cost model plays the chosen schedule out on each stage's own forward and backward times (measure/pipelines.py).
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from parallel.errors import ConfigError
 from parallel.kit.primitives import DeviceThreads
 from parallel.kit.schedules import SCHEDULES
 from parallel.kit.stages import check_layers, stage_backward, stage_forward
-from parallel.measure.stage_time import simulate
+from parallel.measure import pipelines
 from parallel.strategies.base import Hooks, Mutant, Trainable, injected, options_of
 from parallel.strategies.model_parallel import Options as SplitOptions
-from parallel.strategies.model_parallel import Stages, model_state_bytes, setup_stages, stage_details
+from parallel.strategies.model_parallel import Stages, model_state_bytes, setup_stages
 
 NAME = "pipeline"
 LAYERED = True  # cuts the model's pipeline_layers() into stages
@@ -84,32 +84,32 @@ def defaults(config) -> dict:
 
 def check(config) -> None:
     check_layers(config)
-    m = options_of(Options, config).microbatches
-    if m > config.batch_size:
+    if (m := options_of(Options, config).microbatches) > config.batch_size:
         raise ConfigError(f"--microbatches {m} is more than the global batch {config.batch_size}")
 
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
-    opts = options_of(Options, config)
-    micro = -(-config.batch_size // opts.microbatches)  # balance the stages at the size they will run
-    t = setup_stages(model, make_optimizer, loss_fn, config, micro, opts.balance)
+    o = options_of(Options, config)
+    m = o.microbatches  # the typed option, from here on the State's
+    micro = -(-config.batch_size // m)  # balance the stages at the size they will run
+    t = setup_stages(model, make_optimizer, loss_fn, config, micro, o.balance)
     sp = t.state.split
-    p, m = len(sp.stages), opts.microbatches
-    ops = [SCHEDULES[opts.schedule](s, p, m) for s in range(p)]
+    p = len(sp.stages)
+    ops = [SCHEDULES[o.schedule](s, p, m) for s in range(p)]
     if injected(config, MICROBATCH_DROPPED):
         ops = [[op for op in stage if op != ("B", m - 1)] for stage in ops]
-    t.state = State(**vars(t.state), m=m, timeout=config.pg_timeout, ops=ops,
-                    pool=DeviceThreads(sp.devices, config.spec.threads_per_device()), peak=[0] * p)
+    t.state = State(**vars(t.state), m=m, schedule=o.schedule, ops=ops, timeout=config.pg_timeout,
+                    pool=DeviceThreads(sp.devices, config.spec.threads_per_device()))
     return t
 
 
 @dataclass
 class State(Stages):
     m: int  # micro-batches per step
-    timeout: float  # seconds a stage waits for its neighbour
+    schedule: str  # its name: "gpipe" or "1f1b"
     ops: list[list[tuple[str, int]]]  # each stage's schedule: ("F" | "B", micro-batch)
+    timeout: float  # seconds a stage waits for its neighbour
     pool: DeviceThreads  # a long-lived thread per stage
-    peak: list[int]  # the most activation bytes each stage held at once, over the run
 
 
 @dataclass
@@ -123,7 +123,6 @@ class _Step:
     bwd: list  # bwd[s]: gradients arriving at stage s
     losses: list
     timeout: float
-    peak: list  # peak[s]: the most activation bytes stage s held at once
     abort: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 
@@ -141,28 +140,25 @@ class _Step:
 
 def _run_stage(t: Trainable, st: _Step, s: int) -> None:
     """Stage s's operations for one step, in stage s's thread, in its schedule's order."""
-    sp, busy, meter = t.state.split, t.state.busy, t.state.meters[s]
+    sp, watch = t.state.split, t.state.watch
     stage, device, last = sp.stages[s], sp.devices[s], s == len(sp.stages) - 1
-    saved, held = {}, {}  # micro-batch -> (input, output); -> activation bytes it holds
+    saved = {}  # micro-batch -> (input, output)
     try:
         for op, j in t.state.ops[s]:
             if op == "F":
                 x = st.xs[j] if s == 0 else st.recv(st.fwd[s])
-                before = meter.bytes
-                with busy(s, f"F{j}"):
-                    inp, out = stage_forward(stage, x, device, s == 0, meter)
+                with watch.forward(s, j):
+                    inp, out = stage_forward(stage, x, device, s == 0, watch.meters[s])
                     if last:
                         out = t.loss_fn(out, st.ys[j].to(device)) * st.weights[j]  # sum over j = the batch mean
                         st.losses[j] = out.detach()
-                saved[j], held[j] = (inp, out), meter.bytes - before
-                st.peak[s] = max(st.peak[s], sum(held.values()))
+                saved[j] = (inp, out)
                 if not last:
                     st.fwd[s + 1].put(out.detach())
             else:
                 grad = None if last else st.recv(st.bwd[s])
-                with busy(s, f"B{j}"):
+                with watch.backward(s, j):
                     grad = stage_backward(*saved.pop(j), grad)
-                held.pop(j)
                 if s > 0:
                     st.bwd[s - 1].put(grad)
     except BaseException as e:
@@ -178,46 +174,18 @@ def train_step(t: Trainable, batch, dist):
     p = len(sp.stages)
     weights = [1 / len(ys)] * len(ys) if injected(t, EQUAL_WEIGHTS) else [len(c) / len(y) for c in ys]
     st = _Step(xs, ys, weights, [queue.SimpleQueue() for _ in range(p)],
-               [queue.SimpleQueue() for _ in range(p)], [None] * len(xs), t.state.timeout, [0] * p)
+               [queue.SimpleQueue() for _ in range(p)], [None] * len(xs), t.state.timeout)
     t.optimizer.zero_grad(set_to_none=True)
-    t.state.start_step()
-    t.state.busy.start_step()
+    t.state.watch.start_step()
     try:
         t.state.pool.run([lambda s: _run_stage(t, st, s)] * p, list(range(p)))
     except RuntimeError as e:
         raise RuntimeError(f"pipeline stage failed: {type(st.error).__name__}: {st.error}") from e
     sp.sum_tied()  # a weight two stages use (GPT-2's head): its copies' gradients summed (tied.untie)
     t.optimizer.step()
-    t.state.busy.end_step()
-    t.state.peak = [max(a, b) for a, b in zip(t.state.peak, st.peak, strict=True)]
+    t.state.watch.end_step()
     return torch.stack(st.losses).sum()
 
 
-def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
-    schedule, m = options_of(Options, config).schedule, t.state.m
-    details = stage_details(t, config, result, t.state.ops, schedule)
-    one = [b / m for b in details["stage_activation_bytes"]]  # a step's, over its micro-batches (alike when m | batch)
-    return {**details, "microbatches": m, "schedule": schedule, "stage_peak_activation_bytes": t.state.peak,
-            "held_measured": [round(p / o) if o else 0 for p, o in zip(t.state.peak, one, strict=True)]}
-
-
-def predict_step_ms(cal, config, row) -> float | None:
-    """The schedule played out on each stage's own forward and backward times, calibrated at the
-    micro-batch size (stage_time.simulate), plus the transfers between stages."""
-    o = options_of(Options, config)
-    return schedule_ms(cal, row, o.schedule, o.microbatches, config.batch_size)
-
-
-def schedule_ms(cal, row, schedule: str, m: int, batch: int) -> float | None:
-    """A gpipe or 1f1b step of the row's stages (details["stage_bounds"]) over m micro-batches of `batch`."""
-    bounds = row.details.get("stage_bounds")
-    if not bounds or schedule not in SCHEDULES:
-        return None
-    p = len(bounds) - 1
-    fwd, bwd = cal.stage_ms(bounds, -(-batch // m))
-    hop = cal.copy_ms((row.comm_bytes_per_step or 0) / (2 * m * (p - 1))) if p > 1 else 0.0  # one activation
-    return simulate([SCHEDULES[schedule](s, p, m) for s in range(p)], fwd, bwd, hop)
-
-
-HOOKS = Hooks(check=check, defaults=defaults, extra_measurements=extra_measurements, predict_step_ms=predict_step_ms,
-              model_state_bytes=model_state_bytes)
+MEASURE = pipelines.Threads()
+HOOKS = Hooks(check=check, defaults=defaults, model_state_bytes=model_state_bytes)

@@ -18,11 +18,6 @@ forward and their gradients back with isend/irecv (gloo on CPU, nccl on GPUs).
     dualpipev          2, in a V          DeepSeek-V3's (2024), at least 2p micro-batches; its overlapped
                                           F&B runs as F then B here (torch has no overlap of its own)
 
-The theory beside each run is every rank's own action list (torch's pipeline_order; for gpipe and 1f1b,
-which torch runs without one, their order as torch's step runs them) replayed on the run's own median
-F, I, B and W times per stage and the hand-off measured after the run (replay.pipeline_theory), with
-the closed form above beside it: docs/pipelines.md.
-
 Only the rank with the first stage uses the inputs and only the one with the last stage the targets
 and the loss (ParallelDims.loss_pp says which). torch's stages receive into buffers shaped like the first
 micro-batch, so m must divide the batch (checked before anything starts: unequal micro-batches fail with
@@ -33,23 +28,22 @@ The final parameters go to rank 0 under the model's own names, for the oracle.
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from parallel import wire
 from parallel.devices import SHARED_GLOO_NO_P2P
 from parallel.errors import ConfigError
 from parallel.kit.collectives import every_rank
-from parallel.kit.stages import ActivationMeter, agreed_cut, describe, layers_of
+from parallel.kit.schedules import TORCH as SCHEDULES  # name -> (torch's class, stages per rank, placement)
+from parallel.kit.schedules import least_microbatches, stage_ids, torch_lacks
+from parallel.kit.stages import ActivationMeter, agreed_cut, layers_of
 from parallel.kit.tied import TiedAcross
 from parallel.layout import ParallelDims
-from parallel.measure.replay import closed_form_idle, hop_ms, pipeline_theory, torch_groups, torch_orders
+from parallel.measure import pipelines
 from parallel.measure.stage_time import Busy, timed_loss, timed_stage
-from parallel.results import Measured
 from parallel.strategies import pipeline
 from parallel.strategies.base import Hooks, Mutant, Trainable, injected, model_state_every_rank, options_of
 from parallel.usermodel import shape_model
@@ -61,12 +55,6 @@ LAYERED = True  # cuts the model's pipeline_layers() into stages
 LAUNCH = "torchrun"
 SYNCHRONOUS = True
 CHECKPOINTS = False  # each rank's stages depend on the split measured at start-up; not resumable across runs
-
-# name -> (torch's schedule class, stages per rank, placement of stage i: "loop" rank i % p, "v" see above)
-SCHEDULES = {"gpipe": ("ScheduleGPipe", 1, "loop"), "1f1b": ("Schedule1F1B", 1, "loop"),
-             "interleaved1f1b": ("ScheduleInterleaved1F1B", 2, "loop"), "loopedbfs": ("ScheduleLoopedBFS", 2, "loop"),
-             "interleavedzb": ("ScheduleInterleavedZeroBubble", 2, "loop"), "zbv": ("ScheduleZBVZeroBubble", 2, "v"),
-             "dualpipev": ("ScheduleDualPipeV", 2, "v")}
 
 # A bug the oracle must catch (`--mutant NAME`; base.Mutant).
 SUMMED = Mutant("pipeline_dist:summed-microbatches", "scale_grads=False with the micro-batches' mean losses as they "
@@ -111,19 +99,14 @@ class Options(pipeline.Options):
         return self.stages_per_rank or SCHEDULES[self.schedule][1]
 
     @property
+    def placement(self) -> str:
+        """Stage i on rank i % p ("loop") or in a V ("v")."""
+        return SCHEDULES[self.schedule][2]
+
+    @property
     def loss_pp(self) -> int:
         """The pipeline coordinate of the last stage, whose rank computes the loss (ParallelDims.loss_pp)."""
-        return 0 if SCHEDULES[self.schedule][2] == "v" else -1
-
-
-def stage_ids(rank: int, p: int, v: int, placement: str) -> list[int]:
-    """The stages rank `rank` holds, of p x v: a loop (r, r + p, r + 2p, ...) or a V (r, 2p - 1 - r)."""
-    return [rank, 2 * p - 1 - rank] if placement == "v" else [rank + i * p for i in range(v)]
-
-
-def least_microbatches(schedule: str, p: int) -> int:
-    """The fewest micro-batches torch runs `schedule` on over p ranks: DualPipeV's 2p (one per stage)."""
-    return 2 * p if schedule == "dualpipev" else 1
+        return 0 if self.placement == "v" else -1
 
 
 def dims(config, dist) -> ParallelDims:
@@ -159,28 +142,6 @@ def defaults(config) -> dict:
     return fit_microbatches(config, config.world_size, config.batch_size)
 
 
-def _torch_lacks(name: str, backend: str = "gloo") -> str | None:
-    """Why this torch cannot run schedule `name` as written here over `backend`, or None: older releases
-    lack a schedule or the scale_grads switch the batch mean relies on; and before the warm-up vote
-    (PipelineStage._warmup_forward_vote, torch 2.13), a V schedule's first step sends from a rank to itself
-    (its two middle stages), which gloo refuses: "Pair is not connected" (seen on torch 2.11). pyproject
-    allows torch 2.11; 2.11 and 2.13 are tested."""
-    import inspect
-
-    import torch.distributed.pipelining.schedules as schedules
-    from torch.distributed.pipelining import PipelineStage
-
-    cls = getattr(schedules, name, None)
-    if cls is None or "scale_grads" not in inspect.signature(cls.__init__).parameters:
-        return (f"{NAME} needs torch.distributed.pipelining's {name} with scale_grads, which torch "
-                f"{torch.__version__} lacks (tested on 2.13)")
-    v_shaped = any(layout == "v" for cls_name, _, layout in SCHEDULES.values() if cls_name == name)
-    if v_shaped and backend == "gloo" and not hasattr(PipelineStage, "_warmup_forward_vote"):
-        return (f"{name} on gloo needs torch 2.13 or newer: torch {torch.__version__}'s pipelining starts a V "
-                "schedule by sending from a rank to itself, which gloo refuses ('Pair is not connected')")
-    return None
-
-
 def check_pipeline(config, p: int, batch: int) -> None:
     """A pipeline of p ranks training on `batch` samples a step (fsdp_pp: one of several)."""
     o = options_of(Options, config)
@@ -205,8 +166,8 @@ def check_pipeline(config, p: int, batch: int) -> None:
     if o.schedule in ("interleaved1f1b", "interleavedzb") and m % (rounds := max(1, m // p)):
         raise ConfigError(f"--schedule {o.schedule} runs micro-batches in rounds of {p}: --microbatches {m} is not a "
                           f"multiple of its {rounds} rounds")
-    if why := _torch_lacks(SCHEDULES[o.schedule][0], config.spec.backend):  # what was asked is sound
-        raise ConfigError(why)
+    if why := torch_lacks(SCHEDULES[o.schedule][0], config.spec.backend):  # what was asked is sound
+        raise ConfigError(f"{NAME}: {why}")
 
 
 @dataclass
@@ -234,8 +195,7 @@ def build(model, make_optimizer, loss_fn, dist, config, o: Options, rank: int, p
     `batch`: the batch this pipeline trains on per step (default: the global batch)."""
     from torch.distributed import pipelining
 
-    torch_name, _, placement = SCHEDULES[o.schedule]
-    v = o.v
+    torch_name, v, placement = SCHEDULES[o.schedule][0], o.v, o.placement
     layers = layers_of(model)
     layer_name = {id(m): n for n, m in model.named_modules()}
     batch = batch or config.batch_size
@@ -259,8 +219,7 @@ def build(model, make_optimizer, loss_fn, dist, config, o: Options, rank: int, p
     # fsdp_pp (shard) takes no tied model (its TIES): a sharded weight's copies are not summed here
     tied = TiedAcross(layers, bounds, rank_of.__getitem__, modules, config.pg_timeout) if shard is None else None
     local = nn.ModuleList(modules)
-    state = State(schedule, p, rank, stages, names, bounds, 0 in ids, p * v - 1 in ids, busy,
-                  tied)
+    state = State(schedule, p, rank, stages, names, bounds, 0 in ids, p * v - 1 in ids, busy, tied)
     return Trainable(local, make_optimizer(local.parameters()), loss_fn, dist.device, state=state)
 
 
@@ -269,8 +228,6 @@ def train_step(t: Trainable, batch, dist):
     x, y = (b.to(t.device, non_blocking=True) for b in batch)  # the whole batch: stage 0 and the loss use it
     losses: list[torch.Tensor] = []
     t.optimizer.zero_grad(set_to_none=True)
-    for stage in s.stages:  # activations counted in the warm-up steps (off the clock), as the collectives
-        stage.meter.active = wire.counting()
     s.busy.start_step()
     s.schedule.step(*([x] if s.first else []), **({"target": y, "losses": losses} if s.last else {}),
                     return_outputs=False)
@@ -298,59 +255,6 @@ def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
     return {k: v for part in every_rank(mine) for k, v in part.items()}
 
 
-def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
-    """The bubble: per step, each rank idle for the part of the step's span (start to the last piece of
-    work on any rank, one host's clock) it was not computing; point-to-point bytes; activations held; and
-    the theory (pipeline_theory): every rank's actions replayed on the pieces' median times measured here
-    and the hand-offs measured after the run (fsdp_pp's pipelines: hand-offs left out)."""
-    s, o = t.state, options_of(Options, config)
-    skip = config.warmup
-    mine = {"busy": [b[0] for b in s.busy.busy_ms[skip:]], "end": s.busy.ends_ms[skip:],
-            "peak": {st.stage_index: st.peak for st in s.stages}, "one": {st.stage_index: st.one for st in s.stages},
-            "out": {st.stage_index: st.out_bytes for st in s.stages}, "pieces": s.busy.piece_ms(skip),
-            "timeline": s.busy.timeline[0] if s.busy.timeline else []}
-    ranks = every_rank(mine)
-    bubbles, per_rank = [], [[] for _ in ranks]
-    for step in range(len(mine["end"])):
-        span = max(r["end"][step] for r in ranks)
-        idle = [1 - r["busy"][step] / span for r in ranks]
-        bubbles.append(statistics.fmean(idle))
-        for i, f in enumerate(idle):
-            per_rank[i].append(f)
-    peaks, ones, outs, pieces = ({k: v for r in ranks for k, v in r[key].items()}
-                                 for key in ("peak", "one", "out", "pieces"))
-    out = {"schedule": o.schedule, "microbatches": o.microbatches, "balance": o.balance,
-           "stages": describe(s.bounds),
-           "stage_bounds": s.bounds,
-           "stage_peak_activation_bytes": [peaks[i] for i in sorted(peaks)],
-           "held_measured": [round(peaks[i] / ones[i]) if ones[i] else 0 for i in sorted(peaks)],
-           **result.wire.measurements()}
-    placement, p = SCHEDULES[o.schedule][2], s.p
-    hop = hop_ms(outs, p, placement, dist) if p == dist.world_size else {}
-    closed = closed_form_idle(o.schedule, p, o.microbatches, o.v, pieces)
-    if bubbles and result.step_s:
-        theory = pipeline_theory(torch_orders(s.schedule, o.schedule, p, o.microbatches), pieces, hop,
-                                 s.busy.outside_ms(result.step_s), rank=s.rank,  # this rank's: its step times
-                                 late=o.v == 1,  # gpipe, 1f1b: each receive posted right before its use
-                                 groups=torch_groups(s.schedule, o.schedule, p))
-        out["rank_idle_fraction"] = [round(statistics.median(r), 3) for r in per_rank]
-        out["stage_busy_ms"] = [round(statistics.median(r["busy"]), 2) for r in ranks]  # per rank: its stages
-        out["stage_timeline"] = [r["timeline"] for r in ranks]  # the last step, per rank (report.html)
-        out["measured"] = Measured(bubble_measured=statistics.median(bubbles), bubble_theory=closed,
-                                   bubble_replayed=theory.pop("replayed_idle", None))
-        out.update(theory)
-    else:
-        out["measured"] = Measured(bubble_theory=closed)
-    return out
-
-
-def predict_step_ms(cal, config, row) -> float | None:
-    """gpipe and 1f1b: the schedule played out on each stage's calibrated forward and backward times (as
-    `pipeline`'s); the looped and zero-bubble schedules are not modelled (None)."""
-    o = options_of(Options, config)
-    return pipeline.schedule_ms(cal, row, o.schedule, o.microbatches, config.batch_size) if o.v == 1 else None
-
-
+MEASURE = pipelines.Torch(lambda config: options_of(Options, config))
 HOOKS = Hooks(available=available, dims=dims, check=check, defaults=defaults, state_dict=state_dict,
-              model_state_bytes=model_state_every_rank,
-              extra_measurements=extra_measurements, predict_step_ms=predict_step_ms)
+              model_state_bytes=model_state_every_rank)
