@@ -285,6 +285,3 @@ def errors(rows: list[Row]) -> str | None:
     ax.invert_yaxis()
     ax.set_xlabel(f"difference from `single` over its tolerance, one dot a tensor (1: the tolerance; {floor:g}: exact)")
     return _svg(fig)
-
-
-# The page -----------------------------------------------------------------------------------------------
