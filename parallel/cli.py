@@ -35,7 +35,7 @@ from parallel.checkpoint import atomic_save
 from parallel.config import ConfigError, RunConfig, nearest_multiple
 from parallel.devices import environment, parse_devices
 from parallel.dist import Dist, script_devices
-from parallel.harness import costmodel, memcheck, mutants, pictures, report, scaling
+from parallel.harness import costmodel, memcheck, mutants, notes, overview, page, report, scaling
 from parallel.harness.report import make_console
 from parallel.harness.runner import BASELINE, plan, run_strategies
 from parallel.plan import cli as plan_cli
@@ -290,12 +290,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _finish(config: RunConfig, rows: list[Row], console, skipped: dict | None = None, env: dict | None = None,
             cost_model: dict | None = None, wide: bool = False) -> int:
     env = env or environment(config.spec)
-    env.setdefault("run", report.run_facts(config))
+    env.setdefault("run", overview.run_facts(config))
     if config.out:
         out = Path(config.out)
         write_results(out, dataclasses.asdict(config), env, rows, skipped, cost_model)
         atomic_write(out / "details.txt", report.details_text(rows, env, skipped, cost_model))
-        pictures.write(out / "report.html", rows, env, skipped)
+        page.write(out / "report.html", rows, env, skipped)
     report.show(rows, env, console, skipped, cost_model, wide=wide)
     if config.out:
         logs = ", logs/ (a line a step)" if (Path(config.out) / "logs").is_dir() else ""
@@ -381,7 +381,7 @@ def cmd_scaling(config: RunConfig, names: list[str], sizes_text: str) -> int:
     scaling.flag_baselines(results)
     every = [dataclasses.replace(r, variant=f"{r.variant} {mode} {n}".strip())
              for mode, n, rows in results for r in rows]
-    for line in report.flag_lines(every):  # folded: one line for every row measured under load
+    for line in notes.flag_lines(every):  # folded: one line for every row measured under load
         console.print(f"- {line}", style="yellow", highlight=False, markup=False)
     table = scaling.summarize(results)
     files = scaling.write(Path(config.out), table, results, virtual=not config.spec.real)
@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "mutants":
             return mutants.main(args, make_console())
         if args.command == "report":
-            return pictures.render(Path(args.out), make_console(args.wide), wide=args.wide, png=args.screenshot)
+            return page.render(Path(args.out), make_console(args.wide), wide=args.wide, png=args.screenshot)
         if args.command == "preflight":
             _stop_like_ctrl_c()
             return preflight.main(args, make_console())

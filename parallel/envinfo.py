@@ -31,7 +31,7 @@ from rich.text import Text
 import parallel
 from parallel import devices
 from parallel.config import RunConfig
-from parallel.harness import report
+from parallel.harness import notes
 from parallel.harness.runner import plan
 
 PLAIN = {"markup": False, "highlight": False, "soft_wrap": True}  # values as they are: no [..] taken as markup,
@@ -158,5 +158,5 @@ def show(console: Console, config: RunConfig, gpus: list[dict] | None = None) ->
         s.add_row(" ".join(filter(None, [st.name, label])), st.launch, str(st.world_size(cfg)), st.kind(cfg),
                   st.description)
     console.print(s)
-    for line in report.skipped_in_full(skipped):  # as `compare` prints them in full
+    for line in notes.skipped_in_full(skipped):  # as `compare` prints them in full
         console.print(f"- {line}", style="dim", **PLAIN)

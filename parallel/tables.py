@@ -30,3 +30,11 @@ def table(title: str, heads: list[tuple[str, str]]) -> Table:
     for name, justify in heads:
         t.add_column(name, justify=justify, overflow="fold")
     return t
+
+
+def count(n: int) -> str:
+    """A count for a person: 417K, 1.2M, 3.5B."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)

@@ -189,7 +189,7 @@ def test_a_crash_surfaces_its_error_line(tmp_path):
 
 
 def test_which_strategy_advice_follows_the_measured_numbers():
-    from parallel.harness.report import advice
+    from parallel.harness.notes import advice
     from parallel.results import Equivalence
 
     def row(name, speedup, verdict, world=2, **measured):

@@ -59,7 +59,7 @@ def test_model_state_of_stages_adds_up_to_the_whole_model():
 
 
 def test_memory_projection_follows_the_zero_paper_and_says_from_how_many_gpus_each_stage_fits():
-    from parallel.harness.report import memory_lines
+    from parallel.harness.notes import memory_lines
 
     gib = 2**30
     small, large = costmodel.memory_projection(7e9), costmodel.memory_projection(70e9)

@@ -11,7 +11,7 @@ import pytest
 
 from parallel import cli
 from parallel.config import RunConfig
-from parallel.harness import costmodel, report
+from parallel.harness import costmodel, notes
 from parallel.plan import calibration, cost, validate
 from parallel.plan.hardware import GPUS, Cluster
 from parallel.plan.layouts import Layout, Training
@@ -186,7 +186,7 @@ def test_the_report_shows_the_same_calibration_from_the_run_itself():
     mine = costmodel.planner_calibration(rows, cal, RunConfig(**doc["config"]), doc["environment"])
     theirs = calibration.of_comparison(doc["config"], doc["environment"], row, doc["cost_model"]["compute_ms_by_batch"])
     assert {k: v for k, v in mine.items() if k != "note"} == theirs
-    lines = report.cost_lines({"alpha_us": None, "copy_GB_per_s": 1.0, "planner": mine,
+    lines = notes.cost_lines({"alpha_us": None, "copy_GB_per_s": 1.0, "planner": mine,
                                "projection": {"busbw_GB_per_s": 346, "us_by_gpus": {8: 1.0}}})
     assert lines[-1].startswith("planner (plan --calibrate OUT): single's") and "Adam" in lines[-1]
     cpu = costmodel.planner_calibration(rows, cal, RunConfig(**doc["config"]), {"devices": "cpu:1"})

@@ -14,7 +14,7 @@ import pytest
 from rich.console import Console
 
 from parallel import cli
-from parallel.harness import pictures, report, runner
+from parallel.harness import notes, overview, page, report, runner
 from parallel.results import Equivalence, Measured, Row
 from tests.conftest import ROOT
 
@@ -55,7 +55,7 @@ def test_no_cell_is_cut(width):
         assert len(lines) == len(rows)
         for r, line in zip(rows, lines, strict=True):
             cells = [r.label, f"{r.step_ms_p50:.1f}", f"{r.speedup:.2f}" if r.speedup else "-", r.equivalence.verdict,
-                     report.status(r)]
+                     overview.status(r)]
             assert all(c in line for c in cells), (line, cells)
 
 
@@ -75,9 +75,9 @@ def test_the_header_names_the_run_and_nothing_is_a_python_repr():
 
 def test_notes_fold_to_about_ten_lines_and_repeats_into_one():
     rows, env, skipped, _ = load()
-    notes = [line for line in render(100, rows, env, skipped).splitlines() if line.startswith("- ")]
-    assert len(notes) <= 10
-    assert sum(line.startswith("- skipped:") for line in notes) == 1
+    lines = [line for line in render(100, rows, env, skipped).splitlines() if line.startswith("- ")]
+    assert len(lines) <= 10
+    assert sum(line.startswith("- skipped:") for line in lines) == 1
     rows, env, skipped, _ = load(quiet=False)  # the fixture as measured: most rows under load
     runner.flag(rows)
     text = render(100, rows, env, skipped)
@@ -87,11 +87,11 @@ def test_notes_fold_to_about_ten_lines_and_repeats_into_one():
 
 def test_a_skip_or_a_failure_is_one_line_with_its_reason():
     why = "cannot split the m.py:llama over 4 ranks: tp 4 does not divide k_proj's 2 heads"
-    assert report.skipped_line({"manual_tp": why, "fsdp_tp": "needs 4 devices or more (dp 2 x tp 2), cpu:2 has 2"}) \
+    assert notes.skipped_line({"manual_tp": why, "fsdp_tp": "needs 4 devices or more (dp 2 x tp 2), cpu:2 has 2"}) \
         == "skipped: manual_tp (cannot split the m.py:llama over 4 ranks); fsdp_tp (needs 4+ devices)"
     failed = dataclasses.replace(row("ddp", 1.0), status="failed", error="rank 1: RuntimeError: boom\nmore")
     env = {"device_kind": "real"}
-    assert report.notes([failed], env)[0] == "ddp failed: rank 1: RuntimeError: boom (its traceback: ddp.log in logs/)"
+    assert notes.notes([failed], env)[0] == "ddp failed: rank 1: RuntimeError: boom (its traceback: ddp.log in logs/)"
 
 
 def row(name, speedup, verdict="match", world=2, flags=(), rounds=()):
@@ -102,21 +102,21 @@ def row(name, speedup, verdict="match", world=2, flags=(), rounds=()):
 
 def test_the_verdict_never_names_single_and_is_withheld_under_noise():
     slower = [row("single", 1.0, "baseline", world=1), row("ddp", 0.8), row("fsdp", 0.6)]
-    text = "\n".join(report.advice(slower))
+    text = "\n".join(notes.advice(slower))
     assert "Fastest" not in text and "the least slow: ddp, 0.80x" in text and "single," not in text
     assert "Slower still: fsdp 0.60x." in text and "ddp 0.80x" not in text  # the least slow is named once
     noisy = "noisy: other processes used 60% of the machine's CPU"
     rows = [row("single", 1.0, "baseline", world=1), row("ddp", 1.9, flags=[noisy]), row("zero", 1.5, flags=[noisy]),
             row("manual_dp", 1.2)]
-    assert report.advice(rows)[0].startswith("Withheld: 2 of 3 rows are noisy or flagged")
+    assert notes.advice(rows)[0].startswith("Withheld: 2 of 3 rows are noisy or flagged")
     rows[1].flags = []  # ddp measured clean: it is named, and the noisy zero is not compared with it
-    assert "ddp, 1.90x on 2 devices (one measurement)" in report.advice(rows)[0]
+    assert "ddp, 1.90x on 2 devices (one measurement)" in notes.advice(rows)[0]
 
 
 def test_the_verdict_says_what_backs_it_and_what_it_cannot_tell_apart():
     rows = [row("single", 1.0, "baseline", world=1), row("ddp", 1.8, rounds=[1.6, 1.8, 1.9]),
             row("zero", 1.7, rounds=[1.5, 1.7, 1.65]), row("fsdp", 1.2, rounds=[1.1, 1.2, 1.25])]
-    lines = report.advice(rows)
+    lines = notes.advice(rows)
     assert "ddp, 1.80x on 2 devices (median of 3 paired rounds, 1.60-1.90)" in lines[0]
     assert lines[1] == "Not told apart from it by this run: zero 1.70x (their rounds overlap)."
 
@@ -126,21 +126,21 @@ def test_impossible_measurements_are_flagged():
     r.measured = Measured(exposed_comm_ms=-48.8, exposed_over_allreduce=-3.0)
     runner.flag([row("single", 1.0, "baseline", world=1), r])
     assert any("exposed communication measured -48.8 ms" in f for f in r.flags)
-    assert report.status(r) == "flag" and not any("communication not hidden" in a for a in report.advice([r]))
+    assert overview.status(r) == "flag" and not any("communication not hidden" in a for a in notes.advice([r]))
 
 
 def test_report_html_is_self_contained_with_every_picture(tmp_path):
     rows, env, skipped, _ = load()
-    page = pictures.write(tmp_path / "report.html", rows, env, skipped).read_text()
-    assert not re.search(r"""(src|href)=['"]?(https?:)?//""", page) and "<script" not in page
+    html = page.write(tmp_path / "report.html", rows, env, skipped).read_text()
+    assert not re.search(r"""(src|href)=['"]?(https?:)?//""", html) and "<script" not in html
     for title in ("Speedup over one device", "Model state per rank, by kind", "Bytes sent per step, by collective",
                   "Pipeline schedule: pipeline_dist", "measured: the last step", "Equivalence: every tensor"):
-        assert title in page, title
-    assert page.count("<svg") >= 8
+        assert title in html, title
+    assert html.count("<svg") >= 8
 
 
 @pytest.mark.slow  # a browser's start and a page of charts drawn: 8-13 s
-@pytest.mark.skipif(pictures.browser() is None, reason="no Chromium on PATH (Debian: apt-get install chromium)")
+@pytest.mark.skipif(page.browser() is None, reason="no Chromium on PATH (Debian: apt-get install chromium)")
 def test_report_html_drawn_by_headless_chromium(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
@@ -183,5 +183,5 @@ def test_context_parallel_rows_get_their_table_and_picture_whole_in_100_columns(
     table = text[text.index("Context parallel"):]
     for cell in ("zigzag ring", "136 392 648", "520 520 520", "4.66M (4.66M)", "2.17M (2.17M)"):
         assert cell in table, cell
-    page = pictures.write(tmp_path / "report.html", rows, env, skipped).read_text()
-    assert "Context parallel: each rank&#x27;s attention work" in page
+    html = page.write(tmp_path / "report.html", rows, env, skipped).read_text()
+    assert "Context parallel: each rank&#x27;s attention work" in html
