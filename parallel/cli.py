@@ -28,12 +28,12 @@ from pathlib import Path
 from rich.markup import escape
 from rich.table import Table
 
-from parallel import devices, envinfo, preflight, profiling, strategies, sweep, usermodel
+from parallel import envinfo, machine, preflight, profiling, strategies, sweep, usermodel
 from parallel.basics import cli as basics_cli
 from parallel.basics.cli import show_memory
 from parallel.checkpoint import atomic_save
 from parallel.config import ConfigError, RunConfig, nearest_multiple
-from parallel.devices import environment, parse_devices
+from parallel.devicespec import parse_devices
 from parallel.dist import Dist, script_devices
 from parallel.harness import costmodel, memcheck, mutants, pictures, report, scaling
 from parallel.harness.report import make_console
@@ -289,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _finish(config: RunConfig, rows: list[Row], console, skipped: dict | None = None, env: dict | None = None,
             cost_model: dict | None = None, wide: bool = False) -> int:
-    env = env or environment(config.spec)
+    env = env or machine.environment(config.spec)
     env.setdefault("run", report.run_facts(config))
     if config.out:
         out = Path(config.out)
@@ -321,7 +321,7 @@ def cmd_compare(args, names: list[str], baseline: bool) -> int:
         console.print(found, highlight=False, markup=False)
     if config.why:  # the workload the CLI chose, and why (GPUs and none named)
         console.print(config.why, style="dim", highlight=False, markup=False)
-    env = environment(config.spec)
+    env = machine.environment(config.spec)
     if why := env.get("gpus_unusable"):  # `auto` fell back to the CPU although GPUs are here: say so first
         console.print(f"GPUs not used: {why}", style="yellow", highlight=False, markup=False)
     save = lambda rows: write_results(Path(config.out), dataclasses.asdict(config), env, rows, skipped)  # noqa: E731
@@ -366,7 +366,7 @@ def cmd_scaling(config: RunConfig, names: list[str], sizes_text: str) -> int:
             for name, why in skipped.items():
                 console.print(f"  {name} skipped here: {why}", style="dim", highlight=False, markup=False)
             prepare_out(Path(cfg.out))
-            env = environment(cfg.spec)
+            env = machine.environment(cfg.spec)
             save = lambda rows, cfg=cfg, env=env: write_results(Path(cfg.out), dataclasses.asdict(cfg), env, rows)  # noqa: E731
             same = dataclasses.replace(cfg, out="").to_json()  # strong and weak on one device are one run
             if same in done:
@@ -419,7 +419,7 @@ def compare_defaults() -> RunConfig:
 
 def cmd_devices() -> int:
     console = make_console()  # the block to paste into an issue, the hardware, what `compare` runs (#29)
-    envinfo.show(console, compare_defaults(), gpus=devices.cuda_info())  # GPUs read once (may start a child)
+    envinfo.show(console, compare_defaults(), gpus=machine.cuda_info())  # GPUs read once (may start a child)
     show_memory(console)
     return 0
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from parallel import usermodel
-from parallel.devices import parse_devices
+from parallel.devicespec import parse_devices
 from parallel.errors import ConfigError
 from parallel.transformer import SHAPE
 from parallel.workloads import WORKLOADS

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from parallel.config import ConfigError, RunConfig
-from parallel.devices import DeviceSpec, parse_devices, synchronizer
+from parallel.devices import synchronizer
+from parallel.devicespec import DeviceSpec, parse_devices
 from parallel.dist import Dist, backend_for
 
 

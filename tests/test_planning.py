@@ -13,7 +13,7 @@ import torch
 
 from parallel import cli, strategies
 from parallel.config import ConfigError, RunConfig
-from parallel.devices import DeviceSpec, parse_devices
+from parallel.devicespec import DeviceSpec, parse_devices
 from parallel.dist import Dist, script_devices
 from parallel.harness import scaling
 from parallel.harness.runner import plan
@@ -145,14 +145,14 @@ def test_one_device_rows_say_nothing_runs_in_parallel():
 
 
 def test_runs_on_gpus_have_tf32_off_and_say_so(strict_cuda, monkeypatch):
-    from parallel import devices
+    from parallel import machine
     from tests.test_gpu_paths import _config, _execute
 
     _execute("single", _config("cuda:0"), strict_cuda, monkeypatch)
     log = [e[0] for e in strict_cuda.log]
     assert "exact_fp32" in log and log.index("exact_fp32") < log.index("to")  # before the model is on the GPU
-    assert devices.environment(parse_devices("cuda:0"))["tf32"].startswith("off")
-    assert "tf32" not in devices.environment(parse_devices("cpu:2"))
+    assert machine.environment(parse_devices("cuda:0"))["tf32"].startswith("off")
+    assert "tf32" not in machine.environment(parse_devices("cpu:2"))
 
 
 def test_cudas_fp32_is_exact_after_exact_fp32():
