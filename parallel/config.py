@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from parallel import usermodel
+from parallel import userdata, userload, usermodel
 from parallel.devicespec import parse_devices
 from parallel.errors import ConfigError
 from parallel.transformer import SHAPE
@@ -97,10 +97,10 @@ class RunConfig:
             raise ConfigError("--aux-loss weights the built-in moe workload's load-balancing loss; your model's "
                               "parallel.moe.MoE layers carry their own (MoE(..., aux_weight=w))")
         if self.model:  # imported, built twice, one forward on a sample: every mistake found here
-            user = {"model": usermodel.resolve_spec(self.model),
+            user = {"model": userload.resolve_spec(self.model),
                     "data": str(Path(self.data).expanduser().resolve()) if self.data else ""}
             if user["data"]:  # before the model is tried on it
-                usermodel.check_batch(user["data"], self.batch_size)
+                userdata.check_batch(user["data"], self.batch_size)
             user["workload"] = usermodel.workload_of(dataclasses.replace(self, **user)).name
         elif self.workload not in WORKLOADS:
             raise ConfigError(f"unknown workload {self.workload!r}; choose from {', '.join(WORKLOADS)}")
@@ -153,7 +153,7 @@ class RunConfig:
             raise ConfigError(f"--world-size {world} is more than the {spec.count} device(s) of {spec}")
         batch = nearest_multiple(self.batch_size, world) if self.batch_auto else self.batch_size
         if user.get("data") and batch != self.batch_size:
-            usermodel.check_batch(user["data"], batch)
+            userdata.check_batch(user["data"], batch)
         return dataclasses.replace(self, devices=str(spec), world_size=world, batch_size=batch, **user)
 
     @property

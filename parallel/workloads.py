@@ -27,7 +27,7 @@ from parallel.transformer import MoETransformer, Transformer
 
 
 def tp_plan_of(model) -> TPPlan | None:
-    """The project's tensor-parallel plan of `model`, or None: the factory's (usermodel keeps it in
+    """The project's tensor-parallel plan of `model`, or None: the factory's (userload keeps it in
     `_parallel_tp_plan`), or a tp_plan() method returning a TPPlan. Checked by type, so that a library's
     attribute of the same name (transformers' PreTrainedModel.tp_plan, a dict) is never taken for it."""
     given = getattr(model, "_parallel_tp_plan", None)

@@ -25,7 +25,7 @@ LAYERS = {
     "tables": 1, "wire": 1,
     "config": 0, "dist": 0, "devices": 0, "workloads": 0, "data": 0, "transformer": 0, "tpplan": 0, "moe": 0,
     "errors": 0, "layout": 0, "usermodel": 0, "hf": 0, "outputs": 0,
-    "devicespec": 0, "machine": 0, "nets": 0,
+    "devicespec": 0, "machine": 0, "nets": 0, "userload": 0, "userdata": 0, "userchecks": 0,
 }
 
 
