@@ -46,7 +46,7 @@ class RunConfig:
     kv_heads: int = 0
     ffn: int = 0
     tied: bool = False
-    why: str = ""  # why this workload, where the CLI chose it (GPUs and no workload named: cli.GPU_DEFAULT)
+    why: str = ""  # why this workload, where the CLI chose it (GPUs and no workload named: cliargs.GPU_DEFAULT)
     batch_size: int = 512  # the GLOBAL batch: every strategy takes one optimiser step on this many samples
     batch_auto: bool = False  # batch_size is a default, not the user's: validate rounds it to the nearest
     #   multiple of the world size (3 devices: 513), so that every rank takes an equal share

@@ -12,7 +12,7 @@ prints one), then the hardware, and what `compare` would run here with its defau
     ```
 
 What `compare` would run is not worked out here: the config is built by `compare`'s own parser from no
-arguments (cli.config_from_args), and `runner.plan` chooses on it, the one planner every command uses, so
+arguments (cliargs.config_from_args), and `runner.plan` chooses on it, the one planner every command uses, so
 the two commands cannot disagree about a strategy.
 """
 

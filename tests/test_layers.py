@@ -15,7 +15,7 @@ from tests.conftest import ROOT
 PACKAGE = ROOT / "parallel"
 # Each module (or sub-package) and its layer; a module may import its own layer or any lower one.
 LAYERS = {
-    "cli": 7, "__main__": 7, "sweep": 7, "preflight": 7, "basics": 7, "envinfo": 7,
+    "cli": 7, "cliargs": 7, "__main__": 7, "sweep": 7, "preflight": 7, "basics": 7, "envinfo": 7,
     "harness": 6,
     "worker": 5, "plan": 5,
     "strategies": 4,  # only strategies, and the interface they share (base)

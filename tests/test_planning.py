@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from parallel import cli, strategies
+from parallel import cli, cliargs, strategies
 from parallel.config import ConfigError, RunConfig
 from parallel.devicespec import DeviceSpec, parse_devices
 from parallel.dist import Dist, script_devices
@@ -180,7 +180,7 @@ def test_a_refusal_under_torchrun_is_printed_by_rank_0_and_given_to_torchrun(tmp
     for rank in ("0", "1"):
         error_file = tmp_path / f"error-{rank}.json"
         env = {"RANK": rank, "TORCHELASTIC_ERROR_FILE": str(error_file)}
-        assert cli.refuse("error: global batch 512 ...", env) == 2
+        assert cliargs.refuse("error: global batch 512 ...", env) == 2
         message = json.loads(error_file.read_text())["message"]
         assert message["message"] == "error: global batch 512 ..." and "py_callstack" not in message["extraInfo"]
     assert capsys.readouterr().err.splitlines() == ["error: global batch 512 ..."]  # once, by rank 0
@@ -215,7 +215,7 @@ def test_devices_runs_and_skips_what_compare_would(capsys):
     planner, and a skipped strategy worded as compare words it in full ("NAME skipped: WHY")."""
     assert cli.main(["devices"]) == 0
     out = capsys.readouterr().out.splitlines()
-    config = cli.config_from_args(cli.build_parser().parse_args(["compare"]), default_out=False)
+    config = cliargs.config_from_args(cli.build_parser().parse_args(["compare"]), default_out=False)
     chosen, skipped = plan(config, ["all"])
     said = {k: v for k, _, v in (ln.removeprefix("- ").partition(": ") for ln in out if ln.startswith("- compare "))}
     assert said["compare runs"].split(", ") == list(dict.fromkeys(s.name for s, _, _ in chosen))
