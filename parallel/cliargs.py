@@ -223,7 +223,9 @@ def config_from_args(args: argparse.Namespace, default_out: bool = True) -> RunC
     if given.get("batch_size") is None:  # not given: the default, rounded to the world by validate
         per_gpu = (given.get("world_size") or spec.count) if gpu_default else 1  # the GPU default: 8 a GPU
         given.update(batch_size=SHAPED_BATCH * per_gpu if shaped else RunConfig.batch_size, batch_auto=True)
-    config = RunConfig(**given, options=options).validate()
+    config = RunConfig(**given, options=options)
+    config.spec = spec  # parsed once, above: validate takes this parse
+    config = config.validate()
     if not config.out and default_out:
         config.out = str(Path("results") / time.strftime("run-%Y%m%d-%H%M%S"))
     return config

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from parallel import userdata, userload, usermodel
-from parallel.devicespec import parse_devices
+from parallel.devicespec import DeviceSpec, parse_devices
 from parallel.errors import ConfigError
 from parallel.transformer import SHAPE
 from parallel.workloads import WORKLOADS
@@ -89,7 +90,8 @@ class RunConfig:
     twin_blocks: int = 0
 
     def validate(self) -> RunConfig:
-        """Check every field and resolve `devices` and `world_size`; returns the resolved copy."""
+        """Check every field and resolve `devices` and `world_size`; returns the resolved copy, its `spec`
+        the one parse made here."""
         user = {}
         if self.data and not Path(self.data).expanduser().is_file():
             raise ConfigError(f"--data {self.data}: no such file")
@@ -145,7 +147,7 @@ class RunConfig:
             raise ConfigError(f"twin_blocks must be 0 (the model itself) or a number of blocks, got {self.twin_blocks}")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
-        spec = parse_devices(self.devices)
+        spec = self.spec
         world = self.world_size or spec.count
         if world < 1:
             raise ConfigError(f"--world-size must be at least 1, got {self.world_size}")
@@ -154,16 +156,25 @@ class RunConfig:
         batch = nearest_multiple(self.batch_size, world) if self.batch_auto else self.batch_size
         if user.get("data") and batch != self.batch_size:
             userdata.check_batch(user["data"], batch)
-        return dataclasses.replace(self, devices=str(spec), world_size=world, batch_size=batch, **user)
+        resolved = dataclasses.replace(self, devices=str(spec), world_size=world, batch_size=batch, **user)
+        resolved.spec = spec  # str(spec) parses back to spec: the copy takes this parse, not a second one
+        return resolved
 
     @property
     def shaped(self) -> bool:
         """The built-in transformer's shape is given (a preset or the planner's flags)."""
         return any(getattr(self, name) for name in ("preset", *SHAPE))
 
-    @property
-    def spec(self):
+    @functools.cached_property
+    def spec(self) -> DeviceSpec:
+        """`devices` parsed, once per config: on the first read (validate's copy: given). Not a field, so
+        results.json and to_json keep the text; a dataclasses.replace copy parses its own when first read."""
         return parse_devices(self.devices)
+
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        if name == "devices":  # another device list: the cached parse of the old one no longer holds
+            self.__dict__.pop("spec", None)
 
     def check_divisible(self, parts: int, what: str) -> None:
         if self.batch_size % parts:
