@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from parallel import usermodel
-from parallel.devices import parse_devices
+from parallel import userdata, userload, usermodel
+from parallel.devicespec import DeviceSpec, parse_devices
 from parallel.errors import ConfigError
 from parallel.transformer import SHAPE
 from parallel.workloads import WORKLOADS
@@ -46,7 +47,7 @@ class RunConfig:
     kv_heads: int = 0
     ffn: int = 0
     tied: bool = False
-    why: str = ""  # why this workload, where the CLI chose it (GPUs and no workload named: cli.GPU_DEFAULT)
+    why: str = ""  # why this workload, where the CLI chose it (GPUs and no workload named: cliargs.GPU_DEFAULT)
     batch_size: int = 512  # the GLOBAL batch: every strategy takes one optimiser step on this many samples
     batch_auto: bool = False  # batch_size is a default, not the user's: validate rounds it to the nearest
     #   multiple of the world size (3 devices: 513), so that every rank takes an equal share
@@ -89,7 +90,8 @@ class RunConfig:
     twin_blocks: int = 0
 
     def validate(self) -> RunConfig:
-        """Check every field and resolve `devices` and `world_size`; returns the resolved copy."""
+        """Check every field and resolve `devices` and `world_size`; returns the resolved copy, its `spec`
+        the one parse made here."""
         user = {}
         if self.data and not Path(self.data).expanduser().is_file():
             raise ConfigError(f"--data {self.data}: no such file")
@@ -97,10 +99,10 @@ class RunConfig:
             raise ConfigError("--aux-loss weights the built-in moe workload's load-balancing loss; your model's "
                               "parallel.moe.MoE layers carry their own (MoE(..., aux_weight=w))")
         if self.model:  # imported, built twice, one forward on a sample: every mistake found here
-            user = {"model": usermodel.resolve_spec(self.model),
+            user = {"model": userload.resolve_spec(self.model),
                     "data": str(Path(self.data).expanduser().resolve()) if self.data else ""}
             if user["data"]:  # before the model is tried on it
-                usermodel.check_batch(user["data"], self.batch_size)
+                userdata.check_batch(user["data"], self.batch_size)
             user["workload"] = usermodel.workload_of(dataclasses.replace(self, **user)).name
         elif self.workload not in WORKLOADS:
             raise ConfigError(f"unknown workload {self.workload!r}; choose from {', '.join(WORKLOADS)}")
@@ -145,7 +147,7 @@ class RunConfig:
             raise ConfigError(f"twin_blocks must be 0 (the model itself) or a number of blocks, got {self.twin_blocks}")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
-        spec = parse_devices(self.devices)
+        spec = self.spec
         world = self.world_size or spec.count
         if world < 1:
             raise ConfigError(f"--world-size must be at least 1, got {self.world_size}")
@@ -153,17 +155,26 @@ class RunConfig:
             raise ConfigError(f"--world-size {world} is more than the {spec.count} device(s) of {spec}")
         batch = nearest_multiple(self.batch_size, world) if self.batch_auto else self.batch_size
         if user.get("data") and batch != self.batch_size:
-            usermodel.check_batch(user["data"], batch)
-        return dataclasses.replace(self, devices=str(spec), world_size=world, batch_size=batch, **user)
+            userdata.check_batch(user["data"], batch)
+        resolved = dataclasses.replace(self, devices=str(spec), world_size=world, batch_size=batch, **user)
+        resolved.spec = spec  # str(spec) parses back to spec: the copy takes this parse, not a second one
+        return resolved
 
     @property
     def shaped(self) -> bool:
         """The built-in transformer's shape is given (a preset or the planner's flags)."""
         return any(getattr(self, name) for name in ("preset", *SHAPE))
 
-    @property
-    def spec(self):
+    @functools.cached_property
+    def spec(self) -> DeviceSpec:
+        """`devices` parsed, once per config: on the first read (validate's copy: given). Not a field, so
+        results.json and to_json keep the text; a dataclasses.replace copy parses its own when first read."""
         return parse_devices(self.devices)
+
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        if name == "devices":  # another device list: the cached parse of the old one no longer holds
+            self.__dict__.pop("spec", None)
 
     def check_divisible(self, parts: int, what: str) -> None:
         if self.batch_size % parts:

@@ -13,7 +13,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as td
 
-from parallel.devices import DeviceSpec, activate, gpu_count
+from parallel.devices import activate, gpu_count
+from parallel.devicespec import DeviceSpec
 from parallel.errors import ConfigError
 
 # What the fork server imports once (fresh_processes): torch, dynamo (every optimizer imports it: 2-3 s), the
@@ -57,7 +58,7 @@ def script_devices(text: str, launch: str, env: Mapping[str, str] | None = None)
     gpus = gpu_count()
     if not gpus:
         return f"cpu:{local_world}"
-    if gpus == 1 and local_world > 1:  # one GPU: the ranks share it, over gloo (devices.py: cuda:0xK)
+    if gpus == 1 and local_world > 1:  # one GPU: the ranks share it, over gloo (devicespec.py: cuda:0xK)
         return f"cuda:0x{local_world}"
     if gpus < local_world:
         raise ConfigError(f"{local_world} processes on this node but only {gpus} CUDA device(s) visible (one GPU "

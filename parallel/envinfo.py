@@ -12,7 +12,7 @@ prints one), then the hardware, and what `compare` would run here with its defau
     ```
 
 What `compare` would run is not worked out here: the config is built by `compare`'s own parser from no
-arguments (cli.config_from_args), and `runner.plan` chooses on it, the one planner every command uses, so
+arguments (cliargs.config_from_args), and `runner.plan` chooses on it, the one planner every command uses, so
 the two commands cannot disagree about a strategy.
 """
 
@@ -29,7 +29,7 @@ from rich.table import Table
 from rich.text import Text
 
 import parallel
-from parallel import devices
+from parallel import machine
 from parallel.config import RunConfig
 from parallel.harness import notes
 from parallel.harness.runner import plan
@@ -72,7 +72,7 @@ def nccl_version() -> str:
 
 def gpu_driver() -> str:
     """The NVIDIA driver's version and the CUDA it supports, from NVML; "n/a" where NVML does not load."""
-    with devices._nvml() as nvml:
+    with machine.nvml() as nvml:
         if nvml is None:
             return "n/a"
         try:
@@ -90,7 +90,7 @@ def _gib(n: int) -> str:
 
 def env_lines(config: RunConfig, chosen: list[tuple], skipped: dict[str, str], gpus: list[dict], cpu: dict,
               unusable: str | None) -> list[str]:
-    """The `- key: value` lines of the block (`cpu`: devices.cpu_info(); `unusable`: devices.unusable_gpus())."""
+    """The `- key: value` lines of the block (`cpu`: machine.cpu_info(); `unusable`: machine.unusable_gpus())."""
     spec = config.spec
     lines = [
         ("parallel", parallel.__version__),
@@ -124,10 +124,10 @@ def env_lines(config: RunConfig, chosen: list[tuple], skipped: dict[str, str], g
 def show(console: Console, config: RunConfig, gpus: list[dict] | None = None) -> None:
     """Everything `devices` prints before basics' memory demo: the block to paste, the hardware, and what
     `compare` would run on `config` (the same planning) and skip (in `compare`'s words).
-    `gpus`: devices.cuda_info(), read once by the caller (it may start a child process)."""
-    gpus = devices.cuda_info() if gpus is None else gpus
+    `gpus`: machine.cuda_info(), read once by the caller (it may start a child process)."""
+    gpus = machine.cuda_info() if gpus is None else gpus
     chosen, skipped = plan(config, ["all"])  # the one planner `compare` uses, on compare's own config
-    cpu, unusable = devices.cpu_info(), devices.unusable_gpus()
+    cpu, unusable = machine.cpu_info(), machine.unusable_gpus()
     console.print("Copy and paste the block below into your GitHub issue:", **PLAIN)
     console.print("```", **PLAIN)
     for line in env_lines(config, chosen, skipped, gpus, cpu, unusable):
@@ -142,7 +142,7 @@ def show(console: Console, config: RunConfig, gpus: list[dict] | None = None) ->
         t.add_row(f"cuda:{g['index']}", Text(g["name"]), f"{_gib(g['total_bytes'])} / {_gib(g['free_bytes'])}",
                   g["capability"], "-")
     console.print(t)
-    console.print("backends: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in devices.backends().items()),
+    console.print("backends: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in machine.backends().items()),
                   **PLAIN)
     spec = config.spec
     console.print(f"--devices auto = {spec} ({spec.kind_label}, {spec.backend}), "

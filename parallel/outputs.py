@@ -7,7 +7,7 @@
 A model of the last two kinds, called without its targets, gives what generation needs: often the last
 position's logits only, (B, 1, V). So wherever the whole model runs, the harness calls it with the batch's
 targets (`call`): its logits are then every position's, and the loss it returns is what is trained
-(usermodel.UserWorkload.loss), in every process alike. A strategy that holds only logits takes
+(userload.UserWorkload.loss), in every process alike. A strategy that holds only logits takes
 cross-entropy over them: the pipelines the last stage's, manual_dp and data_parallel the gathered ones.
 That is the same loss only where the model's own is cross-entropy over its logits, which `check` tries
 on a sample before the run; where it is another (label smoothing, an extra term), those strategies are

@@ -30,10 +30,11 @@ from rich.table import Table
 
 from parallel import strategies, usermodel
 from parallel.config import RunConfig, nearest_multiple
-from parallel.devices import gpu_count, unusable_gpus
+from parallel.devices import gpu_count
 from parallel.harness import launch
 from parallel.harness.report import make_progress
 from parallel.harness.runner import plan, run_strategies
+from parallel.machine import unusable_gpus
 from parallel.results import atomic_write, prepare_out
 
 ROOT = Path(__file__).resolve().parents[1]

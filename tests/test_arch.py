@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from parallel import strategies
-from parallel.cli import build_parser, config_from_args
+from parallel.cli import build_parser
+from parallel.cliargs import config_from_args
 from parallel.config import ConfigError, RunConfig
 from parallel.dist import Dist
 from parallel.harness import equivalence

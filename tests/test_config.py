@@ -1,10 +1,13 @@
 """Validation needs no process group: every bad value is refused with a message naming it."""
 
+import json
+
 import pytest
 import torch
 
 from parallel.config import ConfigError, RunConfig
-from parallel.devices import DeviceSpec, parse_devices, synchronizer
+from parallel.devices import synchronizer
+from parallel.devicespec import DeviceSpec, parse_devices
 from parallel.dist import Dist, backend_for
 
 
@@ -58,6 +61,18 @@ def test_auto_is_every_gpu_here_one_shared_by_two_or_two_cpu_devices(monkeypatch
 def test_config_round_trips_through_json():
     c = RunConfig(workload="mlp", steps=7, lr=0.5).validate()
     assert RunConfig.from_json(c.to_json()) == c
+
+
+def test_the_device_list_is_parsed_once_and_kept_as_text(monkeypatch):
+    from parallel import config as config_module
+
+    parsed = []
+    monkeypatch.setattr(config_module, "parse_devices", lambda text: parsed.append(text) or parse_devices(text))
+    c = RunConfig(devices="cpu:3").validate()
+    assert (c.spec, c.spec.count, parsed) == (DeviceSpec("cpu", (0, 1, 2)), 3, ["cpu:3"])  # validate's parse, kept
+    assert "spec" not in json.loads(c.to_json())  # the text travels; the parse is this process's
+    c.devices = "cpu:2"  # another list: the old parse no longer holds
+    assert c.spec.count == 2 and parsed == ["cpu:3", "cpu:2"]
 
 
 def test_divisibility_message_names_both_numbers(small):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from parallel import cli, devices, envinfo
+from parallel import cli, envinfo, machine
 
 KEYS = ["parallel", "git commit", "Python", "platform", "torch", "torch CUDA", "NCCL", "GPU driver",
         "CUDA_VISIBLE_DEVICES", "CPU", "--devices auto", "default backend", "compare runs", "compare skips"]
@@ -94,7 +94,7 @@ def test_gpu_driver_from_nvml_or_not_available(monkeypatch):
         nvmlSystemGetDriverVersion = staticmethod(lambda: b"570.86.15")
         nvmlSystemGetCudaDriverVersion = staticmethod(lambda: 12080)
 
-    monkeypatch.setattr(devices, "_nvml", lambda: contextlib.nullcontext(NVML))
+    monkeypatch.setattr(machine, "nvml", lambda: contextlib.nullcontext(NVML))
     assert envinfo.gpu_driver() == "570.86.15 (CUDA 12.8)"
-    monkeypatch.setattr(devices, "_nvml", lambda: contextlib.nullcontext(None))
+    monkeypatch.setattr(machine, "nvml", lambda: contextlib.nullcontext(None))
     assert envinfo.gpu_driver() == "n/a"

@@ -161,7 +161,7 @@ def test_data_parallel_on_gpus_names_them(strict_cuda, monkeypatch):
 
 
 def test_the_environment_record_reads_gpus_without_a_cuda_context(strict_cuda, monkeypatch):
-    from parallel import devices
+    from parallel import devicespec, machine
 
     class Memory:
         total, free = 80 << 30, 79 << 30
@@ -172,18 +172,18 @@ def test_the_environment_record_reads_gpus_without_a_cuda_context(strict_cuda, m
         nvmlDeviceGetCudaComputeCapability=lambda h: (9, 0), nvmlDeviceGetName=lambda h: b"NVIDIA H100")
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    env = devices.environment(devices.parse_devices("cuda:0,1"))
+    env = machine.environment(devicespec.parse_devices("cuda:0,1"))
     assert [g["name"] for g in env["gpus"]] == ["NVIDIA H100"] * 2 and env["gpus"][1]["free_bytes"] == 79 << 30
     assert strict_cuda.log == []  # no init, no memory query, no synchronize: no context in the parent
 
 
 def test_without_nvml_a_short_lived_child_asks_cuda(strict_cuda, monkeypatch):
-    from parallel import devices
+    from parallel import machine
 
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails
     asked = []
-    monkeypatch.setattr(devices, "_child_cuda_info", lambda: asked.append(1) or [])
-    devices.cuda_info()
+    monkeypatch.setattr(machine, "_child_cuda_info", lambda: asked.append(1) or [])
+    machine.cuda_info()
     assert asked == [1] and strict_cuda.log == []
 
 
@@ -260,10 +260,10 @@ def test_cpu_runs_are_unchanged_by_the_clock(small):
 
 
 def test_devices_command_initialises_cuda_before_reading_memory(strict_cuda, monkeypatch, capsys):
-    from parallel import devices
+    from parallel import machine
 
-    monkeypatch.setattr(devices, "_nvml_info", lambda: None)
-    monkeypatch.setattr(devices, "_child_cuda_info", lambda: [])
+    monkeypatch.setattr(machine, "_nvml_info", lambda: None)
+    monkeypatch.setattr(machine, "_child_cuda_info", lambda: [])
     with on_cpu(strict_cuda):
         assert cli.main(["devices"]) == 0
     kinds = [e[0] for e in strict_cuda.log]
@@ -289,7 +289,7 @@ def test_other_processes_on_the_runs_gpus_are_found_through_nvml_and_ours_left_o
     import sys
     import types
 
-    from parallel import devices
+    from parallel import devices, machine
     from parallel.harness import load
 
     procs = {0: [999999, os.getpid()], 1: []}
@@ -300,7 +300,7 @@ def test_other_processes_on_the_runs_gpus_are_found_through_nvml_and_ours_left_o
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     monkeypatch.setattr(devices, "gpu_count", lambda: 2)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert devices.gpu_process_ids([0, 1]) == {999999, os.getpid()}
+    assert machine.gpu_process_ids([0, 1]) == {999999, os.getpid()}
     assert load.ForeignLoad([0, 1]).stop()[1] == [999999]
     assert load.ForeignLoad([1]).stop()[1] == []
 
@@ -308,25 +308,25 @@ def test_other_processes_on_the_runs_gpus_are_found_through_nvml_and_ours_left_o
 def test_gpus_that_this_torch_cannot_use_are_named_not_hidden(monkeypatch):
     # Before: with a driver too old for the wheel (or a CPU-only torch), `auto` quietly became cpu:2 and
     # preflight said "no CUDA device here". Now the reason is stated, in the report and in preflight.
-    from parallel import devices, preflight
+    from parallel import devices, devicespec, machine, preflight
 
     monkeypatch.setattr(devices, "gpu_count", lambda: 0)
-    monkeypatch.setattr(devices, "_nvidia_present", lambda: (8, "12.2"))
-    monkeypatch.setattr(devices.torch.version, "cuda", "13.0")
-    why = devices.unusable_gpus()
+    monkeypatch.setattr(machine, "_nvidia_present", lambda: (8, "12.2"))
+    monkeypatch.setattr(machine.torch.version, "cuda", "13.0")
+    why = machine.unusable_gpus()
     assert why.startswith("8 NVIDIA GPU(s) here, but torch") and "built for CUDA 13.0" in why and "12.2" in why
-    assert devices.parse_devices("auto").kind == "cpu"  # still runs, on the CPU ...
-    assert devices.environment(devices.parse_devices("auto"))["gpus_unusable"] == why  # ... and says why
+    assert devicespec.parse_devices("auto").kind == "cpu"  # still runs, on the CPU ...
+    assert machine.environment(devicespec.parse_devices("auto"))["gpus_unusable"] == why  # ... and says why
     monkeypatch.setattr(preflight, "gpu_count", lambda: 0)
-    monkeypatch.setattr(preflight, "unusable_gpus", devices.unusable_gpus)
+    monkeypatch.setattr(preflight, "unusable_gpus", machine.unusable_gpus)
     checks = preflight.cuda_only(_config("cpu:2"))
     assert checks and all(c.status == "not run" and c.detail == why for c in checks)
     with pytest.raises(ConfigError, match="8 NVIDIA GPU"):
-        devices.parse_devices("cuda:0")
-    monkeypatch.setattr(devices.torch.version, "cuda", None)
-    assert "CPU-only build" in devices.unusable_gpus()
-    monkeypatch.setattr(devices, "_nvidia_present", lambda: (0, ""))
-    assert devices.unusable_gpus() is None  # no GPU at all: nothing to say
+        devicespec.parse_devices("cuda:0")
+    monkeypatch.setattr(machine.torch.version, "cuda", None)
+    assert "CPU-only build" in machine.unusable_gpus()
+    monkeypatch.setattr(machine, "_nvidia_present", lambda: (0, ""))
+    assert machine.unusable_gpus() is None  # no GPU at all: nothing to say
 
 
 def test_a_memory_cap_holds_the_allocator_of_every_gpu_a_process_drives(strict_cuda, monkeypatch):

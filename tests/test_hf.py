@@ -12,7 +12,7 @@ import torch
 from parallel.config import RunConfig
 from parallel.harness import mutants
 from parallel.strategies import manual_tp
-from parallel.usermodel import cannot_match
+from parallel.userchecks import cannot_match
 from parallel.workloads import TPPlan, logits_of, tp_plan_of
 from tests.conftest import ROOT
 from tests.multirank import FP64_MARGIN

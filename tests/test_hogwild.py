@@ -7,7 +7,7 @@ import torch
 
 from parallel import strategies
 from parallel.config import ConfigError, RunConfig
-from parallel.devices import DeviceSpec
+from parallel.devicespec import DeviceSpec
 from parallel.dist import Dist
 from parallel.worker import execute
 from parallel.workloads import WORKLOADS, eval_loss

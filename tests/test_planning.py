@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from parallel import cli, strategies
+from parallel import cli, cliargs, strategies
 from parallel.config import ConfigError, RunConfig
-from parallel.devices import DeviceSpec, parse_devices
+from parallel.devicespec import DeviceSpec, parse_devices
 from parallel.dist import Dist, script_devices
 from parallel.harness import scaling
 from parallel.harness.runner import plan
@@ -145,14 +145,14 @@ def test_one_device_rows_say_nothing_runs_in_parallel():
 
 
 def test_runs_on_gpus_have_tf32_off_and_say_so(strict_cuda, monkeypatch):
-    from parallel import devices
+    from parallel import machine
     from tests.test_gpu_paths import _config, _execute
 
     _execute("single", _config("cuda:0"), strict_cuda, monkeypatch)
     log = [e[0] for e in strict_cuda.log]
     assert "exact_fp32" in log and log.index("exact_fp32") < log.index("to")  # before the model is on the GPU
-    assert devices.environment(parse_devices("cuda:0"))["tf32"].startswith("off")
-    assert "tf32" not in devices.environment(parse_devices("cpu:2"))
+    assert machine.environment(parse_devices("cuda:0"))["tf32"].startswith("off")
+    assert "tf32" not in machine.environment(parse_devices("cpu:2"))
 
 
 def test_cudas_fp32_is_exact_after_exact_fp32():
@@ -180,7 +180,7 @@ def test_a_refusal_under_torchrun_is_printed_by_rank_0_and_given_to_torchrun(tmp
     for rank in ("0", "1"):
         error_file = tmp_path / f"error-{rank}.json"
         env = {"RANK": rank, "TORCHELASTIC_ERROR_FILE": str(error_file)}
-        assert cli.refuse("error: global batch 512 ...", env) == 2
+        assert cliargs.refuse("error: global batch 512 ...", env) == 2
         message = json.loads(error_file.read_text())["message"]
         assert message["message"] == "error: global batch 512 ..." and "py_callstack" not in message["extraInfo"]
     assert capsys.readouterr().err.splitlines() == ["error: global batch 512 ..."]  # once, by rank 0
@@ -215,7 +215,7 @@ def test_devices_runs_and_skips_what_compare_would(capsys):
     planner, and a skipped strategy worded as compare words it in full ("NAME skipped: WHY")."""
     assert cli.main(["devices"]) == 0
     out = capsys.readouterr().out.splitlines()
-    config = cli.config_from_args(cli.build_parser().parse_args(["compare"]), default_out=False)
+    config = cliargs.config_from_args(cli.build_parser().parse_args(["compare"]), default_out=False)
     chosen, skipped = plan(config, ["all"])
     said = {k: v for k, _, v in (ln.removeprefix("- ").partition(": ") for ln in out if ln.startswith("- compare "))}
     assert said["compare runs"].split(", ") == list(dict.fromkeys(s.name for s, _, _ in chosen))

@@ -11,10 +11,11 @@ from parallel import strategies
 from parallel.data import SyntheticData
 from parallel.dist import Dist
 from parallel.layout import ParallelDims
+from parallel.nets import MLP
 from parallel.timing import StepTimer, summarize
 from parallel.train import NonFiniteLoss, step_lines, train
 from parallel.worker import execute
-from parallel.workloads import MLP, WORKLOADS
+from parallel.workloads import WORKLOADS
 
 REPLICAS = lambda config, dist: ParallelDims.data_parallel(dist.world_size)  # noqa: E731 - what the loop asks a strategy
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from parallel import strategies, usermodel
+from parallel import strategies, userchecks, userload, usermodel
 from parallel.config import ConfigError, RunConfig
 from parallel.dist import Dist
 from parallel.worker import execute
@@ -280,14 +280,14 @@ def test_a_child_of_the_run_takes_the_parents_findings_and_builds_the_model_once
     env = usermodel.checked_env(parent)
     assert usermodel.checked_env(WORKLOADS["cnn"]) == {}  # a built-in model needs no checks
     calls = []
-    real = usermodel._call
-    monkeypatch.setattr(usermodel, "_call", lambda *a: calls.append(a) or real(*a))
+    real = userload.call_factory
+    monkeypatch.setattr(userload, "call_factory", lambda *a: calls.append(a) or real(*a))
 
     def refuse(*a, **k):
         raise AssertionError("a child ran the model on a sample")
 
     monkeypatch.setattr(usermodel.outputs, "check", refuse)
-    monkeypatch.setattr(usermodel, "_in_order", refuse)
+    monkeypatch.setattr(userchecks, "in_order", refuse)
     monkeypatch.setenv(usermodel.FOUND, env[usermodel.FOUND])
     usermodel._user.cache_clear()
     child = usermodel.workload_of(config(model_file))

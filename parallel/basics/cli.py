@@ -14,7 +14,8 @@ from rich.table import Table
 from parallel.basics import bench, noise, savers
 from parallel.basics import memory as mem
 from parallel.basics import streams as st
-from parallel.devices import activate, gpu_count, parse_devices
+from parallel.devices import activate, gpu_count
+from parallel.devicespec import parse_devices
 from parallel.errors import ConfigError
 from parallel.results import atomic_write, prepare_out
 

@@ -67,7 +67,8 @@ import torch
 
 from parallel.results import Equivalence, Rule
 from parallel.train import default_dtype
-from parallel.usermodel import cannot_match, workload_of
+from parallel.userchecks import cannot_match
+from parallel.usermodel import workload_of
 from parallel.workloads import WORKLOADS
 
 RTOL = 2e-2
@@ -114,7 +115,7 @@ class Reference:
     state: dict[str, torch.Tensor]
     losses: dict[str, list[float]]  # {"loss": [...]} or the DCGAN's {"d_loss": [...], "g_loss": [...]}
     noise: Rule | None = None  # a user's model that amplifies rounding: the rule its own noise allows (noise.own_noise)
-    causes: dict = dataclasses.field(default_factory=dict)  # usermodel.cannot_match: what no strategy can match
+    causes: dict = dataclasses.field(default_factory=dict)  # userchecks.cannot_match: what no strategy can match
 
 
 def reference_of(config, row, state: dict[str, torch.Tensor]) -> Reference:
@@ -213,7 +214,7 @@ def judge(strategy, config, ref: Reference | None, row, state: dict | None) -> E
 
 
 def explain(verdict: Equivalence, strategy: str, causes: dict[str, str]) -> None:
-    """A mismatch on a model that carries its own cause (usermodel.cannot_match: dropout, BatchNorm, but
+    """A mismatch on a model that carries its own cause (userchecks.cannot_match: dropout, BatchNorm, but
     not BatchNorm under ddp, which synchronises it) names that cause first, instead of leaving the
     difference to be read as a bug or as rounding."""
     why = [text for cause, text in causes.items() if not (cause == "batchnorm" and strategy == "ddp")]

@@ -17,7 +17,7 @@ import time
 
 import psutil
 
-from parallel import devices
+from parallel import machine
 
 NOISY = 0.10  # a row measured while other processes used more than this share of the machine is "noisy"
 
@@ -33,7 +33,7 @@ def _own() -> float:
 
 
 def _foreign_gpu(gpus: list[int]) -> set[int]:
-    pids = devices.gpu_process_ids(gpus) or set()
+    pids = machine.gpu_process_ids(gpus) or set()
     me = psutil.Process()
     own = {me.pid, *(c.pid for c in me.children(recursive=True))}
     return pids - own

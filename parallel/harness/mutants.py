@@ -109,9 +109,9 @@ def honest_jobs(seeds: int, devices: tuple[str, ...] = ("cpu:2",), base: dict | 
     jobs = []
     for seed, device, workload in itertools.product(range(seeds), devices, workloads or tuple(WORKLOADS)):
         fields = {"batch_size": 512, "extras": False, **sized(size, workload), **(base or {})}  # the verdict only
-        n = RunConfig(devices=device).spec.count
-        fields["batch_size"] -= fields["batch_size"] % n
-        config = RunConfig(workload=workload, devices=device, seed=seed, **fields).validate()
+        draft = RunConfig(workload=workload, devices=device, seed=seed, **fields)
+        draft.batch_size -= draft.batch_size % draft.spec.count  # the devices parsed once: validate takes them
+        config = draft.validate()
         for s in strategies.all_strategies():
             runs_here = not s.unsupported(WORKLOADS[workload]) and not s.available(config.spec)
             if s.synchronous and s.name != "single" and runs_here:

@@ -29,7 +29,8 @@ from parallel.harness import equivalence, launch, load, noise, twin
 from parallel.harness.report import make_progress
 from parallel.measure import pipelines
 from parallel.results import Equivalence, Row, file_stem, tb_run
-from parallel.usermodel import cannot_match, checked_env, shape_model, workload_of
+from parallel.userchecks import cannot_match
+from parallel.usermodel import checked_env, shape_model, workload_of
 from parallel.workloads import eval_loss
 
 BASELINE = "single"

@@ -155,11 +155,11 @@ def from_module(spec: str) -> dict:
     rest."""
     import torch
 
-    from parallel.usermodel import _call, _import, resolve_spec
+    from parallel.userload import call_factory, load_factory, resolve_spec
 
     spec = resolve_spec(spec)
     with torch.device("meta"):
-        model = _call(_import(spec), 0, spec)["model"]
+        model = call_factory(load_factory(spec), 0, spec)["model"]
     c = getattr(model, "config", None)
     if c is not None and hasattr(c, "hidden_size"):
         gated = getattr(c, "hidden_act", "gelu") in ("silu", "swiglu")
