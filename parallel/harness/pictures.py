@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 from parallel.harness import report
+from parallel.measure import context, experts
 from parallel.results import Row, atomic_write
 
 KIND_COLOR = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52"}
@@ -171,62 +172,6 @@ def collectives(rows: list[Row]) -> str | None:
     return _svg(fig)
 
 
-def _per_rank_figure(labels: list[str], ms: list, left_label: str, right_label: str):
-    """Two panels sharing one row per rank: the caller draws bars on the left (returned), and the time on
-    the right as dots."""
-    plt = _plt()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, _height(len(labels))), sharey=True)
-    left.set_xlabel(left_label)
-    right.plot([v or 0 for v in ms], range(len(labels)), "o", color="#dd8452")
-    right.set_xlabel(right_label)
-    left.set_yticks(range(len(labels)), labels)
-    left.invert_yaxis()
-    return fig, left
-
-
-def context(rows: list[Row]) -> str | None:
-    """Each context-parallel row's ranks: the causal (q, k) pairs its layout gives them (bars, left) and
-    the attention time measured on them (dots, right)."""
-    chosen = report.context_rows(rows)
-    if not chosen:
-        return None
-    bars = [(f"{r.label} rank {k}", pairs, ms) for r in chosen for k, (pairs, ms) in enumerate(zip(
-        r.details["causal_pairs_per_rank"][:r.details.get("cp", r.world_size)],
-        _per_rank(r.details.get("attention_ms_per_rank"), r.world_size), strict=False))]
-    fig, left = _per_rank_figure([b[0] for b in bars], [b[2] for b in bars],
-                                 "causal (q, k) pairs per head and sequence",
-                                 "attention ms (forward + backward, no communication)")
-    left.barh(range(len(bars)), [b[1] for b in bars], color="#4c72b0")
-    return _svg(fig)
-
-
-def experts(rows: list[Row]) -> str | None:
-    """Each expert-parallel row's ranks: the rows its experts computed per step, every layer summed, one
-    segment per expert (bars, left), and the time it spent in them (dots, right): the busiest rank sets
-    the pace, since every rank waits for it at the combine's all-to-all."""
-    chosen = report.expert_rows(rows)
-    if not chosen:
-        return None
-    bars = []
-    for r in chosen:
-        d = r.details
-        ms = _per_rank(d.get("expert_ms_per_step_per_rank"), r.world_size)
-        for k, layers in enumerate(d["rows_per_expert_per_layer_per_rank"][:d.get("ep", r.world_size)]):
-            held = d["experts_per_rank"][k]
-            bars.append((f"{r.label} rank {k}", held, [sum(layer[j] for layer in layers) for j in range(len(held))],
-                         ms[k] if k < len(ms) else None))
-    fig, left = _per_rank_figure([b[0] for b in bars], [b[3] for b in bars],
-                                 "rows its experts computed per step (every layer)", "ms in its experts per step")
-    colours = _plt().get_cmap("tab10").colors
-    for y, (_, held, counts, _) in enumerate(bars):
-        start = 0.0
-        for expert, n in zip(held, counts, strict=True):
-            left.barh(y, n, left=start, color=colours[expert % 10], edgecolor="white")
-            left.text(start + n / 2, y, f"e{expert}", ha="center", va="center", fontsize=7, color="white")
-            start += n
-    return _svg(fig)
-
-
 def pieces(timeline: list) -> list[tuple[int, float, float, str, int]]:
     """(row of the chart, start ms, end ms, kind, micro-batch) from a row's stage_timeline or replay_timeline:
     in-process pipelines give one list per stage; pipeline_dist one list per rank, whose labels name the stage."""
@@ -346,10 +291,10 @@ def page(rows: list[Row], environment: dict, skipped: dict | None, out: Path) ->
                  "What each stage holds: its part of the model state, and the most activations it kept at once."),
                 ("Bytes sent per step, by collective", collectives(rows),
                  "What one rank sends in an optimiser step, counted at the collective; the tick: the textbook's."),
-                ("Context parallel: each rank's attention work", context(rows),
+                ("Context parallel: each rank's attention work", context.picture(rows),
                  "The causal pairs each rank's positions give it (zig-zag: equal; contiguous: the last rank the "
                  "most), and its attention time measured alone."),
-                ("Experts: each rank's load", experts(rows),
+                ("Experts: each rank's load", experts.picture(rows),
                  "The rows each rank's experts computed (one colour per expert) and its time in them: the busiest "
                  "rank sets the step, since every rank waits for it at the combine's all-to-all.")]
     sections += [(f"Pipeline schedule: {r.label}", gantt(r), f"{r.details.get('schedule', 'one stage at a time')}, "
