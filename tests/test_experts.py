@@ -154,7 +154,8 @@ def test_expert_parallel_alone_and_with_data_parallel_on_4_ranks_and_under_bf16_
     # the tenth judged_on_ranks asks of float noise): rows go out in fp32, the experts' outputs come back in
     # bf16, and the bytes are predicted per direction.
     _check_measured(judged_on_ranks(2, [("expert_parallel", "moe", {"precision": "bf16"})], _config)[0], 2)
-    assert rows[0].details["experts"]["experts_per_rank"] == [[0, 1], [2, 3], [0, 1], [2, 3]]  # the dp replicas hold the same
+    held = rows[0].details["experts"]["experts_per_rank"]
+    assert held == [[0, 1], [2, 3], [0, 1], [2, 3]]  # the dp replicas hold the same
 
 
 def test_what_expert_parallelism_and_the_load_balancing_loss_need_is_refused_in_one_line(tmp_path, capsys):

@@ -239,5 +239,4 @@ def order_transposed(grid):
 MEASURE = Experts(ep_of, held=lambda t: t.state.owned)  # measure/experts.py: routing, balance, bytes
 
 HOOKS = Hooks(check=check, state_dict=state_dict, model_state_bytes=model_state_every_rank,
-              checkpoint_state=checkpoint_state,
-              restore_checkpoint=restore_checkpoint)
+              checkpoint_state=checkpoint_state, restore_checkpoint=restore_checkpoint)
