@@ -116,8 +116,8 @@ def attention_bytes_predicted(model: nn.Module, config, cp: int) -> float:
 
 @contextlib.contextmanager
 def counting_pairs(ring: Ring):
-    """[the (query, key) pairs per head and sequence of every product the ring hands its kernels] inside
-    the block: its `blocks` wrapped on the instance, its own again after."""
+    """Yields [pairs]: the (query, key) pairs per head and sequence of every product the ring hands its
+    kernels inside the block, counted by wrapping its `blocks` on the instance (its own again after)."""
     total, blocks = [0], ring.blocks
 
     def counted(src):
