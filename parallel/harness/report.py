@@ -544,7 +544,7 @@ def readable(key: str, value) -> str:
     """One detail as a person reads it: bytes in KiB/MiB, milliseconds with their unit, fractions as
     percentages, lists joined by ' / ', dicts as 'name value' pairs; never a Python repr."""
     if isinstance(value, dict):
-        return ", ".join(f"{k} {readable(key, v)}" for k, v in value.items()) or "-"
+        return ", ".join(f"{k} {readable(f'{key}.{k}', v)}" for k, v in value.items()) or "-"  # each by its own name
     if isinstance(value, (list, tuple)):
         if value and all(isinstance(v, (list, tuple)) for v in value):
             return f"{len(value)} entries"  # a timeline: in results.json and the pictures
