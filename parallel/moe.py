@@ -65,12 +65,11 @@ def run_experts(experts, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
     return torch.cat([e(c) for e, c in zip(experts, chunks, strict=True)]) if rows.shape[0] else rows * 0
 
 
-def combine(x: torch.Tensor, routing: Routing, rows_out: torch.Tensor, gated: bool = True) -> torch.Tensor:
+def combine(x: torch.Tensor, routing: Routing, rows_out: torch.Tensor) -> torch.Tensor:
     """y[token] = sum of gate x its experts' outputs, in x's dtype (under bf16 autocast the experts' outputs
     are bf16 and x, a LayerNorm's output, fp32); tokens with no kept assignment get 0."""
     rows_out = rows_out.to(x.dtype)
-    weighted = rows_out * routing.gate[:, None].to(x.dtype) if gated else rows_out
-    return torch.zeros_like(x).index_add(0, routing.token, weighted)
+    return torch.zeros_like(x).index_add(0, routing.token, rows_out * routing.gate[:, None].to(x.dtype))
 
 
 def run_here(moe: MoE, x: torch.Tensor, routing: Routing) -> torch.Tensor:

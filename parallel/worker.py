@@ -59,6 +59,8 @@ def execute(strategy, config: RunConfig, dist: Dist, data=None, run: str = "") -
         reset_peak_memory(local)
         trainable = strategy.setup(model, make_optimizer(config), workload.loss, dist, config)
         trainable.mutant = config.mutant  # the injected bug, if any, that train_step may carry (--mutant)
+        if strategy.MEASURE is not None and config.extras:
+            strategy.MEASURE.watch(trainable)  # its family counts inside the steps (expert dispatch's rows)
         layer = activations.meter_for(strategy, trainable.model, workload, config)
         phases["setup"], began = round(time.perf_counter() - began, 2), time.perf_counter()
         with make_profiler(config.profile, config.out, run or strategy.name, dist.rank, dist.device) as prof:
@@ -72,7 +74,8 @@ def execute(strategy, config: RunConfig, dist: Dist, data=None, run: str = "") -
             extra |= layer.details(workload.input_shape[0], config.precision) if layer is not None else {}
     phases["extras"] = round(time.perf_counter() - began, 2)
     measured = extra.pop("measured", Measured())
-    extra = {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in extra.items()}  # typed
+    typed = {k: v for k, v in extra.items() if dataclasses.is_dataclass(v)}  # the families' Results (measure/)
+    extra |= {k: dataclasses.asdict(v) for k, v in typed.items()}  # a dict in the row, read back by result_of
     details = {"model_state_bytes_per_device": strategy.model_state_bytes(trainable, config),
                **({f"{peak_kind}_per_device": peaks} if len(peaks) > 1 else {}),
                **_peak_per_rank(peak, peak_kind, dist), **extra, "phases_s": phases}
@@ -80,7 +83,8 @@ def execute(strategy, config: RunConfig, dist: Dist, data=None, run: str = "") -
         details |= {"cuda_max_reserved": max(reserved), **_peak_per_rank(max(reserved), "cuda_max_reserved", dist)}
     if why := every_rank_reason(trainable.not_expected, dist):
         details["not_expected"] = why
-    predicted = details.pop("comm_bytes_predicted", predicted)  # a prediction that needs the run (routing)
+    for found in typed.values():  # a prediction that needs the run (the experts': from its routing)
+        predicted = getattr(found, "comm_bytes_predicted", None) or predicted
 
     stats = summarize(result.step_s)
     ran = len(result.losses)  # fewer than warmup + steps after a resume

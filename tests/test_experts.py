@@ -83,19 +83,19 @@ def _config(workload, world, options):
 
 
 def _check_measured(row, world):
-    d = row.details
+    d, sent = row.details["experts"], row.details["bytes_per_step_by_collective"]
     ep = d["ep"]
     # Every byte where the prediction puts it, the all-to-all's from this run's routing (each row out and
     # back, forward and backward, plus the counts), the gradients' all-reduces by their sizes; counted at
     # the collectives with the real (uneven) splits: equal on gloo, asserted within 1%.
     assert abs(row.comm_bytes_per_step - row.comm_bytes_predicted) <= 0.01 * row.comm_bytes_predicted
     for kind, predicted in d["bytes_predicted_by_collective"].items():
-        assert abs(d["bytes_per_step_by_collective"][kind] - predicted) <= 0.01 * predicted, kind
+        assert abs(sent[kind] - predicted) <= 0.01 * predicted, kind
     # The rows that left a rank track (ep-1)/ep of its routed rows (random routing: within 15%), so the
     # all-to-all tracks the even-routing formula 4 T k h e (ep-1)/ep.
     for share in d["rows_leaving_share_per_rank"]:
         assert abs(share - (ep - 1) / ep) < 0.15, d["rows_leaving_share_per_rank"]
-    a2a = d["bytes_per_step_by_collective"]["all_to_all"]
+    a2a = sent["all_to_all"]
     assert abs(a2a / d["all_to_all_uniform_formula"] - 1) < 0.15
     assert d["expert_state_bytes_per_rank"] == [d["single_expert_state_bytes"] // ep] * world  # 1/ep each
     assert sum(d["dropped_assignments_per_rank"]) == 0
@@ -137,9 +137,10 @@ def test_expert_parallel_matches_single_on_2_ranks_with_the_bytes_of_its_routing
 
 def test_a_run_that_drops_tokens_is_not_expected_to_match_and_one_that_drops_none_must(two_ranks):
     (tight, loose), (tight_verdict, loose_verdict) = two_ranks[0][2:4], two_ranks[1][2:4]
-    assert sum(tight.details["dropped_assignments_per_rank"]) > 0 and tight.details["capacity_factor"] == 1.0
+    assert sum(tight.details["experts"]["dropped_assignments_per_rank"]) > 0
+    assert tight.details["experts"]["capacity_factor"] == 1.0
     assert tight_verdict.verdict == "not-expected" and "capacity factor 1 dropped" in tight_verdict.reason
-    assert sum(loose.details["dropped_assignments_per_rank"]) == 0
+    assert sum(loose.details["experts"]["dropped_assignments_per_rank"]) == 0
     assert loose_verdict.verdict == "match" and loose_verdict.ratio < FP64_MARGIN, loose_verdict
 
 
@@ -153,7 +154,8 @@ def test_expert_parallel_alone_and_with_data_parallel_on_4_ranks_and_under_bf16_
     # the tenth judged_on_ranks asks of float noise): rows go out in fp32, the experts' outputs come back in
     # bf16, and the bytes are predicted per direction.
     _check_measured(judged_on_ranks(2, [("expert_parallel", "moe", {"precision": "bf16"})], _config)[0], 2)
-    assert rows[0].details["experts_per_rank"] == [[0, 1], [2, 3], [0, 1], [2, 3]]  # the dp replicas hold the same
+    held = rows[0].details["experts"]["experts_per_rank"]
+    assert held == [[0, 1], [2, 3], [0, 1], [2, 3]]  # the dp replicas hold the same
 
 
 def test_what_expert_parallelism_and_the_load_balancing_loss_need_is_refused_in_one_line(tmp_path, capsys):

@@ -158,7 +158,7 @@ def test_data_parallel_bytes_are_the_ones_the_runs_measure(zero, name, options):
     sent = sum(count * formulas.wire_bytes(kind, nbytes, 2)
                for kind, nbytes, count in cost.dp_traffic(psi, Layout(dp=2, zero_stage=zero, mbs=2), train))
     config = RunConfig(devices="cpu:2", workload="mlp", options=options).validate()
-    assert sent == pytest.approx(strategies.get(name).module.comm_bytes_predicted(model, config), rel=1e-5)
+    assert sent == pytest.approx(strategies.get(name).comm_bytes_predicted(model, config), rel=1e-5)
 
 
 @pytest.mark.parametrize("name, lay", [("manual_tp", Layout(tp=2, mbs=8)), ("context_parallel", Layout(cp=2, mbs=8))])
@@ -167,8 +167,8 @@ def test_tensor_and_context_parallel_bytes_are_the_ones_the_runs_measure(name, l
     batch 8 on 2 ranks, fp32): Megatron's 4 all-reduces a block, and ring attention's 3 (cp-1) K, V blocks,
     send what manual_tp and context_parallel predict, which their runs measure within 1%
     (test_tensor_parallel.py, test_context_parallel.py)."""
+    from parallel.measure import context
     from parallel.plan import local
-    from parallel.strategies import context_parallel, manual_tp
 
     model = WORKLOADS["transformer"].build_model(0)
     spec = local.spec_of(model)
@@ -176,8 +176,8 @@ def test_tensor_and_context_parallel_bytes_are_the_ones_the_runs_measure(name, l
     group = lay.tp * lay.cp
     per_layer = sum((fwd + bwd) * formulas.wire_bytes(kind, nbytes, group)
                     for kind, nbytes, fwd, bwd in cost.layer_traffic(spec, lay, Training(1, "fp32")).values())
-    theirs = manual_tp.comm_bytes_predicted(model, config) if name == "manual_tp" else \
-        context_parallel.attention_bytes_predicted(model, config, 2)
+    theirs = strategies.get("manual_tp").comm_bytes_predicted(model, config) if name == "manual_tp" else \
+        context.attention_bytes_predicted(model, config, 2)
     assert spec.layers * per_layer == pytest.approx(theirs, rel=1e-9) and theirs > 0
 
 

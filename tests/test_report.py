@@ -167,9 +167,10 @@ def test_a_row_with_paired_rounds_is_not_told_to_repeat():
 
 
 def _context_row(base: Row, layout: str, pairs: list[int], ms: list[float]) -> Row:
-    d = {"cp": 4, "cp_layout": layout, "cp_comm": "ring", "causal_pairs_per_rank": pairs,
-         "attention_ms_per_rank": ms, "activation_bytes_per_rank": [2_275_000] * 4,
-         "single_activation_bytes_per_rank": [9_100_000] * 4, "bytes_per_step_by_collective": {"send": 2.36e6}}
+    d = {"context": {"cp": 4, "layout": layout, "comm": "ring", "causal_pairs_per_rank": pairs,
+                     "attention_ms_per_rank": ms, "activation_bytes_per_rank": [2_275_000] * 4,
+                     "single_activation_bytes_per_rank": [9_100_000] * 4},
+         "bytes_per_step_by_collective": {"send": 2.36e6}}
     return dataclasses.replace(base, strategy="context_parallel", variant=f"cp_layout={layout}", world_size=4,
                                details=d, comm_bytes_per_step=4.89e6, comm_bytes_predicted=4.89e6)
 

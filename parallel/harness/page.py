@@ -10,8 +10,8 @@ import re
 from pathlib import Path
 
 from parallel.harness import notes, overview, report
-from parallel.harness.pictures import collectives, context, errors, experts, memory, speedup
-from parallel.measure import pipelines
+from parallel.harness.pictures import collectives, errors, memory, speedup
+from parallel.measure import context, experts, pipelines
 from parallel.results import Row, atomic_write
 
 STYLE = """body{font:14px/1.45 system-ui,sans-serif;max-width:60em;margin:1.5em auto;padding:0 1em;color:#222}
@@ -64,10 +64,10 @@ def page(rows: list[Row], environment: dict, skipped: dict | None, out: Path) ->
                  "What each stage holds: its part of the model state, and the most activations it kept at once."),
                 ("Bytes sent per step, by collective", collectives(rows),
                  "What one rank sends in an optimiser step, counted at the collective; the tick: the textbook's."),
-                ("Context parallel: each rank's attention work", context(rows),
+                ("Context parallel: each rank's attention work", context.picture(rows),
                  "The causal pairs each rank's positions give it (zig-zag: equal; contiguous: the last rank the "
                  "most), and its attention time measured alone."),
-                ("Experts: each rank's load", experts(rows),
+                ("Experts: each rank's load", experts.picture(rows),
                  "The rows each rank's experts computed (one colour per expert) and its time in them: the busiest "
                  "rank sets the step, since every rank waits for it at the combine's all-to-all.")]
     sections += pipelines.pictures(rows)

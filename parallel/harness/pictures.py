@@ -102,62 +102,6 @@ def collectives(rows: list[Row]) -> str | None:
     return _svg(fig)
 
 
-def _per_rank_figure(labels: list[str], ms: list, left_label: str, right_label: str):
-    """Two panels sharing one row per rank: the caller draws bars on the left (returned), and the time on
-    the right as dots."""
-    plt = _plt()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, _height(len(labels))), sharey=True)
-    left.set_xlabel(left_label)
-    right.plot([v or 0 for v in ms], range(len(labels)), "o", color="#dd8452")
-    right.set_xlabel(right_label)
-    left.set_yticks(range(len(labels)), labels)
-    left.invert_yaxis()
-    return fig, left
-
-
-def context(rows: list[Row]) -> str | None:
-    """Each context-parallel row's ranks: the causal (q, k) pairs its layout gives them (bars, left) and
-    the attention time measured on them (dots, right)."""
-    chosen = report.context_rows(rows)
-    if not chosen:
-        return None
-    bars = [(f"{r.label} rank {k}", pairs, ms) for r in chosen for k, (pairs, ms) in enumerate(zip(
-        r.details["causal_pairs_per_rank"][:r.details.get("cp", r.world_size)],
-        _per_rank(r.details.get("attention_ms_per_rank"), r.world_size), strict=False))]
-    fig, left = _per_rank_figure([b[0] for b in bars], [b[2] for b in bars],
-                                 "causal (q, k) pairs per head and sequence",
-                                 "attention ms (forward + backward, no communication)")
-    left.barh(range(len(bars)), [b[1] for b in bars], color="#4c72b0")
-    return _svg(fig)
-
-
-def experts(rows: list[Row]) -> str | None:
-    """Each expert-parallel row's ranks: the rows its experts computed per step, every layer summed, one
-    segment per expert (bars, left), and the time it spent in them (dots, right): the busiest rank sets
-    the pace, since every rank waits for it at the combine's all-to-all."""
-    chosen = report.expert_rows(rows)
-    if not chosen:
-        return None
-    bars = []
-    for r in chosen:
-        d = r.details
-        ms = _per_rank(d.get("expert_ms_per_step_per_rank"), r.world_size)
-        for k, layers in enumerate(d["rows_per_expert_per_layer_per_rank"][:d.get("ep", r.world_size)]):
-            held = d["experts_per_rank"][k]
-            bars.append((f"{r.label} rank {k}", held, [sum(layer[j] for layer in layers) for j in range(len(held))],
-                         ms[k] if k < len(ms) else None))
-    fig, left = _per_rank_figure([b[0] for b in bars], [b[3] for b in bars],
-                                 "rows its experts computed per step (every layer)", "ms in its experts per step")
-    colours = _plt().get_cmap("tab10").colors
-    for y, (_, held, counts, _) in enumerate(bars):
-        start = 0.0
-        for expert, n in zip(held, counts, strict=True):
-            left.barh(y, n, left=start, color=colours[expert % 10], edgecolor="white")
-            left.text(start + n / 2, y, f"e{expert}", ha="center", va="center", fontsize=7, color="white")
-            start += n
-    return _svg(fig)
-
-
 def errors(rows: list[Row]) -> str | None:
     """Every tensor's difference from `single`'s over its tolerance, per strategy (log scale; 1 is the
     tolerance): how close each came, and which tensors a mismatch is in."""

@@ -19,9 +19,8 @@ from rich.table import Table
 from parallel.harness import memcheck
 from parallel.harness.notes import advice, cost_lines, notes, skipped_in_full
 from parallel.harness.overview import header, speedup_text, table
-from parallel.measure import layers, pipelines
+from parallel.measure import context, experts, layers, pipelines
 from parallel.results import Row
-from parallel.tables import count as _count
 from parallel.tables import num as _num
 from parallel.tables import size as _bytes
 from parallel.tables import table as _table
@@ -79,87 +78,6 @@ def sharding_tables(rows: list[Row]) -> list[Table]:
     return [state, sent]
 
 
-def context_rows(rows: list[Row]) -> list[Row]:
-    return [r for r in rows if r.status == "ok" and "causal_pairs_per_rank" in r.details]
-
-
-def _by_rank(values, show) -> str:
-    return " ".join(show(v) for v in values or [] if v is not None) or "-"
-
-
-def _ms(v: float) -> str:
-    return f"{v:.0f}" if v >= 10 else f"{v:.2g}"
-
-
-def context_table(rows: list[Row]) -> Table | None:
-    """Every context-parallel row: bytes per step beside the formula, each rank's causal (q, k) pairs and
-    attention time (its layout's balance), and the activations a rank saves against 1/cp of one device's."""
-    chosen = context_rows(rows)
-    if not chosen:
-        return None
-    t = _table("Context parallel: bytes against the formula; each rank's causal pairs, attention time, activations",
-               [("strategy", "left"), ("layout", "left"), ("cp", "right"), ("sent (formula)", "right"),
-                ("causal pairs", "left"), ("attention ms", "left"), ("activations (1/cp of one)", "right")])
-    t.columns[0].no_wrap = True  # a strategy's name whole
-    for r in chosen:
-        d = r.details
-        cp = d.get("cp", r.world_size)
-        single = _largest(d.get("single_activation_bytes_per_rank"))
-        mine = _bytes(_largest(d.get("activation_bytes_per_rank")), short=True)
-        t.add_row(r.strategy, f"{d.get('cp_layout', '-')} {d.get('cp_comm', '')}", str(cp),
-                  f"{_bytes(r.comm_bytes_per_step, short=True)} ({_bytes(r.comm_bytes_predicted, short=True)})",
-                  _by_rank(d["causal_pairs_per_rank"][:cp], _count),
-                  _by_rank((d.get("attention_ms_per_rank") or [])[:cp], _ms),
-                  f"{mine} ({_bytes(single / cp, short=True)})" if single else mine)
-    return t
-
-
-def expert_rows(rows: list[Row]) -> list[Row]:
-    return [r for r in rows if r.status == "ok" and "rows_per_expert_per_layer_per_rank" in r.details]
-
-
-def imbalance(d: dict) -> float | None:
-    """The busiest expert's rows over the mean expert's, in the worst layer of the worst expert-parallel
-    group (its ranks wait for it at the combine's all-to-all)."""
-    ep, loads = d.get("ep", 1), d["rows_per_expert_per_layer_per_rank"]
-    worst = None
-    for g in range(0, len(loads), ep):
-        for layer in range(len(loads[g])):
-            rows = [n for rank in loads[g:g + ep] for n in rank[layer]]
-            if rows and sum(rows):
-                worst = max(worst or 0.0, max(rows) / (sum(rows) / len(rows)))
-    return worst
-
-
-def expert_table(rows: list[Row]) -> Table | None:
-    """Every expert-parallel row: bytes beside the prediction from its routing, the share of routed rows
-    that left their rank, the busiest expert against the mean and each rank's time in its experts, the
-    share of assignments dropped past the capacity, and the expert parameters a rank holds against 1/ep of
-    one device's. ep: "2x2" is ep 2 x dp 2."""
-    chosen = expert_rows(rows)
-    if not chosen:
-        return None
-    t = _table("Experts: bytes against the routing's prediction; balance, drops, expert parameters per rank",
-               [("strategy", "left"), ("ep", "left"), ("cap.", "right"), ("sent (pred.)", "right"),
-                ("away", "right"), ("max/mean", "right"), ("expert ms", "left"), ("dropped", "right"),
-                ("experts (1/ep)", "right")])
-    t.columns[0].no_wrap = True
-    for r in chosen:
-        d = r.details
-        ep = d.get("ep", r.world_size)
-        away = [v for v in d.get("rows_leaving_share_per_rank") or [] if v is not None]
-        dropped, assigned = sum(d.get("dropped_assignments_per_rank") or [0]), sum(d.get("assignments_per_rank") or [0])
-        held = _largest(d.get("expert_state_bytes_per_rank"))
-        single = d.get("single_expert_state_bytes")
-        t.add_row(r.strategy, f"{ep}x{r.world_size // ep}", _num(d.get("capacity_factor") or None, "g"),
-                  f"{_bytes(r.comm_bytes_per_step, short=True)} ({_bytes(r.comm_bytes_predicted, short=True)})",
-                  f"{sum(away) / len(away):.0%}" if away else "-", _num(imbalance(d), ".2f"),
-                  _by_rank((d.get("expert_ms_per_step_per_rank") or [])[:ep], _ms),
-                  f"{dropped / assigned:.1%}" if assigned and dropped else "0",
-                  f"{_bytes(held, short=True)} ({_bytes(single / ep, short=True)})" if single else _bytes(held))
-    return t
-
-
 def _reduce_scatter_caveat(rows: list[Row]) -> list[str]:
     """What a reduce-scatter costs against an all-reduce, as a sharded strategy's ranks timed them in this
     run: the reason ZeRO and FSDP are slow on CPU, in numbers."""
@@ -206,7 +124,7 @@ def readable(key: str, value) -> str:
     """One detail as a person reads it: bytes in KiB/MiB, milliseconds with their unit, fractions as
     percentages, lists joined by ' / ', dicts as 'name value' pairs; never a Python repr."""
     if isinstance(value, dict):
-        return ", ".join(f"{k} {readable(key, v)}" for k, v in value.items()) or "-"
+        return ", ".join(f"{k} {readable(f'{key}.{k}', v)}" for k, v in value.items()) or "-"  # each by its own name
     if isinstance(value, (list, tuple)):
         if value and all(isinstance(v, (list, tuple)) for v in value):
             return f"{len(value)} entries"  # a timeline: in results.json and the pictures
@@ -261,8 +179,8 @@ def show(rows: list[Row], environment: dict, console: Console | None = None, ski
     if why := (environment.get("run") or {}).get("why"):  # the CLI chose the workload (GPUs, none named)
         console.print(why, style="dim", highlight=False, markup=False)
     console.print(table(rows, environment, wide, skipped))
-    for extra in (*sharding_tables(rows), pipelines.table(rows, wide), layers.layer_table(rows), context_table(rows),
-                  expert_table(rows), memcheck.table(rows)):
+    for extra in (*sharding_tables(rows), pipelines.table(rows, wide), layers.layer_table(rows), context.table(rows),
+                  experts.table(rows), memcheck.table(rows)):
         if extra is not None:
             console.print(extra)
     lines = notes(rows, environment, skipped) + (long_notes(rows, environment, skipped, cost_model) if wide else [])

@@ -79,17 +79,13 @@ def split_check(layout: str, world: int, length: int) -> str | None:
 
 @dataclass
 class Ring:
-    """What one rank's attention needs: its group, the layout, and its counts (shared by its layers)."""
+    """What one rank's attention needs: its group and the layout (shared by its layers). Its small steps,
+    `mask`, `merge` and `home`, are methods an injected bug may replace on the instance."""
 
     group: object  # the process group of the cp ranks (None: the default group)
     layout: Layout  # the positions attention masks by (a bug may give it other ones than the tokens')
     comm: str = "ring"
-    swap_lse: bool = False  # bugs, for the oracle: the merge's weights swapped,
-    local_mask: bool = False  # the causal mask by local offsets,
-    keep_grads_home: bool = False  # dK,dV never sent back to their owner
     fused: bool = True  # torch's fused CPU kernel where it applies (False: the math everywhere, as on GPUs)
-    pairs: int = 0  # (query, key) pairs computed, per head and sequence, summed over calls
-    calls: int = 0
     ranks: list[int] = field(default_factory=list)
 
     def __post_init__(self):
@@ -100,41 +96,47 @@ class Ring:
     def __call__(self, q, k, v):  # (B, H, L, D) each, this rank's positions -> (B, H, L, D)
         return _Ring.apply(q, k, v, self)
 
+    @staticmethod
+    def mask(qi: slice, qs: range, ki: slice, ks: range) -> torch.Tensor | None:
+        """The causal mask of local query slice qi (global positions qs) against key slice ki (positions ks),
+        True where masked: by global position; None where every key comes before every query."""
+        if ks.stop <= qs.start + 1:
+            return None
+        return torch.arange(ks.start, ks.stop)[None, :] > torch.arange(qs.start, qs.stop)[:, None]
 
-def merge(out, lse, out_b, lse_b, swapped: bool = False):
-    """Two partial softmax results over disjoint keys, as one (the online softmax)."""
-    new = torch.logaddexp(lse, lse_b)
-    wa, wb = torch.exp(lse - new), torch.exp(lse_b - new)
-    if swapped:
-        wa, wb = wb, wa
-    return out * wa.unsqueeze(-1) + out_b * wb.unsqueeze(-1), new
+    @staticmethod
+    def merge(out, lse, out_b, lse_b):
+        """Two partial softmax results over disjoint keys, as one (the online softmax)."""
+        new = torch.logaddexp(lse, lse_b)
+        return out * torch.exp(lse - new).unsqueeze(-1) + out_b * torch.exp(lse_b - new).unsqueeze(-1), new
 
+    def home(self, carried: torch.Tensor) -> torch.Tensor:
+        """The last hop of a block's dK,dV (summed over the ranks it visited) home to its owner; what arrives."""
+        works, got = _exchange(self, carried)
+        _wait(works)
+        return got
 
-def _pairs(ring: Ring, src: int) -> list[tuple[slice, slice, torch.Tensor | None, bool]]:
-    """(query slice, key slice, mask or None, diagonal) for every product this rank's queries need with
-    rank `src`'s keys: a pair of spans with no visible key is skipped, one cut by the causal line gets a
-    mask (True: masked; `diagonal` where it is the square of the same positions, a kernel's is_causal),
-    and neighbouring whole pairs are joined into one product (zig-zag's off-diagonal blocks: both query
-    chunks see one key chunk, or one query chunk sees both key chunks)."""
-    out = []
-    for qi, qs, ki, ks in _span_pairs(ring.layout.spans(ring.rank), ring.layout.spans(src)):
-        if ks.start >= qs.stop:  # every key after every query
-            continue
-        mask = None
-        if ks.stop > qs.start + 1 or ring.local_mask:  # some key after some query: mask by position
-            pq = torch.arange(qi.start, qi.stop) if ring.local_mask else torch.arange(qs.start, qs.stop)
-            pk = torch.arange(ki.start, ki.stop) if ring.local_mask else torch.arange(ks.start, ks.stop)
-            mask = pk[None, :] > pq[:, None]
-        if out and mask is None and out[-1][2] is None:
-            last_q, last_k = out[-1][:2]
-            if last_q == qi and last_k.stop == ki.start:
-                out[-1] = (qi, slice(last_k.start, ki.stop), None, False)
+    def blocks(self, src: int) -> list[tuple[slice, slice, torch.Tensor | None, bool]]:
+        """(query slice, key slice, mask or None, diagonal) for every product this rank's queries need with
+        rank `src`'s keys: a pair of spans with no visible key is skipped, one cut by the causal line gets
+        a mask (`diagonal` where it is the square of the same positions, a kernel's is_causal), and
+        neighbouring whole pairs are joined into one product (zig-zag's off-diagonal blocks: both query
+        chunks see one key chunk, or one query chunk sees both key chunks)."""
+        out = []
+        for qi, qs, ki, ks in _span_pairs(self.layout.spans(self.rank), self.layout.spans(src)):
+            if ks.start >= qs.stop:  # every key after every query
                 continue
-            if last_k == ki and last_q.stop == qi.start:
-                out[-1] = (slice(last_q.start, qi.stop), ki, None, False)
-                continue
-        out.append((qi, ki, mask, mask is not None and qs == ks and not ring.local_mask))
-    return out
+            mask = self.mask(qi, qs, ki, ks)
+            if out and mask is None and out[-1][2] is None:
+                last_q, last_k = out[-1][:2]
+                if last_q == qi and last_k.stop == ki.start:
+                    out[-1] = (qi, slice(last_k.start, ki.stop), None, False)
+                    continue
+                if last_k == ki and last_q.stop == qi.start:
+                    out[-1] = (slice(last_q.start, qi.stop), ki, None, False)
+                    continue
+            out.append((qi, ki, mask, mask is not None and qs == ks))
+        return out
 
 
 def _span_pairs(q_spans, k_spans):
@@ -158,30 +160,27 @@ def _nothing_yet(q):
 
 def work_alone(ring: Ring, q, k, v) -> None:
     """This rank's attention work, forward and backward, with every rank's K,V block taken to be (k, v),
-    held here: what its layout asks of it, without communication (for timing it). Counts no pairs."""
-    pairs, out, lse = ring.pairs, *_nothing_yet(q)
+    held here: what its layout asks of it, without communication (for timing it)."""
+    out, lse = _nothing_yet(q)
     for src in range(len(ring.ranks)):
         _forward_block(ring, q, k, v, src, out, lse)
     delta, dq = (out * out).sum(-1), torch.zeros_like(q)
     for src in range(len(ring.ranks)):
         _backward_block(ring, q, k, v, src, out, out, lse, delta, dq)
-    ring.pairs = pairs
 
 
 def _forward_block(ring, q, k, v, src, out, lse):
     """Merge this rank's attention to rank `src`'s K,V block into (out, lse)."""
-    for qi, ki, mask, diagonal in _pairs(ring, src):
+    for qi, ki, mask, diagonal in ring.blocks(src):
         part, part_lse = _attend(q[:, :, qi], k[:, :, ki], v[:, :, ki], mask, diagonal, ring.fused)
-        out[:, :, qi], lse[:, :, qi] = merge(out[:, :, qi], lse[:, :, qi], part, part_lse.to(lse.dtype),
-                                             ring.swap_lse)
-        ring.pairs += (qi.stop - qi.start) * (ki.stop - ki.start) - (0 if mask is None else int(mask.sum()))
+        out[:, :, qi], lse[:, :, qi] = ring.merge(out[:, :, qi], lse[:, :, qi], part, part_lse.to(lse.dtype))
 
 
 def _backward_block(ring, q, k, v, src, do, out, lse, delta, dq):
     """Add this block's share of dq; return its dK, dV (for the block's owner). With the final out and
     lse, each product's gradients are its share of the whole softmax's."""
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-    for qi, ki, mask, diagonal in _pairs(ring, src):
+    for qi, ki, mask, diagonal in ring.blocks(src):
         grads = _attend_backward(do[:, :, qi], q[:, :, qi], k[:, :, ki], v[:, :, ki], out[:, :, qi], lse[:, :, qi],
                                  delta[:, :, qi], mask, diagonal, ring.fused)
         dq[:, :, qi] += grads[0]
@@ -262,7 +261,6 @@ class _Ring(torch.autograd.Function):
                 if pending:
                     _wait(pending[0])
                     kv = pending[1]
-        ring.calls += 1
         ctx.ring = ring
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -280,11 +278,8 @@ class _Ring(torch.autograd.Function):
             blocks = _gathered(ring, kv)
             grads = torch.stack([torch.stack(_backward_block(ring, q, b[0], b[1], src, do, out, lse, delta, dq))
                                  for src, b in enumerate(blocks)])  # (W, 2, ...): every owner's dK, dV
-            if ring.keep_grads_home:
-                dkv = grads[me]
-            else:
-                dkv = torch.empty_like(kv)
-                collectives.reduce_scatter(dkv.view(-1), grads.view(-1), group=ring.group)
+            dkv = torch.empty_like(kv)
+            collectives.reduce_scatter(dkv.view(-1), grads.view(-1), group=ring.group)
             return dq, dkv[0], dkv[1], None
         own = torch.stack(_backward_block(ring, q, k, v, me, do, out, lse, delta, dq))
         carried = None  # the dK,dV of the block held, summed over the ranks it has visited
@@ -294,8 +289,6 @@ class _Ring(torch.autograd.Function):
             kv, arrived = got[:2], (got[2:] if carried is not None else None)
             mine = torch.stack(_backward_block(ring, q, kv[0], kv[1], (me - hop) % w, do, out, lse, delta, dq))
             carried = mine if arrived is None else arrived + mine
-        if carried is not None and not ring.keep_grads_home:  # one more hop: home to the block's owner
-            works, home = _exchange(ring, carried)
-            _wait(works)
-            own = own + home
+        if carried is not None:  # one more hop: home to the block's owner
+            own = own + ring.home(carried)
         return dq, own[0], own[1], None

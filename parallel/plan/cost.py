@@ -67,7 +67,7 @@ def layer_traffic(model: ModelSpec, lay: Layout, train: Training) -> dict[str, t
     inputs again (2 all-gathers: one all-reduce's bytes). A full recompute runs each dimension's forward
     collectives again in backward. Context parallel (ring attention): K and V passed cp - 1 times forward, K, V
     and dK, dV twice that backward: 3 (cp - 1) blocks, as this project's ring sends
-    (context_parallel.attention_bytes_predicted). Experts: the dispatch and combine all-to-alls, forward and
+    (measure/context.py's attention_bytes_predicted). Experts: the dispatch and combine all-to-alls, forward and
     backward. tests/test_plan.py holds them to the bytes the tensor- and context-parallel runs predict and
     measure."""
     elem = ELEM[train.precision]

@@ -21,23 +21,18 @@ the data-parallel group of FSDP: `fsdp_cp`). --cp-layout zigzag (the default) gi
 
 from __future__ import annotations
 
-import contextlib
-import statistics
-import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as td
 from torch import nn
 
-from parallel.devices import SHARED_GLOO_NO_P2P, synchronizer
+from parallel.devices import SHARED_GLOO_NO_P2P
 from parallel.errors import ConfigError
-from parallel.formulas import element_bytes
-from parallel.kit.collectives import every_rank, sum_gradients
-from parallel.kit.ring_attention import COMMS, LAYOUTS, Layout, Ring, split_check, work_alone
-from parallel.kit.tensors import local
+from parallel.kit.collectives import sum_gradients
+from parallel.kit.ring_attention import COMMS, LAYOUTS, Layout, Ring, split_check
 from parallel.layout import ParallelDims
-from parallel.measure.sharded import allreduce_every_gradient
+from parallel.measure import context
 from parallel.strategies.base import Hooks, Mutant, Trainable, injected, options_of
 from parallel.usermodel import workload_of
 
@@ -87,7 +82,7 @@ def layout_of(config, cp: int) -> ParallelDims:
     return ParallelDims(world=config.world_size, dp_replicate=config.world_size // cp, cp=cp)
 
 
-def dims(config, dist) -> ParallelDims:
+def dims(config, dist=None) -> ParallelDims:
     return layout_of(config, cp_of(config))
 
 
@@ -111,7 +106,6 @@ def check(config) -> None:
 
 @dataclass
 class State:
-    ring: Ring  # shared by every attention layer: the group, the positions it masks by, its counts
     index: torch.Tensor  # which positions of a sequence this rank keeps: on the CPU, where batches are made
     positions: torch.Tensor  # the global positions it gives the model (the same, but for a bug)
     world: int
@@ -126,12 +120,16 @@ def install(model: nn.Module, config, dist, dims_: ParallelDims) -> State:
     cp_rank = dims_.coords(dist.rank)["cp"]
     layout = Layout(o.cp_layout, dims_.cp, seq)
     seen = Layout("contiguous", dims_.cp, seq) if injected(config, ZIGZAG_UNPERMUTED) else layout
-    ring = Ring(group, seen, o.cp_comm, swap_lse=injected(config, LSE_SWAPPED),
-                local_mask=injected(config, LOCAL_MASK), keep_grads_home=injected(config, NOT_DIFFERENTIABLE))
+    ring = Ring(group, seen, o.cp_comm)
+    if injected(config, LSE_SWAPPED):
+        ring.merge = merge_swapped
+    if injected(config, LOCAL_MASK):
+        ring.mask = mask_by_local_offsets
+    if injected(config, NOT_DIFFERENTIABLE):
+        ring.home = torch.zeros_like  # the last hop home never made: nothing arrives
     for attention in model.attentions():
-        attention.attend = ring
-    return State(ring, layout.positions(cp_rank), seen.positions(cp_rank).to(dist.device),
-                 dist.world_size)
+        attention.attend = ring  # one ring for every layer: its group, and the positions it masks by
+    return State(layout.positions(cp_rank), seen.positions(cp_rank).to(dist.device), dist.world_size)
 
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
@@ -165,118 +163,20 @@ def average_gradients(params: list[nn.Parameter], world: int) -> None:
     sum_gradients(params, world)
 
 
-def kv_bytes(model: nn.Module, config, cp: int) -> float:
-    """The bytes of one rank's K,V block, one attention layer: 2 x (B/dp) x (T/cp) x width x 4 (2 under
-    --precision bf16: the projections' outputs are bf16 there; 8 under fp64)."""
-    width, element = model.attentions()[0].q.out_features, 2 if config.precision == "bf16" else element_bytes(
-        config.precision)
-    rows, positions = config.batch_size // (config.world_size // cp), workload_of(config).input_shape[0] // cp
-    return 2 * rows * positions * width * element
+# The injected bugs (MUTANTS): install puts one in the ring's place ---------------------------------------
 
 
-def attention_bytes_predicted(model: nn.Module, config, cp: int) -> float:
-    """K,V around the group, per rank and step: 3 (cp-1) blocks per attention layer, forward and backward
-    (ring_attention's module docstring), for either comm."""
-    return 3 * (cp - 1) * kv_bytes(model, config, cp) * len(model.attentions())
+def merge_swapped(out, lse, out_b, lse_b):
+    """LSE_SWAPPED: Ring.merge with each partial result weighted by the other's share."""
+    new = torch.logaddexp(lse, lse_b)
+    return out * torch.exp(lse_b - new).unsqueeze(-1) + out_b * torch.exp(lse - new).unsqueeze(-1), new
 
 
-def comm_bytes_predicted(model, config) -> float:
-    return attention_bytes_predicted(model, config, cp_of(config)) + allreduce_every_gradient(model, config)
+def mask_by_local_offsets(qi, qs, ki, ks):
+    """LOCAL_MASK: Ring.mask by the offsets within the rank's slice (qi, ki), not the global positions."""
+    return torch.arange(ki.start, ki.stop)[None, :] > torch.arange(qi.start, qi.stop)[:, None]
 
 
-@contextlib.contextmanager
-def attending(model: nn.Module, wrap):
-    """Every attention of `model` calls wrap(its attend) inside the block, its own attend again after."""
-    attentions = model.attentions()
-    attends = [a.attend for a in attentions]
-    for a, attend in zip(attentions, attends, strict=True):
-        a.attend = wrap(attend)
-    try:
-        yield
-    finally:
-        for a, attend in zip(attentions, attends, strict=True):
-            a.attend = attend
+MEASURE = context.Context(dims, local_loss)  # parallel/measure/context.py: bytes, causal pairs, activations
 
-
-def _saved_bytes(model: nn.Module, run) -> tuple[int, int]:
-    """(bytes of every tensor autograd saves for backward in run(), those saved inside attention),
-    parameters left out (they are state, not activations), each storage counted once."""
-    seen, totals, inside = set(), [0, 0], [False]
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        params = {local(p).untyped_storage().data_ptr() for p in model.parameters()}  # FSDP2's gathered ones too
-        if ptr not in params and ptr not in seen:
-            seen.add(ptr)
-            nbytes = t.untyped_storage().nbytes()
-            totals[0] += nbytes
-            totals[1] += nbytes if inside[0] else 0
-        return t
-
-    def flagged(attend):
-        def call(q, k, v):
-            inside[0] = True
-            try:
-                return attend(q, k, v)
-            finally:
-                inside[0] = False
-        return call
-
-    with attending(model, flagged), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run()
-    return totals[0], totals[1]
-
-
-def activations(t: Trainable, batch) -> dict:
-    """Activation bytes of this rank's slice against the whole sequence on one device (the same model,
-    torch's attention, this process): what splitting the sequence saves."""
-    from parallel.transformer import causal
-
-    x, y = (b.to(t.device) for b in batch)
-    mine = _saved_bytes(t.model, lambda: local_loss(t, batch))
-    with attending(t.model, lambda _: causal):
-        whole = _saved_bytes(t.model, lambda: t.loss_fn(t.model(x), y))
-    return {"activation_bytes": mine[0], "attention_activation_bytes": mine[1],
-            "single_activation_bytes": whole[0], "single_attention_activation_bytes": whole[1]}
-
-
-def attention_ms(t: Trainable, batch_rows: int, rounds: int = 5) -> float:
-    """Median ms of this rank's attention work, forward and backward, every block of the group held
-    locally (no communication): the causal work its layout gives it."""
-    a = t.model.attentions()[0]
-    heads, d = a.q.out_features // a.head_size, a.head_size
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(batch_rows, heads, len(t.state.index), d, generator=g).to(t.device) for _ in range(3))
-    sync, times = synchronizer(t.device), []
-    for i in range(rounds + 1):
-        sync()
-        start = time.perf_counter()
-        work_alone(t.state.ring, q, k, v)
-        sync()
-        if i:
-            times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
-def cp_measurements(t: Trainable, data, config, dist, result, cp: int) -> dict:
-    """Bytes beside the formula, each rank's causal pairs and attention time, activations per rank."""
-    s = t.state
-    batch = data.batch(0, *layout_of(config, cp).batch_share(dist.rank))
-    out = {"bytes_per_step_by_collective": result.wire.per_step(), "cp": cp, "cp_layout": s.ring.layout.name,
-           "cp_comm": s.ring.comm,
-           "kv_block_bytes": kv_bytes(t.model, config, cp),
-           "attention_bytes_predicted": attention_bytes_predicted(t.model, config, cp),
-           "causal_pairs_per_rank": every_rank(s.ring.pairs // max(1, s.ring.calls)),
-           "causal_pairs_formula": [s.ring.layout.causal_pairs(r) for r in range(cp)],
-           "attention_ms_per_rank": every_rank(round(attention_ms(t, batch[0].shape[0]), 3))}
-    for k, v in activations(t, batch).items():
-        out[f"{k}_per_rank"] = every_rank(v)
-    return out
-
-
-def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
-    return cp_measurements(t, data, config, dist, result, cp_of(config))
-
-
-HOOKS = Hooks(dims=dims, check=check, comm_bytes_predicted=comm_bytes_predicted,
-              extra_measurements=extra_measurements)
+HOOKS = Hooks(dims=dims, check=check)

@@ -23,22 +23,22 @@ judged not-expected, with the count.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as td
 from torch import nn
 
-from parallel import checkpoint, wire
+from parallel import checkpoint
 from parallel.errors import ConfigError
-from parallel.formulas import element_bytes
 from parallel.kit.collectives import every_rank, sum_gradients
 from parallel.kit.expert_dispatch import Dispatch
-from parallel.kit.tensors import param_bytes
-from parallel.measure.sharded import ring_allreduce_bytes
+from parallel.measure.experts import Experts
+from parallel.moe import combine
 from parallel.outputs import call
 from parallel.strategies.base import Hooks, Mutant, Trainable, injected, model_state_every_rank, options_of
-from parallel.usermodel import shape_model, workload_of
+from parallel.usermodel import shape_model
 
 NAME = "expert_parallel"
 LAUNCH = "torchrun"
@@ -129,8 +129,13 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     layers = model.moe_layers()
     local = layers[0].num_experts // ep
     owned = list(range(dist.rank % ep * local, (dist.rank % ep + 1) * local))
-    dispatch = Dispatch(ep_group, ep, td.group.WORLD if n > 1 else None, gated=not injected(config, UNGATED),
-                        transposed=injected(config, TRANSPOSED), local_counts=injected(config, LOCAL_AUX))
+    dispatch = Dispatch(ep_group, ep, td.group.WORLD if n > 1 else None)
+    if injected(config, UNGATED):
+        dispatch.combine = combine_ungated
+    if injected(config, TRANSPOSED):
+        dispatch.order = order_transposed
+    if injected(config, LOCAL_AUX):
+        dispatch.global_counts = lambda counts: counts  # each rank's own
     for moe in layers:
         moe.experts = nn.ModuleList(moe.experts[i] for i in owned)  # the others are freed
         moe.dispatch, moe.capacity_factor = dispatch, o.capacity_factor
@@ -144,7 +149,6 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
 
 def train_step(t: Trainable, batch, dist):
     s = t.state
-    s.dispatch.counting = wire.counting()
     t.optimizer.zero_grad(set_to_none=True)
     x, y = (b.to(t.device, non_blocking=True) for b in batch)
     loss = t.loss_fn(call(t.model, x, y), y)
@@ -217,56 +221,22 @@ def _name(model: nn.Module, module: nn.Module) -> str:
     return next(n for n, m in model.named_modules() if m is module)
 
 
-def expert_bytes(model: nn.Module) -> int:
-    return param_bytes(p for moe in model.moe_layers() for p in moe.experts.parameters())
+# The injected bugs (MUTANTS): setup puts one in the dispatch's place --------------------------------------
 
 
-def predicted_bytes(model: nn.Module, config, rows_moved: float, element: tuple) -> dict[str, float]:
-    """Bytes a rank sends per step, by collective, given the rows it moved per step (out and in, every
-    layer) and the element sizes of a row going out and of an output coming back: each row crosses
-    twice forward (there, and its output back) and twice backward (the output's gradient there, the
-    row's gradient back), so 4 rows' worth per routed row that leaves; the counts (E int64 per layer,
-    forward); the gradients' all-reduces."""
-    n, ep = config.world_size, ep_of(config)
-    layers, width = model.moe_layers(), model.moe_layers()[0].router.in_features
-    experts = layers[0].num_experts
-    a2a = rows_moved * width * sum(element) + (ep - 1) / ep * experts * 8 * len(layers)
-    total_experts = expert_bytes(model)  # one device's: every expert
-    dense = param_bytes(model.parameters()) - total_experts
-    reduce = ring_allreduce_bytes(dense, n) + ring_allreduce_bytes(total_experts / ep, n // ep)
-    if workload_of(config).aux_loss:
-        reduce += ring_allreduce_bytes(experts * element_bytes(config.precision), n) * len(layers)
-    return {"all_to_all": a2a, "all_reduce": reduce}
+def combine_ungated(x, routing, rows_out):
+    """UNGATED: Dispatch.combine with every gate 1: the experts' outputs summed back to their tokens."""
+    return combine(x, dataclasses.replace(routing, gate=torch.ones_like(routing.gate)), rows_out)
 
 
-def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
-    """Bytes beside the prediction from this run's routing; rows per expert; drops; expert state per rank."""
-    s, d = t.state, t.state.dispatch
-    steps = max(1, result.wire.counted)
-    layers = len(t.model.moe_layers())
-    tokens = config.batch_size // config.world_size * workload_of(config).input_shape[0]
-    k = t.model.moe_layers()[0].top_k
-    single_model = workload_of(config).build_model(config.seed)
-    predicted = predicted_bytes(single_model, config, (d.rows_out + d.rows_in) / steps, d.element)
-    loads = [[sum(c[j] for c in d.load[i::layers]) / steps for j in range(len(s.owned))] for i in range(layers)]
-    leaving = d.rows_out / max(1, d.rows_routed)
-    width = t.model.moe_layers()[0].router.in_features
-    return {"comm_bytes_predicted": sum(predicted.values()),
-            "bytes_per_step_by_collective": result.wire.per_step(),
-            "bytes_predicted_by_collective": predicted,
-            "ep": ep_of(config), "experts_per_rank": every_rank(s.owned),
-            "rows_leaving_share_per_rank": every_rank(round(leaving, 4)),
-            "all_to_all_uniform_formula": 2 * tokens * k * width * sum(d.element) * (ep_of(config) - 1)
-            / ep_of(config) * layers,
-            "rows_per_expert_per_layer_per_rank": every_rank(loads),
-            "expert_ms_per_step_per_rank": every_rank(round(d.expert_s * 1e3 / steps, 3)),
-            "dropped_assignments_per_rank": every_rank(d.dropped),
-            "assignments_per_rank": every_rank(d.assigned),
-            "capacity_factor": options_of(Options, config).capacity_factor,
-            "expert_state_bytes_per_rank": every_rank(param_bytes(s.experts)),
-            "single_expert_state_bytes": expert_bytes(single_model)}
+def order_transposed(grid):
+    """TRANSPOSED: Dispatch.order reading the received rows as expert-major: the same total, other rows per
+    expert."""
+    expert = torch.arange(grid.shape[1], device=grid.device).repeat_interleave(grid.shape[0])
+    return torch.argsort(expert.repeat_interleave(grid.t().reshape(-1)), stable=True)
 
 
-HOOKS = Hooks(check=check, state_dict=state_dict, extra_measurements=extra_measurements,
-              model_state_bytes=model_state_every_rank, checkpoint_state=checkpoint_state,
-              restore_checkpoint=restore_checkpoint)
+MEASURE = Experts(ep_of, held=lambda t: t.state.owned)  # measure/experts.py: routing, balance, bytes
+
+HOOKS = Hooks(check=check, state_dict=state_dict, model_state_bytes=model_state_every_rank,
+              checkpoint_state=checkpoint_state, restore_checkpoint=restore_checkpoint)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import warnings
 
-from parallel.kit.tensors import param_bytes
+from parallel.measure import context
 from parallel.strategies import context_parallel, fsdp
 from parallel.strategies.base import Hooks, Mutant, Trainable, full_state_dict, injected, model_state_every_rank
 from parallel.strategies.context_parallel import Options, check_cp, cp_of, layout_of
@@ -34,7 +34,7 @@ DP_ONLY = Mutant("fsdp_cp:shard-over-dp-only", "FSDP2 over the dp ranks alone, a
 MUTANTS = (DP_ONLY,)
 
 
-def dims(config, dist):
+def dims(config, dist=None):
     return layout_of(config, cp_of(config, DEFAULT_CP))
 
 
@@ -67,21 +67,6 @@ def train_step(t: Trainable, batch, dist):
     return loss.detach()
 
 
-def comm_bytes_predicted(model, config) -> float:
-    """The K,V ring (context_parallel.attention_bytes_predicted) and FSDP2's collectives of the parameters,
-    each (N-1)/N of their bytes: a reduce-scatter, and an all-gather in forward and again in backward,
-    but the root's parameters (those no block holds: the embeddings) are gathered once, as FSDP2 keeps
-    the root unsharded between its forward and backward."""
-    n, cp = config.world_size, cp_of(config, DEFAULT_CP)
-    p = param_bytes(model.parameters())
-    in_blocks = param_bytes(q for b in fsdp.blocks(model) for q in b.parameters())
-    gathered = 2 * in_blocks + (p - in_blocks)
-    return context_parallel.attention_bytes_predicted(model, config, cp) + (n - 1) / n * (gathered + p)
+MEASURE = context.Context(dims, context_parallel.local_loss, fsdp_blocks=fsdp.blocks)  # measure/context.py
 
-
-def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
-    return context_parallel.cp_measurements(t, data, config, dist, result, cp_of(config, DEFAULT_CP))
-
-
-HOOKS = Hooks(dims=dims, check=check, comm_bytes_predicted=comm_bytes_predicted, state_dict=full_state_dict,
-              model_state_bytes=model_state_every_rank, extra_measurements=extra_measurements)
+HOOKS = Hooks(dims=dims, check=check, state_dict=full_state_dict, model_state_bytes=model_state_every_rank)
