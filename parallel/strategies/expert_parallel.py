@@ -267,6 +267,10 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
             "single_expert_state_bytes": expert_bytes(single_model)}
 
 
+def memory_layout(config, layout):
+    return layout.replace(ep=ep_of(config))  # the routed experts split over ep ranks (the planner's memory)
+
+
 HOOKS = Hooks(check=check, state_dict=state_dict, extra_measurements=extra_measurements,
               model_state_bytes=model_state_every_rank, checkpoint_state=checkpoint_state,
-              restore_checkpoint=restore_checkpoint)
+              restore_checkpoint=restore_checkpoint, memory_layout=memory_layout)

@@ -83,5 +83,10 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
     return context_parallel.cp_measurements(t, data, config, dist, result, cp_of(config, DEFAULT_CP))
 
 
+def memory_layout(config, layout):
+    return layout.replace(zero_stage=3, shards=layout.cp)  # FSDP2 (the planner's memory)
+
+
 HOOKS = Hooks(dims=dims, check=check, comm_bytes_predicted=comm_bytes_predicted, state_dict=full_state_dict,
-              model_state_bytes=model_state_every_rank, extra_measurements=extra_measurements)
+              model_state_bytes=model_state_every_rank, extra_measurements=extra_measurements,
+              memory_layout=memory_layout)

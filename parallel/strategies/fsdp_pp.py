@@ -140,5 +140,12 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
     return {"mesh": str(_layout(config, dist)), **pipeline_dist.extra_measurements(t, data, config, dist, result)}
 
 
+def memory_layout(config, layout):
+    """For the planner's memory: its stages' micro-batches and schedule, FSDP2 over each stage's dp ranks."""
+    o = options_of(Options, config)
+    return layout.replace(microbatches=o.microbatches, schedule=o.schedule, zero_stage=3)
+
+
 HOOKS = Hooks(available=available, dims=dims, check=check, defaults=defaults, state_dict=pipeline_dist.state_dict,
-              model_state_bytes=model_state_every_rank, extra_measurements=extra_measurements)
+              model_state_bytes=model_state_every_rank, extra_measurements=extra_measurements,
+              memory_layout=memory_layout)

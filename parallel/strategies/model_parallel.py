@@ -142,5 +142,9 @@ def model_state_bytes(t: Trainable, config) -> list[int]:
     return [state_bytes(list(stage.parameters()), t.optimizer) for stage in t.state.split.stages]
 
 
+def memory_layout(config, layout):
+    return layout.replace(pp=layout.dp, dp=1)  # a stage a device (the planner's memory)
+
+
 HOOKS = Hooks(check=check_layers, extra_measurements=extra_measurements, predict_step_ms=predict_step_ms,
-              model_state_bytes=model_state_bytes)
+              model_state_bytes=model_state_bytes, memory_layout=memory_layout)

@@ -219,5 +219,10 @@ def schedule_ms(cal, row, schedule: str, m: int, batch: int) -> float | None:
     return simulate([SCHEDULES[schedule](s, p, m) for s in range(p)], fwd, bwd, hop)
 
 
+def memory_layout(config, layout):
+    o = options_of(Options, config)  # a stage a device, and the micro-batches it holds (the planner's memory)
+    return layout.replace(pp=layout.dp, dp=1, microbatches=o.microbatches, schedule=o.schedule)
+
+
 HOOKS = Hooks(check=check, defaults=defaults, extra_measurements=extra_measurements, predict_step_ms=predict_step_ms,
-              model_state_bytes=model_state_bytes)
+              model_state_bytes=model_state_bytes, memory_layout=memory_layout)

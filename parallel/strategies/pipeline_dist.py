@@ -351,6 +351,11 @@ def predict_step_ms(cal, config, row) -> float | None:
     return pipeline.schedule_ms(cal, row, o.schedule, o.microbatches, config.batch_size) if o.v == 1 else None
 
 
+def memory_layout(config, layout):
+    o = options_of(Options, config)  # the micro-batches a stage holds (the planner's memory)
+    return layout.replace(microbatches=o.microbatches, schedule=o.schedule)
+
+
 HOOKS = Hooks(available=available, dims=dims, check=check, defaults=defaults, state_dict=state_dict,
               model_state_bytes=model_state_every_rank,
-              extra_measurements=extra_measurements, predict_step_ms=predict_step_ms)
+              extra_measurements=extra_measurements, predict_step_ms=predict_step_ms, memory_layout=memory_layout)
