@@ -84,7 +84,7 @@ def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
 
 
 def memory_layout(config, layout):
-    return layout.replace(zero_stage=3, shards=layout.cp)  # FSDP2 (the planner's memory)
+    return layout.replace(zero_stage=3)  # FSDP2 over all dp x cp ranks (the planner's memory)
 
 
 HOOKS = Hooks(dims=dims, check=check, comm_bytes_predicted=comm_bytes_predicted, state_dict=full_state_dict,
