@@ -114,6 +114,7 @@ def train_step(t: Trainable, batch, dist):
 # The collectives per block and the mesh; the step: Megatron's over tp, FSDP's over dp (parallel/measure/layers.py)
 MEASURE = layers.Megatron(layout=layout)
 
+
 def memory_layout(config, layout):
     return layout.replace(zero_stage=3)  # FSDP2 over the dp ranks (the planner's memory)
 
