@@ -120,6 +120,7 @@ BN_MODEL = textwrap.dedent('''
 
 
 def test_a_mismatch_names_the_cause_the_model_carries():
+    from parallel import strategies
     from parallel.harness.equivalence import explain
     from parallel.results import Equivalence
 
@@ -127,10 +128,10 @@ def test_a_mismatch_names_the_cause_the_model_carries():
     for strategy, expected in (("manual_ddp", "BatchNorm (1 layer(s)) normalises ...; dropout is on (...) (x off)"),
                                ("ddp", "dropout is on (...) (x off)")):  # ddp synchronises BatchNorm
         verdict = Equivalence("mismatch", reason="x off")
-        explain(verdict, strategy, causes)
+        explain(verdict, strategies.get(strategy), causes)
         assert verdict.reason == expected
     matched = Equivalence("match")
-    explain(matched, "manual_ddp", causes)
+    explain(matched, strategies.get("manual_ddp"), causes)
     assert matched.reason == ""
 
 

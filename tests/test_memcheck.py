@@ -63,6 +63,8 @@ def test_every_strategy_with_model_state_has_the_planners_layout(name, options, 
         assert need["model_state"] == single["model_state"] and need["activations"] < single["activations"]
     else:  # every other one splits or shards the state
         assert need["model_state"] < single["model_state"]
+    if name in ("fsdp", "fsdp_cp"):  # sharded over all 4 ranks (fsdp_cp: its dp x cp, one FSDP2 group)
+        assert need["model_state"] == pytest.approx(single["model_state"] / 4)
     assert need["total"] == pytest.approx(sum(need[k] for k in memcheck.KINDS))
 
 

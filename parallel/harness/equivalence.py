@@ -209,15 +209,15 @@ def judge(strategy, config, ref: Reference | None, row, state: dict | None) -> E
     out = Equivalence(verdict, err, tol, reason, worst_tensor=name, ratio=ratio,
                       first_step=min(s[1] for s in off) if off else None, basis=rule.basis,
                       per_tensor={k: float(f"{r:.4g}") for r, k, _, _ in tensors})
-    explain(out, strategy.name, ref.causes)
+    explain(out, strategy, ref.causes)
     return out
 
 
-def explain(verdict: Equivalence, strategy: str, causes: dict[str, str]) -> None:
-    """A mismatch on a model that carries its own cause (userchecks.cannot_match: dropout, BatchNorm, but
-    not BatchNorm under ddp, which synchronises it) names that cause first, instead of leaving the
-    difference to be read as a bug or as rounding."""
-    why = [text for cause, text in causes.items() if not (cause == "batchnorm" and strategy == "ddp")]
+def explain(verdict: Equivalence, strategy, causes: dict[str, str]) -> None:
+    """A mismatch on a model that carries its own cause (usermodel.cannot_match: dropout, BatchNorm, but
+    not BatchNorm under a strategy that synchronises it, SYNCS_BATCHNORM: ddp) names that cause first,
+    instead of leaving the difference to be read as a bug or as rounding."""
+    why = [text for cause, text in causes.items() if not (cause == "batchnorm" and strategy.SYNCS_BATCHNORM)]
     if verdict.verdict == "mismatch" and why:
         verdict.reason = "; ".join(why) + f" ({verdict.reason})"
 

@@ -47,9 +47,9 @@ def over_cap(name: str, variants: list, model: Callable, config: RunConfig) -> s
         return ""
     from parallel.plan import local  # only under a cap: no planner at every run's start
 
-    if name not in local.DATA_PARALLEL:
-        return ""
     for _, cfg in variants:
+        if not local.checked(name, cfg):
+            continue
         need = local.need(name, cfg, model())
         if need and need["total"] > config.memory_cap_mb * 2**20:
             return (f"the planner puts it at {need['total'] / 2**20:.1f} MiB a device (model state "

@@ -42,6 +42,7 @@ CONSTANTS = {"Options": None, "NOT_EXPECTED_REASON": None, "CHECKPOINTS": True, 
              "SEQUENCE": False,  # SEQUENCE: it splits the sequence, replacing the model's attention
              "EXPERTS": False,  # EXPERTS: it splits the model's routed experts (model.moe_layers())
              "ROUTING": False,  # ROUTING: its routers count over the whole batch (trains with --aux-loss)
+             "SYNCS_BATCHNORM": False,  # SYNCS_BATCHNORM: its BatchNorm normalises by the whole batch's statistics
              "LOGITS_LOSS": False,  # LOGITS_LOSS: it takes cross-entropy over the logits it gathers (LAYERED: its
              #   last stage's), not the loss a model computes itself (parallel/outputs.py)
              "LAYER_ACTIVATIONS": False,  # one transformer layer's activations measured beside the formula

@@ -142,6 +142,43 @@ def model_state_bytes(t: Trainable, config) -> list[int]:
     return [state_bytes(list(model.parameters()), t.optimizer)] * len(t.all_devices())
 
 
+@dataclass(frozen=True)
+class MemoryLayout:
+    """How a strategy lays the model and the batch over its devices, what the planner needs to predict the
+    memory of the busiest one (plan/local.py: the report's "Memory per device", --memory-cap): the answer
+    of its `memory_layout` hook."""
+
+    dp: int = 1  # replicas, each its own share of the batch
+    tp: int = 1  # ranks a layer's weights are split over
+    cp: int = 1  # ranks a sequence is split over
+    pp: int = 1  # pipeline stages
+    ep: int = 1  # ranks the routed experts are split over
+    microbatches: int = 1  # micro-batches a stage's share is cut into (a pipeline's m)
+    schedule: str = "1f1b"  # the pipeline's schedule: gpipe holds every micro-batch's activations
+    zero_stage: int = 0  # 1: optimizer state sharded, 2: gradients too, 3: parameters too (FSDP)
+    shards: int = 0  # ranks the ZeRO shards span; 0: dp x cp
+    offloaded: bool = False  # model state kept on the host (FSDP's offload), none on the device
+    accum: int = 1  # micro-batches a rank accumulates per optimizer step (no_sync)
+    gathers_whole_batch: bool = False  # one device gathers every replica's output: the whole batch's logits
+    splits: bool = False  # it cuts the model or its sequences (TENSOR_PARALLEL, LAYERED, SEQUENCE, EXPERTS): the
+    #   planner counts it for the project's transformer only, and --memory-cap does not check it
+
+    @classmethod
+    def of(cls, dims: ParallelDims, splits: bool) -> MemoryLayout:
+        """The layout of processes laid out by `dims`, each dp rank a whole replica: the default."""
+        return cls(dp=dims.dp, tp=dims.tp, cp=dims.cp, pp=dims.pp, splits=splits)
+
+    def replace(self, **changes) -> MemoryLayout:
+        return dataclasses.replace(self, **changes)
+
+
+def memory_layout(config, layout: MemoryLayout) -> MemoryLayout | None:
+    """How the strategy lays out the model for the planner's memory per device, from `layout`, the default:
+    MemoryLayout.of its processes' dims (ParallelDims.data_parallel(world_size) for a strategy that drives
+    its devices from one process), each dp rank a whole replica; None where the planner has nothing to say."""
+    return layout
+
+
 def tolerance(config) -> Rule | None:
     """The strategy's own equivalence rule for this config, where it casts on its own what `single` does
     not (a stated tolerance, with what it rests on); None: the oracle's rule for the run's precision."""
@@ -187,6 +224,7 @@ class Hooks:
     restore_checkpoint: Callable = checkpoint.restore  # ... and how it goes back in after a load
     model_state_bytes: Callable = model_state_bytes
     train: Callable | None = None  # None: THE loop (parallel.train.train); Hogwild brings its own
+    memory_layout: Callable = memory_layout
 
 
 def full_state_dict(t: Trainable) -> dict[str, torch.Tensor]:

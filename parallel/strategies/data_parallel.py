@@ -113,4 +113,9 @@ def predict_step_ms(cal, config, row) -> float:
     return cal.compute_ms(-(-config.batch_size // n)) + cal.copy_ms(2 * (n - 1) * cal.grad_bytes)
 
 
-HOOKS = Hooks(world_size=world_size, device_kind=device_kind, state_dict=state_dict, predict_step_ms=predict_step_ms)
+def memory_layout(config, layout):
+    return layout.replace(gathers_whole_batch=True)  # the first device holds the whole batch's logits
+
+
+HOOKS = Hooks(world_size=world_size, device_kind=device_kind, state_dict=state_dict, predict_step_ms=predict_step_ms,
+              memory_layout=memory_layout)

@@ -260,6 +260,13 @@ def tolerance(config) -> Rule | None:
                                           "tensor's movement)")
 
 
+def memory_layout(config, layout):
+    return layout.replace(accum=options_of(Options, config).accum)  # the activations of one micro-batch
+
+
+SYNCS_BATCHNORM = True  # BatchNorm over the whole batch (SyncBatchNorm), as on one device
+
+
 HOOKS = Hooks(check=check, comm_bytes_predicted=comm_bytes_predicted, model_state_bytes=model_state_bytes,
               state_dict=state_dict, extra_measurements=extra_measurements, predict_step_ms=predict_step_ms,
-              tolerance=tolerance)
+              tolerance=tolerance, memory_layout=memory_layout)

@@ -236,7 +236,10 @@ def order_transposed(grid):
     return torch.argsort(expert.repeat_interleave(grid.t().reshape(-1)), stable=True)
 
 
-MEASURE = Experts(ep_of, held=lambda t: t.state.owned)  # measure/experts.py: routing, balance, bytes
+def memory_layout(config, layout):
+    return layout.replace(ep=ep_of(config))  # the routed experts split over ep ranks (the planner's memory)
 
+
+MEASURE = Experts(ep_of, held=lambda t: t.state.owned)  # measure/experts.py: routing, balance, bytes
 HOOKS = Hooks(check=check, state_dict=state_dict, model_state_bytes=model_state_every_rank,
-              checkpoint_state=checkpoint_state, restore_checkpoint=restore_checkpoint)
+              checkpoint_state=checkpoint_state, restore_checkpoint=restore_checkpoint, memory_layout=memory_layout)

@@ -253,6 +253,12 @@ def predict_step_ms(cal, config, row) -> float | None:
     return predict_sharded_ms(cal, config, row, all_gathers=1 + options_of(Options, config).reshard)  # no HSDP term
 
 
+def memory_layout(config, layout):
+    """For the planner's memory: ZeRO-3 over each replica's N/R ranks; offloaded, nothing on the device."""
+    o = options_of(Options, config)
+    return layout.replace(zero_stage=3, shards=layout.dp // o.replicate, offloaded=o.offload == "cpu")
+
+
 HOOKS = Hooks(dims=dims, check=check, state_dict=full_state_dict, model_state_bytes=model_state_every_rank,
               comm_bytes_predicted=comm_bytes_predicted, extra_measurements=extra_measurements,
-              tolerance=tolerance, predict_step_ms=predict_step_ms)
+              tolerance=tolerance, predict_step_ms=predict_step_ms, memory_layout=memory_layout)

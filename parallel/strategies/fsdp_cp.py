@@ -67,6 +67,10 @@ def train_step(t: Trainable, batch, dist):
     return loss.detach()
 
 
-MEASURE = context.Context(dims, context_parallel.local_loss, fsdp_blocks=fsdp.blocks)  # measure/context.py
+def memory_layout(config, layout):
+    return layout.replace(zero_stage=3)  # FSDP2 over all dp x cp ranks (the planner's memory)
 
-HOOKS = Hooks(dims=dims, check=check, state_dict=full_state_dict, model_state_bytes=model_state_every_rank)
+
+MEASURE = context.Context(dims, context_parallel.local_loss, fsdp_blocks=fsdp.blocks)  # measure/context.py
+HOOKS = Hooks(dims=dims, check=check, state_dict=full_state_dict, model_state_bytes=model_state_every_rank,
+              memory_layout=memory_layout)

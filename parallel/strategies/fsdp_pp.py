@@ -137,6 +137,12 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
 train_step = pipeline_dist.train_step
 
 
+def memory_layout(config, layout):
+    """For the planner's memory: its stages' micro-batches and schedule, FSDP2 over each stage's dp ranks."""
+    o = options_of(Options, config)
+    return layout.replace(microbatches=o.microbatches, schedule=o.schedule, zero_stage=3)
+
+
 MEASURE = pipelines.Torch(lambda config: options_of(Options, config), layout=_layout)  # the mesh in its result
 HOOKS = Hooks(available=available, dims=dims, check=check, defaults=defaults, state_dict=pipeline_dist.state_dict,
-              model_state_bytes=model_state_every_rank)
+              model_state_bytes=model_state_every_rank, memory_layout=memory_layout)

@@ -197,6 +197,10 @@ def model_state_bytes(t: Trainable, config) -> list[int]:
     return [params + per_worker] + [per_worker] * (t.state.workers - 1)
 
 
+def memory_layout(config, layout) -> None:
+    return None  # a process a replica, all updating one shared model: no layout the planner has
+
+
 HOOKS = Hooks(world_size=world_size, available=available, check=check, comm_bytes_predicted=comm_bytes_predicted,
               train=train, state_dict=state_dict, extra_measurements=extra_measurements,
-              predict_step_ms=predict_step_ms, model_state_bytes=model_state_bytes)
+              predict_step_ms=predict_step_ms, model_state_bytes=model_state_bytes, memory_layout=memory_layout)

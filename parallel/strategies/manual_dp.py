@@ -132,5 +132,9 @@ def model_state_bytes(t: Trainable, config) -> list[int]:
     return [state_bytes(list(t.model.parameters()), t.optimizer) + copies] + [copies] * (len(t.state.devices) - 1)
 
 
+def memory_layout(config, layout):
+    return layout.replace(gathers_whole_batch=True)  # the first device holds the whole batch's logits
+
+
 HOOKS = Hooks(comm_bytes_predicted=comm_bytes_predicted, extra_measurements=extra_measurements,
-              predict_step_ms=predict_step_ms, model_state_bytes=model_state_bytes)
+              predict_step_ms=predict_step_ms, model_state_bytes=model_state_bytes, memory_layout=memory_layout)

@@ -107,5 +107,9 @@ def model_state_bytes(t: Trainable, config) -> list[int]:
     return [state_bytes(list(stage.parameters()), t.optimizer) for stage in t.state.split.stages]
 
 
+def memory_layout(config, layout):
+    return layout.replace(pp=layout.dp, dp=1)  # a stage a device (the planner's memory)
+
+
 MEASURE = pipelines.Threads(one_at_a_time=True)
-HOOKS = Hooks(check=check_layers, model_state_bytes=model_state_bytes)
+HOOKS = Hooks(check=check_layers, model_state_bytes=model_state_bytes, memory_layout=memory_layout)

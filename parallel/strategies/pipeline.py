@@ -187,5 +187,10 @@ def train_step(t: Trainable, batch, dist):
     return torch.stack(st.losses).sum()
 
 
+def memory_layout(config, layout):
+    o = options_of(Options, config)  # a stage a device, and the micro-batches it holds (the planner's memory)
+    return layout.replace(pp=layout.dp, dp=1, microbatches=o.microbatches, schedule=o.schedule)
+
+
 MEASURE = pipelines.Threads()
-HOOKS = Hooks(check=check, defaults=defaults, model_state_bytes=model_state_bytes)
+HOOKS = Hooks(check=check, defaults=defaults, model_state_bytes=model_state_bytes, memory_layout=memory_layout)

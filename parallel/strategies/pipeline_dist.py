@@ -255,6 +255,11 @@ def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
     return {k: v for part in every_rank(mine) for k, v in part.items()}
 
 
+def memory_layout(config, layout):
+    o = options_of(Options, config)  # the micro-batches a stage holds (the planner's memory)
+    return layout.replace(microbatches=o.microbatches, schedule=o.schedule)
+
+
 MEASURE = pipelines.Torch(lambda config: options_of(Options, config))
 HOOKS = Hooks(available=available, dims=dims, check=check, defaults=defaults, state_dict=state_dict,
-              model_state_bytes=model_state_every_rank)
+              model_state_bytes=model_state_every_rank, memory_layout=memory_layout)

@@ -235,6 +235,10 @@ def predict_step_ms(cal, config, row) -> float | None:
     return predict_sharded_ms(cal, config, row, all_gathers=1)
 
 
+def memory_layout(config, layout):
+    return layout.replace(zero_stage=options_of(Options, config).zero_stage)  # for the planner's memory
+
+
 HOOKS = Hooks(check=check, comm_bytes_predicted=comm_bytes_predicted, model_state_bytes=model_state_bytes,
               state_dict=state_dict, extra_measurements=extra_measurements, predict_step_ms=predict_step_ms,
-              checkpoint_state=checkpoint_state, restore_checkpoint=loaded_in_place)
+              checkpoint_state=checkpoint_state, restore_checkpoint=loaded_in_place, memory_layout=memory_layout)

@@ -127,6 +127,11 @@ def checkpoint_state(t: Trainable) -> dict:
     return {"model": t.model.module.state_dict(), **momenta, "step": torch.zeros((), dtype=torch.int64)}
 
 
+def memory_layout(config, layout):
+    return layout.replace(zero_stage=1)  # the optimizer state sharded (the planner's memory)
+
+
 HOOKS = Hooks(check=check, state_dict=state_dict, model_state_bytes=model_state_bytes,
               comm_bytes_predicted=comm_bytes_predicted, extra_measurements=extra_measurements,
-              checkpoint_state=checkpoint_state, restore_checkpoint=loaded_in_place, predict_step_ms=predict_step_ms)
+              checkpoint_state=checkpoint_state, restore_checkpoint=loaded_in_place, predict_step_ms=predict_step_ms,
+              memory_layout=memory_layout)
