@@ -32,7 +32,7 @@ from parallel.config import ConfigError, RunConfig, nearest_multiple
 from parallel.dist import Dist, script_devices
 from parallel.harness import costmodel, memcheck, mutants, notes, overview, page, report, scaling
 from parallel.harness.report import make_console
-from parallel.harness.runner import BASELINE, plan, run_strategies
+from parallel.harness.runner import BASELINE, run_strategies, select_runs
 from parallel.plan import cli as plan_cli
 from parallel.results import Equivalence, Row, atomic_write, prepare_out, write_results
 from parallel.usermodel import workload_of
@@ -99,7 +99,7 @@ def cmd_compare(args, names: list[str], baseline: bool) -> int:
         raise ConfigError(f"--project-params must be a parameter count (0: off), got {params:g}")
     if getattr(args, "world_sizes", ""):
         return cmd_scaling(config, names, args.world_sizes)
-    chosen, skipped = plan(config, names, baseline)  # every check before the first file is written
+    chosen, skipped = select_runs(config, names, baseline)  # every check before the first file is written
     if config.memory_snapshot and config.memory_snapshot not in {s.name for s, _, _ in chosen}:
         raise ConfigError(f"--memory-snapshot {config.memory_snapshot}: not a strategy this run trains "
                           f"({', '.join(dict.fromkeys(s.name for s, _, _ in chosen))})")
@@ -143,7 +143,7 @@ def cmd_scaling(config: RunConfig, names: list[str], sizes_text: str) -> int:
         raise ConfigError(f"--world-sizes {sizes_text!r}: device counts must be 1 or more")
     runs = []
     for mode, n, cfg in scaling.points(config, sizes):  # every point checked before the first one runs
-        runs.append((mode, n, cfg, *plan(cfg, names, baseline=True, strict=False)))
+        runs.append((mode, n, cfg, *select_runs(cfg, names, baseline=True, strict=False)))
     prepare_out(Path(config.out))
     console = make_console()
     _stop_like_ctrl_c()

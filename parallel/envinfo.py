@@ -12,7 +12,7 @@ prints one), then the hardware, and what `compare` would run here with its defau
     ```
 
 What `compare` would run is not worked out here: the config is built by `compare`'s own parser from no
-arguments (cliargs.config_from_args), and `runner.plan` chooses on it, the one planner every command uses, so
+arguments (cliargs.config_from_args), and `runner.select_runs` chooses on it, the one selection every command uses, so
 the two commands cannot disagree about a strategy.
 """
 
@@ -32,7 +32,7 @@ import parallel
 from parallel import machine
 from parallel.config import RunConfig
 from parallel.harness import notes
-from parallel.harness.runner import plan
+from parallel.harness.runner import select_runs
 
 PLAIN = {"markup": False, "highlight": False, "soft_wrap": True}  # values as they are: no [..] taken as markup,
 #                                                                   no colours, no folding at the console width
@@ -126,7 +126,7 @@ def show(console: Console, config: RunConfig, gpus: list[dict] | None = None) ->
     `compare` would run on `config` (the same planning) and skip (in `compare`'s words).
     `gpus`: machine.cuda_info(), read once by the caller (it may start a child process)."""
     gpus = machine.cuda_info() if gpus is None else gpus
-    chosen, skipped = plan(config, ["all"])  # the one planner `compare` uses, on compare's own config
+    chosen, skipped = select_runs(config, ["all"])  # the one selection `compare` uses, on compare's own config
     cpu, unusable = machine.cpu_info(), machine.unusable_gpus()
     console.print("Copy and paste the block below into your GitHub issue:", **PLAIN)
     console.print("```", **PLAIN)

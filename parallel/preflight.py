@@ -33,7 +33,7 @@ from parallel.config import RunConfig, nearest_multiple
 from parallel.devices import gpu_count
 from parallel.harness import launch
 from parallel.harness.report import make_progress
-from parallel.harness.runner import plan, run_strategies
+from parallel.harness.runner import run_strategies, select_runs
 from parallel.machine import unusable_gpus
 from parallel.results import atomic_write, prepare_out
 
@@ -125,7 +125,7 @@ def elsewhere_checks(config: RunConfig, found: dict[str, list[str]], checks: lis
             continue
         fields = {"model": "", "input_shape": "", "classes": 0, "vocab": 0, "data": "", "seq_len": 0, "aux_loss": 0.0}
         other = dataclasses.replace(config, **{**fields, **run}, out=str(Path(config.out) / folder)).validate()
-        chosen, skipped = plan(other, found[folder], strict=False)
+        chosen, skipped = select_runs(other, found[folder], strict=False)
         prepare_out(Path(other.out))
         strategy_checks(other, chosen, skipped, checks)
 
@@ -219,7 +219,7 @@ def table(checks: list[Check]) -> Table:
 
 def main(args, console) -> int:
     config = _config(args)
-    chosen, skipped = plan(config, strategies.parse_list(args.strategies))  # bad input refused before any write
+    chosen, skipped = select_runs(config, strategies.parse_list(args.strategies))  # bad input refused before any write
     prepare_out(Path(config.out))
     other = elsewhere_names(config, strategies.parse_list(args.strategies))  # on GPUs: their own workloads, below
     moved = {n for names in other.values() for n in names}

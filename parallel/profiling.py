@@ -4,7 +4,8 @@ Traces go to <out>/tb/<strategy>/ named `<strategy>_rank<R>`, so ranks never ove
 (torchtitan's habit), and TensorBoard's profiler plugin (torch-tb-profiler) opens them:
 `tensorboard --logdir <out>/tb`. `merge` then writes <out>/timeline.json: every strategy's every rank in
 one Chrome trace, each its own named track on one clock, which Perfetto (ui.perfetto.dev, or its trace
-processor) and chrome://tracing open with no server.
+processor) and chrome://tracing open with no server. `write_scalars` puts each row's losses and step times
+beside them, as TensorBoard scalars.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+from parallel.results import Row, tb_run
 
 
 class _Off(contextlib.nullcontext):
@@ -143,3 +146,21 @@ def _streams(raw: list[dict], name: str) -> tuple[dict, dict]:
     order = sorted(used, key=lambda k: (devices[k[0]], k[1] if isinstance(k[1], int) else -1, str(k[1])))
     return devices, {k: (first + i, f"{name} cuda:{devices[k[0]]} {names.get(k) or f'stream {k[1]}'}")
                      for i, k in enumerate(order)}
+
+
+def write_scalars(tb: Path, row: Row) -> None:
+    """Loss of every step and time of every timed step, as TensorBoard scalars in tb/<strategy>/ (beside
+    its profiler traces, so one run in TensorBoard holds both)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    if not row.losses:
+        return
+    with SummaryWriter(str(tb / tb_run(row.strategy, row.variant))) as w:
+        for step, loss in enumerate(row.losses):
+            w.add_scalar("loss/train", loss, step)
+        for name, values in row.loss_parts.items():  # the DCGAN's d_loss and g_loss
+            for step, loss in enumerate(values):
+                w.add_scalar(f"loss/{name}", loss, step)
+        warm = len(row.losses) - len(row.step_ms) if len(row.step_ms) <= len(row.losses) else 0
+        for i, ms in enumerate(row.step_ms):
+            w.add_scalar("step_time_ms", ms, warm + i)

@@ -16,7 +16,7 @@ from parallel.config import ConfigError, RunConfig
 from parallel.devicespec import DeviceSpec, parse_devices
 from parallel.dist import Dist, script_devices
 from parallel.harness import scaling
-from parallel.harness.runner import plan
+from parallel.harness.runner import select_runs
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.timeout(120)
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def planned(devices: str, **kw):
     config = RunConfig(devices=devices, batch_auto=True, **kw).validate()
-    chosen, skipped = plan(config, ["all"])
+    chosen, skipped = select_runs(config, ["all"])
     return config, {s.name: cfg for s, _, cfg in chosen}, skipped
 
 
@@ -56,7 +56,7 @@ def test_preflights_batch_is_a_multiple_of_the_world(n, tmp_path):
     p = cli.build_parser()
     config = preflight._config(p.parse_args(["preflight", "--devices", f"cpu:{n}", "--out", str(tmp_path)]))
     assert config.batch_size % n == 0 and abs(config.batch_size - 64) < n
-    plan(config, ["all"])  # every strategy that can run at n fits its batch
+    select_runs(config, ["all"])  # every strategy that can run at n fits its batch
 
 
 def test_the_interleaved_schedules_get_whole_rounds_of_micro_batches():
@@ -76,7 +76,7 @@ def test_a_users_own_values_are_kept_and_checked():
     assert runs["pipeline"].options["microbatches"] == 2
     config = RunConfig(devices="cpu:3", batch_size=512).validate()
     assert config.batch_size == 512  # given, so not rounded: the data-parallel ones say why they cannot
-    _, skipped = plan(config, ["all"])
+    _, skipped = select_runs(config, ["all"])
     assert skipped["ddp"] == "global batch 512 is not divisible by world size 3 x accum 1 = 3"
 
 
@@ -93,7 +93,7 @@ def test_a_scaling_sweep_takes_one_batch_every_count_divides():
     strong = [cfg for mode, _, cfg in points if mode == "strong"]
     assert {c.batch_size for c in strong} == {516}  # the multiple of 12 nearest 512
     for _, n, cfg in points:
-        chosen, _ = plan(cfg, ["ddp"], strict=False)
+        chosen, _ = select_runs(cfg, ["ddp"], strict=False)
         assert [s.name for s, _, _ in chosen] == ["single", "ddp"], n
 
 
@@ -204,10 +204,10 @@ def test_a_sweep_leaves_a_named_strategy_out_of_a_point_it_cannot_run():
     # A named strategy at a count whose share does not divide its batch sits that point out (the sweep's
     # strict=False), as one without enough devices always did; a plain comparison still refuses it.
     config = RunConfig(devices="cpu:3", batch_size=32).validate()
-    chosen, skipped = plan(config, ["ddp"], strict=False)
+    chosen, skipped = select_runs(config, ["ddp"], strict=False)
     assert [s.name for s, _, _ in chosen] == ["single"] and "not divisible by world size 3" in skipped["ddp"]
     with pytest.raises(ConfigError, match="not divisible by world size 3"):
-        plan(config, ["ddp"])
+        select_runs(config, ["ddp"])
 
 
 def test_devices_runs_and_skips_what_compare_would(capsys):
@@ -216,7 +216,7 @@ def test_devices_runs_and_skips_what_compare_would(capsys):
     assert cli.main(["devices"]) == 0
     out = capsys.readouterr().out.splitlines()
     config = cliargs.config_from_args(cli.build_parser().parse_args(["compare"]), default_out=False)
-    chosen, skipped = plan(config, ["all"])
+    chosen, skipped = select_runs(config, ["all"])
     said = {k: v for k, _, v in (ln.removeprefix("- ").partition(": ") for ln in out if ln.startswith("- compare "))}
     assert said["compare runs"].split(", ") == list(dict.fromkeys(s.name for s, _, _ in chosen))
     assert said["compare skips"] == (", ".join(skipped) or "nothing")
@@ -229,10 +229,11 @@ def test_a_cut_into_more_stages_than_layers_is_skipped_at_planning_with_its_reas
     # cuts it into a stage a device is left out under `all`, with the numbers, and refused when named;
     # model_parallel and pipeline failed in their first step before (#44).
     config = RunConfig(workload="transformer", devices="cpu:5", batch_size=10).validate()
-    chosen, skipped = plan(config, ["all"])
+    chosen, skipped = select_runs(config, ["all"])
     for name in ("model_parallel", "pipeline"):
         assert skipped[name] == "5 stages (one a device), but the transformer has 4 layers to split", skipped
     assert "pipeline_dist" in skipped and {"single", "ddp"} <= {s.name for s, _, _ in chosen}
     with pytest.raises(ConfigError, match="5 stages .one a device., but the transformer has 4 layers"):
-        plan(config, ["pipeline"])
-    plan(RunConfig(workload="transformer", devices="cpu:4", batch_size=8).validate(), ["model_parallel", "pipeline"])
+        select_runs(config, ["pipeline"])
+    four = RunConfig(workload="transformer", devices="cpu:4", batch_size=8).validate()
+    select_runs(four, ["model_parallel", "pipeline"])

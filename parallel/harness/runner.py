@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from parallel import checkpoint, strategies
+from parallel import checkpoint, profiling, strategies
 from parallel.config import RunConfig
 from parallel.errors import ConfigError
 from parallel.harness import equivalence, launch, load, noise, twin
@@ -70,24 +70,6 @@ def run_one(strategy, variant: str, config: RunConfig, work: Path, logs: Path) -
     if config.mutant.startswith(f"{strategy.name}:"):  # the row that carries an injected bug says so
         row.variant = ",".join(filter(None, [variant, f"mutant={config.mutant.split(':', 1)[1]}"]))
     return row, torch.load(paths["state"], weights_only=True)
-
-
-def write_scalars(tb: Path, row: Row) -> None:
-    """Loss of every step and time of every timed step, as TensorBoard scalars in tb/<strategy>/ (beside
-    its profiler traces, so one run in TensorBoard holds both)."""
-    from torch.utils.tensorboard import SummaryWriter
-
-    if not row.losses:
-        return
-    with SummaryWriter(str(tb / tb_run(row.strategy, row.variant))) as w:
-        for step, loss in enumerate(row.losses):
-            w.add_scalar("loss/train", loss, step)
-        for name, values in row.loss_parts.items():  # the DCGAN's d_loss and g_loss
-            for step, loss in enumerate(values):
-                w.add_scalar(f"loss/{name}", loss, step)
-        warm = len(row.losses) - len(row.step_ms) if len(row.step_ms) <= len(row.losses) else 0
-        for i, ms in enumerate(row.step_ms):
-            w.add_scalar("step_time_ms", ms, warm + i)
 
 
 def add_relative(rows: list[Row], baseline: Row | None) -> None:
@@ -173,8 +155,7 @@ def flag(rows: list[Row], baseline: bool = True) -> None:
                               "round's, but if rows disagree, re-run on a quiet machine")
 
 
-def plan(config: RunConfig, names: list[str], baseline: bool = True,
-         strict: bool = True) -> tuple[list[tuple], dict[str, str]]:
+def select_runs(config: RunConfig, names: list[str], baseline: bool = True, strict: bool = True) -> tuple[list, dict]:
     """Every (strategy, variant label, config) to run, `single` first when it is the baseline, and the
     strategies left out with the one-line reason of each. Under `all` (or, not `strict`, a scaling
     sweep's point) a strategy that cannot run this config (these devices, this batch, this model, its
@@ -277,7 +258,7 @@ def run_strategies(config: RunConfig, chosen: list[tuple], baseline: bool = True
                                                f"single {rows[0].eval_loss:.4f} ({ratio:.2f}x), same samples")
                 rows.append(row)
                 timings[i].append((row.samples_per_s, row.step_ms_p50, row.step_ms_p95))
-                write_scalars(out / "tb", row)
+                profiling.write_scalars(out / "tb", row)
                 relative(rows)
                 on_row(rows)
                 progress.advance(task)

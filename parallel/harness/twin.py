@@ -1,7 +1,7 @@
 """The shallow twin: a comparison for a model that `single` cannot hold on one device.
 
 `single` is every row's reference, for the verdict and for the speedup. When the planner puts it over
---memory-cap (`over_cap`), the run goes on without it at full size (runner.plan, runner.run_strategies):
+--memory-cap (`over_cap`), the run goes on without it at full size (runner.select_runs, runner.run_strategies):
 
     the model       every strategy that fits, timed and measured as always (ms, memory, bytes sent)
     its twin        the same model with 1 or 2 blocks (every width, the vocabulary, the options, the data

@@ -17,7 +17,7 @@ from torch.autograd.profiler import record_function
 
 from parallel import charts, wire
 from parallel.devices import IntervalClock
-from parallel.kit.stages import ActivationMeter
+from parallel.kit.saved import ActivationMeter
 from parallel.measure.replay import replay
 
 PIECE = re.compile(r"(?:stage (\d+) )?([FBIWL])(\d+)$")  # a Busy label: "F3" (stage = its lane), "stage 2 W0"

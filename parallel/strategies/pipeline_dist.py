@@ -37,9 +37,10 @@ from torch import nn
 from parallel.devices import SHARED_GLOO_NO_P2P
 from parallel.errors import ConfigError
 from parallel.kit.collectives import every_rank
+from parallel.kit.saved import ActivationMeter
 from parallel.kit.schedules import TORCH as SCHEDULES  # name -> (torch's class, stages per rank, placement)
 from parallel.kit.schedules import least_microbatches, stage_ids, torch_lacks
-from parallel.kit.stages import ActivationMeter, agreed_cut, layers_of
+from parallel.kit.stages import agreed_cut, layers_of
 from parallel.kit.tied import TiedAcross
 from parallel.layout import ParallelDims
 from parallel.measure import pipelines
