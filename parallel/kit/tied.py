@@ -83,12 +83,15 @@ class TiedAcross:
                                     if len(ranks) > 1 else None)
             self.groups.append(local.get(id(p)) or ([p] if id(p) in here else []))
 
-    def sum(self, within_rank: bool = True) -> None:
-        """Every copy of each shared weight gets the sum of their gradients (within_rank=False: only the
-        weights several ranks hold, pipeline_dist's TIE_IN_RANK bug)."""
+    def held(self) -> list[int]:
+        """The shared weights this rank holds a copy of (their indices in `groups`)."""
+        return [i for i, g in enumerate(self.groups) if g]
+
+    def sum(self) -> None:
+        """Every copy of each shared weight gets the sum of their gradients."""
         import torch.distributed as td
 
-        held = [i for i, g in enumerate(self.groups) if g and (within_rank or self.collectives[i] is not None)]
+        held = self.held()
 
         def across(k: int, total: torch.Tensor) -> None:
             if (group := self.collectives[held[k]]) is not None:

@@ -219,6 +219,8 @@ def build(model, make_optimizer, loss_fn, dist, config, o: Options, rank: int, p
     rank_of = {i: r for r in range(p) for i in stage_ids(r, p, v, placement)}
     # fsdp_pp (shard) takes no tied model (its TIES): a sharded weight's copies are not summed here
     tied = TiedAcross(layers, bounds, rank_of.__getitem__, modules, config.pg_timeout) if shard is None else None
+    if tied is not None and injected(config, TIE_IN_RANK):  # only the weights several ranks hold get summed
+        tied.held = lambda held=tied.held: [i for i in held() if tied.collectives[i] is not None]
     local = nn.ModuleList(modules)
     state = State(schedule, p, rank, stages, names, bounds, 0 in ids, p * v - 1 in ids, busy, tied)
     return Trainable(local, make_optimizer(local.parameters()), loss_fn, dist.device, state=state)
@@ -233,7 +235,7 @@ def train_step(t: Trainable, batch, dist):
     s.schedule.step(*([x] if s.first else []), **({"target": y, "losses": losses} if s.last else {}),
                     return_outputs=False)
     if s.tied is not None and not injected(t, TIE_UNSUMMED):
-        s.tied.sum(within_rank=not injected(t, TIE_IN_RANK))
+        s.tied.sum()
     t.optimizer.step()
     s.busy.end_step()
     if not s.last:
