@@ -1,5 +1,5 @@
 """The style of every table the package prints (the report's, the planner's): rich, no vertical rules;
-and a number's cell ("-" where there is none)."""
+a number's cell ("-" where there is none) and a size in bytes."""
 
 from __future__ import annotations
 
@@ -9,6 +9,18 @@ from rich.table import Table
 
 def num(x, fmt: str = ".1f") -> str:
     return "-" if x is None else format(x, fmt)
+
+
+def size(n, short: bool = False) -> str:
+    """Bytes to three significant digits for a person: 402 MiB, 64.4 KiB, 1.50 MiB (short: 1.5M); None is '-'."""
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1000 or unit == "TiB":
+            text = f"{n:.0f} {unit}" if unit == "B" or abs(n) >= 100 else f"{n:.3g} {unit}"
+            return text.replace(" ", "").replace("iB", "") if short else text
+        n /= 1024
+    return str(n)
 
 
 def table(title: str, heads: list[tuple[str, str]]) -> Table:

@@ -72,6 +72,7 @@ def execute(strategy, config: RunConfig, dist: Dist, data=None, run: str = "") -
             extra |= layer.details(workload.input_shape[0], config.precision) if layer is not None else {}
     phases["extras"] = round(time.perf_counter() - began, 2)
     measured = extra.pop("measured", Measured())
+    extra = {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in extra.items()}  # typed
     details = {"model_state_bytes_per_device": strategy.model_state_bytes(trainable, config),
                **({f"{peak_kind}_per_device": peaks} if len(peaks) > 1 else {}),
                **_peak_per_rank(peak, peak_kind, dist), **extra, "phases_s": phases}

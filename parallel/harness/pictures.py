@@ -9,44 +9,20 @@ OUT/report.png, which is how it is checked (tests/test_report.py, where Chromium
 from __future__ import annotations
 
 import html
-import io
 import re
 from pathlib import Path
 
+from parallel.charts import height as _height
+from parallel.charts import plt as _plt
+from parallel.charts import stacked as _stacked
+from parallel.charts import svg as _svg
 from parallel.harness import report
+from parallel.measure import sharded
 from parallel.results import Row, atomic_write
 
-KIND_COLOR = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52"}
 VERDICT_COLOR = {"match": "#55a868", "baseline": "#4c72b0", "not-expected": "#dd8452", "mismatch": "#c44e52",
                  "unchecked": "#999999"}
 PIECE_COLOR = {"F": "#4c72b0", "B": "#dd8452", "I": "#dd8452", "W": "#8172b3", "L": "#55a868"}
-
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    plt.rcParams.update({"svg.fonttype": "none", "font.size": 9, "axes.spines.top": False,
-                         "axes.spines.right": False})
-    return plt
-
-
-def _svg(fig) -> str:
-    buf = io.StringIO()
-    fig.savefig(buf, format="svg", bbox_inches="tight")
-    _plt().close(fig)
-    text = buf.getvalue()
-    return text[text.index("<svg"):]
-
-
-def _height(n: int) -> float:
-    return 0.9 + 0.32 * max(n, 1)
-
-
-def _mib(n) -> float:
-    return (n or 0) / 2**20
 
 
 # The figures --------------------------------------------------------------------------------------------
@@ -87,20 +63,6 @@ def _per_rank(value, ranks: int) -> list:
     return [value] * ranks
 
 
-def memory(rows: list[Row]) -> str | None:
-    """Model state each rank holds, stacked params / grads / optimizer state, with the ZeRO formula's
-    figure for the strategy as a diamond."""
-    bars = []  # (label, {kind: bytes}, formula bytes or None)
-    for r in report.sharded_rows(rows):
-        d = r.details
-        for k in range(r.world_size):
-            parts = {kind: _per_rank(d.get(f"{key}_per_rank"), r.world_size)[k] for kind, key in (
-                ("params", "param_bytes"), ("grads", "grad_bytes"), ("optimizer", "optimizer_state_bytes"))}
-            if any(v is not None for v in parts.values()):
-                bars.append((f"{r.label} rank {k}", parts, d.get("zero_formula_bytes")))
-    return _stacked(bars)
-
-
 def stage_memory(rows: list[Row]) -> str | None:
     """Each pipeline stage's model state and the activations it held at once (its own scale: activations
     dwarf a small model's state)."""
@@ -113,62 +75,6 @@ def stage_memory(rows: list[Row]) -> str | None:
             bars.append((f"{r.label} stage {k}", {"model state": state[k] if k < len(state) else None,
                                                   "activations": acts[k] if k < len(acts) else None}, None))
     return _stacked(bars)
-
-
-def _stacked(bars: list[tuple]) -> str | None:
-    if not bars:
-        return None
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7.5, _height(len(bars))))
-    seen = set()
-    for i, (_, parts, formula) in enumerate(bars):
-        left = 0.0
-        for kind, value in parts.items():
-            if not value:
-                continue
-            color = KIND_COLOR.get(kind, "#8c8c8c")
-            ax.barh(i, _mib(value), left=left, color=color, label=None if kind in seen else kind)
-            seen.add(kind)
-            left += _mib(value)
-        if formula:
-            ax.plot(_mib(formula), i, marker="D", color="black", ms=5,
-                    label=None if "ZeRO formula" in seen else "ZeRO formula")
-            seen.add("ZeRO formula")
-    ax.set_yticks(range(len(bars)), [b[0] for b in bars])
-    ax.invert_yaxis()
-    ax.set_xlabel("MiB per rank (the largest rank's where only one is measured)")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
-    return _svg(fig)
-
-
-def collectives(rows: list[Row]) -> str | None:
-    """Bytes one rank sends per step, stacked by collective, for every row that sends any."""
-    pipelines = report.pipeline_rows(rows)  # their sends are in their own table
-    shown = [(r, report.sent_by_collective(r)) for r in rows if r.status == "ok" and r not in pipelines]
-    shown = [(r, by) for r, by in shown if by and any(by.values())]
-    if not shown:
-        return None
-    plt = _plt()
-    kinds = list(dict.fromkeys(k for _, by in shown for k in by))
-    colors = dict(zip(kinds, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
-    fig, ax = plt.subplots(figsize=(7.5, _height(len(shown))))
-    seen = set()
-    for i, (r, by) in enumerate(shown):
-        left = 0.0
-        for k in kinds:
-            if by.get(k):
-                ax.barh(i, _mib(by[k]) * 1024, left=left, color=colors[k], label=None if k in seen else k)
-                seen.add(k)
-                left += _mib(by[k]) * 1024
-        if r.comm_bytes_predicted:
-            ax.plot(_mib(r.comm_bytes_predicted) * 1024, i, marker="|", color="black", ms=12,
-                    label=None if "textbook" in seen else "textbook")
-            seen.add("textbook")
-    ax.set_yticks(range(len(shown)), [r.label for r, _ in shown])
-    ax.invert_yaxis()
-    ax.set_xlabel("KiB sent per rank per step")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
-    return _svg(fig)
 
 
 def _per_rank_figure(labels: list[str], ms: list, left_label: str, right_label: str):
@@ -339,12 +245,13 @@ def page(rows: list[Row], environment: dict, skipped: dict | None, out: Path) ->
                  f"Each bar is samples/s over {over}'s, the fastest that matched on the shallow twin (`single` does "
                  "not fit one device)" if over else
                  "Each bar is samples/s over `single`'s in the same run; a range is the paired rounds' min-max."),
-                ("Model state per rank, by kind", memory(rows),
+                ("Model state per rank, by kind", sharded.memory(rows),
                  "Params, grads and optimizer state each rank holds (measured), beside the ZeRO paper's formula for "
                  "the strategy."),
                 ("Pipeline stages: model state and activations", stage_memory(rows),
                  "What each stage holds: its part of the model state, and the most activations it kept at once."),
-                ("Bytes sent per step, by collective", collectives(rows),
+                ("Bytes sent per step, by collective",  # the pipelines' sends are in their own table
+                 sharded.collectives([r for r in rows if r not in report.pipeline_rows(rows)]),
                  "What one rank sends in an optimiser step, counted at the collective; the tick: the textbook's."),
                 ("Context parallel: each rank's attention work", context(rows),
                  "The causal pairs each rank's positions give it (zig-zag: equal; contiguous: the last rank the "

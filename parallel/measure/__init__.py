@@ -34,4 +34,6 @@ class Family:
 def result_of(row, cls):
     """The typed result of `cls`'s family in a row (its details[cls.FAMILY]), or None."""
     d = row.details.get(cls.FAMILY) if row.status == "ok" else None
-    return None if d is None else cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+    if d is None or isinstance(d, cls):  # as extra_measurements made it (a row not yet through results.json)
+        return d
+    return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
