@@ -15,6 +15,7 @@ from parallel import strategies
 from parallel.config import RunConfig
 from parallel.dist import Dist
 from parallel.kit.primitives import DeviceThreads, gather, parallel_apply, replicate, scatter
+from parallel.measure import sharded
 from parallel.worker import execute
 from parallel.workloads import WORKLOADS
 from tests.conftest import judged
@@ -35,7 +36,7 @@ def test_manual_dp_matches_single(devices, workload):
     row, verdict = judged("manual_dp", config)
     assert verdict.verdict == "match" and verdict.ratio < FP64_MARGIN, verdict
     assert row.world_size == int(devices[-1]) and row.device_kind == "virtual"
-    assert {k for k in row.details if k.endswith("_ms")} == {f"{p}_ms" for p in
+    assert set(sharded.result(row).step_phases_ms) == {f"{p}_ms" for p in
                                                             ("scatter", "replicate", "parallel_apply", "gather",
                                                              "backward", "optimizer")}
 

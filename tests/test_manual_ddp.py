@@ -10,6 +10,7 @@ from parallel import strategies
 from parallel.config import RunConfig
 from parallel.dist import Dist
 from parallel.harness import equivalence
+from parallel.measure import sharded
 from parallel.worker import execute
 from parallel.workloads import WORKLOADS
 from tests.multirank import FP64_MARGIN, run_ranks
@@ -50,7 +51,7 @@ def test_manual_ddp_trains_what_one_device_trains_and_counts_ring_bytes(world):
         # not reduced) exceeds.
         verdict = equivalence.judge(strategies.get("manual_ddp"), config, ref, row, state)
         assert verdict.verdict == "match" and verdict.ratio < FP64_MARGIN, (workload, options, verdict)
-        collectives = row.details["all_reduces_per_step"]
+        collectives = sharded.result(row).all_reduces_per_step
         # counted bytes = ring all-reduce of every gradient
         assert row.comm_bytes_per_step == pytest.approx(row.comm_bytes_predicted, rel=0.01)
         params = sum(1 for p in WORKLOADS[workload].build_model(0).parameters())

@@ -11,6 +11,7 @@ from parallel import strategies
 from parallel.config import RunConfig
 from parallel.dist import Dist
 from parallel.harness import equivalence, mutants
+from parallel.measure import sharded
 from parallel.worker import execute
 from parallel.workloads import WORKLOADS
 from tests.multirank import FP64_MARGIN, faulted_and_resumed, run_ranks
@@ -48,27 +49,28 @@ def _train(rank, world, workloads, runs):
     return out
 
 
-def _check_zero(d: dict, stage: int, world: int) -> None:
+def _check_zero(s: sharded.Result, sent: dict, stage: int, world: int) -> None:
     ddp_momentum = PSI * E  # DDP keeps SGD's momentum for every parameter on every rank
-    assert d["optimizer_state_bytes_per_rank"] == pytest.approx(ddp_momentum / world, rel=0.01)
-    assert d["grad_bytes_per_rank"] == pytest.approx(PSI * E / (1 if stage == 1 else world), rel=0.01)
+    assert s.zero_stage == stage
+    assert s.optimizer_state_bytes_per_rank == pytest.approx([ddp_momentum / world] * world, rel=0.01)
+    assert s.grad_bytes_per_rank == pytest.approx([PSI * E / (1 if stage == 1 else world)] * world, rel=0.01)
     # ZeRO-1/2 keep every parameter: the flat buffer, each bucket padded to a multiple of N
-    assert d["param_bytes_per_rank"] == sum(d["bucket_bytes"]) == pytest.approx(PSI * E, rel=0.01)
+    assert s.param_bytes_per_rank == [sum(s.bucket_bytes)] * world
+    assert sum(s.bucket_bytes) == pytest.approx(PSI * E, rel=0.01)
     # 25 MiB: one bucket; 1 MiB: one per big layer (a bucket closes once it holds at least the cap)
-    assert len(d["bucket_bytes"]) == (1 if stage == 1 else 4)
-    sent = d["bytes_per_step_by_collective"]
+    assert len(s.bucket_bytes) == (1 if stage == 1 else 4)
     assert sent["reduce_scatter"] == sent["all_gather"] == pytest.approx((world - 1) / world * PSI * E, rel=0.01)
 
 
-def _check_fsdp(d: dict, reshard: int, world: int) -> None:
-    for kind in ("param_bytes", "grad_bytes", "optimizer_state_bytes"):  # each rank's shards: 1/N of each
-        assert d[f"{kind}_per_rank"] == pytest.approx([PSI * E / world] * world, rel=0.01), kind
-    sent, share = d["bytes_per_step_by_collective"], (world - 1) / world * PSI * E
+def _check_fsdp(s: sharded.Result, sent: dict, reshard: int, world: int) -> None:
+    for shards in (s.param_bytes_per_rank, s.grad_bytes_per_rank, s.optimizer_state_bytes_per_rank):
+        assert shards == pytest.approx([PSI * E / world] * world, rel=0.01)  # each rank's shards: 1/N of each
+    share = (world - 1) / world * PSI * E
     # ZeRO-3: parameters gathered in forward and again in backward, gradients reduce-scattered (3 Psi);
     # without resharding after forward the backward all-gather goes (2 Psi).
     assert sent["all_gather"] == pytest.approx((1 + reshard) * share, rel=0.01)
     assert sent["reduce_scatter"] == pytest.approx(share, rel=0.01)
-    peaks = d["unsharded_peak_bytes_per_rank"]
+    peaks = s.unsharded_peak_bytes_per_rank
     if reshard:  # one layer at a time (no prefetch on CPU), far below the whole model
         assert all(BLOCK <= p < 2 * BLOCK for p in peaks), peaks
     else:  # forward keeps every layer gathered until backward frees it
@@ -96,7 +98,7 @@ def test_sharded_strategies_match_single_and_shard_what_the_paper_says(world, wo
         assert verdict.verdict == "match" and verdict.ratio < margin, label
         if workload != "mlp":
             continue
-        d, sent = row.details, row.details["bytes_per_step_by_collective"]
+        s, sent = sharded.result(row), row.details["bytes_per_step_by_collective"]
         if "mixed_precision" in options:  # gathered in bf16: half the bytes; gradients reduced in fp32
             assert sent["all_gather"] == pytest.approx(sent["reduce_scatter"], rel=0.01)
             continue
@@ -105,15 +107,15 @@ def test_sharded_strategies_match_single_and_shard_what_the_paper_says(world, wo
             # ((N-1)/N more): 3 Psi, counted at the collectives; whole parameters owned greedily: uneven.
             assert sent["all_reduce"] == pytest.approx(2 * (world - 1) / world * PSI * E, rel=0.01)
             assert sent["broadcast"] == pytest.approx((world - 1) / world * PSI * E, rel=0.01)
-            owned = d["owned_param_bytes_per_rank"]
+            owned = s.owned_param_bytes_per_rank
             assert sum(owned) == PSI * E and max(owned) > min(owned)
             continue
         if name == "zero":
-            _check_zero(d, options["zero_stage"], world)
+            _check_zero(s, sent, options["zero_stage"], world)
         else:
-            _check_fsdp(d, options["reshard"], world)
+            _check_fsdp(s, sent, options["reshard"], world)
         assert row.comm_bytes_per_step == pytest.approx(row.comm_bytes_predicted, rel=0.01)
-        assert d["model_state_bytes_per_device"][0] == pytest.approx(d["zero_formula_bytes"], rel=0.01)
+        assert row.details["model_state_bytes_per_device"][0] == pytest.approx(s.zero_formula_bytes, rel=0.01)
 
 
 def test_zero_refuses_a_stage_it_does_not_have(refused):

@@ -12,6 +12,7 @@ import torch
 from parallel import strategies, userchecks, userload, usermodel
 from parallel.config import ConfigError, RunConfig
 from parallel.dist import Dist
+from parallel.measure import sharded
 from parallel.worker import execute
 from parallel.workloads import WORKLOADS
 from tests.conftest import ROOT, in_process, judged
@@ -210,7 +211,7 @@ def test_a_model_the_tests_never_saw_matches_under_ddp_and_a_bug_injected_beside
     assert bug["variant"] == "mutant=stale-replica" and bug["equivalence"]["verdict"] == "mismatch"
     assert "manual_dp mutant=stale-replica mismatch:" in p.stdout and "its tolerance" in p.stdout
     (fsdp,) = judged_on_ranks(2, [("fsdp", f"{model_file}:net", {})], _user_config)
-    assert fsdp.details["fsdp_groups"][:2] == ["body.1", "hidden.0"]
+    assert sharded.result(fsdp).fsdp_groups[:2] == ["body.1", "hidden.0"]
 
 
 def test_the_built_in_workloads_are_unchanged():

@@ -27,7 +27,7 @@ from parallel import strategies
 from parallel.devices import synchronizer, synchronizer_all
 from parallel.dist import Dist
 from parallel.formulas import model_state, ring_seconds
-from parallel.measure.sharded import grad_bytes
+from parallel.measure.sharded_cost import grad_bytes
 from parallel.timing import median_time
 from parallel.train import make_optimizer
 from parallel.usermodel import workload_of

@@ -10,8 +10,8 @@ import re
 from pathlib import Path
 
 from parallel.harness import notes, overview, report
-from parallel.harness.pictures import collectives, errors, memory, speedup
-from parallel.measure import context, experts, pipelines
+from parallel.harness.pictures import errors, speedup
+from parallel.measure import context, experts, pipelines, sharded_view
 from parallel.results import Row, atomic_write
 
 STYLE = """body{font:14px/1.45 system-ui,sans-serif;max-width:60em;margin:1.5em auto;padding:0 1em;color:#222}
@@ -57,12 +57,13 @@ def page(rows: list[Row], environment: dict, skipped: dict | None, out: Path) ->
                  f"Each bar is samples/s over {over}'s, the fastest that matched on the shallow twin (`single` does "
                  "not fit one device)" if over else
                  "Each bar is samples/s over `single`'s in the same run; a range is the paired rounds' min-max."),
-                ("Model state per rank, by kind", memory(rows),
+                ("Model state per rank, by kind", sharded_view.memory(rows),
                  "Params, grads and optimizer state each rank holds (measured), beside the ZeRO paper's formula for "
                  "the strategy."),
                 ("Pipeline stages: model state and activations", pipelines.stage_memory(rows),
                  "What each stage holds: its part of the model state, and the most activations it kept at once."),
-                ("Bytes sent per step, by collective", collectives(rows),
+                ("Bytes sent per step, by collective",
+                 sharded_view.collectives([r for r in rows if r not in pipelines.rows(rows)]),
                  "What one rank sends in an optimiser step, counted at the collective; the tick: the textbook's."),
                 ("Context parallel: each rank's attention work", context.picture(rows),
                  "The causal pairs each rank's positions give it (zig-zag: equal; contiguous: the last rank the "

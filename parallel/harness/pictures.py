@@ -6,12 +6,9 @@ per tensor."""
 from __future__ import annotations
 
 from parallel.charts import height as _height
-from parallel.charts import mib as _mib
 from parallel.charts import plt as _plt
-from parallel.charts import stacked as _stacked
 from parallel.charts import svg as _svg
-from parallel.harness import overview, report
-from parallel.measure import pipelines
+from parallel.harness import overview
 from parallel.results import Row
 
 KIND_COLOR = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52"}
@@ -49,56 +46,6 @@ def speedup(rows: list[Row]) -> str | None:
     ax.set_xlabel(f"samples/s over {over}'s, the fastest that matched (single does not fit); hollow: noisy/flagged"
                   if over else "speedup over `single` (samples/s ratio, this run); dotted: ideal = devices; hollow: "
                   "noisy/flagged")
-    return _svg(fig)
-
-
-def _per_rank(value, ranks: int) -> list:
-    if isinstance(value, list):
-        return value + [None] * (ranks - len(value))
-    return [value] * ranks
-
-
-def memory(rows: list[Row]) -> str | None:
-    """Model state each rank holds, stacked params / grads / optimizer state, with the ZeRO formula's
-    figure for the strategy as a diamond."""
-    bars = []  # (label, {kind: bytes}, formula bytes or None)
-    for r in report.sharded_rows(rows):
-        d = r.details
-        for k in range(r.world_size):
-            parts = {kind: _per_rank(d.get(f"{key}_per_rank"), r.world_size)[k] for kind, key in (
-                ("params", "param_bytes"), ("grads", "grad_bytes"), ("optimizer", "optimizer_state_bytes"))}
-            if any(v is not None for v in parts.values()):
-                bars.append((f"{r.label} rank {k}", parts, d.get("zero_formula_bytes")))
-    return _stacked(bars)
-
-
-def collectives(rows: list[Row]) -> str | None:
-    """Bytes one rank sends per step, stacked by collective, for every row that sends any."""
-    piped = pipelines.rows(rows)  # their sends are in their own table
-    shown = [(r, report.sent_by_collective(r)) for r in rows if r.status == "ok" and r not in piped]
-    shown = [(r, by) for r, by in shown if by and any(by.values())]
-    if not shown:
-        return None
-    plt = _plt()
-    kinds = list(dict.fromkeys(k for _, by in shown for k in by))
-    colors = dict(zip(kinds, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
-    fig, ax = plt.subplots(figsize=(7.5, _height(len(shown))))
-    seen = set()
-    for i, (r, by) in enumerate(shown):
-        left = 0.0
-        for k in kinds:
-            if by.get(k):
-                ax.barh(i, _mib(by[k]) * 1024, left=left, color=colors[k], label=None if k in seen else k)
-                seen.add(k)
-                left += _mib(by[k]) * 1024
-        if r.comm_bytes_predicted:
-            ax.plot(_mib(r.comm_bytes_predicted) * 1024, i, marker="|", color="black", ms=12,
-                    label=None if "textbook" in seen else "textbook")
-            seen.add("textbook")
-    ax.set_yticks(range(len(shown)), [r.label for r, _ in shown])
-    ax.invert_yaxis()
-    ax.set_xlabel("KiB sent per rank per step")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
     return _svg(fig)
 
 

@@ -14,87 +14,19 @@ import os
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from parallel.harness import memcheck
 from parallel.harness.notes import advice, cost_lines, notes, skipped_in_full
 from parallel.harness.overview import header, speedup_text, table
-from parallel.measure import context, experts, layers, pipelines
+from parallel.measure import context, experts, layers, pipelines, sharded_view
 from parallel.results import Row
 from parallel.tables import num as _num
 from parallel.tables import size as _bytes
-from parallel.tables import table as _table
 
 WIDTH = 100  # the report's width when the output is not a terminal (a pipe, a file, CI's log)
 
 
 # The sharded and pipeline tables ------------------------------------------------------------------------
-
-
-def _largest(v):
-    """A per-rank list's largest entry (ranks that did not measure give None), or the value itself."""
-    if isinstance(v, list):
-        v = [x for x in v if x is not None]
-        return max(v) if v else None
-    return v
-
-
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "send")
-
-
-def sharded_rows(rows: list[Row]) -> list[Row]:
-    """The sharded strategies (and DDP, the unsharded reference): the rows that carry the ZeRO formula's
-    figure, when one of them also counted its bytes by collective."""
-    chosen = [r for r in rows if r.status == "ok" and "zero_formula_bytes" in r.details]
-    return chosen if any("bytes_per_step_by_collective" in r.details for r in chosen) else []
-
-
-def sent_by_collective(r: Row) -> dict[str, float]:
-    return r.details.get("bytes_per_step_by_collective") or (
-        {"all_reduce": r.comm_bytes_per_step} if r.comm_bytes_per_step else {})
-
-
-def sharding_tables(rows: list[Row]) -> list[Table]:
-    """Model state per rank by kind beside the ZeRO paper's formula, and bytes per step by collective."""
-    chosen = sharded_rows(rows)
-    if not chosen:
-        return []
-    state = _table("Sharded data parallel: model state per rank (the largest rank)",
-                   [("strategy", "left"), ("params", "right"), ("grads", "right"), ("optimizer", "right"),
-                    ("model state", "right"), ("ZeRO formula", "right"), ("gathered peak", "right")])
-    kinds = [k for k in COLLECTIVES if any(sent_by_collective(r).get(k) for r in chosen)]
-    sent = _table("... and bytes each rank sends per step, by collective",
-                  [("strategy", "left"), *((k.replace("_", "-"), "right") for k in kinds), ("total", "right"),
-                   ("textbook", "right")])
-    for r in chosen:
-        d = r.details
-        state.add_row(r.label, *(_bytes(_largest(d.get(f"{k}_per_rank"))) for k in (
-            "param_bytes", "grad_bytes", "optimizer_state_bytes")),
-            _bytes(_largest(d.get("model_state_bytes_per_device"))), _bytes(d.get("zero_formula_bytes")),
-            _bytes(_largest(d.get("unsharded_peak_bytes_per_rank"))))
-        by = sent_by_collective(r)
-        sent.add_row(r.label, *(_bytes(by.get(k)) if by.get(k) else "-" for k in kinds),
-                     _bytes(r.comm_bytes_per_step), _bytes(r.comm_bytes_predicted))
-    return [state, sent]
-
-
-def _reduce_scatter_caveat(rows: list[Row]) -> list[str]:
-    """What a reduce-scatter costs against an all-reduce, as a sharded strategy's ranks timed them in this
-    run: the reason ZeRO and FSDP are slow on CPU, in numbers."""
-    timed = [r for r in rows if r.measured.reduce_scatter_all_grads_ms and r.measured.allreduce_all_grads_ms]
-    if not timed:
-        return []
-    r, m = timed[0], timed[0].measured
-    ratio = m.reduce_scatter_all_grads_ms / m.allreduce_all_grads_ms
-    line = (f"reduce-scatter vs all-reduce, timed by {r.label}'s ranks: {m.reduce_scatter_all_grads_ms:.1f} ms "
-            f"against {m.allreduce_all_grads_ms:.1f} ms for every gradient ({ratio:.2f}x; all-gather "
-            f"{m.all_gather_all_params_ms:.1f} ms)")
-    if r.device_kind in ("virtual", "shared"):  # gloo either way
-        return [line + ", though a ring reduce-scatter sends half an all-reduce's bytes: gloo reduce-scatters by "
-                "all-reducing and keeping a chunk (PR #118911), so on CPU the sharded strategies pay more time "
-                "than DDP for their memory saving. On NCCL a reduce-scatter moves half the bytes and takes about "
-                "half the time: there the saving is real."]
-    return [line + "; a ring reduce-scatter sends half an all-reduce's bytes (about 0.5x expected)."]
 
 
 # details.txt --------------------------------------------------------------------------------------------
@@ -107,7 +39,7 @@ def long_notes(rows: list[Row], environment: dict, skipped: dict | None = None, 
     out += [f"{r.label}: {f}" for r in rows for f in r.flags]
     out += skipped_in_full(skipped or {})
     out += [f"{r.label}: {r.equivalence.reason}" for r in rows if r.equivalence.verdict == "not-expected"]
-    out += _reduce_scatter_caveat(rows) + pipelines.gaps(rows) + layers.layer_gaps(rows) + cost_lines(cost_model)
+    out += sharded_view.notes(rows) + pipelines.gaps(rows) + layers.layer_gaps(rows) + cost_lines(cost_model)
     kinds = {r.peak_mem_kind for r in rows if r.peak_mem_kind}
     if "process_peak_rss" in kinds:
         out.append("peak mem on CPU is the peak resident memory of rank 0's process (torch itself included); "
@@ -120,11 +52,24 @@ def long_notes(rows: list[Row], environment: dict, skipped: dict | None = None, 
     return out
 
 
+def _unit(key: str) -> str:
+    """What a detail's name says its number is: "bytes", "ms", "s", "fraction", or "" (nothing)."""
+    if "bytes" in key or "rss" in key:
+        return "bytes"
+    if key.endswith("_ms"):
+        return "ms"
+    if key.endswith(("_s", "_seconds")):
+        return "s"
+    return "fraction" if "fraction" in key or key.startswith("bubble") else ""
+
+
 def readable(key: str, value) -> str:
     """One detail as a person reads it: bytes in KiB/MiB, milliseconds with their unit, fractions as
-    percentages, lists joined by ' / ', dicts as 'name value' pairs; never a Python repr."""
+    percentages, lists joined by ' / ', dicts as 'name value' pairs (a measurement family's result: each
+    field by its own name, those it did not measure left out); never a Python repr."""
     if isinstance(value, dict):
-        return ", ".join(f"{k} {readable(f'{key}.{k}', v)}" for k, v in value.items()) or "-"  # each by its own name
+        return ", ".join(f"{k} {readable(k if _unit(str(k)) else key, v)}" for k, v in value.items()
+                         if v is not None) or "-"
     if isinstance(value, (list, tuple)):
         if value and all(isinstance(v, (list, tuple)) for v in value):
             return f"{len(value)} entries"  # a timeline: in results.json and the pictures
@@ -133,13 +78,14 @@ def readable(key: str, value) -> str:
         return "-"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return str(value)
-    if "bytes" in key or "rss" in key:
+    if _unit(key) == "bytes":
         return _bytes(value)
-    if key.endswith("_ms"):
+    unit = _unit(key)
+    if unit == "ms":
         return f"{value:.2f} ms"
-    if key.endswith(("_s", "_seconds")):
+    if unit == "s":
         return f"{value:.3g} s"
-    if "fraction" in key or key.startswith("bubble"):
+    if unit == "fraction":
         return f"{value:.0%}"
     return f"{value:,}" if isinstance(value, int) else f"{value:.3g}"
 
@@ -179,8 +125,8 @@ def show(rows: list[Row], environment: dict, console: Console | None = None, ski
     if why := (environment.get("run") or {}).get("why"):  # the CLI chose the workload (GPUs, none named)
         console.print(why, style="dim", highlight=False, markup=False)
     console.print(table(rows, environment, wide, skipped))
-    for extra in (*sharding_tables(rows), pipelines.table(rows, wide), layers.layer_table(rows), context.table(rows),
-                  experts.table(rows), memcheck.table(rows)):
+    for extra in (*sharded_view.tables(rows), pipelines.table(rows, wide), layers.layer_table(rows),
+                  context.table(rows), experts.table(rows), memcheck.table(rows)):
         if extra is not None:
             console.print(extra)
     lines = notes(rows, environment, skipped) + (long_notes(rows, environment, skipped, cost_model) if wide else [])

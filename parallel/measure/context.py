@@ -27,7 +27,7 @@ from parallel.formulas import element_bytes
 from parallel.kit.collectives import every_rank
 from parallel.kit.ring_attention import Ring, work_alone
 from parallel.kit.tensors import local, param_bytes
-from parallel.measure.sharded import allreduce_every_gradient
+from parallel.measure.sharded_cost import allreduce_every_gradient
 from parallel.results import Row
 from parallel.tables import count, size
 from parallel.usermodel import workload_of

@@ -23,7 +23,7 @@ from parallel.formulas import element_bytes
 from parallel.kit.collectives import every_rank
 from parallel.kit.tensors import param_bytes
 from parallel.measure.context import by_rank, largest, ms, per_rank_figure, sent
-from parallel.measure.sharded import ring_allreduce_bytes
+from parallel.measure.sharded_cost import ring_allreduce_bytes
 from parallel.results import Row
 from parallel.tables import num, size
 from parallel.usermodel import workload_of

@@ -22,7 +22,7 @@ from torch import nn
 from parallel import measure
 from parallel.formulas import element_bytes
 from parallel.kit.saved import ActivationMeter
-from parallel.measure.sharded import ring_allreduce_bytes
+from parallel.measure.sharded_cost import ring_allreduce_bytes
 from parallel.outputs import call
 from parallel.results import Row
 from parallel.tables import size, table

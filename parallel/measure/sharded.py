@@ -1,95 +1,217 @@
-"""The data-parallel family's measurement (ddp and manual_ddp, the unsharded reference; zero,
-zero_optimizer, fsdp): textbook bytes and step-time predictions, and its collectives timed alone."""
+"""The sharded family: data parallel, whole and sharded. Every rank (or replica) the whole model and every
+gradient averaged (single, manual_dp, data_parallel in one process: `Replicas`; ddp, manual_ddp: one
+all-reduce of every gradient, `AllReduce`), or the model state sharded by the ZeRO paper's stages (zero:
+stages 1-2 by hand, `Zero`; zero_optimizer: torch's ZeroRedundancyOptimizer, `ZeroRedundancy`; fsdp: FSDP2,
+stage 3, `FullyShard`). What each rank holds by kind beside the paper's formula, the bytes by collective,
+ddp's exposed communication, the textbook bytes and the cost model's step; the report's tables, note and
+pictures of them. The strategies lend what the measurement needs (see each family's docstring):
+
+    MEASURE = sharded.FullyShard(groups, dims, options=...)      # fsdp
+"""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
-import torch.distributed as td
-from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from parallel.devices import synchronizer
-from parallel.formulas import wire_bytes
-from parallel.kit.collectives import all_gather, reduce_scatter
-from parallel.kit.tensors import param_bytes
-from parallel.results import Measured
-from parallel.timing import StepTimer, summarize
+from parallel import measure
+from parallel.formulas import element_bytes, sgd_state, wire_bytes
+from parallel.kit.collectives import every_rank
+from parallel.kit.tensors import optimizer_state_bytes, param_bytes, tensor_bytes
+from parallel.measure.sharded_cost import measured_collectives, predict_data_parallel_ms, predict_sharded_ms
+from parallel.outputs import call
 
-
-def ring_allreduce_bytes(payload_bytes: float, world: int) -> float:
-    """Bytes each rank sends to all-reduce `payload_bytes` with a ring: reduce-scatter then all-gather,
-    each moving (N-1)/N of the payload (the nccl-tests busbw convention; the planner's formulas.wire_bytes)."""
-    return wire_bytes("all_reduce", payload_bytes, world)
+FAMILY = "sharded"
 
 
-def grad_bytes(model: nn.Module) -> int:
-    return param_bytes(p for p in model.parameters() if p.requires_grad)
+@dataclass
+class Result:
+    """What a data-parallel row measured beyond its time and bytes (details["sharded"]). The model state by
+    kind is every rank's, in rank order."""
+
+    FAMILY: ClassVar[str] = FAMILY
+    zero_stage: int | None = None  # the ZeRO stage its model state follows (0: ddp, the unsharded reference of
+    #   the sharded table); None: not in that table
+    param_bytes_per_rank: list[int] | None = None
+    grad_bytes_per_rank: list[int] | None = None
+    optimizer_state_bytes_per_rank: list[int] | None = None
+    zero_formula_bytes: float | None = None  # the paper's model state per rank for fp32 SGD with momentum
+    unsharded_peak_bytes_per_rank: list[int] | None = None  # fsdp: the most gathered parameters held at once
+    owned_param_bytes_per_rank: list[int] | None = None  # zero_optimizer: whole parameters owned, greedily
+    fsdp_groups: list[str] | None = None  # fsdp: the modules that became FSDP groups, the root last
+    bucket_bytes: list[int] | None = None  # ddp, manual_ddp, zero: each gradient bucket, in backward's order
+    all_reduces_per_step: float | None = None  # ddp, manual_ddp: the loop's count (warm-up steps)
+    step_ms: float | None = None  # ddp: a step, and the same step with no all-reduce (no_sync), timed
+    no_sync_step_ms: float | None = None  # interleaved after the run
+    step_phases_ms: dict[str, float] | None = None  # manual_dp: the median ms of each phase of its step
 
 
-def allreduce_every_gradient(model: nn.Module, config) -> float:
-    """Data parallel's textbook bytes a rank sends per step (ddp, manual_ddp): every gradient all-reduced
-    once, with a ring."""
-    return ring_allreduce_bytes(grad_bytes(model), config.world_size)
+def result(row) -> Result | None:
+    return measure.result_of(row, Result)
 
 
-def predict_data_parallel_ms(cal, config, accum: int) -> float | None:
-    """Data parallel (ddp, manual_ddp): each rank computes its share (in `accum` pieces) and all-reduces
-    every gradient once a step.
-    - gloo on CPU: the all-reduce cannot hide behind compute (the ranks' threads already use every
-      core), so it is added whole.
-    - nccl: the buckets all-reduce on their own stream while backward goes on, so only what outlasts the
-      last micro-batch's backward shows (backward is about two thirds of a step's arithmetic, twice the
-      forward's), and never less than the last bucket's all-reduce, which starts when backward ends
-      (the first layers' bucket; DDP's is 1 MiB)."""
-    n = config.world_size
-    comm = cal.allreduce_ms(cal.grad_bytes, n)
-    if comm is None:
-        return None
-    micro = cal.compute_ms(config.batch_size // (n * accum))
-    if not cal.overlaps:
-        return accum * micro + comm
-    return accum * micro + max(comm - 2 / 3 * micro, cal.allreduce_ms(min(cal.grad_bytes, 2**20), n))
+# The textbook and the cost model -------------------------------------------------------------------------
 
 
-def predict_sharded_ms(cal, config, row, all_gathers: int) -> float | None:
-    """Sharded data parallel (zero, fsdp): each rank computes its share, then one reduce-scatter of the
-    gradients and `all_gathers` all-gathers of the parameters, none hidden (they block in or after
-    backward here; FSDP2's prefetch on GPUs would hide some: an upper bound there). The collectives' times
-    are the row's own, measured in this run (timed_collectives: on gloo a reduce-scatter costs about
-    an all-reduce); without them, from the all-reduce calibration: an all-gather or an nccl reduce-scatter
-    is half an all-reduce's traffic, gloo's reduce-scatter a whole one (PR #118911)."""
-    m, n = row.measured, config.world_size
-    if m.reduce_scatter_all_grads_ms is not None and m.all_gather_all_params_ms is not None:
-        comm = m.reduce_scatter_all_grads_ms + all_gathers * m.all_gather_all_params_ms
-    else:
-        allreduce = cal.allreduce_ms(cal.grad_bytes, n)
-        if allreduce is None:
-            return None
-        comm = (allreduce / 2 if cal.overlaps else allreduce) + all_gathers * allreduce / 2
-    return cal.compute_ms(config.batch_size // n) + comm
+# The families --------------------------------------------------------------------------------------------
 
 
-def timed_collectives(device: torch.device, numel: int, rounds: int = 10) -> dict[str, float]:
-    """Median ms of one all-reduce, one reduce-scatter and one all-gather of `numel` fp32 elements (padded
-    to a multiple of N) over the world, timed in turns round by round (the first round dropped), so that a
-    drift of the machine's speed hits all three alike: what each costs here, in one run."""
-    n = td.get_world_size()
-    whole = torch.zeros(-(-numel // n) * n, device=device)
-    part = torch.zeros(whole.numel() // n, device=device)
-    work = {"all_reduce": lambda: td.all_reduce(whole), "reduce_scatter": lambda: reduce_scatter(part, whole),
-            "all_gather": lambda: all_gather(whole, part)}
-    timer, times = StepTimer(synchronizer(device)), {k: [] for k in work}
-    for i in range(rounds + 1):
-        for kind, run in work.items():
-            with timer:
-                run()
-            if i:
-                times[kind].append(timer.elapsed)
-    return {k: summarize(v)["p50_ms"] for k, v in times.items()}
+def held(params, optimizer) -> tuple[int, int, int]:
+    """Bytes of the parameters, their gradients and the optimizer's state for them that this rank holds
+    (a DTensor's local shard)."""
+    params = list(params)
+    return (param_bytes(params), sum(tensor_bytes(p.grad) for p in params if p.grad is not None),
+            optimizer_state_bytes(params, optimizer))
 
 
-def measured_collectives(device: torch.device, numel: int, rounds: int) -> Measured:
-    """timed_collectives as the row's declared measurements (the report's CPU caveat and the cost model
-    read them)."""
-    ms = timed_collectives(device, numel, rounds)
-    return Measured(allreduce_all_grads_ms=ms["all_reduce"], reduce_scatter_all_grads_ms=ms["reduce_scatter"],
-                    all_gather_all_params_ms=ms["all_gather"])
+def _model_state(r: Result, mine: tuple[int, int, int], stage: int, numel: int, shards: int, element: int) -> None:
+    """Every rank's (parameters, gradients, optimizer state) bytes into `r` (a collective), beside the ZeRO
+    paper's model state per rank for `numel` parameters at `stage` over `shards` ranks (formulas.sgd_state:
+    fp32 SGD with momentum, K = 4: DDP 12 Psi; stage 1 4 + 4 + 4/N; 2: 4 + (4 + 4)/N; 3: 12/N)."""
+    params, grads, optimizer = zip(*every_rank(mine), strict=True)
+    r.param_bytes_per_rank, r.grad_bytes_per_rank, r.optimizer_state_bytes_per_rank = (
+        list(params), list(grads), list(optimizer))
+    r.zero_stage, r.zero_formula_bytes = stage, sgd_state(numel, stage, shards, element)
+
+
+def _sent(r: Result, run, **measured) -> dict:
+    """A sharded row's details: its Result, and the loop's bytes by collective beside it, where the report's
+    picture of them reads them for every family (ddp's are shown as one all-reduce, its whole count: its
+    first step's broadcast of the rebuilt buckets' order, 24 bytes, is no collective of the algorithm)."""
+    return {FAMILY: r, "bytes_per_step_by_collective": run.wire.per_step(), **measured}
+
+
+def _rounds(config) -> int:
+    return max(3, min(10, config.steps))
+
+
+class Zero(measure.Family):
+    """ZeRO-1 and -2 by hand (zero): every rank all the parameters, flat, in buckets each padded to N chunks,
+    and the optimizer state (stage 2: the gradients too) of its chunk of each. Lent: `held(t)`, this rank's
+    (parameters, gradients, optimizer state) bytes; `buckets(t)`, each bucket's bytes; `options(config)`,
+    its `zero_stage`. Each collective is timed alone on the flat parameters."""
+
+    name = FAMILY
+
+    def __init__(self, held, buckets, options):
+        self.held, self.buckets, self.options = held, buckets, options
+
+    def extra_measurements(self, t, data, config, dist, run) -> dict:
+        r, e = Result(bucket_bytes=self.buckets(t)), element_bytes(config.precision)
+        flat = sum(r.bucket_bytes) // e  # the parameters' elements, each bucket padded
+        _model_state(r, self.held(t), self.options(config).zero_stage, flat, dist.world_size, e)
+        return _sent(r, run, measured=measured_collectives(t.device, flat, rounds=_rounds(config)))
+
+    def comm_bytes_predicted(self, model, config) -> float:
+        """Reduce-scatter and all-gather of every parameter's worth, ring: 2(N-1)/N x P bytes (2 Psi)."""
+        n = config.world_size
+        padded = math.ceil(sum(p.numel() for p in model.parameters() if p.requires_grad) / n) * n
+        e = element_bytes(config.precision)
+        return wire_bytes("reduce_scatter", padded * e, n) + wire_bytes("all_gather", padded * e, n)
+
+    def predict_step_ms(self, cal, config, row) -> float | None:
+        """Each rank's share of the compute, then the reduce-scatter and the all-gather."""
+        return predict_sharded_ms(cal, config, row, all_gathers=1)
+
+
+class ZeroRedundancy(measure.Family):
+    """torch's ZeroRedundancyOptimizer with DDP (zero_optimizer): every rank all the parameters and
+    gradients, and the optimizer state (its wrapped optimizer's, `t.optimizer.optim`) of the whole
+    parameters it owns. Lent: `owned(t, rank)`, the parameters `rank` owns."""
+
+    name = FAMILY
+
+    def __init__(self, owned):
+        self.owned = owned
+
+    def extra_measurements(self, t, data, config, dist, run) -> dict:
+        params = list(t.model.parameters())
+        r = Result(owned_param_bytes_per_rank=[param_bytes(self.owned(t, k)) for k in range(dist.world_size)])
+        full, e = param_bytes(params), element_bytes(config.precision)
+        mine = (full, full, optimizer_state_bytes(self.owned(t, dist.rank), t.optimizer.optim))
+        _model_state(r, mine, 1, full // e, dist.world_size, e)  # the paper's stage 1: an even share
+        return _sent(r, run)
+
+    def comm_bytes_predicted(self, model, config) -> float:
+        """DDP's all-reduce (2(N-1)/N x P) + the parameters broadcast from their owners ((N-1)/N x P)."""
+        n, p = config.world_size, sum(tensor_bytes(q) for q in model.parameters())
+        return wire_bytes("all_reduce", p, n) + wire_bytes("all_gather", p, n)  # a broadcast each: (N-1)/N
+
+    def predict_step_ms(self, cal, config, row) -> float | None:
+        """DDP's step (its all-reduce, predict_data_parallel_ms), then the broadcasts: (N-1)/N of the
+        parameters, half an all-reduce's traffic, after the step (nothing to hide behind)."""
+        ddp = predict_data_parallel_ms(cal, config, accum=1)
+        return None if ddp is None else ddp + cal.allreduce_ms(cal.grad_bytes, config.world_size) / 2
+
+
+class FullyShard(measure.Family):
+    """FSDP2 (fsdp): every parameter, gradient and optimizer state sharded over the ranks of a replica.
+    Lent: `groups(t)`, its FSDP groups, the root last; `dims(config, dist)`, its layout (the batch share
+    of this rank); `options(config)`: `reshard` (1: parameters gathered again for backward), `mixed_precision`
+    (bf16: gathered in bf16), `replicate` (HSDP: R replicas of N/R shards). After the run, one more step
+    (untimed) samples the gathered parameters held at every operation; each collective is timed alone."""
+
+    name = FAMILY
+
+    def __init__(self, groups, dims, options):
+        self.groups, self.dims, self.options = groups, dims, options
+
+    def extra_measurements(self, t, data, config, dist, run) -> dict:
+        mine = held(t.model.parameters(), t.optimizer)  # before the step below drops the gradients
+        peak = _UnshardedPeak(_gathered_buffers(self.groups(t)))
+        x, y = (b.to(t.device) for b in data.batch(0, *self.dims(config, dist).batch_share(dist.rank)))
+        with peak:
+            t.optimizer.zero_grad(set_to_none=True)
+            t.loss_fn(call(t.model, x, y), y).backward()
+        names = {id(m): n for n, m in t.model.named_modules()}
+        r = Result(unsharded_peak_bytes_per_rank=every_rank(peak.peak),
+                   fsdp_groups=[names.get(id(g)) or "(root)" for g in self.groups(t)])
+        n = dist.world_size // self.options(config).replicate  # the ranks one copy is sharded over
+        e, numel = element_bytes(config.precision), sum(math.prod(p.shape) for p in t.model.parameters())  # global
+        _model_state(r, mine, 3, numel, n, e)
+        return _sent(r, run, measured=measured_collectives(t.device, numel * e // 4, rounds=_rounds(config)))
+
+    def comm_bytes_predicted(self, model, config) -> float:
+        """All-gathers (two with reshard, one without) and one reduce-scatter, each (N-1)/N of the parameters'
+        bytes; the all-gathers in bf16 under --mixed-precision bf16. (FSDP2 pads each parameter's first
+        dimension to a multiple of N: a few rows more on the wire.)"""
+        o = self.options(config)
+        n, r = config.world_size // o.replicate, o.replicate  # shards per replica, replicas
+        p = sum(q.numel() for q in model.parameters()) * element_bytes(config.precision)
+        gathered = p / 2 if o.mixed_precision else p
+        gathers = (2 if o.reshard else 1) * wire_bytes("all_gather", gathered, n)
+        # HSDP: each rank's reduced shard is then all-reduced across the replicas
+        return gathers + wire_bytes("reduce_scatter", p, n) + wire_bytes("all_reduce", p / n, r)
+
+    def predict_step_ms(self, cal, config, row) -> float | None:
+        """Each rank's share of the compute, the reduce-scatter and one all-gather (two with --reshard 1)
+        (fp32 collectives: bf16 all-gathers take less; no HSDP term)."""
+        return predict_sharded_ms(cal, config, row, all_gathers=1 + self.options(config).reshard)
+
+
+class _UnshardedPeak(TorchDispatchMode):
+    """The largest sum of gathered (unsharded) parameter bytes held at any operation of a step."""
+
+    def __init__(self, buffers):
+        super().__init__()
+        self.buffers, self.peak = buffers, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.peak = max(self.peak, sum(b.untyped_storage().nbytes() for b in self.buffers))
+        return func(*args, **(kwargs or {}))
+
+
+def _gathered_buffers(groups) -> list[torch.Tensor]:
+    """Where FSDP2 puts each parameter's all-gathered (whole) copy: allocated while unsharded, storage
+    freed on reshard (FSDPParam.all_gather_outputs, torch 2.13; created at the first all-gather)."""
+    return [b for g in groups for group in [g._get_fsdp_state()._fsdp_param_group] if group is not None
+            for p in group.fsdp_params for b in p.all_gather_outputs]
+
+
+# The report: model state and bytes by collective ------------------------------------------------------------
+
+

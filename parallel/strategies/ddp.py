@@ -31,23 +31,19 @@ from torch.autograd.profiler import record_function
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from parallel.devices import synchronizer
 from parallel.errors import ConfigError
-from parallel.formulas import sgd_state
 from parallel.kit import sync_batchnorm
-from parallel.kit.tensors import optimizer_state_bytes, param_bytes, state_bytes
-from parallel.measure.sharded import allreduce_every_gradient, predict_data_parallel_ms
+from parallel.kit.tensors import state_bytes
+from parallel.measure import replicas
 from parallel.outputs import call
-from parallel.results import Measured, Rule
+from parallel.results import Rule
 from parallel.strategies.base import Hooks, Mutant, Trainable, injected, make_optimizers, options_of
-from parallel.timing import StepTimer, summarize
 from parallel.usermodel import workload_of
 
 NAME = "ddp"
 LAUNCH = "torchrun"
 SYNCHRONOUS = True
 MULTI_PART = True  # the DCGAN: each part its own DDP, each its own optimiser
-EXTRAS_BUDGET_S = 10.0  # seconds the extras' interleaved rounds may take: all 10 on small models, 1 at real sizes
 
 # Bugs the oracle must catch (`--mutant NAME`; base.Mutant): each is tested where it would be written.
 SUM_NOT_MEAN = Mutant("ddp:sum-not-mean", "gradients summed over the ranks, not averaged")
@@ -97,7 +93,6 @@ class State:
     accum: int = 1  # micro-batches per optimiser step
     prescale: int = 0  # 1: the loss is divided by N, the hook all-reduces a sum
     compress: str = ""  # "bf16": the hook all-reduces bf16 copies of the buckets
-    buckets: int = 0  # buckets all-reduced so far
     parts: dict | None = None  # the DCGAN: a DDP wrapper per part
 
 
@@ -108,11 +103,10 @@ def check(config) -> None:
     config.check_divisible(config.world_size * opts.accum, f"world size {config.world_size} x accum {opts.accum} =")
 
 
-def _counting_allreduce(t: Trainable, bucket):  # no return annotation: DDP rejects a string one
-    """DDP communication hook: count the bucket, then do what DDP does by default (divide by N,
-    all-reduce); with prescale the gradients are already divided, so all-reduce the sum."""
+def _allreduce(t: Trainable, bucket):  # no return annotation: DDP rejects a string one
+    """DDP communication hook: what DDP does by default (divide by N, all-reduce); with prescale the
+    gradients are already divided, so all-reduce the sum."""
     buf = bucket.buffer()
-    t.state.buckets += 1
     with record_function(f"all-reduce bucket {bucket.index()}"):
         if injected(t, COMPRESSED_SUM):
             return td.all_reduce(buf.to(torch.bfloat16), async_op=True).get_future().then(
@@ -142,7 +136,7 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
                       state=State(dist.world_size, compress=opts.compress,
                                   parts={k: _wrap(m, dist, opts) for k, m in model.parts().items()}))
         for part in t.state.parts.values():
-            part.register_comm_hook(t, _counting_allreduce)
+            part.register_comm_hook(t, _allreduce)
         return t
     ddp = _wrap(model, dist, opts)
     optimizer = make_optimizer(ddp.parameters())
@@ -151,7 +145,7 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
             group["lr"] *= dist.world_size
     t = Trainable(ddp, optimizer, loss_fn, dist.device,
                   state=State(dist.world_size, accum=opts.accum, prescale=opts.prescale, compress=opts.compress))
-    ddp.register_comm_hook(t, _counting_allreduce)
+    ddp.register_comm_hook(t, _allreduce)
     return t
 
 
@@ -189,63 +183,12 @@ def _plain(t: Trainable):
     return t.model.module if isinstance(t.model, DDP) else t.model
 
 
+def _bucket_bytes(t: Trainable) -> list[int]:
+    return replicas.ddp_bucket_bytes(t.state.parts.values() if t.state.parts else [t.model])
+
+
 def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in _plain(t).state_dict().items()}
-
-
-def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
-    """Exposed communication = the step time minus the same step with no all-reduce at all (no_sync),
-    beside one standalone all-reduce of every gradient at once. The three are timed interleaved, step by
-    step, with the loop's clock, so drift of the machine's speed hits all three alike."""
-    buckets = t.state.buckets / max(1, len(result.losses))  # per optimiser step this run took
-    if t.state.parts:  # the DCGAN's update has no single-loss no_sync twin to time against
-        return {"buckets_per_step": buckets}
-    flat = torch.zeros(sum(p.numel() for p in t.model.parameters()), device=t.device)  # (all grads,)
-    tiny = torch.zeros(1, device=t.device)  # its time is the all-reduce latency (the cost model's alpha)
-    timer = StepTimer(synchronizer(t.device))
-    times: dict[str, list[float]] = {"step": [], "no_sync": [], "allreduce": [], "allreduce_4B": []}
-    first = config.warmup + config.steps  # fresh batches after the run's own
-    work = {"step": lambda b: _step(t, b), "no_sync": lambda b: _step(t, b, sync=False),
-            "allreduce": lambda b: td.all_reduce(flat), "allreduce_4B": lambda b: td.all_reduce(tiny)}
-    spent = 0.0
-    for i in range(1 + max(10, config.steps)):  # the first round is warm-up
-        batch = data.batch(first + i, dist.rank, dist.world_size)
-        for kind, run in work.items():
-            with timer:
-                run(batch)
-            spent += timer.elapsed
-            if i:
-                times[kind].append(timer.elapsed)
-        if i and _enough(spent, t.device):  # at a real size on CPUs a round is two steps of seconds
-            break
-    ms = {k: summarize(v)["p50_ms"] for k, v in times.items()}
-    exposed = ms["step"] - ms["no_sync"]
-    params = list(_plain(t).parameters())
-    full = param_bytes(params)
-    return {"buckets_per_step": buckets, "step_ms": ms["step"], "no_sync_step_ms": ms["no_sync"],
-            # the unsharded reference for the sharded strategies' table: every rank holds all of it
-            "param_bytes_per_rank": full, "grad_bytes_per_rank": full,
-            "optimizer_state_bytes_per_rank": optimizer_state_bytes(params, t.optimizer),
-            "zero_formula_bytes": sgd_state(full // (e := params[0].element_size()), 0, config.world_size, e),
-            "measured": Measured(exposed_comm_ms=exposed, exposed_over_allreduce=exposed / ms["allreduce"],
-                                 allreduce_all_grads_ms=ms["allreduce"], allreduce_4B_ms=ms["allreduce_4B"])}
-
-
-def _enough(spent: float, device) -> bool:
-    """The extras' time is spent (EXTRAS_BUDGET_S): every rank stops after the same round, as rank 0 says."""
-    done = torch.tensor([float(spent > EXTRAS_BUDGET_S)], device=device)
-    td.broadcast(done, 0)
-    return bool(done.item())
-
-
-def predict_step_ms(cal, config, row) -> float | None:
-    return predict_data_parallel_ms(cal, config, options_of(Options, config).accum)
-
-
-def comm_bytes_predicted(model, config) -> float:
-    """Every gradient all-reduced once with a ring; half the bytes in bf16."""
-    full = allreduce_every_gradient(model, config)
-    return full / 2 if options_of(Options, config).compress else full
 
 
 def tolerance(config) -> Rule | None:
@@ -267,6 +210,8 @@ def memory_layout(config, layout):
 SYNCS_BATCHNORM = True  # BatchNorm over the whole batch (SyncBatchNorm), as on one device
 
 
-HOOKS = Hooks(check=check, comm_bytes_predicted=comm_bytes_predicted, model_state_bytes=model_state_bytes,
-              state_dict=state_dict, extra_measurements=extra_measurements, predict_step_ms=predict_step_ms,
-              tolerance=tolerance, memory_layout=memory_layout)
+# Its measurement (parallel/measure/replicas.py): a step timed with and without the all-reduce, the buckets,
+# the textbook's bytes and the cost model's step.
+MEASURE = replicas.AllReduce(buckets=_bucket_bytes, options=lambda config: options_of(Options, config), step=_step)
+HOOKS = Hooks(check=check, model_state_bytes=model_state_bytes, state_dict=state_dict, tolerance=tolerance,
+              memory_layout=memory_layout)

@@ -18,7 +18,7 @@ Bytes a rank sends per step, P the parameters' bytes: all-gather (N-1)/N x P in 
 backward, reduce-scatter (N-1)/N x P: 3 Psi (the ZeRO paper's stage 3). --reshard 0
 (reshard_after_forward=False) keeps each group's parameters from forward to backward: no second
 all-gather, 2 Psi, and whole parameters held through the step (ZeRO-2's memory for them). The peak of
-gathered parameters is measured (`unsharded_peak_bytes`): one block and the next (prefetched) at a time.
+gathered parameters is measured (parallel/measure/sharded.py): one block and the next (prefetched) at a time.
 
 --mixed-precision bf16 gathers and computes with bf16 parameters (MixedPrecisionPolicy), reduces the
 gradients in fp32 and steps fp32 shards: the all-gathers send half the bytes, and it is judged by its
@@ -27,20 +27,15 @@ own stated rule (`tolerance`). --offload cpu keeps the shards and the optimizer 
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from parallel.errors import ConfigError
-from parallel.formulas import element_bytes, sgd_state, wire_bytes
-from parallel.kit.collectives import every_rank
-from parallel.kit.tensors import optimizer_state_bytes, param_bytes, tensor_bytes
 from parallel.layout import ParallelDims
-from parallel.measure.sharded import measured_collectives, predict_sharded_ms
+from parallel.measure import sharded
 from parallel.outputs import call
 from parallel.results import Rule
 from parallel.strategies.base import (
@@ -94,8 +89,6 @@ class Options:
 @dataclass
 class Sharded:
     groups: list[nn.Module]  # every FSDP group, blocks first, the root last
-    reshard: bool
-    sent: dict[str, float] = field(default_factory=dict)
 
 
 def dims(config, dist) -> ParallelDims:
@@ -156,7 +149,7 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
             group.set_gradient_divide_factor(1.0)
             group.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM, nccl's way of dividing
     return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device,
-                     state=Sharded([*groups, model], bool(o.reshard)))
+                     state=Sharded([*groups, model]))
 
 
 def train_step(t: Trainable, batch, dist):
@@ -166,72 +159,6 @@ def train_step(t: Trainable, batch, dist):
     loss.backward()  # gathered again (reshard 1), gradients reduce-scattered group by group
     t.optimizer.step()  # the local shards only
     return loss.detach()
-
-
-def _local_state(t: Trainable) -> dict[str, int]:
-    params = list(t.model.parameters())
-    return {"param_bytes": param_bytes(params),
-            "grad_bytes": sum(tensor_bytes(p.grad) for p in params if p.grad is not None),
-            "optimizer_state_bytes": optimizer_state_bytes(params, t.optimizer)}
-
-
-def comm_bytes_predicted(model, config) -> float:
-    """All-gathers (two with reshard, one without) and one reduce-scatter, each (N-1)/N of the parameters'
-    bytes; the all-gathers in bf16 under --mixed-precision bf16. (FSDP2 pads each parameter's first
-    dimension to a multiple of N: a few rows more on the wire.)"""
-    o = options_of(Options, config)
-    n, r = config.world_size // o.replicate, o.replicate  # shards per replica, replicas
-    p = sum(q.numel() for q in model.parameters()) * element_bytes(config.precision)
-    gathered = p / 2 if o.mixed_precision else p
-    gathers = (2 if o.reshard else 1) * wire_bytes("all_gather", gathered, n)
-    # HSDP: each rank's reduced shard is then all-reduced across the replicas
-    return gathers + wire_bytes("reduce_scatter", p, n) + wire_bytes("all_reduce", p / n, r)
-
-
-class _UnshardedPeak(TorchDispatchMode):
-    """The largest sum of gathered (unsharded) parameter bytes held at any operation of a step."""
-
-    def __init__(self, buffers):
-        super().__init__()
-        self.buffers, self.peak = buffers, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.peak = max(self.peak, sum(b.untyped_storage().nbytes() for b in self.buffers))
-        return func(*args, **(kwargs or {}))
-
-
-def _gathered_buffers(t: Trainable) -> list[torch.Tensor]:
-    """Where FSDP2 puts each parameter's all-gathered (whole) copy: allocated while unsharded, storage
-    freed on reshard (FSDPParam.all_gather_outputs, torch 2.13; created at the first all-gather)."""
-    return [b for g in t.state.groups for group in [g._get_fsdp_state()._fsdp_param_group] if group is not None
-            for p in group.fsdp_params for b in p.all_gather_outputs]
-
-
-def group_names(t: Trainable) -> list[str]:
-    """Which modules became FSDP groups, by name (the root last, as "(root)"): what blocks() found."""
-    names = {id(m): n for n, m in t.model.named_modules()}
-    return [names.get(id(g)) or "(root)" for g in t.state.groups]
-
-
-def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
-    """Every rank's shards by kind, the bytes per step by collective, and the transient peak of gathered
-    parameters, sampled at every operation of one more step (a step the loop did not time)."""
-    local = _local_state(t)
-    peak = _UnshardedPeak(_gathered_buffers(t))
-    x, y = (b.to(t.device) for b in data.batch(0, *dims(config, dist).batch_share(dist.rank)))
-    with peak:
-        t.optimizer.zero_grad(set_to_none=True)
-        t.loss_fn(call(t.model, x, y), y).backward()
-    n = config.world_size // options_of(Options, config).replicate  # the ranks one copy is sharded over
-    psi = sum(math.prod(p.shape) for p in t.model.parameters()) * element_bytes(config.precision)  # global shapes
-    return {"reshard": int(t.state.reshard), "bytes_per_step_by_collective": result.wire.per_step(),
-            **{f"{k}_per_rank": every_rank(v) for k, v in local.items()},
-            "unsharded_peak_bytes_per_rank": every_rank(peak.peak),
-            # ZeRO-3's model state per device for fp32 SGD with momentum (K = 4): (4 + 4 + 4) Psi / N.
-            "zero_formula_bytes": sgd_state(psi // (e := element_bytes(config.precision)), 3, n, e),
-            "groups": len(t.state.groups),
-            "fsdp_groups": group_names(t),
-            "measured": measured_collectives(t.device, psi // 4, rounds=max(3, min(10, config.steps)))}
 
 
 def tolerance(config) -> Rule | None:
@@ -247,18 +174,14 @@ def tolerance(config) -> Rule | None:
                                         "tensor's movement)")
 
 
-def predict_step_ms(cal, config, row) -> float | None:
-    """Each rank's share of the compute, the reduce-scatter and one all-gather (two with --reshard 1)
-    (base.predict_sharded_ms; fp32 collectives: bf16 all-gathers take less)."""
-    return predict_sharded_ms(cal, config, row, all_gathers=1 + options_of(Options, config).reshard)  # no HSDP term
-
-
 def memory_layout(config, layout):
     """For the planner's memory: ZeRO-3 over each replica's N/R ranks; offloaded, nothing on the device."""
     o = options_of(Options, config)
     return layout.replace(zero_stage=3, shards=layout.dp // o.replicate, offloaded=o.offload == "cpu")
 
 
+# Its measurement (parallel/measure/sharded.py): each rank's shards beside ZeRO-3's formula, the peak of gathered
+# parameters, each collective timed alone, the textbook's bytes (3 Psi; 2 without resharding) and the step.
+MEASURE = sharded.FullyShard(lambda t: t.state.groups, dims, options=lambda config: options_of(Options, config))
 HOOKS = Hooks(dims=dims, check=check, state_dict=full_state_dict, model_state_bytes=model_state_every_rank,
-              comm_bytes_predicted=comm_bytes_predicted, extra_measurements=extra_measurements,
-              tolerance=tolerance, predict_step_ms=predict_step_ms, memory_layout=memory_layout)
+              tolerance=tolerance, memory_layout=memory_layout)

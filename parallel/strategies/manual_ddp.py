@@ -33,7 +33,7 @@ from torch.autograd.profiler import record_function
 
 from parallel.errors import ConfigError
 from parallel.kit.tensors import state_bytes
-from parallel.measure.sharded import allreduce_every_gradient, predict_data_parallel_ms
+from parallel.measure import replicas
 from parallel.outputs import call
 from parallel.strategies.base import Hooks, Mutant, Trainable, injected, options_of
 
@@ -179,15 +179,6 @@ def model_state_bytes(t: Trainable, config) -> list[int]:
     return [state_bytes(list(t.model.parameters()), t.optimizer)] * config.world_size
 
 
-def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
-    sync = t.state
-    return {"all_reduces_per_step": result.wire.per_step("calls").get("all_reduce", 0.0),
-            "bucket_bytes": [b.buffer.numel() * b.buffer.element_size() for b in sync.buckets]}
-
-
-def predict_step_ms(cal, config, row) -> float | None:
-    return predict_data_parallel_ms(cal, config, accum=1)
-
-
-HOOKS = Hooks(check=check, comm_bytes_predicted=allreduce_every_gradient, model_state_bytes=model_state_bytes,
-              extra_measurements=extra_measurements, predict_step_ms=predict_step_ms)
+# Its measurement (parallel/measure/replicas.py): the buckets, the textbook's bytes and the cost model's step.
+MEASURE = replicas.AllReduce(buckets=lambda t: [b.buffer.numel() * b.buffer.element_size() for b in t.state.buckets])
+HOOKS = Hooks(check=check, model_state_bytes=model_state_bytes)

@@ -21,20 +21,17 @@ loss.backward() would run the replicas' backward passes one after another (FIELD
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
 
 from parallel.devices import IntervalClock
-from parallel.formulas import element_bytes
 from parallel.kit.primitives import DeviceThreads, gather, parallel_apply, replicate, scatter
 from parallel.kit.tensors import param_bytes, state_bytes
-from parallel.measure.sharded import grad_bytes
+from parallel.measure import replicas
 from parallel.outputs import call, keyword_of, logits_of
 from parallel.strategies.base import Hooks, Mutant, Trainable, injected
 from parallel.timing import PhaseTimer
-from parallel.usermodel import workload_of
 
 NAME = "manual_dp"
 LAUNCH = "inprocess"
@@ -47,16 +44,6 @@ STALE_REPLICA = Mutant("manual_dp:stale-replica", "replicas made at the first st
 REPLICA_GRAD_DROPPED = Mutant("manual_dp:replica-grad-dropped", "the last replica's backward never runs: its "
                                                                 "chunk adds no gradient", {"devices": "cpu:3"})
 MUTANTS = (STALE_REPLICA, REPLICA_GRAD_DROPPED)
-
-
-def comm_bytes_predicted(model, config) -> float:
-    """Bytes between the first device and the others per step: parameters out and gradients back
-    (2 x params x (N-1)); inputs out, outputs back and their gradients out ((N-1)/N of each), fp32 (fp64
-    under --precision fp64)."""
-    workload, n, e = workload_of(config), config.world_size, element_bytes(config.precision)
-    x_bytes = config.batch_size * e * math.prod(workload.input_shape)
-    out_bytes = config.batch_size * e * workload.classes
-    return 2 * (n - 1) * grad_bytes(model) + (n - 1) / n * (x_bytes + 2 * out_bytes)
 
 
 @dataclass
@@ -115,16 +102,6 @@ def train_step(t: Trainable, batch, dist):
     return loss.detach()
 
 
-def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
-    return t.state.phase.medians(skip=config.warmup)  # where each timed step's time went
-
-
-def predict_step_ms(cal, config, row) -> float:
-    """Replicas compute their chunks in parallel; the parameters are copied out and the gradients back."""
-    n = config.world_size
-    return cal.compute_ms(-(-config.batch_size // n)) + cal.copy_ms(2 * (n - 1) * cal.grad_bytes)
-
-
 def model_state_bytes(t: Trainable, config) -> list[int]:
     """Device 0 holds the original parameters, their gradients and the optimiser state, and every device
     a replica's parameter copies for the length of a step."""
@@ -136,5 +113,7 @@ def memory_layout(config, layout):
     return layout.replace(gathers_whole_batch=True)  # the first device holds the whole batch's logits
 
 
-HOOKS = Hooks(comm_bytes_predicted=comm_bytes_predicted, extra_measurements=extra_measurements,
-              predict_step_ms=predict_step_ms, model_state_bytes=model_state_bytes, memory_layout=memory_layout)
+# Its measurement (parallel/measure/replicas.py): where each timed step's time went, the bytes copied between the
+# devices by the textbook, and the cost model's step.
+MEASURE = replicas.Replicas(phases=lambda t: t.state.phase)
+HOOKS = Hooks(model_state_bytes=model_state_bytes, memory_layout=memory_layout)

@@ -6,6 +6,7 @@ against one device of the same list. Every other strategy reads as a small diff 
 
 from __future__ import annotations
 
+from parallel.measure import replicas
 from parallel.outputs import call
 from parallel.strategies.base import Hooks, Trainable, make_optimizers
 
@@ -19,10 +20,6 @@ ROUTING = True  # one process: a router's counts are the whole batch's (trains w
 
 def world_size(config) -> int:
     return 1
-
-
-def comm_bytes_predicted(model, config) -> int:
-    return 0  # one device: nothing to communicate
 
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
@@ -41,8 +38,5 @@ def train_step(t: Trainable, batch, dist):
     return loss.detach()
 
 
-def predict_step_ms(cal, config, row) -> float:
-    return cal.compute_ms(config.batch_size)
-
-
-HOOKS = Hooks(world_size=world_size, comm_bytes_predicted=comm_bytes_predicted, predict_step_ms=predict_step_ms)
+MEASURE = replicas.Replicas(world_size)  # one replica: the step's compute, nothing sent (parallel/measure/replicas.py)
+HOOKS = Hooks(world_size=world_size)

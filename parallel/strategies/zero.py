@@ -37,10 +37,9 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from parallel.errors import ConfigError
-from parallel.formulas import element_bytes, sgd_state, wire_bytes
 from parallel.kit.collectives import all_gather, reduce_scatter
 from parallel.kit.tensors import optimizer_state_bytes, param_bytes, tensor_bytes
-from parallel.measure.sharded import measured_collectives, predict_sharded_ms
+from parallel.measure import sharded
 from parallel.outputs import call
 from parallel.strategies.base import Hooks, Mutant, Trainable, injected, loaded_in_place, options_of
 from parallel.strategies.manual_ddp import DEFAULT_BUCKET_MB, buckets_in_backward_order
@@ -181,40 +180,21 @@ def train_step(t: Trainable, batch, dist):
     return loss.detach()
 
 
-def comm_bytes_predicted(model, config) -> float:
-    """Reduce-scatter and all-gather of every parameter's worth, ring: 2(N-1)/N x P bytes (2 Psi)."""
-    n = config.world_size
-    padded = math.ceil(sum(p.numel() for p in model.parameters() if p.requires_grad) / n) * n
-    e = element_bytes(config.precision)
-    return wire_bytes("reduce_scatter", padded * e, n) + wire_bytes("all_gather", padded * e, n)
+def _held(t: Trainable) -> tuple[int, int, int]:
+    """This rank's bytes of parameters (all), gradients (stage 1: all; stage 2: its chunks, as the
+    optimizer's input) and optimizer state (its chunks')."""
+    z = t.state
+    grads = tensor_bytes(z.grads) if z.grads is not None else param_bytes(z.shards)
+    return tensor_bytes(z.flat), grads, optimizer_state_bytes(z.shards, t.optimizer)
 
 
 def model_state_bytes(t: Trainable, config) -> list[int]:
-    """Each rank: all parameters, the gradients (stage 1: all; stage 2: its chunks, as the optimizer's
-    input), and the optimizer state of its chunks."""
-    z = t.state
-    grads = tensor_bytes(z.grads) if z.grads is not None else param_bytes(z.shards)
-    return [tensor_bytes(z.flat) + grads + optimizer_state_bytes(z.shards, t.optimizer)] * config.world_size
+    return [sum(_held(t))] * config.world_size  # every rank alike
 
 
 def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
     """The parameters are whole on every rank after the all-gather: the model's own state."""
     return {k: v.detach().cpu().clone() for k, v in t.model.state_dict().items()}
-
-
-def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
-    z = t.state
-    n, psi = z.world, z.flat.numel() * z.flat.element_size()
-    return {"zero_stage": z.stage, "bytes_per_step_by_collective": result.wire.per_step(),
-            "bucket_bytes": [(b.end - b.start) * z.flat.element_size() for b in z.buckets],
-            "param_bytes_per_rank": tensor_bytes(z.flat),
-            "grad_bytes_per_rank": tensor_bytes(z.grads) if z.grads is not None else psi // n,
-            "optimizer_state_bytes_per_rank": optimizer_state_bytes(z.shards, t.optimizer),
-            # ZeRO's model state per device for fp32 SGD with momentum (K = 4 bytes of optimizer state per
-            # parameter): DDP 12 Psi; stage 1: 4 + 4 + 4/N; stage 2: 4 + (4 + 4)/N (Psi = parameter count),
-            # by the formula the planner uses (formulas.model_state)
-            "zero_formula_bytes": sgd_state(psi // z.flat.element_size(), z.stage, n, z.flat.element_size()),
-            "measured": measured_collectives(t.device, z.flat.numel(), rounds=max(3, min(10, config.steps)))}
 
 
 def checkpoint_state(t: Trainable) -> dict:
@@ -230,15 +210,13 @@ def checkpoint_state(t: Trainable) -> dict:
     return {"model": t.model.state_dict(), **momenta, "step": torch.zeros((), dtype=torch.int64)}
 
 
-def predict_step_ms(cal, config, row) -> float | None:
-    """Each rank's share of the compute, then the reduce-scatter and the all-gather (base.predict_sharded_ms)."""
-    return predict_sharded_ms(cal, config, row, all_gathers=1)
-
-
 def memory_layout(config, layout):
     return layout.replace(zero_stage=options_of(Options, config).zero_stage)  # for the planner's memory
 
 
-HOOKS = Hooks(check=check, comm_bytes_predicted=comm_bytes_predicted, model_state_bytes=model_state_bytes,
-              state_dict=state_dict, extra_measurements=extra_measurements, predict_step_ms=predict_step_ms,
+# Its measurement (parallel/measure/sharded.py): what each rank holds beside ZeRO's formula, each collective
+# timed alone, the textbook's bytes (2 Psi) and the cost model's step.
+MEASURE = sharded.Zero(_held, lambda t: [(b.end - b.start) * t.state.flat.element_size() for b in t.state.buckets],
+                       options=lambda config: options_of(Options, config))
+HOOKS = Hooks(check=check, model_state_bytes=model_state_bytes, state_dict=state_dict,
               checkpoint_state=checkpoint_state, restore_checkpoint=loaded_in_place, memory_layout=memory_layout)

@@ -25,10 +25,8 @@ from torch.autograd.profiler import record_function
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from parallel.formulas import element_bytes, sgd_state, wire_bytes
-from parallel.kit.collectives import every_rank
-from parallel.kit.tensors import optimizer_state_bytes, tensor_bytes
-from parallel.measure.sharded import predict_data_parallel_ms
+from parallel.kit.tensors import tensor_bytes
+from parallel.measure import sharded
 from parallel.outputs import call
 from parallel.strategies.base import Hooks, Mutant, Trainable, injected, loaded_in_place
 
@@ -89,32 +87,6 @@ def model_state_bytes(t: Trainable, config) -> list[int]:
     return [full + sum(tensor_bytes(p) for p in _owned(t, r)) for r in range(config.world_size)]  # + momentum
 
 
-def comm_bytes_predicted(model, config) -> float:
-    """DDP's all-reduce (2(N-1)/N x P) + the parameters broadcast from their owners ((N-1)/N x P)."""
-    n, p = config.world_size, sum(tensor_bytes(q) for q in model.parameters())
-    return wire_bytes("all_reduce", p, n) + wire_bytes("all_gather", p, n)  # a broadcast each: (N-1)/N
-
-
-def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
-    """Every rank's optimizer state (gathered: a collective) beside the parameters each owns, and the
-    bytes per step by collective."""
-    n, full = config.world_size, sum(tensor_bytes(p) for p in t.model.parameters())
-    owned = [sum(tensor_bytes(p) for p in _owned(t, r)) for r in range(n)]
-    optimizer = every_rank(optimizer_state_bytes(_owned(t, dist.rank), t.optimizer.optim))
-    return {"bytes_per_step_by_collective": result.wire.per_step(),
-            "owned_param_bytes_per_rank": owned,  # greedy by size: uneven
-            "param_bytes_per_rank": full, "grad_bytes_per_rank": full, "optimizer_state_bytes_per_rank": optimizer,
-            # ZeRO-1's model state for fp32 SGD with momentum: (4 + 4) Psi + 4 Psi / N (an even share)
-            "zero_formula_bytes": sgd_state(full // (e := element_bytes(config.precision)), 1, n, e)}
-
-
-def predict_step_ms(cal, config, row) -> float | None:
-    """DDP's step (its all-reduce, base.predict_data_parallel_ms), then the broadcasts: (N-1)/N of the
-    parameters, half an all-reduce's traffic, after the step (nothing to hide behind)."""
-    ddp = predict_data_parallel_ms(cal, config, accum=1)
-    return None if ddp is None else ddp + cal.allreduce_ms(cal.grad_bytes, config.world_size) / 2
-
-
 def checkpoint_state(t: Trainable) -> dict:
     """The parameters under the model's names (DCP writes them once) and the momentum of each parameter
     under its own name, written by the rank that owns it; a resume needs the same N (the same owners)."""
@@ -131,7 +103,8 @@ def memory_layout(config, layout):
     return layout.replace(zero_stage=1)  # the optimizer state sharded (the planner's memory)
 
 
+# Its measurement (parallel/measure/sharded.py): what each rank holds beside ZeRO-1's formula, the parameters
+# each owns, the textbook's bytes (3 Psi) and the cost model's step.
+MEASURE = sharded.ZeroRedundancy(owned=_owned)
 HOOKS = Hooks(check=check, state_dict=state_dict, model_state_bytes=model_state_bytes,
-              comm_bytes_predicted=comm_bytes_predicted, extra_measurements=extra_measurements,
-              checkpoint_state=checkpoint_state, restore_checkpoint=loaded_in_place, predict_step_ms=predict_step_ms,
-              memory_layout=memory_layout)
+              checkpoint_state=checkpoint_state, restore_checkpoint=loaded_in_place, memory_layout=memory_layout)
