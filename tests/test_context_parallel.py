@@ -159,7 +159,7 @@ def test_torch_context_parallel_is_refused_on_cpu_with_its_reason(refused):
 
 def test_preflight_on_gpus_plans_the_sequence_strategies_on_the_transformer(strict_cuda):
     from parallel import preflight
-    from parallel.harness.runner import plan
+    from parallel.harness.runner import select_runs
 
     strict_cuda.count = 2
     config = RunConfig(devices="cuda:0,1").validate()  # the preflight's own workload, cnn: no attention
@@ -168,8 +168,8 @@ def test_preflight_on_gpus_plans_the_sequence_strategies_on_the_transformer(stri
     assert names == ["context_parallel", "fsdp_cp", "torch_cp"] and found["experts"] == ["expert_parallel"]
     assert preflight.elsewhere_names(RunConfig(devices="cpu:2").validate(), ["all"]) == {}  # the suite covers CPU
     seq = RunConfig(devices="cuda:0,1", **preflight.SEQUENCE_RUN).validate()
-    chosen, skipped = plan(seq, names, strict=False)
+    chosen, skipped = select_runs(seq, names, strict=False)
     assert [s.name for s, _, _ in chosen] == ["single", *names] and not skipped
     shared = RunConfig(devices="cuda:0x2", **preflight.SEQUENCE_RUN).validate()  # gloo: no p2p, no DTensor
-    chosen, skipped = plan(shared, names, strict=False)
+    chosen, skipped = select_runs(shared, names, strict=False)
     assert "point to point" in skipped["context_parallel"] and "DTensor" in skipped["torch_cp"]

@@ -192,14 +192,14 @@ def test_a_users_model_built_of_moe_layers_is_split_and_one_without_is_skipped_w
 
 def test_preflight_on_gpus_checks_expert_parallel_on_the_moe(strict_cuda):
     from parallel import preflight
-    from parallel.harness.runner import plan
+    from parallel.harness.runner import select_runs
 
     strict_cuda.count = 2
     found = preflight.elsewhere_names(RunConfig(devices="cuda:0,1").validate(), ["all"])
     assert found["experts"] == ["expert_parallel"]
     for devices in ("cuda:0,1", "cuda:0x2"):  # nccl; gloo on one GPU (its all_to_all_single takes CUDA tensors)
-        chosen, skipped = plan(RunConfig(devices=devices, **preflight.EXPERTS_RUN).validate(), ["expert_parallel"],
-                               strict=False)
+        config = RunConfig(devices=devices, **preflight.EXPERTS_RUN).validate()
+        chosen, skipped = select_runs(config, ["expert_parallel"], strict=False)
         assert [s.name for s, _, _ in chosen] == ["single", "expert_parallel"] and not skipped
 
 

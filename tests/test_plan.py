@@ -314,7 +314,7 @@ def _cap_config(**kw) -> RunConfig:
 
 
 def test_a_strategy_the_planner_puts_over_the_cap_is_refused_or_left_out():
-    from parallel.harness.runner import plan as run_plan
+    from parallel.harness.runner import select_runs as run_plan
 
     config = _cap_config(memory_cap_mb=CAP_MB)
     with pytest.raises(ConfigError, match=r"^ddp: the planner puts it at 5\.\d MiB a device \(model state 4\.8, "

@@ -13,7 +13,7 @@ from rich.console import Console
 from parallel import strategies
 from parallel.config import ConfigError, RunConfig
 from parallel.harness import equivalence, report, twin
-from parallel.harness.runner import plan
+from parallel.harness.runner import select_runs
 from parallel.plan import local
 from parallel.results import Equivalence, Row
 from parallel.usermodel import shape_model, workload_of
@@ -36,7 +36,7 @@ def _need(config: RunConfig, blocks: int = 0) -> float:
 
 def test_single_over_the_cap_trains_the_twin_and_the_strategies_that_fit_run_whole():
     config = _config(memory_cap_mb=4)  # single 5.8 MiB, ddp 5.3, zero 4.5: over; fsdp 2.9: under
-    chosen, skipped = plan(config, ["all"])
+    chosen, skipped = select_runs(config, ["all"])
     (single, label, cfg), rest = chosen[0], chosen[1:]
     assert (single.name, label, cfg.twin_blocks) == ("single", "twin=1", 1)  # 2 blocks would be the model itself
     assert _need(cfg, 1) <= 4 < _need(config)  # the twin fits where the model does not
@@ -45,11 +45,11 @@ def test_single_over_the_cap_trains_the_twin_and_the_strategies_that_fit_run_who
     assert {"ddp", "zero", "manual_dp"} <= skipped.keys()
     assert skipped["single"].startswith("the planner puts it at 5.8 MiB") and "twin instead" in skipped["single"]
     # Named or not, the strategies the user asked for are compared on the twin; `single` named is refused.
-    chosen, _ = plan(config, ["fsdp"])
+    chosen, _ = select_runs(config, ["fsdp"])
     assert [(s.name, lbl) for s, lbl, _ in chosen] == [("single", "twin=1"), ("fsdp", "")]
     with pytest.raises(ConfigError, match="^single: the planner puts it at 5.8 MiB"):
-        plan(config, ["single", "fsdp"])
-    assert plan(_config(memory_cap_mb=6), ["fsdp"])[0][0][1] == ""  # single fits: the run as ever
+        select_runs(config, ["single", "fsdp"])
+    assert select_runs(_config(memory_cap_mb=6), ["fsdp"])[0][0][1] == ""  # single fits: the run as ever
 
 
 @pytest.fixture
@@ -66,16 +66,16 @@ def test_the_twin_has_two_blocks_where_they_fit_one_where_only_one_does_and_none
     one, two, whole = (_need(deep(0), b) for b in (1, 2, 0))
     assert one < two < whole
     for cap, blocks in (((two + whole) / 2, 2), ((one + two) / 2, 1)):
-        chosen, _ = plan(deep(cap), ["model_parallel"])  # no planner layout: never over the cap
+        chosen, _ = select_runs(deep(cap), ["model_parallel"])  # no planner layout: never over the cap
         assert (chosen[0][1], chosen[0][2].twin_blocks) == (f"twin={blocks}", blocks), cap
         assert len(workload_of(chosen[0][2]).build_model(0).blocks) == blocks  # through the factory's `layers`
-    chosen, skipped = plan(deep(one / 2), ["model_parallel"])  # not even one block fits: nothing to judge
+    chosen, skipped = select_runs(deep(one / 2), ["model_parallel"])  # not even one block fits: nothing to judge
     assert [s.name for s, _, _ in chosen] == ["model_parallel"]
     assert "no shallow twin: with 1 block, the planner puts it at" in skipped["single"]
 
 
 def test_a_model_whose_depth_cannot_be_set_has_no_twin_and_says_so():
-    chosen, skipped = plan(_config(workload="mlp", batch_size=4, memory_cap_mb=40), ["all"])  # single: 42 MiB
+    chosen, skipped = select_runs(_config(workload="mlp", batch_size=4, memory_cap_mb=40), ["all"])  # single: 42 MiB
     assert "single" not in {s.name for s, _, _ in chosen} and "fsdp" in {s.name for s, _, _ in chosen}
     assert "no shallow twin: the mlp workload's model has no number of blocks to set" in skipped["single"]
     with pytest.raises(ConfigError, match="takes no layers or n_layer argument"):  # a factory without one
