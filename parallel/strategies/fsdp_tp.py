@@ -98,13 +98,11 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
 train_step = fsdp.train_step  # this dp coordinate's share, every tp rank of a group alike (dims)
 
 
-# The collectives per block and the mesh; the step: Megatron's over tp, FSDP's over dp (parallel/measure/layers.py)
-MEASURE = layers.Megatron(layout=layout)
-
-
 def memory_layout(config, layout):
     return layout.replace(zero_stage=3)  # FSDP2 over the dp ranks (the planner's memory)
 
 
+# The collectives per block and the mesh; the step: Megatron's over tp, FSDP's over dp (parallel/measure/layers.py)
+MEASURE = layers.Megatron(layout=layout)
 HOOKS = Hooks(dims=dims, available=available, check=check, state_dict=full_state_dict,
               model_state_bytes=model_state_every_rank, memory_layout=memory_layout)
