@@ -81,13 +81,15 @@ class ParallelDims:
         c = self.coords(rank)
         return c["tp"] == 0 and c["pp"] == self.loss_pp % self.pp
 
-    def mesh(self, device_type: str):
-        """torch's DeviceMesh over the dimensions larger than one (every rank joins: a collective).
+    def mesh(self, device_type: str, keep: tuple[str, ...] = ()):
+        """torch's DeviceMesh over the dimensions larger than one and those named in `keep` whatever their
+        size (a composition that slices them: fsdp_cp's dp_shard on 2 ranks); every rank joins: a collective.
+        Made once per run; each dimension applied to the model gets its slice, mesh["tp"] (torchtitan's way).
         Given explicitly, on "cpu" for gloo: without it FSDP2 picks the accelerator on a GPU host and a
         gloo run crashes (pytorch#132471)."""
         from torch.distributed.device_mesh import init_device_mesh  # torch.distributed's heavy part, on use
 
-        names = tuple(n for n in ORDER if getattr(self, n) > 1) or ("dp_replicate",)
+        names = tuple(n for n in ORDER if getattr(self, n) > 1 or n in keep) or ("dp_replicate",)
         return init_device_mesh(device_type, tuple(getattr(self, n) for n in names), mesh_dim_names=names)
 
     def __str__(self) -> str:

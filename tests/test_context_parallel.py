@@ -44,7 +44,7 @@ def _attention(rank, world, layout_name, comm, bug):
     mine = [t[:, :, idx].clone().requires_grad_() for t in (q, k, v)]
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)[:, :, idx]
     ring = Ring(None, layout, comm, fused=bug != "math")
-    if bug in BUGS:  # put in the ring's place, as context_parallel.install does under --mutant
+    if bug in BUGS:  # put in the ring's place, as context_parallel.apply does under --mutant
         setattr(ring, *BUGS[bug])
     out = ring(*mine)
     out.backward(grad[:, :, idx])

@@ -78,12 +78,9 @@ def cp_of(config, default: int = 0) -> int:
     return options_of(Options, config).cp or default or config.world_size
 
 
-def layout_of(config, cp: int) -> ParallelDims:
-    return ParallelDims(world=config.world_size, dp_replicate=config.world_size // cp, cp=cp)
-
-
 def dims(config, dist=None) -> ParallelDims:
-    return layout_of(config, cp_of(config))
+    cp = cp_of(config)
+    return ParallelDims(world=config.world_size, dp_replicate=config.world_size // cp, cp=cp)
 
 
 def check_cp(config, cp: int) -> None:
@@ -111,16 +108,14 @@ class State:
     world: int
 
 
-def install(model: nn.Module, config, dist, dims_: ParallelDims) -> State:
-    """Put this rank's ring attention in every attention layer of `model`; what a step needs to slice."""
+def apply(model: nn.Module, mesh, config, dist) -> State:
+    """Put this rank's ring attention over `mesh` (its context-parallel ranks: a mesh's slice "cp") in every
+    attention layer of `model`; what a step needs to slice."""
     o = options_of(Options, config)
-    seq = workload_of(config).input_shape[0]
-    mesh = dims_.mesh(dist.device.type)
-    group = mesh.get_group("cp") if dims_.cp > 1 else None  # None: a world of one
-    cp_rank = dims_.coords(dist.rank)["cp"]
-    layout = Layout(o.cp_layout, dims_.cp, seq)
-    seen = Layout("contiguous", dims_.cp, seq) if injected(config, ZIGZAG_UNPERMUTED) else layout
-    ring = Ring(group, seen, o.cp_comm)
+    seq, cp, cp_rank = workload_of(config).input_shape[0], mesh.size(), mesh.get_local_rank()
+    layout = Layout(o.cp_layout, cp, seq)
+    seen = Layout("contiguous", cp, seq) if injected(config, ZIGZAG_UNPERMUTED) else layout
+    ring = Ring(mesh.get_group(), seen, o.cp_comm)
     if injected(config, LSE_SWAPPED):
         ring.merge = merge_swapped
     if injected(config, LOCAL_MASK):
@@ -134,7 +129,7 @@ def install(model: nn.Module, config, dist, dims_: ParallelDims) -> State:
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     model = model.to(dist.device)
-    state = install(model, config, dist, dims(config, dist))
+    state = apply(model, dims(config, dist).mesh(dist.device.type, keep=("cp",))["cp"], config, dist)
     for p in model.parameters():  # every rank starts from rank 0's weights (they are built alike anyway)
         td.broadcast(p.detach(), src=0)
     return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device, state=state)
@@ -163,7 +158,7 @@ def average_gradients(params: list[nn.Parameter], world: int) -> None:
     sum_gradients(params, world)
 
 
-# The injected bugs (MUTANTS): install puts one in the ring's place ---------------------------------------
+# The injected bugs (MUTANTS): apply puts one in the ring's place -----------------------------------------
 
 
 def merge_swapped(out, lse, out_b, lse_b):

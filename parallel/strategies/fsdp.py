@@ -120,8 +120,25 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     return out
 
 
+def apply(model: nn.Module, mesh, reshard: bool | None = True, **policies) -> list[nn.Module]:
+    """FSDP2 over `mesh` (a DeviceMesh, or a composition's slice of one): every block an FSDP group, then
+    the root, with `policies` (mp_policy, offload_policy); the groups, the root last. reshard None:
+    torch's default, the blocks resharded after forward and the root kept for backward."""
+    from torch.distributed.fsdp import fully_shard
+
+    # torch 2.13 warns whenever a group's output is a view (a Linear on a 3-D input is one): an in-place op
+    # on it would skip the pre-backward all-gather. The loss here never modifies the output in place.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    groups = blocks(model)
+    for block in groups:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **policies)
+    # the root last: the parameters no block holds, and the hooks that drive the rest (it reshards as well)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **policies)
+    return [*groups, model]
+
+
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
     o = options_of(Options, config)
     if injected(config, UNSYNCED_INIT) and dist.rank:
@@ -130,26 +147,20 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
             if hasattr(m, "reset_parameters"):
                 m.reset_parameters()
     mesh = dims(config, dist).mesh(dist.device.type)
-    kw = {"mesh": mesh, "reshard_after_forward": bool(o.reshard)}  # given to the root too: it reshards as well
+    kw = {}
     if o.mixed_precision:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                                output_dtype=torch.float32)
     if o.offload:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
-    # torch 2.13 warns whenever a group's output is a view (a Linear on a 3-D input is one): an in-place op
-    # on it would skip the pre-backward all-gather. The loss here never modifies the output in place.
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     model = model.to(dist.device)
-    groups = blocks(model)
-    for block in groups:
-        fully_shard(block, **kw)
-    fully_shard(model, **kw)  # the root: the parameters no block holds, and the hooks that drive the rest
+    groups = apply(model, mesh, bool(o.reshard), **kw)
     if injected(config, SUM_NOT_MEAN):  # set on every group (the root's setting is the root's alone)
-        for group in (*groups, model):
+        for group in groups:
             group.set_gradient_divide_factor(1.0)
             group.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM, nccl's way of dividing
     return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device,
-                     state=Sharded([*groups, model]))
+                     state=Sharded(groups))
 
 
 def train_step(t: Trainable, batch, dist):

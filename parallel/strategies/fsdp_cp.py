@@ -7,19 +7,20 @@ dp x cp of them, as one group (torchtitan's "dp_shard_cp" mesh dimension). Why o
 over dp alone: every cp rank holds the same weights and needs the same gradient sum, exactly what a dp
 rank needs, so sharding over all N divides the model state by N instead of N / cp, and the one
 reduce-scatter sums the gradients over cp and dp at once (a separate all-reduce over cp would add a
-collective a step). Attention is `context_parallel`'s ring over the cp ranks of each dp group:
+collective a step). A composition on one dp x cp mesh, as torchtitan's parallelize does: first
+context_parallel.apply puts the ring in every attention over mesh["cp"], then fsdp.apply shards every block
+and the root over mesh["dp_shard", "cp"] flattened into one dimension:
 
     4 devices, --cp 2:   dp 0: ranks 0 1 (a ring)    dp 1: ranks 2 3 (a ring)    FSDP2: ranks 0 1 2 3
 """
 
 from __future__ import annotations
 
-import warnings
-
+from parallel.layout import ParallelDims
 from parallel.measure import context
 from parallel.strategies import context_parallel, fsdp
 from parallel.strategies.base import Hooks, Mutant, Trainable, full_state_dict, injected, model_state_every_rank
-from parallel.strategies.context_parallel import Options, check_cp, cp_of, layout_of
+from parallel.strategies.context_parallel import Options, check_cp, cp_of
 
 NAME = "fsdp_cp"
 LAUNCH = "torchrun"
@@ -34,8 +35,10 @@ DP_ONLY = Mutant("fsdp_cp:shard-over-dp-only", "FSDP2 over the dp ranks alone, a
 MUTANTS = (DP_ONLY,)
 
 
-def dims(config, dist=None):
-    return layout_of(config, cp_of(config, DEFAULT_CP))
+def dims(config, dist=None) -> ParallelDims:
+    """dp x cp, cp innermost: each dp coordinate a ring of cp ranks, and FSDP2 over all of them."""
+    cp = cp_of(config, DEFAULT_CP)
+    return ParallelDims(world=config.world_size, dp_shard=config.world_size // cp, cp=cp)
 
 
 def check(config) -> None:
@@ -43,19 +46,12 @@ def check(config) -> None:
 
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
+    mesh = dims(config).mesh(dist.device.type, keep=("dp_shard", "cp"))  # made once, dp 1 included (cp = N)
     model = model.to(dist.device)
-    state = context_parallel.install(model, config, dist, dims(config, dist))
-    mesh = init_device_mesh(dist.device.type, (dist.world_size,), mesh_dim_names=("dp_shard_cp",))
-    if injected(config, DP_ONLY):
-        cp = cp_of(config, DEFAULT_CP)
-        mesh = init_device_mesh(dist.device.type, (dist.world_size // cp, cp), mesh_dim_names=("dp", "cp"))["dp"]
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")  # see fsdp.setup
-    for block in fsdp.blocks(model):
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    state = context_parallel.apply(model, mesh["cp"], config, dist)
+    # torchtitan's "dp_shard_cp": every rank of the run one FSDP2 group; the bug: over the dp ranks alone
+    shard = mesh["dp_shard"] if injected(config, DP_ONLY) else mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    fsdp.apply(model, shard, reshard=None)  # torch's default: the root kept for backward
     return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device, state=state)
 
 

@@ -4,19 +4,20 @@
 
 On cpu:4 with --pp 2: ranks 0 and 1 hold stage 0, sharded between them, ranks 2 and 3 stage 1; the pipeline
 of ranks {0, 2} trains on the first half of the batch, that of {1, 3} on the second (ParallelDims: pp
-outermost, as torchtitan orders its mesh). Within a pipeline, activations go point to point as in
-`pipeline_dist` (the same stages and schedules); within a stage, FSDP2 gathers the
-parameters for each micro-batch's forward and backward and reduce-scatters the gradients once their
-last micro-batch is done (torch's schedules drive FSDP2: PipelineStage knows an FSDPModule).
+outermost, as torchtitan orders its mesh). A composition of `pipeline_dist` and `fsdp` on one pp x dp mesh,
+as torchtitan's pipelining does: pipeline_dist.build cuts this rank's stages over mesh["pp"] and hands each
+to fsdp.apply on mesh["dp_shard"]. Within a pipeline, activations go point to point (the same stages and
+schedules); within a stage, FSDP2 gathers the parameters for each micro-batch's forward and backward and
+reduce-scatters the gradients once their last micro-batch is done (torch's schedules drive FSDP2:
+PipelineStage knows an FSDPModule).
 
-Data parallelism by replication (DDP) around a pipeline is refused, from what it did here on torch 2.13
-(DDP around each stage, the MLP on cpu:4): under gpipe and interleaved1f1b its reducer fails an internal
-assert ("rebuilt parameter indices size is not same as original model parameters size"); with
-static_graph=True it runs and trains off one device, silently (60.9x the oracle's tolerance: kept as the
-mutant fsdp_pp:ddp-static-graph); under 1f1b plain DDP happened to match. FSDP2 is what torchtitan
-composes with pipelining. The zero-bubble schedules are refused too: with FSDP2 the last stage's
-parameters never moved (measured: a 50x mismatch, on the MLP and the transformer, with the stages
-sharded whole or block by block); gpipe, 1f1b, interleaved1f1b and loopedbfs match one device.
+Refused, from what each did here on torch 2.13 (Options' messages): DDP around the stages (its reducer fails
+an internal assert under gpipe and interleaved1f1b, "rebuilt parameter indices size is not same as original
+model parameters size"; with static_graph=True it trains off one device, 60.9x the oracle's tolerance on the
+MLP: the mutant fsdp_pp:ddp-static-graph; under 1f1b plain DDP happened to match; FSDP2 is what torchtitan
+composes with pipelining), and the zero-bubble schedules, whose last stage's sharded parameters never moved
+(a 50x mismatch, the stages sharded whole or block by block); gpipe, 1f1b, interleaved1f1b and loopedbfs
+match one device.
 """
 
 from __future__ import annotations
@@ -29,9 +30,8 @@ from parallel.devices import SHARED_GLOO_NO_P2P
 from parallel.errors import ConfigError
 from parallel.layout import ParallelDims
 from parallel.measure import pipelines
-from parallel.strategies import pipeline_dist
+from parallel.strategies import fsdp, pipeline_dist
 from parallel.strategies.base import Hooks, Mutant, Trainable, injected, model_state_every_rank, options_of
-from parallel.strategies.fsdp import blocks
 
 NAME = "fsdp_pp"
 LAYERED = True  # cuts the model's pipeline_layers() into stages
@@ -114,24 +114,18 @@ def check(config) -> None:
 
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
-    from torch.distributed.fsdp import fully_shard
-
-    o = options_of(Options, config)
     layout = _layout(config, dist)
-    mesh = layout.mesh(dist.device.type)  # ("pp", "dp_shard")
-    dp = mesh["dp_shard"]
+    mesh = layout.mesh(dist.device.type)  # ("pp", "dp_shard"), made once; each dimension its slice
 
-    def shard(stage):
+    def shard(stage):  # FSDP2 over the stage's dp ranks; the bug: DDP around it
         if injected(config, DDP_STATIC):
             from torch.nn.parallel import DistributedDataParallel
 
-            return DistributedDataParallel(stage, process_group=dp.get_group(), static_graph=True)
-        for block in blocks(stage):
-            fully_shard(block, mesh=dp, reshard_after_forward=True)
-        fully_shard(stage, mesh=dp, reshard_after_forward=True)
+            return DistributedDataParallel(stage, process_group=mesh["dp_shard"].get_group(), static_graph=True)
+        fsdp.apply(stage, mesh["dp_shard"])
 
-    return pipeline_dist.build(model, make_optimizer, loss_fn, dist, config, o, layout.coords(dist.rank)["pp"], o.pp,
-                               group=mesh["pp"].get_group(), shard=shard, batch=config.batch_size // layout.dp)
+    return pipeline_dist.build(model, make_optimizer, loss_fn, dist, config, mesh["pp"], shard,
+                               batch=config.batch_size // layout.dp)
 
 
 train_step = pipeline_dist.train_step

@@ -2,12 +2,13 @@
 
     torchrun --nproc_per_node=4 scripts/fsdp_tp.py --workload mlp|transformer --tp 2     (dp 2 x tp 2)
 
-The diff from `tensor_parallel` and `fsdp`: the N ranks form a dp x tp mesh, tp innermost (layout.py: the
-ranks of a tensor-parallel group are neighbours, on GPUs the same node's fast links). Each tp group
-splits the layers as `tensor_parallel` does (parallelize_module on mesh["tp"]); then every block and the
-root are sharded over mesh["dp_shard"] with fully_shard, so each rank holds 1/dp of its tp part (a 2-D
-DTensor: Shard on the dp axis, the tp placement on the other). The batch is split by dp coordinate: the tp
-ranks of a group see the same share; one of them reports the loss.
+A composition of `tensor_parallel` and `fsdp`, applied one after the other to the model on one mesh, as
+torchtitan's parallelize does: the N ranks form a dp x tp mesh, tp innermost (layout.py: the ranks of a
+tensor-parallel group are neighbours, on GPUs the same node's fast links). First tensor_parallel.apply on
+mesh["tp"] splits the layers within each group; then fsdp.apply on mesh["dp_shard"] shards every block and
+the root, so each rank holds 1/dp of its tp part (a 2-D DTensor: Shard on the dp axis, the tp placement on
+the other). The batch is split by dp coordinate: the tp ranks of a group see the same share; one of them
+reports the loss.
 
     forward, each block   all-gather its shards over dp; the tp all-reduces inside it, as Megatron's
     backward, each block  the same, then its gradients reduce-scattered over dp
@@ -22,7 +23,6 @@ from dataclasses import dataclass, field
 from parallel.errors import ConfigError
 from parallel.layout import ParallelDims
 from parallel.measure import layers
-from parallel.outputs import call
 from parallel.strategies import fsdp, manual_tp, tensor_parallel
 from parallel.strategies.base import (
     Hooks,
@@ -89,35 +89,20 @@ def check(config) -> None:
 
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    mesh = layout(config).mesh(dist.device.type)
-    model = model.to(dist.device)
-    parallelize_module(model, mesh["tp"], tensor_parallel.plan(model, tensor_parallel.Options(), config))
-    for block in fsdp.blocks(model):
-        fully_shard(block, mesh=mesh["dp_shard"], reshard_after_forward=True)
-    fully_shard(model, mesh=mesh["dp_shard"], reshard_after_forward=True)
-    params = tensor_parallel.by_kind(model.parameters())
-    return Trainable(model, make_optimizer(params), loss_fn, dist.device)
+    mesh = layout(config).mesh(dist.device.type)  # ("dp_shard", "tp"), made once; each dimension its slice
+    model = tensor_parallel.apply(model.to(dist.device), mesh["tp"], tensor_parallel.Options(), config)
+    fsdp.apply(model, mesh["dp_shard"])  # then every block and the root sharded over dp
+    return Trainable(model, make_optimizer(tensor_parallel.by_kind(model.parameters())), loss_fn, dist.device)
 
 
-def train_step(t: Trainable, batch, dist):
-    x, y = (b.to(t.device, non_blocking=True) for b in batch)  # this dp coordinate's share, every tp rank alike
-    t.optimizer.zero_grad(set_to_none=True)
-    loss = t.loss_fn(call(t.model, x, y), y)
-    loss.backward()
-    t.optimizer.step()
-    return loss.detach()
-
-
-# The collectives per block and the mesh; the step: Megatron's over tp, FSDP's over dp (parallel/measure/layers.py)
-MEASURE = layers.Megatron(layout=layout)
+train_step = fsdp.train_step  # this dp coordinate's share, every tp rank of a group alike (dims)
 
 
 def memory_layout(config, layout):
     return layout.replace(zero_stage=3)  # FSDP2 over the dp ranks (the planner's memory)
 
 
+# The collectives per block and the mesh; the step: Megatron's over tp, FSDP's over dp (parallel/measure/layers.py)
+MEASURE = layers.Megatron(layout=layout)
 HOOKS = Hooks(dims=dims, available=available, check=check, state_dict=full_state_dict,
               model_state_bytes=model_state_every_rank, memory_layout=memory_layout)

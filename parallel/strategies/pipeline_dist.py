@@ -186,16 +186,19 @@ class State:
 
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
-    return build(model, make_optimizer, loss_fn, dist, config, options_of(Options, config), dist.rank, dist.world_size)
+    return build(model, make_optimizer, loss_fn, dist, config)
 
 
-def build(model, make_optimizer, loss_fn, dist, config, o: Options, rank: int, p: int, group=None,
-          shard=None, batch: int | None = None) -> Trainable:
-    """This process's stages of a p-stage-rank pipeline: it is rank `rank` of the pipeline `group` (default:
-    every process). `shard(module)`: applied to each stage (fsdp_pp's FSDP2 over its data-parallel group);
-    `batch`: the batch this pipeline trains on per step (default: the global batch)."""
+def build(model, make_optimizer, loss_fn, dist, config, pp=None, each_stage=None,
+          batch: int | None = None) -> Trainable:
+    """This process's stages of a pipeline over `pp` (a mesh's slice "pp"; None: every process, the default
+    group). `each_stage(module)`: applied to each stage, in place or returning a wrapper (fsdp_pp: FSDP2 over
+    its slice "dp_shard"); `batch`: the batch this pipeline trains on per step (default: the global batch)."""
     from torch.distributed import pipelining
 
+    o = options_of(Options, config)
+    rank, p = (pp.get_local_rank(), pp.size()) if pp is not None else (dist.rank, dist.world_size)
+    group = pp.get_group() if pp is not None else None
     torch_name, v, placement = SCHEDULES[o.schedule][0], o.v, o.placement
     layers = layers_of(model)
     layer_name = {id(m): n for n, m in model.named_modules()}
@@ -208,8 +211,8 @@ def build(model, make_optimizer, loss_fn, dist, config, o: Options, rank: int, p
         part = layers[bounds[i]:bounds[i + 1]]
         names[i] = [layer_name.get(id(m)) or m.owners for m in part]  # parallel.hf's layers: their parts' names
         module = nn.Sequential(*part).to(dist.device)
-        if shard is not None:
-            module = shard(module) or module  # in place (fully_shard), or a wrapper
+        if each_stage is not None:
+            module = each_stage(module) or module  # in place (fully_shard), or a wrapper
         modules.append(module)
         stages.append(timed_stage(module, i, p * v, dist.device, group, busy, ActivationMeter(module)))
 
@@ -217,8 +220,8 @@ def build(model, make_optimizer, loss_fn, dist, config, o: Options, rank: int, p
                                                          loss_fn=timed_loss(loss_fn, busy, p * v - 1, o.microbatches),
                                                          scale_grads=not injected(config, SUMMED))
     rank_of = {i: r for r in range(p) for i in stage_ids(r, p, v, placement)}
-    # fsdp_pp (shard) takes no tied model (its TIES): a sharded weight's copies are not summed here
-    tied = TiedAcross(layers, bounds, rank_of.__getitem__, modules, config.pg_timeout) if shard is None else None
+    # fsdp_pp (each_stage) takes no tied model (its TIES): a sharded weight's copies are not summed here
+    tied = TiedAcross(layers, bounds, rank_of.__getitem__, modules, config.pg_timeout) if each_stage is None else None
     if tied is not None and injected(config, TIE_IN_RANK):  # only the weights several ranks hold get summed
         tied.held = lambda held=tied.held: [i for i in held() if tied.collectives[i] is not None]
     local = nn.ModuleList(modules)

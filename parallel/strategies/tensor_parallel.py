@@ -156,12 +156,16 @@ def by_kind(params) -> list[dict]:
     return [{"params": group} for group in groups.values()]
 
 
-def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
+def apply(model: nn.Module, mesh, o: Options, config) -> nn.Module:
+    """The Megatron split of `model` over `mesh` (its tensor-parallel ranks; fsdp_tp: its slice "tp")."""
     from torch.distributed.tensor.parallel import parallelize_module
 
+    return parallelize_module(model, mesh, plan(model, o, config))
+
+
+def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     o = options_of(Options, config)
-    mesh = dims(config, dist).mesh(dist.device.type)
-    model = parallelize_module(model.to(dist.device), mesh, plan(model, o, config))
+    model = apply(model.to(dist.device), dims(config, dist).mesh(dist.device.type), o, config)
     return Trainable(model, make_optimizer(by_kind(model.parameters())), loss_fn, dist.device,
                      state=State(bool(o.loss_parallel)))
 
