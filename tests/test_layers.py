@@ -8,6 +8,7 @@ function ties two modules together all the same. Inside a room (a folder), no mo
 through others either: the module graph of the whole package has no circle."""
 
 import ast
+import re
 from pathlib import Path
 
 from tests.conftest import ROOT
@@ -139,3 +140,23 @@ def test_strategies_holds_only_strategies():
     files = {f.stem for f in (PACKAGE / "strategies").glob("*.py")}
     assert files - {"base", "__init__"} == set(NAMES)
 
+
+
+def test_no_package_file_is_over_300_lines():
+    long = {str(f.relative_to(ROOT)): n for f in PACKAGE.rglob("*.py") if (n := len(f.read_text().splitlines())) > 300}
+    assert long == {}
+
+
+COUNTS_ITS_OWN = re.compile(r"wire\.Counter\(|\bcounter\.step\(\)|wire\.moved\(|comm_bytes \+=|\.comm_bytes = ")
+
+
+def test_no_strategy_counts_its_own_bytes():
+    """The loop counts the bytes around every step (train.py, wire.Counter); the building blocks report the
+    copies they make (wire.moved). A strategy that counted its own would count twice, or alone."""
+    found = [f"{f.name}:{i}: {line.strip()}" for f in (PACKAGE / "strategies").glob("*.py")
+             for i, line in enumerate(f.read_text().splitlines(), 1) if COUNTS_ITS_OWN.search(line)]
+    assert found == []
+
+
+def test_the_byte_rule_sees_a_strategy_that_counts():
+    assert COUNTS_ITS_OWN.search("    with t.state.counter.step():") and COUNTS_ITS_OWN.search("t.comm_bytes += n")

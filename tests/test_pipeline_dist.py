@@ -48,7 +48,7 @@ def test_every_torch_schedule_matches_single_on_every_workload():
         assert len(stages) == 2 * v and len(p.peak_activation_bytes) == 2 * v and p.v == v, (options, p)
         if options["schedule"] in ("gpipe", "1f1b", "interleaved1f1b", "loopedbfs"):  # closed forms free of times
             assert m.bubble_theory == pytest.approx(1 / (v * 4 + 1)), options
-        assert 0 < m.bubble_measured < 1 and all(0 <= f < 1 for f in p.rank_idle)
+        assert 0 < m.bubble_measured < 1 and all(0 <= f < 1 for f in p.rank_idle_fraction)
         # every rank's actions replayed on this run's pieces; what each stage held is what its order holds
         assert 0 <= m.bubble_replayed < 1 and p.replayed_step_ms > 0 and p.hop_ms, options
         assert p.held_measured == p.held_predicted, (options, p.held_measured, p.held_predicted)

@@ -18,7 +18,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from parallel.harness import memcheck
 from parallel.harness.notes import advice, cost_lines, notes, skipped_in_full
 from parallel.harness.overview import header, speedup_text, table
-from parallel.measure import context, experts, layers, pipelines, sharded_view
+from parallel.measure import context, experts, layers, pipelines, sharded, sharded_view
 from parallel.results import Row
 from parallel.tables import num as _num
 from parallel.tables import size as _bytes
@@ -90,6 +90,17 @@ def readable(key: str, value) -> str:
     return f"{value:,}" if isinstance(value, int) else f"{value:.3g}"
 
 
+FAMILIES = {m.Result.FAMILY for m in (sharded, pipelines, layers, context, experts)}  # their typed results' keys
+
+
+def _flat(details: dict) -> dict:
+    """A row's details with each family's typed result opened in place: a line for each thing it measured."""
+    out = {}
+    for k, v in details.items():
+        out |= {f: x for f, x in v.items() if x is not None} if k in FAMILIES and isinstance(v, dict) else {k: v}
+    return out
+
+
 def details_text(rows: list[Row], environment: dict, skipped: dict | None = None,
                  cost_model: dict | None = None) -> str:
     """OUT/details.txt: the run, every row's measurements by name, and every note in full."""
@@ -107,7 +118,7 @@ def details_text(rows: list[Row], environment: dict, skipped: dict | None = None
                      f"{_bytes(r.peak_mem_bytes)} ({r.peak_mem_kind or '-'}); sent per step "
                      f"{_bytes(r.comm_bytes_per_step)} (textbook {_bytes(r.comm_bytes_predicted)})")
         measured = {k: v for k, v in dataclasses.asdict(r.measured).items() if v is not None}
-        for k, v in {**r.details, **measured}.items():
+        for k, v in {**_flat(r.details), **measured}.items():
             lines.append(f"  {k.replace('_', ' ')}: {readable(k, v)}")
         lines += [f"  flag: {f}" for f in r.flags]
         lines.append("")

@@ -41,7 +41,7 @@ class Result:
     held_measured: list[int] | None = None  # the most micro-batches each held at once: peak over one's
     held_predicted: list[int] | None = None  # ... by its schedule's order alone (replay.held)
     busy_ms: list[float] | None = None  # median ms each stage (each rank: its stages) computed a step
-    rank_idle: list[float] | None = None  # each rank's median idle fraction of a step (processes)
+    rank_idle_fraction: list[float] | None = None  # each rank's median idle fraction of a step (processes)
     timeline: list | None = None  # the last step's (start ms, end ms, label), per stage or rank
     replay_timeline: list | None = None  # every rank's actions replayed: the same, per rank
     replayed_step_ms: float | None = None  # the replay's step: its end plus the step's time outside it
@@ -168,7 +168,7 @@ class Torch(measure.Family):
                                  s.busy.outside_ms(run.step_s), rank=s.rank,  # this rank's: its step times
                                  late=o.v == 1,  # gpipe, 1f1b: each receive posted right before its use
                                  groups=torch_groups(s.schedule, o.schedule, s.p))
-        r.rank_idle = [round(statistics.median(q), 3) for q in per_rank]
+        r.rank_idle_fraction = [round(statistics.median(q), 3) for q in per_rank]
         r.busy_ms = [round(statistics.median(q["busy"]), 2) for q in ranks]  # per rank: its stages
         r.timeline = [q["timeline"] for q in ranks]  # the last step, per rank (report.html)
         out["measured"] = Measured(bubble_measured=statistics.median(bubbles), bubble_theory=closed,
