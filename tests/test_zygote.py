@@ -106,3 +106,19 @@ def test_a_stand_in_without_a_zygote_is_the_worker_itself(module, tmp_path):
     for target in (module[2], str(tmp_path / "zygote_probe.py")):
         proc, first, pid, parent = _stand_in(target, "4", env={zygote.ENV: ""})
         assert proc.wait(60) == 4 and pid == proc.pid and first.startswith("argv ['4']")
+
+
+def test_a_stand_in_killed_before_it_read_its_start_is_a_hang_up_not_the_zygotes_end():
+    """Linux resets a Unix socket closed with unread data: the zygote's read of it raises, and before the
+    fix that ended the zygote (its killed stand-in's worker lived on)."""
+    mine, stand_in = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    mine.sendall(b"started")  # what the zygote tells a stand-in, never read
+    stand_in.close()  # the stand-in killed
+    with pytest.raises(ConnectionResetError):
+        os.read(mine.fileno(), 1)
+    mine2, stand_in2 = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    mine2.sendall(b"started")
+    stand_in2.close()
+    assert zygote._read_or_reset(mine2) == b""
+    mine.close()
+    mine2.close()
