@@ -1,7 +1,10 @@
-"""Bytes on the wire, counted where the collectives happen, by kind.
+"""Bytes on the wire, counted where the collectives happen, by kind. THE loop counts every strategy's:
 
-    with wire.counted(sent):   # sent: a dict, {"all_gather": bytes, "reduce_scatter": ..., ...}
-        loss = train_step(...)
+    counter = wire.Counter(config.warmup)    # train.train
+    with counter.step():                     # around each train_step: the warm-up steps counted
+        loss = strategy.train_step(...)
+
+and `wire.counted(sent)` counts any block of code into a dict (the tests' use).
 
 A TorchDispatchMode sees every operation torch dispatches, the collectives among them: torch.distributed's
 own calls (`c10d::_allgather_base_`, `c10d::allreduce_`, ...: DDP's comm hooks, ZeroRedundancyOptimizer's
@@ -164,11 +167,6 @@ class Counter:
             self.in_blocks_bytes[kind] = self.in_blocks_bytes.get(kind, 0.0) + nbytes
 
     @property
-    def counting(self) -> bool:
-        """Inside `step()`: whether this step is one of the counted ones."""
-        return not self.steps or self.seen <= self.steps
-
-    @property
     def total(self) -> float:
         return sum(self.sent.values())
 
@@ -218,11 +216,13 @@ def counting() -> bool:
     return _active is not None
 
 
-def moved(nbytes: float, kind: str = "copy") -> None:
-    """`nbytes` copied between two devices of one process (a virtual or real device's copy, no collective
-    the mode could see), counted as sent when this step is counted: the in-process building blocks call it
-    (kit.primitives' scatter, gather and replicate; kit.stages' hand-offs)."""
+def moved(tensors, times: int = 1, kind: str = "copy") -> None:
+    """`tensors` copied `times` over between two devices of one process (a virtual or real device's copy,
+    no collective the mode could see), counted as sent when this step is counted: the in-process building
+    blocks call it (kit.primitives' scatter, gather and replicate; kit.stages' hand-offs). Their sizes are
+    read only then: the timed steps pay nothing."""
     if _active is not None:
+        nbytes = times * sum(t.numel() * t.element_size() for t in tensors)
         with _MOVES:  # the stages' threads of one process report at once
             _active.add(kind, nbytes)
 

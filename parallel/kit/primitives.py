@@ -35,7 +35,7 @@ def replicate(module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Mod
     replicas' gradients add up: what torch's Broadcast / ReduceAddCoalesced pair does. Buffers are
     copied without gradient. Each call builds fresh copies: the originals change at every step. Counted
     as moved: the parameters to every device but the first, and their gradients back."""
-    wire.moved(2 * sum(p.numel() * p.element_size() for p in module.parameters()) * (len(devices) - 1))
+    wire.moved(module.parameters(), times=2 * (len(devices) - 1))
     return [_replicate_one(module, device, {}) for device in devices]
 
 
@@ -59,7 +59,7 @@ def scatter(inputs, devices: Sequence[torch.device]) -> list:
     given to every device as it is. Counted as moved: every chunk but the first."""
     if isinstance(inputs, torch.Tensor):
         chunks = inputs.chunk(len(devices))
-        wire.moved(sum(c.numel() * c.element_size() for c in chunks[1:]))
+        wire.moved(chunks[1:])
         return [c.to(d, non_blocking=True) for c, d in zip(chunks, devices, strict=False)]
     if isinstance(inputs, (tuple, list)) and inputs:
         per_item = [scatter(x, devices) for x in inputs]
@@ -153,5 +153,5 @@ def gather(outputs: Sequence[torch.Tensor], device: torch.device) -> torch.Tenso
     """Concatenate the replicas' outputs along dim 0 on `device`; differentiable, so the gradient of
     the result is split back to the replicas (what torch's Gather.backward, a Scatter, does). Counted as
     moved: every output but the first."""
-    wire.moved(sum(o.numel() * o.element_size() for o in outputs[1:]))
+    wire.moved(outputs[1:])
     return torch.cat([o.to(device, non_blocking=True) for o in outputs], dim=0)

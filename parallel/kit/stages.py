@@ -256,7 +256,7 @@ def stage_forward(stage: nn.Module, x: torch.Tensor, device: torch.device, first
     copy on virtual devices too) and cut from the previous stage's graph, so that each stage's backward
     runs on its own (thread). Returns (input, output). Counted as moved, past the first stage."""
     if not first:
-        wire.moved(x.numel() * x.element_size())
+        wire.moved([x])
     inp = x.to(device, copy=True).detach().requires_grad_(not first)
     with meter:
         return inp, stage(inp)
@@ -267,6 +267,6 @@ def stage_backward(inp: torch.Tensor, out: torch.Tensor, grad_out: torch.Tensor 
     the previous stage's output. The incoming gradient is copied to this stage's device: the transfer
     back, mirroring stage_forward's."""
     if grad_out is not None:
-        wire.moved(grad_out.numel() * grad_out.element_size())
+        wire.moved([grad_out])
     out.backward(None if grad_out is None else grad_out.to(out.device, copy=True))
     return inp.grad
