@@ -75,11 +75,9 @@ def block_of(model: nn.Module) -> nn.Module | None:
 
 
 def meter_for(strategy, model: nn.Module, workload, config) -> LayerMeter | None:
-    """A LayerMeter on the model's first block, where the strategy declares LAYER_ACTIVATIONS (or its
-    measurement family does: measure.layers' Megatron of one tensor-parallel group), the workload is a token
-    model and the run measures its extras."""
-    declared = strategy.LAYER_ACTIVATIONS or getattr(strategy.MEASURE, "layer_activations", False)
-    if not (declared and config.extras and getattr(workload, "data", None) == "tokens"):
+    """A LayerMeter on the model's first block, where the strategy declares LAYER_ACTIVATIONS, the workload
+    is a token model and the run measures its extras."""
+    if not (strategy.LAYER_ACTIVATIONS and config.extras and getattr(workload, "data", None) == "tokens"):
         return None
     block = block_of(model)
     return LayerMeter(block) if block is not None else None

@@ -1,5 +1,5 @@
 """The style of every table the package prints (the report's, the planner's): rich, no vertical rules;
-a number's cell ("-" where there is none) and a size in bytes."""
+a number's cell ("-" where there is none), a size in bytes, the busiest rank's figure."""
 
 from __future__ import annotations
 
@@ -38,3 +38,12 @@ def count(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.3g}{unit}"
     return str(n)
+
+
+def largest(v):
+    """A per-rank list's largest entry (ranks that did not measure give None; None if none did), or the
+    value itself: the busiest rank's figure in a table."""
+    if isinstance(v, list):
+        v = [x for x in v if x is not None]
+        return max(v) if v else None
+    return v

@@ -15,6 +15,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from parallel.results import Row
+from parallel.tables import largest
 from parallel.tables import table as table_of
 from parallel.usermodel import shape_model
 
@@ -40,10 +41,6 @@ def _off(measured: float | None, planned: float | None) -> str:
     return "-" if not measured or not planned else f"{measured / planned - 1:+.0%}"
 
 
-def _largest(v) -> float | None:
-    return max(v) if isinstance(v, list) else v
-
-
 def table(rows: list[Row]) -> Table | None:
     """One line per row the planner has a figure for: model state planned and measured, activations
     planned, the total planned against the peak allocated (GPUs), and the peak reserved."""
@@ -57,7 +54,7 @@ def table(rows: list[Row]) -> Table | None:
                  [(c, "left" if c in ("strategy", "layout") else "right") for c in cols])
     for r in shown:
         p = r.details["planner_memory"]
-        state = _largest(r.details.get("model_state_bytes_per_device"))
+        state = largest(r.details.get("model_state_bytes_per_device"))
         total = None if p["activations"] is None else p["total"]  # a model whose activations are not counted
         cells = [r.strategy + (f" {r.variant}" if r.variant else ""), p["layout"], _mib(p["model_state"]),
                  _mib(state), _off(state, p["model_state"]), _mib(p["activations"]), _mib(total)]

@@ -15,15 +15,13 @@ class Family:
     """A family's measurement of one strategy; every method has a default that measures nothing. The
     strategy's Hooks of the same names, where it declares them, win over these."""
 
-    name = ""  # the family's key in a row's details (its typed Result, as a dict in results.json)
-
     def watch(self, t) -> None:
         """Before the loop, on what setup made: a family that counts inside the steps (in the loop's counted
         ones: wire.counting()) wraps what it needs here, on the instances (worker.py calls it)."""
 
     def extra_measurements(self, t, data, config, dist, result) -> dict:
         """Measurements beyond the loop's, after the final parameters are saved (they may train further):
-        {name: Result(...)}, and {"measured": results.Measured(...)} for the declared ones."""
+        {Result.FAMILY: Result(...)}, and {"measured": results.Measured(...)} for the declared ones."""
         return {}
 
     def predict_step_ms(self, cal, config, row) -> float | None:

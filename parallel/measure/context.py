@@ -29,7 +29,7 @@ from parallel.kit.ring_attention import Ring, work_alone
 from parallel.kit.tensors import local, param_bytes
 from parallel.measure.sharded_cost import allreduce_every_gradient
 from parallel.results import Row
-from parallel.tables import count, size
+from parallel.tables import count, largest, size
 from parallel.usermodel import workload_of
 
 
@@ -57,7 +57,6 @@ class Context(measure.Family):
     (t, batch) -> the mean loss over this rank's slice; `fsdp_blocks`: model -> the blocks FSDP2 shards
     over every rank (fsdp_cp), None where the gradients are all-reduced (context_parallel)."""
 
-    name = Result.FAMILY
 
     def __init__(self, dims, loss, fsdp_blocks=None):
         self.dims, self.loss, self.fsdp_blocks = dims, loss, fsdp_blocks
@@ -222,11 +221,6 @@ def ms(v: float) -> str:
 def sent(r: Row) -> str:
     """Bytes a rank sent per step, and the prediction in brackets."""
     return f"{size(r.comm_bytes_per_step, short=True)} ({size(r.comm_bytes_predicted, short=True)})"
-
-
-def largest(values) -> float | None:
-    """The largest of a per-rank list (ranks that did not measure give None)."""
-    return max((v for v in values or [] if v is not None), default=None)
 
 
 def table(rows: list[Row]) -> Table | None:

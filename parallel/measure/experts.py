@@ -22,10 +22,10 @@ from parallel.devices import synchronizer
 from parallel.formulas import element_bytes
 from parallel.kit.collectives import every_rank
 from parallel.kit.tensors import param_bytes
-from parallel.measure.context import by_rank, largest, ms, per_rank_figure, sent
+from parallel.measure.context import by_rank, ms, per_rank_figure, sent
 from parallel.measure.sharded_cost import ring_allreduce_bytes
 from parallel.results import Row
-from parallel.tables import num, size
+from parallel.tables import largest, num, size
 from parallel.usermodel import workload_of
 
 
@@ -66,7 +66,6 @@ class Experts(measure.Family):
     """Expert parallelism measured. `ep`: config -> ranks per expert-parallel group; `held`: t -> the global
     index of each expert this rank holds, in every layer."""
 
-    name = Result.FAMILY
 
     def __init__(self, ep, held):
         self.ep, self.held = ep, held

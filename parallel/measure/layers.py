@@ -49,13 +49,11 @@ class Result:
 class Megatron(measure.Family):
     """Megatron's tensor parallelism measured. `activations`: count what one forward saves for backward;
     `layout`: config -> the 2-D ParallelDims (dp x tp, FSDP over dp), None where every rank is one
-    tensor-parallel group, whose transformer layer the worker's LayerMeter measures (layer_activations)."""
+    tensor-parallel group."""
 
-    name = Result.FAMILY
 
     def __init__(self, activations: bool = False, layout=None):
         self.activations, self.layout = activations, layout
-        self.layer_activations = layout is None  # activations.meter_for: the layer table's rows
 
     def extra_measurements(self, t, data, config, dist, result) -> dict:
         out = Result(**result.wire.measurements())

@@ -65,7 +65,6 @@ class Threads(measure.Family):
     in order), `m` and `schedule` (its name): what the stages held, and their idle time beside the theory
     of the schedule (one stage at a time is gpipe of one micro-batch; hand-offs are inside the pieces)."""
 
-    name = FAMILY
 
     def __init__(self, one_at_a_time: bool = False):
         self.one_at_a_time = one_at_a_time
@@ -129,7 +128,6 @@ class Torch(measure.Family):
     (fsdp_pp's pp x dp), and t.state's `busy` (stage_time.Busy), `stages` (stage_time.timed_stage's),
     `bounds`, `p`, `rank` and `schedule` (torch's)."""
 
-    name = FAMILY
 
     def __init__(self, options, layout=None):
         self.options, self.layout = options, layout

@@ -34,7 +34,6 @@ class Replicas(measure.Family):
     (manual_dp); `copies`: the copies are seen by the loop's counter, so the textbook's bytes are set
     beside them (not nn.DataParallel's, made inside torch)."""
 
-    name = FAMILY
 
     def __init__(self, world_size=None, phases=None, copies: bool = True):
         self.world_size, self.phases, self.copies = world_size or (lambda config: config.world_size), phases, copies
@@ -73,7 +72,6 @@ class AllReduce(measure.Family):
     the same step with no all-reduce, beside one all-reduce of every gradient) and is the sharded table's
     unsharded reference, ZeRO stage 0."""
 
-    name = FAMILY
 
     def __init__(self, buckets, options=None, step=None):
         self.buckets, self.options, self.step = buckets, options, step

@@ -95,7 +95,6 @@ class Zero(measure.Family):
     (parameters, gradients, optimizer state) bytes; `buckets(t)`, each bucket's bytes; `options(config)`,
     its `zero_stage`. Each collective is timed alone on the flat parameters."""
 
-    name = FAMILY
 
     def __init__(self, held, buckets, options):
         self.held, self.buckets, self.options = held, buckets, options
@@ -123,7 +122,6 @@ class ZeroRedundancy(measure.Family):
     gradients, and the optimizer state (its wrapped optimizer's, `t.optimizer.optim`) of the whole
     parameters it owns. Lent: `owned(t, rank)`, the parameters `rank` owns."""
 
-    name = FAMILY
 
     def __init__(self, owned):
         self.owned = owned
@@ -155,7 +153,6 @@ class FullyShard(measure.Family):
     (bf16: gathered in bf16), `replicate` (HSDP: R replicas of N/R shards). After the run, one more step
     (untimed) samples the gathered parameters held at every operation; each collective is timed alone."""
 
-    name = FAMILY
 
     def __init__(self, groups, dims, options):
         self.groups, self.dims, self.options = groups, dims, options

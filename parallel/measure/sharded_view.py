@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from parallel import charts
 from parallel.measure.sharded import result
-from parallel.tables import size, table
+from parallel.tables import largest, size, table
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "send")
 
@@ -24,12 +24,6 @@ def sent_by_collective(r) -> dict[str, float]:
         {"all_reduce": r.comm_bytes_per_step} if r.comm_bytes_per_step else {})
 
 
-def _largest(v):
-    """A per-rank list's largest entry (ranks that did not measure give None), or None."""
-    v = [x for x in v or [] if x is not None]
-    return max(v) if v else None
-
-
 def tables(all_rows: list) -> list:
     """Model state per rank by kind beside the ZeRO paper's formula, and bytes per step by collective."""
     chosen = rows(all_rows)
@@ -44,10 +38,10 @@ def tables(all_rows: list) -> list:
                   ("textbook", "right")])
     for r in chosen:
         s = result(r)
-        state.add_row(r.label, *(size(_largest(v)) for v in (s.param_bytes_per_rank, s.grad_bytes_per_rank,
+        state.add_row(r.label, *(size(largest(v)) for v in (s.param_bytes_per_rank, s.grad_bytes_per_rank,
                                                               s.optimizer_state_bytes_per_rank)),
-                      size(_largest(r.details.get("model_state_bytes_per_device"))), size(s.zero_formula_bytes),
-                      size(_largest(s.unsharded_peak_bytes_per_rank)))
+                      size(largest(r.details.get("model_state_bytes_per_device"))), size(s.zero_formula_bytes),
+                      size(largest(s.unsharded_peak_bytes_per_rank)))
         by = sent_by_collective(r)
         sent.add_row(r.label, *(size(by.get(k)) if by.get(k) else "-" for k in kinds),
                      size(r.comm_bytes_per_step), size(r.comm_bytes_predicted))

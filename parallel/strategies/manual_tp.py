@@ -46,6 +46,7 @@ NAME = "manual_tp"
 LAUNCH = "torchrun"
 SYNCHRONOUS = True
 TENSOR_PARALLEL = True  # trains only workloads whose model has a tp_plan()
+LAYER_ACTIVATIONS = True  # a transformer layer's activation bytes beside the formula (activations.py)
 
 # Bugs the oracle must catch (`--mutant NAME`; base.Mutant).
 FUSED_QKV_SPLIT = Mutant("manual_tp:fused-qkv-split", "q, k and v split as one fused [q | k | v] matrix cut into N "

@@ -50,6 +50,7 @@ NAME = "tensor_parallel"
 LAUNCH = "torchrun"
 SYNCHRONOUS = True
 TENSOR_PARALLEL = True
+LAYER_ACTIVATIONS = True  # a transformer layer's activation bytes beside the formula (activations.py)
 
 # A bug the oracle must catch (`--mutant NAME`; base.Mutant).
 NORM_UNSYNCED = Mutant("tensor_parallel:sp-norm-unsynced", "--sequence-parallel with the blocks' second norm left "
