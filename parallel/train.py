@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -21,9 +20,10 @@ import torch
 import torch.distributed as td
 from torch.autograd.profiler import record_function
 
-from parallel import checkpoint, wire
+from parallel import checkpoint, faults, recorder, wire
 from parallel.devices import memory_history, synchronizer_all
 from parallel.dist import watch_group
+from parallel.faults import InjectedFault  # noqa: F401 (where the tests and hogwild import it from)
 from parallel.timing import StepTimer
 
 
@@ -75,10 +75,6 @@ class NonFiniteLoss(RuntimeError):
     pass
 
 
-class InjectedFault(RuntimeError):
-    """Raised on purpose (--fail-at-step), to show and test what a crashed rank looks like."""
-
-
 def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult:
     timer = StepTimer(synchronizer_all(trainable.all_devices() if trainable is not None else [dist.device]))
     device = trainable.device if trainable is not None else dist.device
@@ -93,10 +89,13 @@ def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult
     counter = wire.Counter(config.warmup, trainable.model if per_block else None)
     for step in range(start, total):
         batch = data.batch(step, *share)
-        _faults(step, config, dist)
+        faults.check(step, config, dist)
+        recorder.mark(step, f"step {step}: in the watchdog's barrier before it")
         _watchdog(config, dist)
+        recorder.mark(step, f"step {step}: in its train_step")
+        hang = faults.around_step(step, config, dist)  # --hang-rank's stop, inside the step
         with counter.step(), memory_history(device, snapshot if step == max(0, config.warmup - 1) else None), \
-                timer, record_function(f"step {step}"), precision(config, device):
+                timer, record_function(f"step {step}"), precision(config, device), hang:
             loss = strategy.train_step(trainable, batch, dist)
         losses.append(loss.detach().to(_LOSS[config.precision]).reshape(-1))  # (1,), or (k,) for k losses
         if step >= config.warmup:
@@ -108,6 +107,7 @@ def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult
             checkpoint.save(config, strategy, trainable, step, dist)
     # One all-reduce for the whole run, off the clock: the mean over the ranks whose loss counts (each the
     # mean over its equal share; one per tensor-parallel group, the last pipeline stage).
+    recorder.mark(-1, "after the last step: in the all-reduce of the losses")
     counts = dims.counts_loss(dist.rank)
     global_losses = dist.all_reduce_mean(torch.stack(losses).cpu(), counts).tolist() if losses else []  # (steps, k)
     for step, values in enumerate(global_losses):
@@ -154,17 +154,6 @@ def step_lines(losses: list[float], step_ms: list[float], warmup: int, steps: in
         ms = f"  ms {sum(w[j] for w in per_step) / len(per_step):.1f}" if step >= warmup and per_step else ""
         lines.append(f"{head}  loss {loss:.4f}{parts}{ms}")
     return lines
-
-
-def _faults(step: int, config, dist) -> None:
-    """--fail-at-step / --hang-rank, for demos and tests; only in torchrun's first attempt, so that a
-    restarted group can show that it recovers."""
-    if dist.restart:
-        return
-    if step == config.fail_at_step and dist.rank == config.fail_rank:
-        raise InjectedFault(f"injected fault at step {step} on rank {dist.rank} (--fail-at-step)")
-    if step == 1 and dist.rank == config.hang_rank:
-        time.sleep(24 * 3600)  # stop responding; the others' watchdog names this rank
 
 
 def _watchdog(config, dist) -> None:

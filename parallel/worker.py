@@ -22,7 +22,7 @@ import torch
 import torch.distributed as td
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from parallel import activations, strategies
+from parallel import activations, recorder, strategies
 from parallel.config import RunConfig
 from parallel.devices import activate, cap_memory, exact_fp32, peak_memory, peak_reserved, reset_peak_memory
 from parallel.dist import Dist
@@ -143,13 +143,29 @@ def run_here(strategy, config: RunConfig, dist: Dist | None = None, run: str = "
     strategy.validate(config)  # a bad option fails here, before any process group
     needs_group = strategy.launch == "torchrun"
     if needs_group:
+        recorder.enable()  # torch's Flight Recorder: on before the first process group
         dist.init(config.pg_timeout)
+        recorder.start(hang_folder(strategy, config), dist.rank, recorder.STALL_SHARE * config.pg_timeout)
     try:
         row, state = execute(strategy, config, dist, run=run)
+    except BaseException as e:
+        if needs_group:
+            recorder.stop(e)  # this rank's last collectives, for the parent's diagnosis (harness/hangs.py)
+        raise
     finally:
         if needs_group:
+            recorder.stop()
             dist.cleanup()
     return (row, state) if dist.is_main else None
+
+
+HANG_DIR = "PARALLEL_HANG_DIR"  # where the harness wants the ranks' records (OUT/hang/<run>/)
+
+
+def hang_folder(strategy, config: RunConfig) -> Path:
+    """Where this run's ranks write their records of collectives on a failure or a stall: the harness's
+    choice (OUT/hang/<run>/), else OUT/hang/<strategy>/ (a script under a plain torchrun)."""
+    return Path(os.environ.get(HANG_DIR) or Path(config.out or "results") / "hang" / strategy.name)
 
 
 @record  # under torchrun: the rank's traceback goes to torchrun's error file, and its summary names the rank

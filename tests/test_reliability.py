@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -73,7 +74,13 @@ def test_a_hung_rank_is_named_within_the_timeout(tmp_path):
     elapsed = time.monotonic() - start
     (row,) = rows(tmp_path)
     assert p.returncode == 1 and row["status"] == "failed"
-    assert "Ranks 1 failed to pass monitoredBarrier in 5000 ms" in row["error"], row["error"]  # torch's words
+    # rank 1 stops at its first gradient collective: rank 0 waits in it, an all-reduce of DDP's bucket
+    assert re.match(r"rank 1 never issued collective #(\d+) on group \[0, 1\] \(its last: #\d+ .*\); rank 0 "
+                    r"waits in #\1 all_reduce\(\d+ fp32\) \(step 1\): rank 1 is 1 collective behind; it was: step 1: "
+                    r"stopped by --hang-rank before its first gradient collective", row["error"]), row["error"]
+    hang = tmp_path / "hang" / "ddp"
+    assert {p.name for p in hang.iterdir()} >= {"rank0.json", "rank0.txt", "rank1.txt", "rank1.stack.txt",
+                                                "diagnosis.txt"}
     assert 5 <= elapsed < 120, elapsed  # the 5 s timeout plus start-up (7 s here, 25 s when busy), not 30 min
 
 

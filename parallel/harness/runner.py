@@ -25,12 +25,13 @@ import torch
 from parallel import checkpoint, profiling, strategies
 from parallel.config import RunConfig
 from parallel.errors import ConfigError
-from parallel.harness import equivalence, launch, load, noise, twin
+from parallel.harness import equivalence, hangs, launch, load, noise, twin
 from parallel.harness.report import make_progress
 from parallel.measure import pipelines
 from parallel.results import Equivalence, Row, file_stem, tb_run
 from parallel.userchecks import cannot_match
 from parallel.usermodel import checked_env, shape_model, workload_of
+from parallel.worker import HANG_DIR
 from parallel.workloads import eval_loss
 
 BASELINE = "single"
@@ -53,7 +54,8 @@ def run_one(strategy, variant: str, config: RunConfig, work: Path, logs: Path) -
         fork = launch.may_fork(bool(gpus))
         cmd = launch.command(strategy, config, paths, store.port if store else 0, tb_run(strategy.name, variant),
                              fork=fork)
-        env = {**(launch.torchrun_env() if store else {}), **checked_env(workload_of(config))}  # checked once
+        hang = Path(config.out) / "hang" / stem  # the ranks' records of collectives, on a failure or stall
+        env = {**(launch.torchrun_env() if store else {}), **checked_env(workload_of(config)), HANG_DIR: str(hang)}
         outcome = launch.run_child(cmd, config.timeout, logs / f"{stem}.log", env=env, fork=fork)
     finally:
         if store:
@@ -62,7 +64,11 @@ def run_one(strategy, variant: str, config: RunConfig, work: Path, logs: Path) -
     if outcome.returncode != 0 or not paths["result"].exists():
         first = None if outcome.timed_out or not store else launch.first_failure(paths["result"])
         outcome.error = first or outcome.error or "the child wrote no result"
+        log = (logs / f"{stem}.log").read_text(errors="replace") if (logs / f"{stem}.log").exists() else ""
+        if store and (line := hangs.explain(hang, strategy.world_size(config), log)):  # where the ranks parted
+            outcome.error = f"{line} (records: {hang})"
         return _failed_row(strategy, variant, config, outcome), None
+    shutil.rmtree(hang, ignore_errors=True)  # a stall that resolved itself: nothing to diagnose
     row = Row.from_dict(json.loads(paths["result"].read_text()))
     row.variant = variant
     row.details["phases_s"] = {**row.details.get("phases_s", {}), "launch": round(outcome.wall_s, 2)}

@@ -1,0 +1,176 @@
+"""A hang or a timeout, named: which rank, which collective, which step (the ranks' records: recorder.py).
+
+When a multi-process run fails or times out, each rank has written its record of collectives to
+OUT/hang/<run>/ (on its error, or from its watch thread once it stalled). The parent reads them all and
+says in one line where the ranks parted. In every process group, collectives are matched by their
+sequence number: the n-th collective of a group is the same call on every member, or the job is broken.
+So the first sequence number at which the members disagree is the cause:
+
+    rank 1 is at collective #37 all_gather(512 fp32) on group [0, 1]; rank 0 waits in #37
+        all_reduce(1024 fp32) (step 3): the ranks issued different collectives
+    rank 1 never issued collective #12 on group [0, 1] (its last: #11 broadcast(..)); rank 0 waits in #12
+        all_reduce(..) (step 1): rank 1 is 1 collective behind; it was: step 1: in its train_step
+    rank 1 left no record: it died or was killed before it could write one (its log says which)
+
+The same analysis as torch's fr_trace tool (torch.distributed.flight_recorder), on the project's own
+record, which also knows each collective's training step and what each rank was doing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from parallel.recorder import describe
+from parallel.results import atomic_write
+
+
+def read(folder: Path) -> dict[int, dict]:
+    """Every rank's record in `folder`, by rank ({} when there is none)."""
+    out = {}
+    for p in sorted(folder.glob("rank*.json")) if folder.is_dir() else []:
+        try:
+            record = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        out[int(record["rank"])] = record
+    return out
+
+
+def fatal(folder: Path) -> dict[int, str]:
+    """The Python stacks of the ranks that died at once (faulthandler's, recorder.py), by rank."""
+    out = {}
+    for p in sorted(folder.glob("rank*.fatal.txt")) if folder.is_dir() else []:
+        text = p.read_text(errors="replace")
+        if text.strip():
+            out[int(p.name[4:].split(".")[0])] = text
+    return out
+
+
+_FRAME = re.compile(r'File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<fn>\w+)')
+
+
+def _died_in(stack: str) -> str:
+    """Where a fatal stack's main thread was: the torch.distributed call and the project's line under it."""
+    threads = [t for t in stack.split("\n\n") if _FRAME.search(t)]  # faulthandler: a block a thread
+    main = next((t for t in threads if "torch/distributed" in t), next((t for t in threads if "Current thread" in t),
+                                                                       threads[-1] if threads else ""))
+    frames = [m.groupdict() for m in _FRAME.finditer(main)]  # most recent first
+    call = next((f["fn"] for f in frames if "torch/distributed" in f["path"] and not f["fn"].startswith("_")
+                 and f["fn"] != "wrapper"), None)
+    ours = next((f for f in frames if "/parallel/" in f["path"]), None)
+    where = f" (from {Path(ours['path']).name}:{ours['line']} {ours['fn']})" if ours else ""
+    first = stack.strip().splitlines()[0] if stack.strip() else "died"
+    return f"{'inside ' + call if call else 'outside any collective'}{where}; {first.rstrip(chr(10))}"
+
+
+_WHAT = re.compile(r"what\(\):\s*(.*)")
+
+
+def _dead(records: dict[int, dict], stacks: dict[int, str], log: str) -> str | None:
+    """A rank that died at once beside ranks that wait: where it died, and what they wait in."""
+    dead = sorted(r for r in stacks if r not in records)
+    if not dead:
+        return None
+    r = dead[0]
+    waits = [(q, e) for q, rec in sorted(records.items()) for e in rec["entries"] if e["state"] != "finished"]
+    what = _WHAT.search(log)
+    said = f" ({what.group(1).split('] ', 1)[-1][:160]})" if what else ""
+    line = f"rank {r} died {_died_in(stacks[r])}{said}"
+    if waits:
+        q, e = waits[0]
+        group = _group_text(records[q]["groups"].get(e["group"], []))
+        line += f"; rank {q} waits in #{e['seq']} {describe(e)} on group {group}{_where(e)}, which rank {r} never ended"
+    return line
+
+
+def _fingerprint(e: dict) -> tuple:
+    return e["op"], tuple(map(tuple, e["sizes"])), e["dtype"]
+
+
+def _where(e: dict) -> str:
+    return f" (step {e['step']})" if e["step"] >= 0 else " (setting up)"
+
+
+def _group_text(ranks: list[int]) -> str:
+    return "[" + ", ".join(map(str, ranks)) + "]"
+
+
+def _disagreements(records: dict[int, dict]) -> list[tuple[int, str]]:
+    """(time of the earliest collective involved, the line) for the first disagreement of every group."""
+    groups: dict[str, list[int]] = {}
+    for r in records.values():
+        groups.update(r.get("groups", {}))
+    found = []
+    for name, members in groups.items():
+        have = [m for m in members if m in records]
+        if len(have) < 2:
+            continue
+        seqs = {m: {e["seq"]: e for e in records[m]["entries"] if e["group"] == name and not e["p2p"]} for m in have}
+        last = {m: max(seqs[m], default=0) for m in have}
+        oldest = max(min(seqs[m], default=0) for m in have)  # below it a ring may have forgotten
+        for n in range(max(1, oldest), max(last.values()) + 1):
+            at = {m: seqs[m].get(n) for m in have}
+            issued = [m for m in have if at[m] is not None]
+            prints = {_fingerprint(at[m]) for m in issued}
+            if not issued or (len(issued) == len(have) and len(prints) == 1):
+                continue  # agreed, or a number no record holds (a monitored barrier takes one, unrecorded)
+            found.append((min(at[m]["time_ns"] for m in issued), _line(name, members, n, at, records, seqs)))
+            break
+    return found
+
+
+def _line(name: str, members: list[int], n: int, at: dict, records: dict, seqs: dict) -> str:
+    group = _group_text(members)
+    issued = [m for m in at if at[m] is not None]
+    waiting = issued[0]
+    e = at[waiting]
+    behind = [m for m in at if at[m] is None]
+    if not behind:  # every member issued #n, not the same one
+        other = next(m for m in issued if _fingerprint(at[m]) != _fingerprint(e))
+        return (f"rank {other} is at collective #{n} {describe(at[other])} on group {group}; rank {waiting} waits "
+                f"in #{n} {describe(e)}{_where(e)}: the ranks issued different collectives")
+    b = behind[0]
+    mine = seqs[b]
+    last = max(mine, default=0)
+    its_last = f" (its last: #{last} {describe(mine[last])})" if last else " (it issued none on this group)"
+    ahead = ", ".join(f"rank {m}" for m in issued)
+    verb = "waits" if len(issued) == 1 else "wait"
+    gap = n - last
+    return (f"rank {b} never issued collective #{n} on group {group}{its_last}; {ahead} {verb} in #{n} "
+            f"{describe(e)}{_where(e)}: rank {b} is {gap} collective{'s' * (gap != 1)} behind; "
+            f"it was: {records[b]['doing']}")
+
+
+def diagnose(records: dict[int, dict], world: int, stacks: dict[int, str] | None = None, log: str = "") -> str | None:
+    """One line: where the ranks parted, else which rank died where, else who left no record, else what
+    each was doing. `stacks`: the fatal stacks of ranks that died at once; `log`: the run's output."""
+    if not records and not stacks:
+        return None
+    parted = _disagreements(records)
+    if parted:
+        return min(parted)[1]
+    if died := _dead(records, stacks or {}, log):
+        return died
+    missing = [r for r in range(world) if r not in records]
+    if missing:
+        who = ", ".join(map(str, missing))
+        return (f"rank{'s' * (len(missing) > 1)} {who} left no record: died or killed before writing one (its log "
+                f"says which); the others agree on every collective they issued")
+    unfinished = [(r, e) for r, rec in sorted(records.items()) for e in rec["entries"] if e["state"] != "finished"]
+    if unfinished:
+        r, e = unfinished[0]
+        return (f"every rank issued the same collectives; rank {r} waits in #{e['seq']} {describe(e)}{_where(e)}, "
+                f"which every member issued: the transport, not the order")
+    doing = "; ".join(f"rank {r}: {rec['doing']}" for r, rec in sorted(records.items()))
+    return f"no collective is waiting and the ranks agree on every one: the hang is outside them ({doing})"
+
+
+def explain(folder: Path, world: int, log: str = "") -> str | None:
+    """Diagnose the records in `folder` and keep the line beside them (diagnosis.txt); None without records.
+    `log`: the run's output (a dying gloo rank's last words go there, not to its record)."""
+    line = diagnose(read(folder), world, fatal(folder), log)
+    if line is not None:
+        atomic_write(folder / "diagnosis.txt", line + "\n")
+    return line

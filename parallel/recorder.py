@@ -1,0 +1,217 @@
+"""Every rank's record of its last collectives, for the diagnosis of a hang (harness/hangs.py).
+
+torch's own Flight Recorder keeps it: a ring of the last BUFFER collectives this process issued, on every
+process group, from every caller (DDP's C++ reducer, FSDP2, DTensor, the hand-written strategies), with
+its group, sequence number, op, input shapes and dtypes, and whether it finished. Read in the installed
+torch (2.11 and 2.13, gloo): `TORCH_FR_BUFFER_SIZE` switches it on when set before the first process
+group; `_dump_fr_trace` returns the ring; a gloo entry's `state` stays "scheduled", but `retired` turns
+true when its work completes (measured: a collective a peer never joined stays unretired), and
+`pg_status` holds each group's last enqueued and completed sequence numbers. nccl fills the same fields.
+Where a torch has no Flight Recorder, the record holds the loop's marks only, and says so.
+
+The project adds what torch cannot know: which training step issued each collective (the loop marks
+each step's start, `mark`; a mark is a clock read and an append) and what the rank was doing. A rank
+writes its record to FOLDER/rank<R>.json and .txt (one line a collective, to diff between ranks):
+- when it fails (the worker calls `stop(error)`): a collective that timed out, a crash;
+- when it stalls: a watch thread writes it once nothing has moved (no step, no collective issued or
+  finished) for `stall_s` (the collectives' own timeout's 60%), and the Python stacks of its threads
+  beside it (rank<R>.stack.txt). A rank stuck in a collective cannot speak for itself; the thread can,
+  since a waiting collective releases the GIL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import os
+import pickle
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+import torch
+import torch.distributed as td
+
+from parallel.results import atomic_write
+
+BUFFER = 2000  # collectives each rank keeps (torch's ring; dumped only on a failure or a stall)
+STALL_SHARE = 0.6  # the watch thread writes the record after this share of --pg-timeout without progress
+DTYPES = {"Float": "fp32", "BFloat16": "bf16", "Half": "fp16", "Double": "fp64", "Long": "int64", "Int": "int32",
+          "Byte": "uint8", "Bool": "bool", "Char": "int8"}
+
+
+def enable() -> None:
+    """Switch torch's Flight Recorder on for this process: before its first process group is made."""
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(BUFFER))
+
+
+def flight_recorder() -> bool:
+    return hasattr(torch._C._distributed_c10d, "_dump_fr_trace")
+
+
+class Recorder:
+    def __init__(self, folder: Path, rank: int, stall_s: float):
+        self.folder, self.rank, self.stall_s = folder, rank, stall_s
+        self.marks: deque[tuple[int, int]] = deque(maxlen=4 * BUFFER)  # (step, time_ns at its start)
+        self.doing = "setting up (before the first step)"
+        self.written = ""  # why the record was last written
+        self._stop = threading.Event()
+        # A rank that dies at once (gloo aborts the process on a collective whose sizes differ; a segfault)
+        # writes no record: its Python stacks go here, through faulthandler, for the diagnosis to read.
+        folder.mkdir(parents=True, exist_ok=True)
+        self._fatal = open(folder / f"rank{rank}.fatal.txt", "w")  # noqa: SIM115 (open for the run's life)
+        self._was_enabled = faulthandler.is_enabled()
+        faulthandler.enable(self._fatal, all_threads=True)
+
+    def close(self) -> None:
+        """Stop watching; the fatal file goes where nothing fatal happened, the folder too if it is empty."""
+        self._stop.set()
+        faulthandler.disable()
+        if self._was_enabled:
+            faulthandler.enable()
+        self._fatal.close()
+        path = Path(self._fatal.name)
+        if path.exists() and path.stat().st_size == 0:
+            path.unlink()
+        with contextlib.suppress(OSError):
+            self.folder.rmdir()  # only when empty
+
+    def mark(self, step: int, doing: str) -> None:
+        if step >= 0 and (not self.marks or self.marks[-1][0] != step):
+            self.marks.append((step, time.time_ns()))
+        self.doing = doing
+
+    def snapshot(self, error: str = "") -> dict:
+        """This rank's record as plain data (JSON)."""
+        out = {"rank": self.rank, "pid": os.getpid(), "doing": self.doing, "error": error,
+               "step": self.marks[-1][0] if self.marks else -1, "time_ns": time.time_ns(),
+               "source": f"torch {torch.__version__} flight recorder" if flight_recorder() else
+               "none: this torch has no flight recorder", "groups": {}, "status": {}, "entries": []}
+        if not flight_recorder() or not td.is_initialized():
+            return out
+        trace = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False, False))
+        out["groups"] = _groups()
+        out["status"] = trace.get("pg_status", {})
+        out["entries"] = [self._entry(e) for e in trace.get("entries", [])]
+        return out
+
+    def _entry(self, e: dict) -> dict:
+        sizes = [list(s) for s in e.get("input_sizes", [])]
+        dtypes = sorted({DTYPES.get(d, d) for d in e.get("input_dtypes", [])})
+        p2p = bool(e.get("is_p2p"))
+        done = e.get("retired") or e.get("state") == "completed"
+        return {"group": e["process_group"][0], "seq": e["p2p_seq_id" if p2p else "collective_seq_id"],
+                "p2p": p2p, "op": e["profiling_name"].split(":")[-1], "sizes": sizes, "dtype": "/".join(dtypes),
+                "step": self._step_at(e["time_created_ns"]), "state": "finished" if done else "started",
+                "time_ns": e["time_created_ns"]}
+
+    def _step_at(self, time_ns: int) -> int:
+        step = -1  # before the first step: setting up
+        for s, t in self.marks:
+            if t > time_ns:
+                break
+            step = s
+        return step
+
+    def write(self, why: str, error: str = "", stacks: bool = False) -> None:
+        """Write the record (atomically) and, from the watch thread, every thread's Python stack."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        record = self.snapshot(error) | {"written": why}
+        if _from_a_collective(error) and record["entries"]:
+            last = max(record["entries"], key=lambda e: e["time_ns"])
+            last["state"] = "failed"  # torch retires a collective that failed as if it had finished
+        atomic_write(self.folder / f"rank{self.rank}.json", json.dumps(record))
+        atomic_write(self.folder / f"rank{self.rank}.txt", "\n".join(text_lines(record)) + "\n")
+        if stacks:
+            with open(self.folder / f"rank{self.rank}.stack.txt", "w") as f:
+                faulthandler.dump_traceback(f, all_threads=True)
+        self.written = why
+
+    def _progress(self) -> tuple:
+        status = {}
+        if flight_recorder() and td.is_initialized():
+            status = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(False, False, False)).get("pg_status", {})
+        return len(self.marks), self.doing, json.dumps(status, sort_keys=True)
+
+    def _watch(self) -> None:
+        last, since = None, time.monotonic()
+        while not self._stop.wait(min(0.5, self.stall_s / 4)):
+            try:
+                now = self._progress()
+            except Exception:  # noqa: BLE001 (a group torn down under the thread: nothing to watch)
+                return
+            if now != last:
+                last, since = now, time.monotonic()
+            elif time.monotonic() - since > self.stall_s and not self.written:
+                self.write(f"no progress for {self.stall_s:g} s", stacks=True)
+
+
+_current: Recorder | None = None  # this process's recorder, while a run is in it (the worker's)
+
+
+def start(folder: Path, rank: int, stall_s: float) -> Recorder:
+    """The record of this rank's run, watched by a thread (a daemon: it never keeps a process alive)."""
+    global _current
+    _current = Recorder(folder, rank, stall_s)
+    threading.Thread(target=_current._watch, name="parallel-recorder", daemon=True).start()
+    return _current
+
+
+def mark(step: int, doing: str) -> None:
+    """The loop's mark: `step` begins, or the rank is now `doing` something else (no-op without a record)."""
+    if _current is not None:
+        _current.mark(step, doing)
+
+
+def stop(error: BaseException | None = None) -> None:
+    """The run ended: on an error, write the record with it (a collective's timeout names nothing else)."""
+    global _current
+    rec, _current = _current, None
+    if rec is None:
+        return
+    rec.close()
+    if error is not None:
+        line = next((ln.strip() for ln in str(error).splitlines() if ln.strip()), "")
+        rec.write("it failed", error=f"{type(error).__name__}: {line}")
+
+
+_COLLECTIVE_ERRORS = ("gloo", "NCCL", "Timed out", "timed out", "Connection", "monitoredBarrier")
+
+
+def _from_a_collective(error: str) -> bool:
+    """Does this error come from a collective (its timeout, a peer gone), not from the rank's own code?"""
+    return any(word in error for word in _COLLECTIVE_ERRORS)
+
+
+def _groups() -> dict[str, list[int]]:
+    """Every process group this rank belongs to, by the name the recorder gives it: its global ranks."""
+    names = getattr(td.distributed_c10d._world, "pg_names", {})
+    out = {}
+    for pg, name in list(names.items()):
+        try:
+            out[name] = td.get_process_group_ranks(pg)
+        except (RuntimeError, ValueError):
+            continue
+    return out
+
+
+def describe(entry: dict) -> str:
+    """`all_reduce(1024 fp32)`: the op and what it carries (elements of its inputs, their dtype)."""
+    numel = sum(int(torch.Size(s).numel()) for s in entry["sizes"])
+    shapes = "+".join(f"{int(torch.Size(s).numel())}" for s in entry["sizes"]) if len(entry["sizes"]) > 1 else ""
+    return f"{entry['op']}({shapes or numel} {entry['dtype']})".replace(" )", ")")
+
+
+def text_lines(record: dict) -> list[str]:
+    """The record as lines to diff between ranks: a header, then one line a collective, oldest first."""
+    head = [f"# rank {record['rank']}: {record['doing']}; written because {record.get('written', '')}",
+            f"# {record['source']}; error: {record['error'] or 'none'}"]
+    rows = []
+    for e in record["entries"]:
+        kind = "p2p" if e["p2p"] else "#"
+        ranks = record["groups"].get(e["group"], [])
+        rows.append(f"group {e['group']} {ranks}  {kind}{e['seq']}  {describe(e)}  "
+                    f"{[list(s) for s in e['sizes']]}  step {e['step']}  {e['state']}")
+    return head + rows

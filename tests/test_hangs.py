@@ -1,0 +1,134 @@
+"""A hang named: each rank's record of collectives (parallel/recorder.py, torch's Flight Recorder) and the
+parent's one-line diagnosis (parallel/harness/hangs.py), on records made up here and on real gloo ranks."""
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from parallel import recorder
+from parallel.harness import hangs
+from tests.multirank import RankError, run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _entry(seq, op="all_reduce", n=1024, step=1, state="finished", group="0", dtype="fp32"):
+    return {"group": group, "seq": seq, "p2p": False, "op": op, "sizes": [[n]], "dtype": dtype, "step": step,
+            "state": state, "time_ns": seq}
+
+
+def _record(rank, entries, doing="step 1: in its train_step", groups=None):
+    return {"rank": rank, "doing": doing, "error": "", "groups": groups or {"0": [0, 1]}, "entries": entries}
+
+
+def test_a_rank_a_collective_behind_is_named_with_what_the_other_waits_in():
+    records = {0: _record(0, [_entry(1, "broadcast", 38), _entry(2), _entry(3, state="started")]),
+               1: _record(1, [_entry(1, "broadcast", 38), _entry(2)], doing="step 1: stopped")}
+    line = hangs.diagnose(records, 2)
+    assert line.startswith("rank 1 never issued collective #3 on group [0, 1] (its last: #2 all_reduce(1024 fp32))")
+    assert "rank 0 waits in #3 all_reduce(1024 fp32) (step 1): rank 1 is 1 collective behind" in line
+    assert line.endswith("it was: step 1: stopped")
+
+
+def test_different_collectives_at_one_sequence_number_are_named_on_both_ranks():
+    records = {0: _record(0, [_entry(1), _entry(2, n=1024, state="started", step=3)]),
+               1: _record(1, [_entry(1), _entry(2, "all_gather", 512, state="started", step=3)])}
+    assert hangs.diagnose(records, 2) == ("rank 1 is at collective #2 all_gather(512 fp32) on group [0, 1]; rank 0 "
+                                          "waits in #2 all_reduce(1024 fp32) (step 3): the ranks issued different "
+                                          "collectives")
+
+
+def test_the_earliest_disagreement_of_all_groups_is_the_cause():
+    groups = {"0": [0, 1], "1": [0, 1]}
+    late = [_entry(1), _entry(5, group="1"), {**_entry(9, group="1"), "time_ns": 90}]
+    early = [{**_entry(4, n=8), "time_ns": 40}]
+    records = {0: _record(0, late[:2] + [late[2]] + early, groups=groups),
+               1: _record(1, late[:2], groups=groups)}
+    assert "#4 all_reduce(8 fp32)" in hangs.diagnose(records, 2)  # group 0's #4 came before group 1's #9
+
+
+def test_gaps_in_the_numbers_are_not_disagreements():
+    # A monitored barrier takes a sequence number and leaves no entry: every rank skips it alike.
+    records = {r: _record(r, [_entry(1), _entry(4)]) for r in (0, 1)}
+    line = hangs.diagnose(records, 2)
+    assert line.startswith("no collective is waiting and the ranks agree on every one")
+
+
+def test_a_rank_that_left_nothing_is_named():
+    line = hangs.diagnose({0: _record(0, [_entry(1)])}, 2)
+    assert line.startswith("rank 1 left no record")
+
+
+def test_a_rank_that_died_at_once_is_named_with_where_it_died():
+    stack = ('Fatal Python error: Aborted\n\nThread 0x1 (most recent call first):\n  File "/x/threading.py", line 1 '
+             'in run\n\nCurrent thread 0x2 (most recent call first):\n  File "/v/torch/distributed/distributed_c10d.py"'
+             ', line 3245 in all_reduce\n  File "/w/parallel/strategies/manual_ddp.py", line 88 in _bucket_ready\n')
+    records = {0: _record(0, [_entry(1), _entry(2, n=4, state="started", step=0)])}
+    log = "terminate called after throwing an instance of 'gloo::EnforceNotMet'\n  what():  [enforce fail at " \
+          "pair.cc:456] op.preamble.length <= op.nbytes. 8 vs 4. Received data size doesn't match expected size."
+    line = hangs.diagnose(records, 2, {1: stack}, log)
+    assert line.startswith("rank 1 died inside all_reduce (from manual_ddp.py:88 _bucket_ready)")
+    assert "8 vs 4" in line and "rank 0 waits in #2 all_reduce(4 fp32) on group [0, 1] (step 0)" in line
+
+
+# Real ranks: torch's Flight Recorder on gloo, the watch thread, the record a failing rank writes.
+
+def _skips(rank, world, folder):
+    rec = recorder.start(Path(folder), rank, stall_s=0.5)
+    recorder.mark(0, "step 0: in its train_step")
+    try:
+        torch.distributed.all_reduce(torch.ones(4))
+        if rank == 1:
+            recorder.mark(0, "step 0: skipped one")
+            time.sleep(30)  # never issues the second; its watch thread writes its record after 0.5 s
+        torch.distributed.all_reduce(torch.ones(8))
+    except Exception as e:
+        recorder.stop(e)
+        raise
+    return rec.written
+
+
+def test_a_rank_that_skips_a_collective_is_named_from_real_records(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "64")  # the ranks copy this environment before their group
+    with pytest.raises(RankError):
+        run_ranks(_skips, 2, (str(tmp_path),), timeout=2, total=40)
+    records = hangs.read(tmp_path)
+    assert records[0]["written"] == "it failed" and "Timed out" in records[0]["error"]
+    assert records[1]["written"].startswith("no progress for 0.5 s") and (tmp_path / "rank1.stack.txt").exists()
+    line = hangs.explain(tmp_path, 2)
+    assert line.startswith("rank 1 never issued collective #2 on group [0, 1] (its last: #1 all_reduce(4 fp32))")
+    assert "rank 0 waits in #2 all_reduce(8 fp32) (step 0)" in line and line.endswith("it was: step 0: skipped one")
+    assert (tmp_path / "diagnosis.txt").read_text() == line + "\n"
+    assert "all_reduce(8 fp32)  [[8]]  step 0  failed" in (tmp_path / "rank0.txt").read_text()  # its timeout
+
+
+def _mismatched(rank, world, folder):
+    recorder.start(Path(folder), rank, stall_s=1.0)
+    recorder.mark(0, "step 0: in its train_step")
+    try:
+        torch.distributed.all_reduce(torch.ones(4 if rank == 0 else 8))  # gloo aborts the rank receiving more
+    except Exception as e:
+        recorder.stop(e)
+        raise
+
+
+@pytest.mark.slow
+def test_a_rank_that_gloo_aborts_on_mismatched_sizes_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "64")
+    with pytest.raises(RankError):
+        run_ranks(_mismatched, 2, (str(tmp_path),), timeout=3, total=40)
+    dead = hangs.fatal(tmp_path)
+    assert len(dead) == 1  # one rank died at once; its stack is all it left
+    (r,) = dead
+    line = hangs.explain(tmp_path, 2)
+    assert line.startswith(f"rank {r} died inside all_reduce"), line
+    assert f"rank {1 - r} waits in #1 all_reduce({4 if r == 1 else 8} fp32) on group [0, 1] (step 0)" in line
+
+
+def test_a_clean_run_leaves_no_record(tmp_path):
+    rec = recorder.start(tmp_path / "hang", 0, stall_s=60)
+    recorder.mark(0, "step 0")
+    recorder.stop()
+    assert not (tmp_path / "hang").exists() and rec.written == ""
