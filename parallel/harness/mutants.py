@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import math
 import tempfile
 import time
 from dataclasses import dataclass
@@ -27,13 +26,14 @@ from pathlib import Path
 
 import torch
 from rich.markup import escape
-from rich.table import Table
 
 from parallel import strategies
 from parallel.config import RunConfig
 from parallel.dist import Dist
 from parallel.errors import ConfigError
-from parallel.harness import equivalence
+from parallel.harness import equivalence, named
+from parallel.harness.mutants_view import show_honest, show_mutants
+from parallel.harness.named import caught
 from parallel.harness.ranks import run_ranks
 from parallel.harness.references import References
 from parallel.results import Equivalence, atomic_write
@@ -62,6 +62,7 @@ class Outcome:
     equivalence: Equivalence
     old_rule_match: bool | None  # what the rule before per-tensor tolerances would have said
     seconds: float
+    named: str = ""  # the one line a diagnosis gave (--check-replicas's; a hang's is the verdict's reason)
 
 
 def mutant_config(mutant, precision: str = "fp32") -> RunConfig:
@@ -131,17 +132,27 @@ def run_jobs(jobs: list[Job], total: float = 900.0, pg_timeout: float = 120.0) -
     distinct run and the in-process strategies; then a group per world size runs the torchrun ones, all
     ranks busy at once (no rank waits in a collective while another trains alone). `total`: seconds a
     group may take in all; `pg_timeout`: seconds one collective may wait."""
-    torchrun = {i for i, j in enumerate(jobs) if strategies.get(j.strategy).launch == "torchrun"}
-    baselines = sorted({_baseline(j).to_json() for j in jobs})
+    hang = {i for i, j in enumerate(jobs) if named.shows(j.label) == "hang"}  # each on ranks of its own
+    torchrun = {i for i, j in enumerate(jobs) if strategies.get(j.strategy).launch == "torchrun"} - hang
+    baselines = sorted({_baseline(j).to_json() for i, j in enumerate(jobs) if i not in hang})
     with tempfile.TemporaryDirectory(prefix="references-") as folder:
-        outcomes = run_ranks(_in_process, 1, ([(i, j) for i, j in enumerate(jobs) if i not in torchrun], baselines,
-                                              folder), timeout=pg_timeout, total=total)[0]
+        outcomes = run_ranks(_in_process, 1, ([(i, j) for i, j in enumerate(jobs) if i not in torchrun | hang],
+                                              baselines, folder), timeout=pg_timeout, total=total)[0]
+        for i in sorted(hang):
+            outcomes[i] = _hung(jobs[i], Path(folder))
         for world in sorted({_world(jobs[i]) for i in torchrun}):
             indexed = [(i, jobs[i]) for i in sorted(torchrun) if _world(jobs[i]) == world]
             for at in range(0, len(indexed), GROUP_JOBS):  # fresh ranks every GROUP_JOBS runs
                 chunk = indexed[at:at + GROUP_JOBS]
                 outcomes.update(run_ranks(_spmd, world, (chunk, folder), timeout=pg_timeout, total=total)[0])
     return [outcomes[i] for i in range(len(jobs))]
+
+
+def _hung(job: Job, folder: Path) -> Outcome:
+    config = RunConfig.from_json(job.config)
+    verdict, seconds = named.run_hang(job, folder)
+    return Outcome(job.label, job.strategy, config.workload, config.devices, config.seed, verdict, None, seconds,
+                   verdict.reason)
 
 
 def _world(job: Job) -> int:
@@ -181,65 +192,7 @@ def _run(job: Job, dist: Dist, refs: References) -> Outcome | None:
     ref = refs.get(_baseline(job).to_json())
     return Outcome(job.label, s.name, config.workload, config.devices, config.seed,
                    equivalence.judge(s, config, ref, row, state), equivalence.global_rule(ref, state),
-                   time.perf_counter() - start)
-
-
-def show_mutants(outcomes: list[Outcome], console) -> None:
-    described = {name: m.bug for name, (_, m) in strategies.mutants().items()}
-    t = Table(title="injected bugs: the oracle's verdict on each (every one must be a mismatch)",
-              title_justify="left")
-    for col in ("mutant", "bug", "workload", "verdict", "worst tensor", "err / tol", "first step off", "old rule"):
-        t.add_column(col, justify="right" if col in ("err / tol", "first step off") else "left",
-                     no_wrap=col in ("mutant", "verdict", "worst tensor"))
-    for o in outcomes:
-        eq = o.equivalence
-        style = "green" if eq.verdict == "mismatch" else "bold red"
-        t.add_row(escape(o.label), escape(described.get(o.label, "")), escape(f"{o.workload} {o.devices}"),
-                  f"[{style}]{escape(eq.verdict)}[/]", escape(_off_tensor(eq)), _ratio(eq.ratio),
-                  "-" if eq.first_step is None else str(eq.first_step),
-                  "missed" if o.old_rule_match else "caught")
-    console.print(t)
-    caught = sum(o.equivalence.verdict == "mismatch" for o in outcomes)
-    missed_before = sum(bool(o.old_rule_match) for o in outcomes)
-    console.print(f"{caught} of {len(outcomes)} injected bugs caught; the rule before per-tensor tolerances and "
-                  f"per-step losses (one tolerance from the largest movement) missed {missed_before}.")
-
-
-def show_honest(outcomes: list[Outcome], bugs: list[Outcome], console) -> None:
-    """Per strategy and workload: the largest honest err/tol over every seed and device count, where it
-    was, and the smallest err/tol among that strategy's own injected bugs: the two sides of the tolerance."""
-    t = Table(title="honest runs against injected bugs (err / tol: at most 1 is a match)", title_justify="left")
-    for col in ("strategy", "workload", "runs", "largest honest", "where", "smallest bug"):
-        t.add_column(col, justify="right" if col in ("runs", "largest honest", "smallest bug") else "left")
-    smallest = {}
-    for o in bugs:
-        smallest[o.strategy] = min(smallest.get(o.strategy, math.inf), o.equivalence.ratio or 0.0)
-    key = lambda o: (o.strategy, o.workload)  # noqa: E731
-    for (strategy, workload), group in itertools.groupby(sorted(outcomes, key=key), key):
-        group = list(group)
-        worst = max(group, key=lambda o: o.equivalence.ratio or 0.0)
-        style = "" if all(o.equivalence.verdict == "match" for o in group) else "bold red"
-        t.add_row(escape(strategy), escape(workload), str(len(group)),
-                  f"[{style}]{_ratio(worst.equivalence.ratio)}[/]" if style else _ratio(worst.equivalence.ratio),
-                  escape(f"{worst.devices} seed {worst.seed} {worst.equivalence.worst_tensor}"),
-                  _ratio(smallest.get(strategy)))
-    console.print(t)
-    worst = max(outcomes, key=lambda o: o.equivalence.ratio or 0.0)
-    mismatches = sum(o.equivalence.verdict != "match" for o in outcomes)
-    least = min(bugs, key=lambda o: o.equivalence.ratio or 0.0) if bugs else None
-    bug = f"; the smallest injected bug to {_ratio(least.equivalence.ratio)} ({least.label})" if least else ""
-    console.print(f"{len(outcomes)} honest checks, {mismatches} mismatches; the largest came to "
-                  f"{_ratio(worst.equivalence.ratio)} of the tolerance ({worst.strategy} on {worst.workload}, "
-                  f"{worst.devices}, seed {worst.seed}: {worst.equivalence.worst_tensor}){bug}", markup=False)
-
-
-def _off_tensor(eq: Equivalence) -> str:
-    """The worst tensor, where it is itself beyond its tolerance (else the loss curve caught the bug)."""
-    return eq.worst_tensor if eq.tolerance and eq.max_abs_diff > eq.tolerance else "-"
-
-
-def _ratio(r: float | None) -> str:
-    return "-" if r is None else f"{r:.3g}"
+                   time.perf_counter() - start, row.details.get("replicas_diverged", ""))
 
 
 def add_parser(sub) -> None:
@@ -279,7 +232,7 @@ def main(args, console) -> int:
     show_mutants(outcomes, console)
     for name, why in refused.items():
         console.print(f"not run on torch {torch.__version__}: {name} ({why})", markup=False)
-    ok = all(o.equivalence.verdict == "mismatch" for o in outcomes)
+    ok = all(map(caught, outcomes))
     files = {"mutants.json": outcomes}
     if args.honest:
         devices = tuple(d.strip() for d in args.devices.split(",") if d.strip())

@@ -64,7 +64,8 @@ def _collect(procs, results, timeout: float) -> list:
             rank, ok, value = results.get(timeout=0.2)
         except queue.Empty:
             dead = [r for r, p in enumerate(procs) if r not in out and not p.is_alive() and p.exitcode]
-            if dead:
+            if dead:  # the others see it at once (a peer gone): a moment for their reports and records
+                _root_cause([(dead[0], time.time(), f"died (exit code {procs[dead[0]].exitcode})")], results)
                 raise RankError(f"rank {dead[0]} died (exit code {procs[dead[0]].exitcode})") from None
             if time.monotonic() > deadline:
                 missing = sorted(set(range(len(procs))) - out.keys())

@@ -75,6 +75,8 @@ class Mutant:
     name: str  # "<strategy>:<bug>"
     bug: str  # what is wrong, in one line
     run: dict = field(default_factory=dict, hash=False)  # the run it shows in: RunConfig fields, "options"
+    shows: str = "oracle"  # what must name it: the oracle's verdict; "hang", the diagnosis of a hang
+    #   (harness/hangs.py); "replicas", --check-replicas (divergence.py). harness/named.py says what counts.
 
 
 def injected(holder, mutant: Mutant) -> bool:
