@@ -30,7 +30,7 @@ from parallel.checkpoint import atomic_save
 from parallel.cliargs import Parser, add_run_options, add_strategy_options, config_from_args, readable_metavars, refuse
 from parallel.config import ConfigError, RunConfig, nearest_multiple
 from parallel.dist import Dist, script_devices
-from parallel.harness import costmodel, memcheck, mutants, notes, overview, page, report, scaling
+from parallel.harness import costmodel, hangs, memcheck, mutants, notes, overview, page, report, scaling
 from parallel.harness.report import make_console
 from parallel.harness.runner import BASELINE, run_strategies, select_runs
 from parallel.plan import cli as plan_cli
@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_parser(sub)
     preflight.add_parser(sub)
     mutants.add_parser(sub)
+    hangs.add_parser(sub)
     plan_cli.add_parser(sub)
     return readable_metavars(p)
 
@@ -225,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
             return sweep.main(args, make_console())
         if args.command == "mutants":
             return mutants.main(args, make_console())
+        if args.command == "diagnose":
+            return hangs.main(args, make_console())
         if args.command == "report":
             return page.render(Path(args.out), make_console(args.wide), wide=args.wide, png=args.screenshot)
         if args.command == "preflight":

@@ -131,7 +131,11 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume-from", default=d.resume_from, help="continue from this checkpoint folder (must exist)")
     p.add_argument("--fail-at-step", type=int, default=d.fail_at_step, help="demo/test: raise at this step (-1: never)")
     p.add_argument("--fail-rank", type=int, default=d.fail_rank, help="demo/test: ... on this rank or worker (0)")
-    p.add_argument("--hang-rank", type=int, default=d.hang_rank, help="demo/test: this rank stops responding at step 1")
+    p.add_argument("--hang-rank", type=int, default=d.hang_rank,
+                   help="demo/test: this rank stops at step 1's first gradient collective (docs/debugging.md)")
+    p.add_argument("--debug-collectives", action="store_true",
+                   help="torch checks every collective's op and shapes across the ranks before it runs "
+                        "(TORCH_DISTRIBUTED_DEBUG=DETAIL): a mismatch is named at once, at a cost (docs/debugging.md)")
     p.add_argument("--mutant", default=d.mutant, help="test the oracle: run with this injected bug "
                                                       "(python -m parallel mutants --list)")
 

@@ -74,7 +74,8 @@ class RunConfig:
     memory_snapshot: str = ""  # a strategy whose last warm-up step's CUDA allocations go to OUT/memory/ (memory_viz)
     fail_at_step: int = -1  # for demos and tests: raise in the training loop at this step ...
     fail_rank: int = 0  # ... on this rank (or Hogwild worker); only in torchrun's first attempt
-    hang_rank: int = -1  # for demos and tests: this rank stops responding at step 1
+    hang_rank: int = -1  # for demos and tests: this rank stops at its first gradient collective of step 1
+    debug_collectives: bool = False  # TORCH_DISTRIBUTED_DEBUG=DETAIL: every collective's fingerprint checked
     mutant: str = ""  # for testing the oracle: run with this injected bug (`python -m parallel mutants --list`)
     extras: bool = True  # the strategy's own measurements after training (exposed communication, collectives
     #   timed, ...); the oracle's runs leave them out: they judge the parameters and losses only

@@ -14,7 +14,7 @@ each step's start, `mark`; a mark is a clock read and an append) and what the ra
 writes its record to FOLDER/rank<R>.json and .txt (one line a collective, to diff between ranks):
 - when it fails (the worker calls `stop(error)`): a collective that timed out, a crash;
 - when it stalls: a watch thread writes it once nothing has moved (no step, no collective issued or
-  finished) for `stall_s` (the collectives' own timeout's 60%), and the Python stacks of its threads
+  finished) for `stall_s` (40% of the collectives' own timeout), and the Python stacks of its threads
   beside it (rank<R>.stack.txt). A rank stuck in a collective cannot speak for itself; the thread can,
   since a waiting collective releases the GIL.
 """
@@ -26,6 +26,7 @@ import faulthandler
 import json
 import os
 import pickle
+import re
 import threading
 import time
 from collections import deque
@@ -37,7 +38,7 @@ import torch.distributed as td
 from parallel.results import atomic_write
 
 BUFFER = 2000  # collectives each rank keeps (torch's ring; dumped only on a failure or a stall)
-STALL_SHARE = 0.6  # the watch thread writes the record after this share of --pg-timeout without progress
+STALL_SHARE = 0.4  # the watch thread writes the record after this share of --pg-timeout without progress
 DTYPES = {"Float": "fp32", "BFloat16": "bf16", "Half": "fp16", "Double": "fp64", "Long": "int64", "Int": "int32",
           "Byte": "uint8", "Bool": "bool", "Char": "int8"}
 
@@ -137,7 +138,7 @@ class Recorder:
 
     def _watch(self) -> None:
         last, since = None, time.monotonic()
-        while not self._stop.wait(min(0.5, self.stall_s / 4)):
+        while not self._stop.wait(min(0.25, self.stall_s / 4)):
             try:
                 now = self._progress()
             except Exception:  # noqa: BLE001 (a group torn down under the thread: nothing to watch)
@@ -174,6 +175,7 @@ def stop(error: BaseException | None = None) -> None:
     rec.close()
     if error is not None:
         line = next((ln.strip() for ln in str(error).splitlines() if ln.strip()), "")
+        line = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", line)  # gloo's source location: noise here
         rec.write("it failed", error=f"{type(error).__name__}: {line}")
 
 

@@ -144,6 +144,8 @@ def run_here(strategy, config: RunConfig, dist: Dist | None = None, run: str = "
     needs_group = strategy.launch == "torchrun"
     if needs_group:
         recorder.enable()  # torch's Flight Recorder: on before the first process group
+        if config.debug_collectives:  # read when the group is made: every collective checked across ranks
+            os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
         dist.init(config.pg_timeout)
         recorder.start(hang_folder(strategy, config), dist.rank, recorder.STALL_SHARE * config.pg_timeout)
     try:
@@ -151,6 +153,10 @@ def run_here(strategy, config: RunConfig, dist: Dist | None = None, run: str = "
     except BaseException as e:
         if needs_group:
             recorder.stop(e)  # this rank's last collectives, for the parent's diagnosis (harness/hangs.py)
+            if HANG_DIR not in os.environ:  # a script under a plain torchrun: no parent reads them
+                folder = hang_folder(strategy, config)
+                print(f"[rank{dist.rank}]: its record of collectives: {folder}/ (python -m parallel diagnose "
+                      f"{folder})", file=sys.stderr, flush=True)
         raise
     finally:
         if needs_group:

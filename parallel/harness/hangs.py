@@ -174,3 +174,31 @@ def explain(folder: Path, world: int, log: str = "") -> str | None:
     if line is not None:
         atomic_write(folder / "diagnosis.txt", line + "\n")
     return line
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("diagnose", help="where the ranks of a hung or failed run parted, from their records")
+    p.add_argument("folder", metavar="DIR", help="the ranks' records: OUT/hang/<run>/ (the harness's), or "
+                                                 "results/hang/<strategy>/ (a script's under a plain torchrun)")
+    p.add_argument("--world", type=int, default=0, help="ranks in the run (default: the records' highest + 1)")
+    p.add_argument("--log", default="", metavar="FILE", help="the run's output, where a dying rank's last words are")
+
+
+def main(args, console) -> int:
+    """`python -m parallel diagnose DIR`: the one line, then each rank's state and where its record is."""
+    from parallel.errors import ConfigError
+
+    folder = Path(args.folder)
+    records, stacks = read(folder), fatal(folder)
+    if not records and not stacks:
+        raise ConfigError(f"{folder}: no rank's record here (rank<R>.json, written when a run fails or stalls)")
+    world = args.world or max([*records, *stacks]) + 1
+    log = Path(args.log).read_text(errors="replace") if args.log else ""
+    console.print(explain(folder, world, log), markup=False, highlight=False)
+    for rank in range(world):
+        rec = records.get(rank)
+        what = (f"{rec['doing']}; {len(rec['entries'])} collectives recorded; {rec['error'] or 'no error'}"
+                if rec else "died at once (rank{rank}.fatal.txt)" if rank in stacks else "no record")
+        console.print(f"  rank {rank}: {what}", markup=False, highlight=False)
+    console.print(f"each rank's collectives, one a line, to diff: {folder}/rank<R>.txt", markup=False)
+    return 0
