@@ -29,6 +29,7 @@ import pickle
 import re
 import threading
 import time
+import traceback
 from collections import deque
 from pathlib import Path
 
@@ -116,13 +117,16 @@ class Recorder:
             step = s
         return step
 
-    def write(self, why: str, error: str = "", stacks: bool = False) -> None:
-        """Write the record (atomically) and, from the watch thread, every thread's Python stack."""
+    def write(self, why: str, error: str = "", stacks: bool = False, raised: str = "") -> None:
+        """Write the record (atomically) and, from the watch thread, every thread's Python stack. `raised`:
+        where the error was raised, most recent frame first (faulthandler's form)."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        record = self.snapshot(error) | {"written": why}
+        record = self.snapshot(error) | {"written": why, "stack": raised}
+        since = self.marks[-1][1] if self.marks else 0
         if _from_a_collective(error) and record["entries"]:
             last = max(record["entries"], key=lambda e: e["time_ns"])
-            last["state"] = "failed"  # torch retires a collective that failed as if it had finished
+            if last["time_ns"] >= since:  # issued in this step: torch retires a failed one as if it had finished
+                last["state"] = "failed"  # (one the recorder misses, a gloo send, leaves the last alone)
         atomic_write(self.folder / f"rank{self.rank}.json", json.dumps(record))
         atomic_write(self.folder / f"rank{self.rank}.txt", "\n".join(text_lines(record)) + "\n")
         if stacks:
@@ -176,7 +180,9 @@ def stop(error: BaseException | None = None) -> None:
     if error is not None:
         line = next((ln.strip() for ln in str(error).splitlines() if ln.strip()), "")
         line = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", line)  # gloo's source location: noise here
-        rec.write("it failed", error=f"{type(error).__name__}: {line}")
+        frames = reversed(traceback.extract_tb(error.__traceback__))
+        raised = "".join(f'  File "{f.filename}", line {f.lineno} in {f.name}\n' for f in frames)
+        rec.write("it failed", error=f"{type(error).__name__}: {line}", raised=raised)
 
 
 _COLLECTIVE_ERRORS = ("gloo", "NCCL", "Timed out", "timed out", "Connection", "monitoredBarrier")

@@ -22,7 +22,7 @@ import json
 import re
 from pathlib import Path
 
-from parallel.recorder import describe
+from parallel.recorder import _from_a_collective, describe
 from parallel.results import atomic_write
 
 
@@ -57,8 +57,7 @@ def _died_in(stack: str) -> str:
     main = next((t for t in threads if "torch/distributed" in t), next((t for t in threads if "Current thread" in t),
                                                                        threads[-1] if threads else ""))
     frames = [m.groupdict() for m in _FRAME.finditer(main)]  # most recent first
-    call = next((f["fn"] for f in frames if "torch/distributed" in f["path"] and not f["fn"].startswith("_")
-                 and f["fn"] != "wrapper"), None)
+    call = next((f["fn"] for f in frames if "torch/distributed" in f["path"] and f["fn"] != "wrapper"), None)
     ours = next((f for f in frames if "/parallel/" in f["path"]), None)
     where = f" (from {Path(ours['path']).name}:{ours['line']} {ours['fn']})" if ours else ""
     first = stack.strip().splitlines()[0] if stack.strip() else "died"
@@ -137,10 +136,25 @@ def _line(name: str, members: list[int], n: int, at: dict, records: dict, seqs: 
     its_last = f" (its last: #{last} {describe(mine[last])})" if last else " (it issued none on this group)"
     ahead = ", ".join(f"rank {m}" for m in issued)
     verb = "waits" if len(issued) == 1 else "wait"
-    gap = n - last
+    gap = sum(1 for m in issued[:1] for k in seqs[m] if last < k <= n)  # recorded ones: a barrier takes a number
     return (f"rank {b} never issued collective #{n} on group {group}{its_last}; {ahead} {verb} in #{n} "
             f"{describe(e)}{_where(e)}: rank {b} is {gap} collective{'s' * (gap != 1)} behind; "
             f"it was: {records[b]['doing']}")
+
+
+def _failed(records: dict[int, dict]) -> str | None:
+    """A rank whose collective failed where the records cannot say which (gloo's point-to-point sends and
+    receives are not in its Flight Recorder): the error, the step, where its stack was; what the others did."""
+    failed = [r for r, rec in sorted(records.items()) if rec["error"] and _from_a_collective(rec["error"])]
+    if not failed:
+        return None
+    r = failed[0]
+    rec = records[r]
+    stack = rec.get("stack", "")  # where its error was raised
+    where = f" {_died_in(stack).split(';')[0]}" if stack else ""
+    step = f"step {rec['step']}" if rec["step"] >= 0 else "setting up"
+    others = "; ".join(f"rank {q} was: {records[q]['doing']}" for q in sorted(records) if q != r)
+    return f"rank {r} failed at {step}{where}: {rec['error']}" + (f"; {others}" if others else "")
 
 
 def diagnose(records: dict[int, dict], world: int, stacks: dict[int, str] | None = None, log: str = "") -> str | None:
@@ -153,6 +167,8 @@ def diagnose(records: dict[int, dict], world: int, stacks: dict[int, str] | None
         return min(parted)[1]
     if died := _dead(records, stacks or {}, log):
         return died
+    if failed := _failed(records):
+        return failed
     missing = [r for r in range(world) if r not in records]
     if missing:
         who = ", ".join(map(str, missing))
