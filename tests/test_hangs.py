@@ -56,6 +56,24 @@ def test_gaps_in_the_numbers_are_not_disagreements():
     assert line.startswith("no collective is waiting and the ranks agree on every one")
 
 
+def test_behind_counts_the_collectives_recorded_not_the_numbers():
+    # Two numbers between #2 and #5 went to monitored barriers (no entry): rank 1 is one collective behind.
+    records = {0: _record(0, [_entry(2), _entry(5, state="started")]), 1: _record(1, [_entry(2)])}
+    assert "rank 1 is 1 collective behind" in hangs.diagnose(records, 2)
+
+
+def test_a_failed_point_to_point_op_is_named_from_the_error_and_where_it_was_raised():
+    # gloo's Flight Recorder leaves sends and receives out: the numbers agree, the error says what failed.
+    stack = ('  File "/v/torch/distributed/pipelining/schedules.py", line 683 in _wait_batch_p2p\n'
+             '  File "/w/parallel/strategies/pipeline_dist.py", line 238 in train_step\n')
+    records = {0: {**_record(0, [_entry(1)]), "step": 1, "stack": stack,
+                   "error": "RuntimeError: Timed out waiting 5000ms for send operation to complete"},
+               1: {**_record(1, [_entry(1)], doing="step 1: stopped"), "step": 1}}
+    assert hangs.diagnose(records, 2) == ("rank 0 failed at step 1 inside _wait_batch_p2p (from pipeline_dist.py:238 "
+                                          "train_step): RuntimeError: Timed out waiting 5000ms for send operation to "
+                                          "complete; rank 1 was: step 1: stopped")
+
+
 def test_a_rank_that_left_nothing_is_named():
     line = hangs.diagnose({0: _record(0, [_entry(1)])}, 2)
     assert line.startswith("rank 1 left no record")
