@@ -134,7 +134,7 @@ def _line(name: str, members: list[int], n: int, at: dict, records: dict, seqs: 
     mine = seqs[b]
     last = max(mine, default=0)
     its_last = f" (its last: #{last} {describe(mine[last])})" if last else " (it issued none on this group)"
-    ahead = ", ".join(f"rank {m}" for m in issued)
+    ahead = f"rank {issued[0]}" if len(issued) == 1 else f"ranks {', '.join(map(str, issued))}"
     verb = "waits" if len(issued) == 1 else "wait"
     gap = sum(1 for m in issued[:1] for k in seqs[m] if last < k <= n)  # recorded ones: a barrier takes a number
     return (f"rank {b} never issued collective #{n} on group {group}{its_last}; {ahead} {verb} in #{n} "
@@ -186,6 +186,9 @@ def diagnose(records: dict[int, dict], world: int, stacks: dict[int, str] | None
 def explain(folder: Path, world: int, log: str = "") -> str | None:
     """Diagnose the records in `folder` and keep the line beside them (diagnosis.txt); None without records.
     `log`: the run's output (a dying gloo rank's last words go there, not to its record)."""
+    for p in folder.glob("rank*.fatal.txt"):  # empty: its rank ended by a signal faulthandler leaves alone
+        if p.stat().st_size == 0:
+            p.unlink()
     line = diagnose(read(folder), world, fatal(folder), log)
     if line is not None:
         atomic_write(folder / "diagnosis.txt", line + "\n")
