@@ -91,6 +91,28 @@ def test_a_rank_that_died_at_once_is_named_with_where_it_died():
     assert "8 vs 4" in line and "rank 0 waits in #2 all_reduce(4 fp32) on group [0, 1] (step 0)" in line
 
 
+def test_every_rank_that_died_is_named_and_where_the_project_issued_the_collective():
+    # gloo aborts each rank that receives more than it expects: a rank padded longer kills its neighbours. The
+    # counting steps' dispatch mode (wire.py) sits above the strategy's line: the line named is the strategy's.
+    stack = ('Fatal Python error: Aborted\n\nCurrent thread 0x2 (most recent call first):\n  File "/v/torch/'
+             'distributed/distributed_c10d.py", line 4943 in reduce_scatter_single\n  File "/w/parallel/wire.py", '
+             'line 128 in __torch_dispatch__\n  File "/w/parallel/strategies/zero.py", line 168 in _reduce\n')
+    records = {q: _record(q, [_entry(1), _entry(2, state="started", step=0)], groups={"0": [0, 1, 2, 3]})
+               for q in (2, 3)}
+    line = hangs.diagnose(records, 4, {0: stack, 1: stack})
+    assert line.startswith("rank 0 died inside reduce_scatter_single (from zero.py:168 _reduce); Fatal Python error: "
+                           "Aborted; rank 1 died too, inside reduce_scatter_single (from zero.py:168 _reduce); "
+                           "rank 2 waits in #2 all_reduce(1024 fp32) on group [0, 1, 2, 3] (step 0)"), line
+
+
+def test_the_rank_whose_collective_differs_from_the_others_is_the_one_named_at_it():
+    four = {"0": [0, 1, 2, 3]}
+    records = {q: _record(q, [_entry(1), _entry(2, n=1026 if q == 1 else 1024, state="started", step=0)], groups=four)
+               for q in (1, 2, 3)}  # rank 0 died; rank 1 padded its buffer longer than 2 and 3
+    assert hangs.diagnose(records, 4).startswith("rank 1 is at collective #2 all_reduce(1026 fp32) on group [0, 1, 2, "
+                                                 "3]; rank 2 waits in #2 all_reduce(1024 fp32) (step 0)")
+
+
 # Real ranks: torch's Flight Recorder on gloo, the watch thread, the record a failing rank writes.
 
 def _skips(rank, world, folder):

@@ -89,6 +89,12 @@ def test_counters_must_be_equal_and_names_must_agree():
     ref = _ref({})
     renamed = {("module." + k): v for k, v in ref.state.items()}
     assert "parameter names differ" in equivalence.judge(SYNC, FP32, ref, _row(2.3, 2.0, 1.5), renamed).reason
+    cut = dict(ref.state, **{"classifier.4.weight": ref.state["classifier.4.weight"][:-1]})  # a row dropped
+    shaped = equivalence.judge(SYNC, FP32, ref, _row(2.3, 2.1, 1.5), cut)  # and the loss off from step 1
+    assert shaped.verdict == "mismatch" and shaped.ratio == float("inf") and shaped.first_step == 1, shaped
+    assert shaped.reason.startswith("classifier.4.weight: shape (9, 60) != baseline (10, 60); loss first off at "
+                                    "step 1: 2.1 vs 2"), shaped.reason
+    assert not equivalence.global_rule(ref, cut)  # the old rule, beside it, cannot pass it either
     ref.state["bn.num_batches_tracked"] = ref.initial["bn.num_batches_tracked"] = torch.tensor(3)  # BatchNorm's
     other = dict(ref.state, **{"bn.num_batches_tracked": torch.tensor(4)})
     verdict = equivalence.judge(SYNC, FP32, ref, _row(2.3, 2.0, 1.5), other)

@@ -188,21 +188,20 @@ def judge(strategy, config, ref: Reference | None, row, state: dict | None) -> E
     rule = rule_for(strategy, config)
     if ref.noise is not None and ref.noise.rtol > rule.rtol:
         rule = ref.noise
+    steps = _loss_ratios(ref, curves(row), rule)
+    off = [s for s in steps if s[0] > 1]
     try:
         tensors = _tensor_ratios(ref, state, rule)
-    except ValueError as e:
-        return Equivalence("mismatch", reason=str(e), basis=rule.basis)
-    steps = _loss_ratios(ref, curves(row), rule)
+    except ValueError as e:  # infinitely off, as an unequal counter; the losses still say from which step
+        return Equivalence("mismatch", reason="; ".join([str(e), *_first_off(off)]), ratio=math.inf,
+                           first_step=min(s[1] for s in off) if off else None, basis=rule.basis)
     worst, name, err, tol = max(tensors)
-    off = [s for s in steps if s[0] > 1]
     ratio = max([worst] + [s[0] for s in steps])
     verdict = "match" if ratio <= 1 else "mismatch"
     reason = ""
     if verdict == "mismatch":
         parts = [f"{name} off by {err:.3g} > {tol:.3g} ({worst:.3g}x its tolerance)"] if worst > 1 else []
-        if off:
-            r, step, loss, values = min(off, key=lambda s: s[1])
-            parts.append(f"{loss} first off at step {step}: {values} ({r:.3g}x its tolerance)")
+        parts += _first_off(off)
         if rule is FP32 and ratio < FLIP:
             parts.append(FLIP_HINT)
         reason = "; ".join(parts)
@@ -211,6 +210,14 @@ def judge(strategy, config, ref: Reference | None, row, state: dict | None) -> E
                       per_tensor={k: float(f"{r:.4g}") for r, k, _, _ in tensors})
     explain(out, strategy, ref.causes)
     return out
+
+
+def _first_off(off: list[tuple[float, int, str, str]]) -> list[str]:
+    """The first step whose loss was off, as the verdict's reason says it ([] when none was)."""
+    if not off:
+        return []
+    r, step, loss, values = min(off, key=lambda s: s[1])
+    return [f"{loss} first off at step {step}: {values} ({r:.3g}x its tolerance)"]
 
 
 def explain(verdict: Equivalence, strategy, causes: dict[str, str]) -> None:
@@ -227,8 +234,12 @@ NOISE_MARGIN = 3  # a user's model is judged at this many times its own rounding
 
 def global_rule(ref: Reference, state: dict[str, torch.Tensor]) -> bool:
     """The rule before this one, kept to show what it missed: the largest difference anywhere against 1%
-    of the largest movement anywhere (floor 1e-7), as it was. True when it says "match"."""
-    diff = max(err for _, _, err, _ in _tensor_ratios(ref, state, FP32))
+    of the largest movement anywhere (floor 1e-7), as it was. True when it says "match"; False where the
+    names or shapes differ, which no rule lets pass."""
+    try:
+        diff = max(err for _, _, err, _ in _tensor_ratios(ref, state, FP32))
+    except ValueError:
+        return False
     move = max((ref.state[k].double() - ref.initial[k].double()).abs().max().item()
                for k in ref.state if ref.state[k].is_floating_point())
     return diff <= max(1e-7, 1e-2 * move)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from pathlib import Path
 
 from parallel.recorder import _from_a_collective, describe
@@ -49,26 +50,36 @@ def fatal(folder: Path) -> dict[int, str]:
 
 
 _FRAME = re.compile(r'File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<fn>\w+)')
+# The project's dispatch modes see every op from inside it (the byte counter of the counted steps, --hang-rank's
+# stop): the line that issued a collective is the first frame below them.
+_SEES_EVERY_OP = ("/parallel/wire.py", "/parallel/faults.py")
 
 
 def _died_in(stack: str) -> str:
+    """Where a fatal stack's main thread was, and its first line (faulthandler's: "Fatal Python error: ...")."""
+    first = stack.strip().splitlines()[0] if stack.strip() else "died"
+    return f"{_place(stack)}; {first.rstrip(chr(10))}"
+
+
+def _place(stack: str) -> str:
     """Where a fatal stack's main thread was: the torch.distributed call and the project's line under it."""
     threads = [t for t in stack.split("\n\n") if _FRAME.search(t)]  # faulthandler: a block a thread
     main = next((t for t in threads if "torch/distributed" in t), next((t for t in threads if "Current thread" in t),
                                                                        threads[-1] if threads else ""))
     frames = [m.groupdict() for m in _FRAME.finditer(main)]  # most recent first
     call = next((f["fn"] for f in frames if "torch/distributed" in f["path"] and f["fn"] != "wrapper"), None)
-    ours = next((f for f in frames if "/parallel/" in f["path"]), None)
-    where = f" (from {Path(ours['path']).name}:{ours['line']} {ours['fn']})" if ours else ""
-    first = stack.strip().splitlines()[0] if stack.strip() else "died"
-    return f"{'inside ' + call if call else 'outside any collective'}{where}; {first.rstrip(chr(10))}"
+    ours = next((f for f in frames if "/parallel/" in f["path"] and not f["path"].endswith(_SEES_EVERY_OP)), None)
+    line = f"{Path(ours['path']).name}:{ours['line']} {ours['fn']}" if ours else ""
+    if call:
+        return f"inside {call}" + (f" (from {line})" if line else "")
+    return f"at {line}" if line else "with no Python frame of its own"  # in C++: a Work's wait, say
 
 
 _WHAT = re.compile(r"what\(\):\s*(.*)")
 
 
 def _dead(records: dict[int, dict], stacks: dict[int, str], log: str) -> str | None:
-    """A rank that died at once beside ranks that wait: where it died, and what they wait in."""
+    """Ranks that died at once beside ranks that wait: where each died, and what the others wait in."""
     dead = sorted(r for r in stacks if r not in records)
     if not dead:
         return None
@@ -77,6 +88,8 @@ def _dead(records: dict[int, dict], stacks: dict[int, str], log: str) -> str | N
     what = _WHAT.search(log)
     said = f" ({what.group(1).split('] ', 1)[-1][:160]})" if what else ""
     line = f"rank {r} died {_died_in(stacks[r])}{said}"
+    for other in dead[1:]:  # gloo aborts every rank that receives more than it expects: often two
+        line += f"; rank {other} died too, {_place(stacks[other])}"
     if waits:
         q, e = waits[0]
         group = _group_text(records[q]["groups"].get(e["group"], []))
@@ -123,11 +136,13 @@ def _disagreements(records: dict[int, dict]) -> list[tuple[int, str]]:
 def _line(name: str, members: list[int], n: int, at: dict, records: dict, seqs: dict) -> str:
     group = _group_text(members)
     issued = [m for m in at if at[m] is not None]
-    waiting = issued[0]
+    # the rank named as waiting issued what most did (ties: the lowest rank's), so the odd one out is named as such
+    common = Counter(_fingerprint(at[m]) for m in issued).most_common(1)[0][0]
+    waiting = next(m for m in issued if _fingerprint(at[m]) == common)
     e = at[waiting]
     behind = [m for m in at if at[m] is None]
     if not behind:  # every member issued #n, not the same one
-        other = next(m for m in issued if _fingerprint(at[m]) != _fingerprint(e))
+        other = next(m for m in issued if _fingerprint(at[m]) != common)
         return (f"rank {other} is at collective #{n} {describe(at[other])} on group {group}; rank {waiting} waits "
                 f"in #{n} {describe(e)}{_where(e)}: the ranks issued different collectives")
     b = behind[0]

@@ -26,7 +26,7 @@ def show_mutants(outcomes: list, console) -> None:
         t.add_row(escape(o.label), escape(described.get(o.label, "")), escape(f"{o.workload} {o.devices}"),
                   f"[{style}]{escape(eq.verdict)}[/]", escape(_off_tensor(eq)), _ratio(eq.ratio),
                   "-" if eq.first_step is None else str(eq.first_step),
-                  "missed" if o.old_rule_match else "caught")
+                  "-" if o.old_rule_match is None else "missed" if o.old_rule_match else "caught")  # -: a hang
     console.print(t)
     for o in outcomes:
         if o.named or o.equivalence.verdict in ("named", "unnamed"):  # the diagnosis's line, as the user sees it
@@ -40,7 +40,9 @@ def show_mutants(outcomes: list, console) -> None:
 
 def show_honest(outcomes: list, bugs: list, console) -> None:
     """Per strategy and workload: the largest honest err/tol over every seed and device count, where it
-    was, and the smallest err/tol among that strategy's own injected bugs: the two sides of the tolerance."""
+    was, and the smallest err/tol among that strategy's own injected bugs: the two sides of the tolerance. A
+    bug that a diagnosis names (a hang) has no err/tol: it is not one of them."""
+    bugs = [o for o in bugs if o.equivalence.ratio is not None]
     t = Table(title="honest runs against injected bugs (err / tol: at most 1 is a match)", title_justify="left")
     for col in ("strategy", "workload", "runs", "largest honest", "where", "smallest bug"):
         t.add_column(col, justify="right" if col in ("runs", "largest honest", "smallest bug") else "left")

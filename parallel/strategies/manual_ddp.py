@@ -50,7 +50,18 @@ SHARE_OFF_BY_ONE = Mutant("manual_ddp:share-off-by-one", "rank 0 trains on one s
                           "(an off-by-one slice)", {"workload": "cnn", "batch_size": 512})
 GRADS_SET_TO_NONE = Mutant("manual_ddp:grads-set-to-none", "zero_grad(set_to_none=True): from step 1 the gradients "
                                                            "are fresh tensors, no longer views of the buckets reduced")
-MUTANTS = (LAST_BUCKET_DROPPED, SHARE_OFF_BY_ONE, GRADS_SET_TO_NONE)
+# Bugs a hang's diagnosis must name (harness/named.py): each on rank BUG_RANK, with buckets of different sizes
+# (1 MiB: the MLP's four), and a short --pg-timeout so the others' wait ends in seconds.
+BUG_RANK, SKIPPED_AT = 1, 2  # SKIPPED_AT: the step at which manual_ddp:bucket-skipped leaves its bucket out
+BUCKETS_REORDERED = Mutant("manual_ddp:buckets-reordered", f"rank {BUG_RANK} holds its bucket all-reduces back and "
+                           "launches them all after backward, walking its list from the end (a reversed() meant "
+                           "for the forward order): its n-th all-reduce is another bucket, of another size, than "
+                           "the others' n-th", {"options": {"bucket_mb": 1}, "pg_timeout": 3}, shows="hang")
+BUCKET_SKIPPED = Mutant("manual_ddp:bucket-skipped", f"at step {SKIPPED_AT} rank {BUG_RANK} leaves out the last "
+                        "bucket's all-reduce (a \"nothing changed, skip it\" shortcut on one rank): the others wait "
+                        "in it",
+                        {"options": {"bucket_mb": 1}, "pg_timeout": 3}, shows="hang")
+MUTANTS = (LAST_BUCKET_DROPPED, SHARE_OFF_BY_ONE, GRADS_SET_TO_NONE, BUCKETS_REORDERED, BUCKET_SKIPPED)
 
 DEFAULT_BUCKET_MB = 25.0  # DDP's bucket_cap_mb (DDP also makes its first bucket 1 MiB; this one does not)
 
@@ -93,6 +104,9 @@ class Sync:
     world: int
     buckets: list[Bucket] = field(default_factory=list)
     bucket_of: dict[nn.Parameter, Bucket] = field(default_factory=dict)
+    step: int = 0  # steps this rank has finished
+    deferred: bool = False  # the manual_ddp:buckets-reordered bug: this rank launches its buckets after backward
+    skip_at: int = -1  # the manual_ddp:bucket-skipped bug: the step this rank leaves its last bucket out
 
 
 def buckets_in_backward_order(params: list[nn.Parameter], cap_bytes: float) -> list[list[nn.Parameter]]:
@@ -115,6 +129,9 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     for p in params:  # every rank starts from rank 0's weights, as DDP's constructor ensures
         td.broadcast(p.detach(), src=0)
     sync = Sync(dist.world_size)
+    if dist.rank == BUG_RANK:
+        sync.deferred = injected(config, BUCKETS_REORDERED)
+        sync.skip_at = SKIPPED_AT if injected(config, BUCKET_SKIPPED) else -1
     hooked = params
     if not opts.naive:
         groups = buckets_in_backward_order(params, (opts.bucket_mb or DEFAULT_BUCKET_MB) * 2**20)
@@ -142,7 +159,7 @@ def _bucket_ready(sync: Sync, p: nn.Parameter) -> None:
     """One more gradient of its bucket has landed; the bucket's last one starts its all-reduce."""
     b = sync.bucket_of[p]
     b.ready += 1
-    if b.ready == len(b.params):
+    if b.ready == len(b.params) and not sync.deferred and not _skipped(sync, b):
         with record_function(f"all-reduce bucket {b.index}"):
             b.work = td.all_reduce(b.buffer, async_op=True)
 
@@ -150,13 +167,20 @@ def _bucket_ready(sync: Sync, p: nn.Parameter) -> None:
 def _finish(sync: Sync) -> None:
     """After backward: wait for every bucket (one whose parameters got no gradient this step is reduced
     now, so that every rank runs the same collectives), then divide the sums by N."""
-    for b in sync.buckets:
-        if b.work is None:
+    for b in reversed(sync.buckets) if sync.deferred else sync.buckets:
+        if b.work is None and not _skipped(sync, b):
             b.work = td.all_reduce(b.buffer, async_op=True)
     for b in sync.buckets:
-        b.work.wait()
+        if b.work is not None:
+            b.work.wait()
         b.buffer.div_(sync.world)
         b.ready, b.work = 0, None
+    sync.step += 1
+
+
+def _skipped(sync: Sync, b: Bucket) -> bool:
+    """The manual_ddp:bucket-skipped bug: at its step, on its rank, the last bucket is left out."""
+    return sync.step == sync.skip_at and b.index == len(sync.buckets) - 1
 
 
 def train_step(t: Trainable, batch, dist):

@@ -57,7 +57,11 @@ NORM_UNSYNCED = Mutant("tensor_parallel:sp-norm-unsynced", "--sequence-parallel 
                        "out of the plan: it runs on its rank's positions as a plain module, and its weight's "
                        "gradient is never summed over the ranks", {"workload": "transformer",
                                                                     "options": {"sequence_parallel": 1}})
-MUTANTS = (NORM_UNSYNCED,)
+VOCAB_REMAINDER = Mutant("tensor_parallel:vocab-remainder-dropped", "--loss-parallel on a vocabulary tp does not "
+                         "divide: the head's split gives each rank V // tp rows, and the last V mod tp tokens' rows "
+                         "are never made (their logits missing from the loss; Megatron-LM#1754)",
+                         {"workload": "transformer", "vocab": 63, "options": {"loss_parallel": 1}})
+MUTANTS = (NORM_UNSYNCED, VOCAB_REMAINDER)
 
 
 @dataclass
@@ -161,7 +165,19 @@ def apply(model: nn.Module, mesh, o: Options, config) -> nn.Module:
     """The Megatron split of `model` over `mesh` (its tensor-parallel ranks; fsdp_tp: its slice "tp")."""
     from torch.distributed.tensor.parallel import parallelize_module
 
+    if o.loss_parallel and injected(config, VOCAB_REMAINDER):
+        _rows_per_rank_floored(model.get_submodule("head.1"), mesh.size())
     return parallelize_module(model, mesh, plan(model, o, config))
+
+
+def _rows_per_rank_floored(head: nn.Linear, tp: int) -> None:
+    """The tensor_parallel:vocab-remainder-dropped bug: the vocabulary cut into tp shares of V // tp rows,
+    the remainder's rows dropped before the head is split (what ColwiseParallel's uneven shards avoid)."""
+    keep = head.out_features // tp * tp
+    head.weight = nn.Parameter(head.weight.detach()[:keep].clone())
+    if head.bias is not None:
+        head.bias = nn.Parameter(head.bias.detach()[:keep].clone())
+    head.out_features = keep
 
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:

@@ -56,7 +56,13 @@ NO_ALL_GATHER = Mutant("zero:no-all-gather", "the updated chunks are never all-g
 BUCKET_EARLY = Mutant("zero:bucket-early", "a bucket is reduce-scattered when its first gradient lands, not its "
                       "last: the rest of it is reduced before backward has written it", {"workload": "cnn",
                                                                                           "options": {"zero_stage": 2}})
-MUTANTS = (WRONG_SLICE, NO_ALL_GATHER, BUCKET_EARLY)
+# A bug a hang's diagnosis must name (harness/named.py); a short --pg-timeout ends the others' wait in seconds.
+BUG_RANK = 1
+UNEVEN_PADDING = Mutant("zero:uneven-padding", f"rank {BUG_RANK} pads each bucket to numel // N + 1 chunks, not "
+                        "ceil(numel / N) (an off-by-one in its own copy of the padding): where N divides a bucket, "
+                        "its reduce-scatter and all-gather carry N elements more than the others'",
+                        {"options": {"bucket_mb": 1}, "pg_timeout": 3}, shows="hang")
+MUTANTS = (WRONG_SLICE, NO_ALL_GATHER, BUCKET_EARLY, UNEVEN_PADDING)
 
 @dataclass
 class Options:
@@ -109,8 +115,12 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     o, n = options_of(Options, config), dist.world_size
     model = model.to(dist.device)
     params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:  # every rank starts from rank 0's weights, sent before they are flattened (as DeepSpeed's
+        td.broadcast(p.detach(), src=0)  # engine does before its ZeRO optimizer pads them): the layout is local
     groups = buckets_in_backward_order(params, (o.bucket_mb or DEFAULT_BUCKET_MB) * 2**20)
     sizes = [math.ceil(sum(p.numel() for p in g) / n) * n for g in groups]  # each bucket padded to N chunks
+    if injected(config, UNEVEN_PADDING) and dist.rank == BUG_RANK:
+        sizes = [(sum(p.numel() for p in g) // n + 1) * n for g in groups]
     flat = torch.zeros(sum(sizes), dtype=params[0].dtype, device=dist.device)
     grads = torch.zeros_like(flat) if o.zero_stage == 1 else None
     owner = (dist.rank + 1) % n if injected(config, WRONG_SLICE) else dist.rank
@@ -127,7 +137,6 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
         chunk = size // n  # a view: stepping it moves the model's weights
         buckets.append(Bucket(i, start, start + size, group, nn.Parameter(flat[start + owner * chunk:][:chunk])))
         start += size
-    td.broadcast(flat, src=0)  # every rank starts from rank 0's weights
     z = Shards(n, o.zero_stage, flat, grads, buckets, offsets,
                injected(config, BUCKET_EARLY))
     for b in buckets:
