@@ -185,7 +185,8 @@ def stop(error: BaseException | None = None) -> None:
         rec.write("it failed", error=f"{type(error).__name__}: {line}", raised=raised)
 
 
-_COLLECTIVE_ERRORS = ("gloo", "NCCL", "Timed out", "timed out", "Connection", "monitoredBarrier")
+_COLLECTIVE_ERRORS = ("gloo", "NCCL", "Timed out", "timed out", "Connection", "monitoredBarrier",
+                      "Detected mismatch between collectives")
 
 
 def _from_a_collective(error: str) -> bool:

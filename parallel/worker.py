@@ -144,8 +144,9 @@ def run_here(strategy, config: RunConfig, dist: Dist | None = None, run: str = "
     needs_group = strategy.launch == "torchrun"
     if needs_group:
         recorder.enable()  # torch's Flight Recorder: on before the first process group
-        if config.debug_collectives:  # read when the group is made: every collective checked across ranks
-            os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        if config.debug_collectives:  # every collective checked across the ranks (the group made next wraps)
+            os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"  # its children's, and the level, read at import:
+            td.set_debug_level(td.DebugLevel.DETAIL)  # torch.distributed is imported by now (the zygote's)
         dist.init(config.pg_timeout)
         recorder.start(hang_folder(strategy, config), dist.rank, recorder.STALL_SHARE * config.pg_timeout)
     try:

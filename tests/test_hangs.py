@@ -74,6 +74,18 @@ def test_a_failed_point_to_point_op_is_named_from_the_error_and_where_it_was_rai
                                           "complete; rank 1 was: step 1: stopped")
 
 
+def test_torchs_own_fingerprint_check_is_said_in_the_records_words():
+    # --debug-collectives: TORCH_DISTRIBUTED_DEBUG=DETAIL raises on every rank before the collective runs.
+    error = ("RuntimeError: Detected mismatch between collectives on ranks. Rank 0 is running collective: "
+             "CollectiveFingerPrint(SequenceNumber=12, OpType=ALLREDUCE, TensorShape=[1059850], TensorDtypes=Float, "
+             "TensorDeviceTypes=...), but Rank 1 is running collective: CollectiveFingerPrint(SequenceNumber=12, "
+             "OpType=ALLREDUCE, TensorShape=[4, 8], TensorDtypes=BFloat16, TensorDeviceTypes=...).")
+    records = {0: {**_record(0, []), "step": 0, "error": error}, 1: {**_record(1, []), "step": 0}}
+    assert hangs.diagnose(records, 2) == ("rank 1 is at collective #12 all_reduce(32 bf16); rank 0 at #12 "
+                                          "all_reduce(1059850 fp32) (step 0): the ranks issued different "
+                                          "collectives (torch's check, --debug-collectives)")
+
+
 def test_a_rank_that_left_nothing_is_named():
     line = hangs.diagnose({0: _record(0, [_entry(1)])}, 2)
     assert line.startswith("rank 1 left no record")

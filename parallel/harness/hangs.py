@@ -19,11 +19,12 @@ record, which also knows each collective's training step and what each rank was 
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import Counter
 from pathlib import Path
 
-from parallel.recorder import _from_a_collective, describe
+from parallel.recorder import DTYPES, _from_a_collective, describe
 from parallel.results import atomic_write
 
 
@@ -172,11 +173,39 @@ def _failed(records: dict[int, dict]) -> str | None:
     return f"rank {r} failed at {step}{where}: {rec['error']}" + (f"; {others}" if others else "")
 
 
+_PRINT = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+), OpType=(\w+), "
+                    r"TensorShape=(\[[^\]]*\]), TensorDtypes=(\w+)")
+
+
+def _fingerprints(records: dict[int, dict]) -> str | None:
+    """torch's own check (--debug-collectives: TORCH_DISTRIBUTED_DEBUG=DETAIL) raised on a mismatch before
+    the collective ran: its two fingerprints, in the diagnosis's words."""
+    for _, rec in sorted(records.items()):
+        found = _PRINT.findall(rec["error"] or "")
+        if len(found) == 2:
+            (a, n, *print_a), (b, _, *print_b) = found
+            step = f" (step {rec['step']})" if rec["step"] >= 0 else " (setting up)"
+            return (f"rank {b} is at collective #{n} {_torch_print(*print_b)}; rank {a} at #{n} "
+                    f"{_torch_print(*print_a)}{step}: the ranks issued different collectives (torch's check, "
+                    f"--debug-collectives)")
+    return None
+
+
+def _torch_print(op: str, shape: str, dtype: str) -> str:
+    """CollectiveFingerPrint's ALLREDUCE, [4, 8], Float as the records write it: all_reduce(32 fp32)."""
+    numel = math.prod(int(d) for d in shape.strip("[]").split(",") if d.strip())
+    name = {"ALLREDUCE": "all_reduce", "ALLGATHER": "all_gather", "_ALLGATHER_BASE": "all_gather",
+            "REDUCE_SCATTER": "reduce_scatter", "_REDUCE_SCATTER_BASE": "reduce_scatter"}.get(op, op.lower())
+    return f"{name}({numel} {DTYPES.get(dtype, dtype)})"
+
+
 def diagnose(records: dict[int, dict], world: int, stacks: dict[int, str] | None = None, log: str = "") -> str | None:
     """One line: where the ranks parted, else which rank died where, else who left no record, else what
     each was doing. `stacks`: the fatal stacks of ranks that died at once; `log`: the run's output."""
     if not records and not stacks:
         return None
+    if checked := _fingerprints(records):
+        return checked
     parted = _disagreements(records)
     if parted:
         return min(parted)[1]
