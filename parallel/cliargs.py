@@ -132,6 +132,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fail-at-step", type=int, default=d.fail_at_step, help="demo/test: raise at this step (-1: never)")
     p.add_argument("--fail-rank", type=int, default=d.fail_rank, help="demo/test: ... on this rank or worker (0)")
     p.add_argument("--hang-rank", type=int, default=d.hang_rank, help="demo/test: this rank stops responding at step 1")
+    p.add_argument("--check-replicas", action="store_true", help="after every step, checksum what ranks must hold "
+                   "alike (replicas, reduced gradients, the loss) and name the first difference")
     p.add_argument("--mutant", default=d.mutant, help="test the oracle: run with this injected bug "
                                                       "(python -m parallel mutants --list)")
 
