@@ -136,6 +136,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug-collectives", action="store_true",
                    help="torch checks every collective's op and shapes across the ranks before it runs "
                         "(TORCH_DISTRIBUTED_DEBUG=DETAIL): a mismatch is named at once, at a cost (docs/debugging.md)")
+    p.add_argument("--check-replicas", action="store_true", help="after every step, checksum what ranks must hold "
+                   "alike (replicas, reduced gradients, the loss) and name the first difference")
     p.add_argument("--mutant", default=d.mutant, help="test the oracle: run with this injected bug "
                                                       "(python -m parallel mutants --list)")
 

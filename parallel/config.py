@@ -76,6 +76,7 @@ class RunConfig:
     fail_rank: int = 0  # ... on this rank (or Hogwild worker); only in torchrun's first attempt
     hang_rank: int = -1  # for demos and tests: this rank stops at its first gradient collective of step 1
     debug_collectives: bool = False  # TORCH_DISTRIBUTED_DEBUG=DETAIL: every collective's fingerprint checked
+    check_replicas: bool = False  # after every step, checksums of what ranks must hold alike (divergence.py)
     mutant: str = ""  # for testing the oracle: run with this injected bug (`python -m parallel mutants --list`)
     extras: bool = True  # the strategy's own measurements after training (exposed communication, collectives
     #   timed, ...); the oracle's runs leave them out: they judge the parameters and losses only

@@ -5,6 +5,7 @@
         [sync, clock] strategy.train_step(...) [sync, clock]   <- only steps after the warm-up are timed
                       (under --precision: fp32, or bf16 autocast; the warm-up steps' collectives counted)
         profiler.step()
+        [--check-replicas] what ranks must hold alike, checksummed and compared   (divergence.py)
     losses are averaged over the ranks whose loss counts, once, at the end, and checked for NaN/inf
 """
 
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as td
 from torch.autograd.profiler import record_function
 
-from parallel import checkpoint, faults, recorder, wire
+from parallel import checkpoint, divergence, faults, recorder, wire
 from parallel.devices import memory_history, synchronizer_all
 from parallel.dist import watch_group
 from parallel.faults import InjectedFault  # noqa: F401 (where the tests and hogwild import it from)
@@ -37,6 +38,8 @@ class TrainResult:
     loss_parts: list[list[float]] | None = None  # every loss of every step, when a step has several (the DCGAN's)
     wire: wire.Counter = field(default_factory=lambda: wire.Counter(0))  # the collectives (and copies between
     #                                         devices) of the counted steps; none for a loop of its own (Hogwild)
+    diverged: str = ""  # --check-replicas: the first step, tensor and ranks whose copies differed ("": none)
+    checked: int | None = None  # ... and the steps in which it compared something (None: not checked)
 
 
 def make_optimizer(config):
@@ -87,6 +90,7 @@ def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult
     # Bytes on the wire, counted in the warm-up steps (off the clock), per block for tensor parallelism
     per_block = trainable is not None and getattr(strategy, "TENSOR_PARALLEL", False)  # Megatron counts per block
     counter = wire.Counter(config.warmup, trainable.model if per_block else None)
+    replicas = divergence.Check(config, dims, dist, trainable)  # --check-replicas, between steps (off the clock)
     for step in range(start, total):
         batch = data.batch(step, *share)
         faults.check(step, config, dist)
@@ -101,6 +105,7 @@ def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult
         if step >= config.warmup:
             step_s.append(timer.elapsed)
             first = timer.started if first is None else first
+        replicas.after(step, loss)
         if profiler is not None:
             profiler.step()
         if config.checkpoint_every and ((step + 1) % config.checkpoint_every == 0 or step == total - 1):
@@ -115,7 +120,8 @@ def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult
             raise NonFiniteLoss(f"loss is {values if len(values) > 1 else values[0]} at step {step} of {strategy.name}")
     several = bool(global_losses) and len(global_losses[0]) > 1
     return TrainResult([v[0] for v in global_losses], step_s, (first or timer.started, timer.started + timer.elapsed),
-                       loss_parts=global_losses if several else None, wire=counter)
+                       loss_parts=global_losses if several else None, wire=counter, diverged=replicas.found,
+                       checked=replicas.checked)
 
 
 def snapshot_path(strategy, config, dist) -> str | None:

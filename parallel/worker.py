@@ -81,6 +81,10 @@ def execute(strategy, config: RunConfig, dist: Dist, data=None, run: str = "") -
                **_peak_per_rank(peak, peak_kind, dist), **extra, "phases_s": phases}
     if reserved:
         details |= {"cuda_max_reserved": max(reserved), **_peak_per_rank(max(reserved), "cuda_max_reserved", dist)}
+    if result.checked is not None:  # --check-replicas: the steps it compared, and the first disagreement if any
+        details["replicas_checked"] = result.checked
+    if result.diverged:
+        details["replicas_diverged"] = result.diverged
     if why := every_rank_reason(trainable.not_expected, dist):
         details["not_expected"] = why
     for found in typed.values():  # a prediction that needs the run (the experts': from its routing)

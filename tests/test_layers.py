@@ -23,7 +23,7 @@ LAYERS = {
     "measure": 3,  # one home per measurement family: what is measured, predicted, shown; never a strategy
     "kit": 2,  # the building blocks strategies share: collectives by hand, stages, schedules, ring attention
     "train": 1, "timing": 1, "profiling": 1, "checkpoint": 1, "results": 1, "activations": 1, "formulas": 1,
-    "tables": 1, "wire": 1, "charts": 1, "recorder": 1, "faults": 1,
+    "tables": 1, "wire": 1, "charts": 1, "recorder": 1, "faults": 1, "divergence": 1,
     "config": 0, "dist": 0, "devices": 0, "workloads": 0, "data": 0, "transformer": 0, "tpplan": 0, "moe": 0,
     "errors": 0, "layout": 0, "usermodel": 0, "hf": 0, "outputs": 0,
     "devicespec": 0, "machine": 0, "nets": 0, "userload": 0, "userdata": 0, "userchecks": 0,

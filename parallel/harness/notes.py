@@ -63,11 +63,25 @@ def flag_lines(rows: list[Row]) -> list[str]:
     return out
 
 
+def replica_lines(rows: list[Row]) -> list[str]:
+    """--check-replicas: each row's first step whose copies parted (beside the oracle's verdict, which
+    judges the end against one device), and one line for the rows checked in which all agreed, naming
+    those whose ranks share nothing to compare (every tensor a shard or a stage of its own)."""
+    out = [f"{r.label}: {r.details['replicas_diverged']}" for r in rows if r.details.get("replicas_diverged")]
+    quiet = [r for r in rows if "replicas_checked" in r.details and not r.details.get("replicas_diverged")]
+    agreed = [r.label for r in quiet if r.details["replicas_checked"]]
+    apart = [r.label for r in quiet if not r.details["replicas_checked"]]
+    parts = ([f"every replica agreed at every step ({', '.join(agreed)})"] if agreed else []) + \
+        ([f"no two ranks hold a tensor alike in {', '.join(apart)}: nothing to compare"] if apart else [])
+    return out + ([f"--check-replicas: {'; '.join(parts)}"] if parts else [])
+
+
 def notes(rows: list[Row], environment: dict, skipped: dict | None = None) -> list[str]:
     """What a reader must know to read the table right, in as few lines as it takes."""
     out = [f"{r.label} {r.status}: {r.error.splitlines()[0]}"  # the log: logs/round-k/ with --repeat
            + ("" if "log:" in r.error else f" (its traceback: {r.stem}.log in logs/)") for r in rows if r.error]
     out += [f"{r.label} mismatch: {r.equivalence.reason}" for r in rows if r.equivalence.verdict == "mismatch"]
+    out += replica_lines(rows)
     out += flag_lines(rows)
     if line := skipped_line(skipped or {}):
         out.append(line)

@@ -144,7 +144,9 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     dense = [p for p in model.parameters() if id(p) not in expert_params | skip]
     state = State(dispatch, owned, dense, [p for p in model.parameters() if id(p) in expert_params], expert_group,
                   n)
-    return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device, state=state)
+    held = tuple(range(dist.rank % ep, n, ep))  # the ranks holding this rank's experts (its expert-replica group)
+    return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device, state=state,
+                     held_by={k: held for k, p in model.named_parameters() if id(p) in expert_params})
 
 
 def train_step(t: Trainable, batch, dist):

@@ -209,8 +209,11 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     # Every rank built the same model from the seed (workloads.build_model): each keeps its part of it.
     colwise, rowwise = shard(model, dist.rank, dist.world_size, config)
     model = model.to(dist.device)
+    split = {f"{n}.weight" for n in colwise + rowwise} | {f"{n}.bias" for n in colwise}  # a row split's bias is whole
+    whole = tuple(range(dist.world_size))  # the rest every rank holds alike (--check-replicas)
     return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device,
-                     state=Split(dist.world_size, colwise, rowwise))
+                     state=Split(dist.world_size, colwise, rowwise),
+                     held_by={k: whole for k, _ in model.named_parameters() if k not in split})
 
 
 def train_step(t: Trainable, batch, dist):

@@ -181,10 +181,14 @@ def _rows_per_rank_floored(head: nn.Linear, tp: int) -> None:
 
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
+    from torch.distributed.tensor import DTensor
+
     o = options_of(Options, config)
     model = apply(model.to(dist.device), dims(config, dist).mesh(dist.device.type), o, config)
+    whole = tuple(range(dist.world_size))  # what the plan leaves whole, every tp rank holds alike (--check-replicas)
     return Trainable(model, make_optimizer(by_kind(model.parameters())), loss_fn, dist.device,
-                     state=State(bool(o.loss_parallel)))
+                     state=State(bool(o.loss_parallel)),
+                     held_by={k: whole for k, p in model.named_parameters() if not isinstance(p, DTensor)})
 
 
 def train_step(t: Trainable, batch, dist):
