@@ -79,8 +79,9 @@ def _caught(name: str, verdict: str, reason: str, ratio: float | None, line: str
         rank = strategies.mutants()[name][0].module.BUG_RANK
         assert verdict == "named" and "\n" not in reason and named.HANG_NAMED.search(reason), (verdict, reason)
         assert re.search(rf"\brank {rank}\b", reason), reason
-    elif shows == "replicas":
+    elif shows == "replicas":  # its step, the tensor (or the loss) and the rank the bug sits on
         assert named.REPLICAS_NAMED.search(line) and "\n" not in line, line
+        assert re.match(r"replicas part at step \d+: \S+ differs between rank \d+ and rank 1\b", line), line
     else:
         assert verdict == "mismatch" and ratio > 1 and reason, (verdict, ratio, reason)
 
@@ -88,7 +89,7 @@ def _caught(name: str, verdict: str, reason: str, ratio: float | None, line: str
 # Bugs whose catching depends on the number of ranks (which rank gloo aborts, which receives the collective a
 # rank left out; a vocabulary that 4 ranks split with a remainder of 3, not 1), run on cpu:4 too.
 ON_FOUR = ("manual_ddp:buckets-reordered", "manual_ddp:bucket-skipped", "zero:uneven-padding",
-           "tensor_parallel:vocab-remainder-dropped")
+           "tensor_parallel:vocab-remainder-dropped", "manual_tp:rank-branch")
 
 
 def _four_jobs() -> list:

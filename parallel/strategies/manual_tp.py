@@ -54,7 +54,12 @@ FUSED_QKV_SPLIT = Mutant("manual_tp:fused-qkv-split", "q, k and v split as one f
                          "(pytorch#140069)", {"workload": "transformer"})
 BIAS_ON_EVERY_RANK = Mutant("manual_tp:bias-every-rank", "a rowwise layer's bias added before the all-reduce, on "
                             "every rank: N times the bias", {"workload": "mlp"})
-MUTANTS = (FUSED_QKV_SPLIT, BIAS_ON_EVERY_RANK)
+RANK_BRANCH = Mutant("manual_tp:rank-branch", "the model's forward branches on the rank: a debugging branch left "
+                     "in (`if rank == 1`) drops out part of the final norm's output on rank 1 only, so the "
+                     "replicated head sees different inputs on the two ranks", {"workload": "transformer",
+                                                                                "check_replicas": True},
+                     shows="replicas")
+MUTANTS = (FUSED_QKV_SPLIT, BIAS_ON_EVERY_RANK, RANK_BRANCH)
 
 
 class _Copy(torch.autograd.Function):
@@ -209,6 +214,8 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     # Every rank built the same model from the seed (workloads.build_model): each keeps its part of it.
     colwise, rowwise = shard(model, dist.rank, dist.world_size, config)
     model = model.to(dist.device)
+    if injected(config, RANK_BRANCH) and dist.rank == 1:  # the bug: a rank-dependent branch in the model
+        model.head[0].register_forward_hook(lambda module, args, out: F.dropout(out, 0.1, training=True))
     split = {f"{n}.weight" for n in colwise + rowwise} | {f"{n}.bias" for n in colwise}  # a row split's bias is whole
     whole = tuple(range(dist.world_size))  # the rest every rank holds alike (--check-replicas)
     return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device,
