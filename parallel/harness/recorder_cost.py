@@ -1,6 +1,7 @@
 """What the always-on record of collectives costs a step, measured in paired rounds.
 
     python -m parallel.harness.recorder_cost [--strategy ddp,fsdp | all] [--rounds 5] [--steps 20]
+    python -m parallel.harness.recorder_cost --detail [--rounds 6]   # one all-reduce: record, DETAIL
 
 The record (recorder.py) is torch's Flight Recorder, switched on for a process before its first group
 (TORCH_FR_BUFFER_SIZE), the loop's marks, and a watch thread. Neither can be switched off inside a process
@@ -17,6 +18,7 @@ import argparse
 import os
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 from rich.table import Table
@@ -66,6 +68,53 @@ def paired(name: str, config: RunConfig, rounds: int) -> tuple[list[float], list
     return on, off
 
 
+def _all_reduces(rank: int, world: int, detail: bool, sizes: tuple[int, ...], n: int) -> dict[int, float]:
+    """Microseconds an all-reduce of each size takes, in a group made with DETAIL's check or without."""
+    import torch
+    import torch.distributed as td
+
+    if detail:  # the group made next wraps every collective in torch's fingerprint check
+        td.set_debug_level(td.DebugLevel.DETAIL)
+    group, out = td.new_group(list(range(world))), {}
+    for numel in sizes:
+        x = torch.ones(numel)
+        for _ in range(20):
+            td.all_reduce(x, group=group)
+        td.barrier(group=group)
+        start = time.perf_counter()
+        for _ in range(n):
+            td.all_reduce(x, group=group)
+        out[numel] = (time.perf_counter() - start) / n * 1e6
+    return out
+
+
+ARMS = ("off", "record", "detail")  # nothing; the record (torch's Flight Recorder); --debug-collectives
+
+
+def per_collective(rounds: int, sizes: tuple[int, ...] = (1024, 1 << 20), n: int = 200) -> None:
+    """--detail: one all-reduce on 2 ranks, with nothing, with the record, with DETAIL's check (the
+    record off): fresh ranks for each arm, the arms' order turned every round."""
+    arms: dict[str, list[dict]] = {a: [] for a in ARMS}
+    for r in range(rounds):
+        for arm in ARMS[r % 3:] + ARMS[:r % 3]:
+            os.environ.pop("TORCH_FR_BUFFER_SIZE", None)
+            if arm == "record":
+                recorder.enable()
+            try:
+                arms[arm].append(run_ranks(_all_reduces, 2, (arm == "detail", sizes, n), timeout=60, total=300)[0])
+            finally:
+                os.environ.pop("TORCH_FR_BUFFER_SIZE", None)
+    for numel in sizes:
+        off = [a[numel] for a in arms["off"]]
+        parts = [f"all_reduce of {numel} fp32: {statistics.median(off):.0f} us [{min(off):.0f}-{max(off):.0f}]"]
+        for arm in ARMS[1:]:
+            us = [a[numel] for a in arms[arm]]
+            ratios = [a / b for a, b in zip(us, off, strict=True)]
+            parts.append(f"{arm} {statistics.median(us):.0f} us, {statistics.median(ratios):.2f}x "
+                         f"[{min(ratios):.2f}-{max(ratios):.2f}]")
+        print("; ".join(parts))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m parallel.harness.recorder_cost", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -73,7 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--devices", default="cpu:2")
+    p.add_argument("--detail", action="store_true", help="instead: what the record and --debug-collectives "
+                   "(torch's TORCH_DISTRIBUTED_DEBUG=DETAIL) cost one all-reduce, 2 ranks")
     args = p.parse_args(argv)
+    if args.detail:
+        per_collective(args.rounds)
+        return 0
     config = RunConfig(devices=args.devices, steps=args.steps, extras=False).validate()
     workload = workload_of(config)
     names = [s.name for s in strategies.all_strategies() if s.launch == "torchrun" and s.synchronous
