@@ -27,6 +27,7 @@ import json
 import os
 import pickle
 import re
+import sys
 import threading
 import time
 import traceback
@@ -71,8 +72,9 @@ class Recorder:
         """Stop watching; the fatal file goes where nothing fatal happened, the folder too if it is empty."""
         self._stop.set()
         faulthandler.disable()
-        if self._was_enabled:
-            faulthandler.enable()
+        if self._was_enabled:  # as it was: to the process's stderr (pytest's capture has no file number)
+            with contextlib.suppress(ValueError, OSError, AttributeError):
+                faulthandler.enable(sys.__stderr__, all_threads=True)
         self._fatal.close()
         path = Path(self._fatal.name)
         if path.exists() and path.stat().st_size == 0:

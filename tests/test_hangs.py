@@ -128,13 +128,13 @@ def test_the_rank_whose_collective_differs_from_the_others_is_the_one_named_at_i
 # Real ranks: torch's Flight Recorder on gloo, the watch thread, the record a failing rank writes.
 
 def _skips(rank, world, folder):
-    rec = recorder.start(Path(folder), rank, stall_s=0.5)
+    rec = recorder.start(Path(folder), rank, stall_s=0.25)
     recorder.mark(0, "step 0: in its train_step")
     try:
         torch.distributed.all_reduce(torch.ones(4))
         if rank == 1:
             recorder.mark(0, "step 0: skipped one")
-            time.sleep(30)  # never issues the second; its watch thread writes its record after 0.5 s
+            time.sleep(30)  # never issues the second; its watch thread writes its record after 0.25 s
         torch.distributed.all_reduce(torch.ones(8))
     except Exception as e:
         recorder.stop(e)
@@ -145,10 +145,10 @@ def _skips(rank, world, folder):
 def test_a_rank_that_skips_a_collective_is_named_from_real_records(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "64")  # the ranks copy this environment before their group
     with pytest.raises(RankError):
-        run_ranks(_skips, 2, (str(tmp_path),), timeout=2, total=40)
+        run_ranks(_skips, 2, (str(tmp_path),), timeout=1, total=40)
     records = hangs.read(tmp_path)
     assert records[0]["written"] == "it failed" and "Timed out" in records[0]["error"]
-    assert records[1]["written"].startswith("no progress for 0.5 s") and (tmp_path / "rank1.stack.txt").exists()
+    assert records[1]["written"].startswith("no progress for 0.25 s") and (tmp_path / "rank1.stack.txt").exists()
     line = hangs.explain(tmp_path, 2)
     assert line.startswith("rank 1 never issued collective #2 on group [0, 1] (its last: #1 all_reduce(4 fp32))")
     assert "rank 0 waits in #2 all_reduce(8 fp32) (step 0)" in line and line.endswith("it was: step 0: skipped one")
