@@ -125,7 +125,7 @@ class Recorder:
         self.folder.mkdir(parents=True, exist_ok=True)
         record = self.snapshot(error) | {"written": why, "stack": raised}
         since = self.marks[-1][1] if self.marks else 0
-        if _from_a_collective(error) and record["entries"]:
+        if from_a_collective(error) and record["entries"]:
             last = max(record["entries"], key=lambda e: e["time_ns"])
             if last["time_ns"] >= since:  # issued in this step: torch retires a failed one as if it had finished
                 last["state"] = "failed"  # (one the recorder misses, a gloo send, leaves the last alone)
@@ -191,7 +191,7 @@ _COLLECTIVE_ERRORS = ("gloo", "NCCL", "Timed out", "timed out", "Connection", "m
                       "Detected mismatch between collectives")
 
 
-def _from_a_collective(error: str) -> bool:
+def from_a_collective(error: str) -> bool:
     """Does this error come from a collective (its timeout, a peer gone), not from the rank's own code?"""
     return any(word in error for word in _COLLECTIVE_ERRORS)
 

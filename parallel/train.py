@@ -93,8 +93,8 @@ def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult
     replicas = divergence.Check(config, dims, dist, trainable)  # --check-replicas, between steps (off the clock)
     for step in range(start, total):
         batch = data.batch(step, *share)
-        faults.check(step, config, dist)
         recorder.mark(step, f"step {step}: in the watchdog's barrier before it")
+        faults.check(step, config, dist)
         _watchdog(config, dist)
         recorder.mark(step, f"step {step}: in its train_step")
         hang = faults.around_step(step, config, dist)  # --hang-rank's stop, inside the step

@@ -86,6 +86,14 @@ def test_torchs_own_fingerprint_check_is_said_in_the_records_words():
                                           "collectives (torch's check, --debug-collectives)")
 
 
+def test_a_ranks_own_error_is_the_cause_not_the_others_timeouts():
+    records = {0: {**_record(0, [_entry(1)]), "step": 2, "error": "RuntimeError: [Rank 0]: Ranks 1 failed to pass "
+                                                                   "monitoredBarrier in 60000 ms"},
+               1: {**_record(1, [_entry(1)]), "step": 2, "error": "InjectedFault: injected fault at step 2"}}
+    assert hangs.diagnose(records, 2) == ("rank 1: InjectedFault: injected fault at step 2 (step 2; the others then "
+                                          "waited for it)")
+
+
 def test_a_rank_that_left_nothing_is_named():
     line = hangs.diagnose({0: _record(0, [_entry(1)])}, 2)
     assert line.startswith("rank 1 left no record")

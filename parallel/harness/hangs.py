@@ -24,7 +24,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from parallel.recorder import DTYPES, _from_a_collective, describe
+from parallel.recorder import DTYPES, describe, from_a_collective
 from parallel.results import atomic_write
 
 
@@ -102,6 +102,10 @@ def _fingerprint(e: dict) -> tuple:
     return e["op"], tuple(map(tuple, e["sizes"])), e["dtype"]
 
 
+def _step_text(step: int) -> str:
+    return f"step {step}" if step >= 0 else "setting up"
+
+
 def _where(e: dict) -> str:
     return f" (step {e['step']})" if e["step"] >= 0 else " (setting up)"
 
@@ -161,7 +165,7 @@ def _line(name: str, members: list[int], n: int, at: dict, records: dict, seqs: 
 def _failed(records: dict[int, dict]) -> str | None:
     """A rank whose collective failed where the records cannot say which (gloo's point-to-point sends and
     receives are not in its Flight Recorder): the error, the step, where its stack was; what the others did."""
-    failed = [r for r, rec in sorted(records.items()) if rec["error"] and _from_a_collective(rec["error"])]
+    failed = [r for r, rec in sorted(records.items()) if rec["error"] and from_a_collective(rec["error"])]
     if not failed:
         return None
     r = failed[0]
@@ -204,6 +208,10 @@ def diagnose(records: dict[int, dict], world: int, stacks: dict[int, str] | None
     each was doing. `stacks`: the fatal stacks of ranks that died at once; `log`: the run's output."""
     if not records and not stacks:
         return None
+    own = [(r, rec) for r, rec in sorted(records.items()) if rec["error"] and not from_a_collective(rec["error"])]
+    if own:  # a rank's own error (a crash in its code): the others' failures follow from it
+        r, rec = own[0]
+        return f"rank {r}: {rec['error']} ({_step_text(rec['step'])}; the others then waited for it)"
     if checked := _fingerprints(records):
         return checked
     parted = _disagreements(records)
