@@ -116,7 +116,8 @@ class Row:
 
     @property
     def ok(self) -> bool:
-        return self.status == "ok" and self.equivalence.verdict != "mismatch"
+        return self.status == "ok" and self.equivalence.verdict != "mismatch" and \
+            not self.details.get("replicas_diverged")  # --check-replicas: copies that must be equal parted
 
 
 def tb_run(strategy: str, variant: str = "") -> str:

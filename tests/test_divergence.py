@@ -161,3 +161,4 @@ def test_the_report_names_a_row_that_parted_and_sums_up_the_rest():
                                                    "no two ranks hold a tensor alike in fsdp: nothing to compare"]
     assert replica_lines(rows[1:2]) == ["--check-replicas: every replica agreed at every step (manual_tp)"]
     assert replica_lines(rows[3:]) == []
+    assert not rows[0].ok and rows[1].ok  # a row whose replicas parted fails the run (exit 1), as a mismatch does
