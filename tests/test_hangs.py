@@ -192,3 +192,36 @@ def test_a_clean_run_leaves_no_record(tmp_path):
     recorder.mark(0, "step 0")
     recorder.stop()
     assert not (tmp_path / "hang").exists() and rec.written == ""
+
+
+def test_nccls_own_recorder_is_read_beside_the_generic_one(tmp_path, monkeypatch):
+    # nccl records into a recorder of its own, dumped by _dump_nccl_trace on CUDA builds (torch's init.cpp);
+    # this CPU build has none, so a stand-in of its dump, in its fields, beside gloo's (the watchdog's group).
+    import pickle
+
+    import torch.distributed as td
+
+    def entry(seq, name, state, retired, group, t):
+        return {"collective_seq_id": seq, "p2p_seq_id": 0, "is_p2p": False, "profiling_name": name,
+                "process_group": (group, ""), "input_sizes": [[1024]], "input_dtypes": ["BFloat16"],
+                "time_created_ns": t, "state": state, "retired": retired}
+
+    nccl = {"entries": [entry(7, "nccl:all_reduce", "completed", True, "0", 20),
+                        entry(8, "nccl:reduce_scatter", "started", False, "0", 30)],
+            "pg_status": {"0": {"last_enqueued_collective": 8, "last_completed_collective": 7}}}
+    gloo = {"entries": [entry(3, "gloo:all_reduce", "scheduled", True, "1", 10)],
+            "pg_status": {"1": {"last_enqueued_collective": 3, "last_completed_collective": 3}}}
+    c10d = torch._C._distributed_c10d
+    monkeypatch.setattr(c10d, "_dump_nccl_trace", lambda *a: pickle.dumps(nccl), raising=False)
+    monkeypatch.setattr(c10d, "_dump_fr_trace", lambda *a: pickle.dumps(gloo), raising=False)
+    monkeypatch.setattr(td, "is_initialized", lambda: True)
+    monkeypatch.setattr(recorder, "_groups", lambda: {"0": [0, 1], "1": [0, 1]})
+    rec = recorder.Recorder(tmp_path, 0, stall_s=60)
+    try:
+        snap = rec.snapshot()
+    finally:
+        rec.close()
+    assert [(e["group"], e["seq"], e["op"], e["dtype"], e["state"]) for e in snap["entries"]] == [
+        ("1", 3, "all_reduce", "bf16", "finished"), ("0", 7, "all_reduce", "bf16", "finished"),
+        ("0", 8, "reduce_scatter", "bf16", "started")]
+    assert snap["status"].keys() == {"0", "1"}
