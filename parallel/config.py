@@ -145,6 +145,9 @@ class RunConfig:
                                 or self.hang_rank >= 0):
             raise ConfigError("--repeat times the same run again; it does not combine with checkpoints, --resume "
                               "or injected faults")
+        if self.hang_rank >= 0 and self.warmup + self.steps < 2:
+            raise ConfigError(f"--hang-rank stops its rank in step 1, and this run has {self.warmup + self.steps} "
+                              f"step (--warmup + --steps must be 2 or more)")
         if self.twin_blocks < 0:
             raise ConfigError(f"twin_blocks must be 0 (the model itself) or a number of blocks, got {self.twin_blocks}")
         if self.max_restarts < 0:

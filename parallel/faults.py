@@ -3,10 +3,11 @@
 Only in torchrun's first attempt, so that a restarted group can show that it recovers.
 
 --hang-rank R: rank R stops inside step 1 where a real hang stops a rank, at its first gradient
-collective: the first collective it would issue once the step's backward has begun (DDP's bucket
-all-reduce, FSDP's reduce-scatter, a pipeline's gradient send). It never issues it, and the other ranks
-go on into that collective and wait there; their diagnosis names it (harness/hangs.py). A step with no
-collective after backward stops at its end. A TorchDispatchMode sees each operation as it is issued:
+collective: the first reducing collective or send it would issue once the step's backward has begun
+(DDP's bucket all-reduce, FSDP's reduce-scatter, a pipeline's gradient send; in a pipeline whose
+schedule interleaves, possibly the next micro-batch's forward send). It never issues it, and the other
+ranks go on into that collective and wait there; their diagnosis names it (harness/hangs.py). A step
+with no collective after backward stops at its end. A TorchDispatchMode sees each operation as it is issued:
 a collective is one of torch.distributed's ops (wire.NAMESPACES), the waits and barriers aside.
 """
 

@@ -3,13 +3,15 @@
 torch's own Flight Recorder keeps it: a ring of the last BUFFER collectives this process issued, on every
 process group, from every caller (DDP's C++ reducer, FSDP2, DTensor, the hand-written strategies), with
 its group, sequence number, op, input shapes and dtypes, and whether it finished. Read in the installed
-torch (2.11 and 2.13, gloo): `TORCH_FR_BUFFER_SIZE` switches it on when set before the first process
-group; `_dump_fr_trace` returns the ring; a gloo entry's `state` stays "scheduled", but `retired` turns
-true when its work completes (measured: a collective a peer never joined stays unretired), and
-`pg_status` holds each group's last enqueued and completed sequence numbers. nccl keeps a recorder of
-its own (FlightRecorder<CUDAEvent>, ProcessGroupNCCL.hpp), dumped apart by `_dump_nccl_trace` on a
-CUDA build, with the same fields and `state` filled: the record reads both (RECORDERS). Not run here
-(no GPU): read in torch's init.cpp, and tested on a stand-in of its dump (tests/test_hangs.py).
+torch (2.11 and 2.13, gloo):
+- it is on by default, 2,000 entries: FlightRecorder.hpp reads `TORCH_FR_BUFFER_SIZE` (or its older
+  name `TORCH_NCCL_TRACE_BUFFER_SIZE`) when the first group is made, and 0 turns it off;
+- `_dump_fr_trace` returns the ring; a gloo entry's `state` stays "scheduled", but `retired` turns true
+  when its work ends (measured: a collective a peer never joined stays unretired), and `pg_status` holds
+  each group's last enqueued and completed numbers;
+- nccl keeps a recorder of its own (FlightRecorder<CUDAEvent>, ProcessGroupNCCL.hpp), dumped apart by
+  `_dump_nccl_trace` on a CUDA build, with the same fields and `state` filled: the record reads both
+  (RECORDERS). Not run here (no GPU): read in torch's init.cpp, tested on a stand-in of its dump.
 Where a torch has no Flight Recorder, the record holds the loop's marks only, and says so.
 
 The project adds what torch cannot know: which training step issued each collective (the loop marks
@@ -52,10 +54,10 @@ RECORDERS = ("_dump_fr_trace", "_dump_nccl_trace")  # the generic recorder (gloo
 
 
 def enable() -> None:
-    """Switch torch's Flight Recorder on for this process: before its first process group is made
-    (TORCH_NCCL_TRACE_BUFFER_SIZE: the name nccl's recorder read before torch 2.10)."""
-    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(BUFFER))
-    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(BUFFER))
+    """torch's Flight Recorder on for this process, BUFFER entries (its own default, said here so that a
+    torch with another default keeps the same), unless the user set its size; before the first group."""
+    if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(BUFFER))
 
 
 def flight_recorder() -> bool:
@@ -89,11 +91,15 @@ class Recorder:
         folder.mkdir(parents=True, exist_ok=True)
         self._fatal = open(folder / f"rank{rank}.fatal.txt", "w")  # noqa: SIM115 (open for the run's life)
         self._was_enabled = faulthandler.is_enabled()
+        self._thread: threading.Thread | None = None
         faulthandler.enable(self._fatal, all_threads=True)
 
     def close(self) -> None:
-        """Stop watching; the fatal file goes where nothing fatal happened, the folder too if it is empty."""
+        """Stop watching (a write under way ends first); the fatal file goes where nothing fatal happened,
+        a stall's record where the rank went on after it, and the folder too if it is empty."""
         self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
         faulthandler.disable()
         if self._was_enabled:  # as it was: to the process's stderr (pytest's capture has no file number)
             with contextlib.suppress(ValueError, OSError, AttributeError):
@@ -137,7 +143,7 @@ class Recorder:
 
     def _step_at(self, time_ns: int) -> int:
         step = -1  # before the first step: setting up
-        for s, t in self.marks:
+        for s, t in tuple(self.marks):  # the loop appends while the watch thread reads
             if t > time_ns:
                 break
             step = s
@@ -175,8 +181,16 @@ class Recorder:
                 return
             if now != last:
                 last, since = now, time.monotonic()
+                if self.written:  # it went on: a slow stretch, not a hang; the next stall writes afresh
+                    self._forget()
             elif time.monotonic() - since > self.stall_s and not self.written:
                 self.write(f"no progress for {self.stall_s:g} s", stacks=True)
+
+    def _forget(self) -> None:
+        for suffix in ("json", "txt", "stack.txt"):
+            with contextlib.suppress(OSError):
+                (self.folder / f"rank{self.rank}.{suffix}").unlink()
+        self.written = ""
 
 
 _current: Recorder | None = None  # this process's recorder, while a run is in it (the worker's)
@@ -186,7 +200,8 @@ def start(folder: Path, rank: int, stall_s: float) -> Recorder:
     """The record of this rank's run, watched by a thread (a daemon: it never keeps a process alive)."""
     global _current
     _current = Recorder(folder, rank, stall_s)
-    threading.Thread(target=_current._watch, name="parallel-recorder", daemon=True).start()
+    _current._thread = threading.Thread(target=_current._watch, name="parallel-recorder", daemon=True)
+    _current._thread.start()
     return _current
 
 
@@ -211,13 +226,17 @@ def stop(error: BaseException | None = None) -> None:
         rec.write("it failed", error=f"{type(error).__name__}: {line}", raised=raised)
 
 
-_COLLECTIVE_ERRORS = ("gloo", "NCCL", "Timed out", "timed out", "Connection", "monitoredBarrier",
-                      "Detected mismatch between collectives")
+_COLLECTIVE_ERRORS = ("gloo", "NCCL", "Timed out", "timed out", "Connection reset", "Connection closed",
+                      "monitoredBarrier", "Detected mismatch between collectives")
+_DIST_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError")
 
 
 def from_a_collective(error: str) -> bool:
-    """Does this error come from a collective (its timeout, a peer gone), not from the rank's own code?"""
-    return any(word in error for word in _COLLECTIVE_ERRORS)
+    """Does this error ("RuntimeError: ...", or torchrun's "rank 1: RuntimeError: ...") come from a
+    collective (its timeout, a peer gone, torch's check), not from the rank's own code?"""
+    error = re.sub(r"^rank \d+: ", "", error)
+    return error.startswith(_DIST_ERRORS) or (error.startswith("RuntimeError") and
+                                               any(word in error for word in _COLLECTIVE_ERRORS))
 
 
 def _groups() -> dict[str, list[int]]:

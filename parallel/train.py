@@ -24,7 +24,6 @@ from torch.autograd.profiler import record_function
 from parallel import checkpoint, divergence, faults, recorder, wire
 from parallel.devices import memory_history, synchronizer_all
 from parallel.dist import watch_group
-from parallel.faults import InjectedFault  # noqa: F401 (where the tests and hogwild import it from)
 from parallel.timing import StepTimer
 
 

@@ -152,8 +152,9 @@ def run_here(strategy, config: RunConfig, dist: Dist | None = None, run: str = "
             os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"  # its children's, and the level, read at import:
             td.set_debug_level(td.DebugLevel.DETAIL)  # torch.distributed is imported by now (the zygote's)
         dist.init(config.pg_timeout)
-        recorder.start(hang_folder(strategy, config), dist.rank, recorder.STALL_SHARE * config.pg_timeout)
     try:
+        if needs_group:
+            recorder.start(hang_folder(strategy, config), dist.rank, recorder.STALL_SHARE * config.pg_timeout)
         row, state = execute(strategy, config, dist, run=run)
     except BaseException as e:
         if needs_group:

@@ -81,7 +81,7 @@ def faulted_and_resumed(rank: int, world: int, name: str, folder: str, **fields)
     (FOLDER/faulted); re-run from that checkpoint. {run: rank 0's final state (None on the others), or the
     fault's message}; `fields`: the run's own RunConfig fields (workload, options, ...)."""
     from parallel.config import RunConfig
-    from parallel.train import InjectedFault
+    from parallel.faults import InjectedFault
 
     out = {}
     for run, fail, resume in (("whole", False, False), ("interrupted", True, False), ("resumed", False, True)):

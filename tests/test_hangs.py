@@ -94,6 +94,30 @@ def test_a_ranks_own_error_is_the_cause_not_the_others_timeouts():
                                           "waited for it)")
 
 
+def test_an_all_to_alls_sizes_differ_by_rank_and_are_not_a_disagreement():
+    # Expert dispatch sends uneven splits: the shapes of an all-to-all differ between ranks by design.
+    records = {0: _record(0, [_entry(1, "all_to_all", 96), _entry(2, state="started")]),
+               1: _record(1, [_entry(1, "all_to_all", 160)])}
+    assert hangs.diagnose(records, 2).startswith("rank 1 never issued collective #2")
+
+
+def test_a_ring_that_forgot_a_groups_entries_is_read_with_torchs_status():
+    # One ring for every group: rank 1 kept none of group 1's entries, but torch's status says it got to #9.
+    groups = {"0": [0, 1], "1": [0, 1]}
+    records = {0: _record(0, [_entry(8, group="1"), _entry(9, group="1"), _entry(2, state="started")], groups=groups),
+               1: {**_record(1, [_entry(1)], groups=groups),
+                   "status": {"1": {"last_enqueued_collective": 9}}}}
+    line = hangs.diagnose(records, 2)
+    assert "group [0, 1] (its last: #1 all_reduce(1024 fp32)); rank 0 waits in #2" in line  # not a false #8
+
+
+def test_a_killed_rank_is_named_before_the_others_failures():
+    records = {0: {**_record(0, [_entry(1)]), "step": 3, "error": "RuntimeError: Connection reset by peer"}}
+    line = hangs.diagnose(records, 2)
+    assert line.startswith("rank 1 left no record: died or killed before writing one (its log says which); then "
+                           "rank 0 failed at step 3: RuntimeError: Connection reset by peer"), line
+
+
 def test_a_rank_that_left_nothing_is_named():
     line = hangs.diagnose({0: _record(0, [_entry(1)])}, 2)
     assert line.startswith("rank 1 left no record")

@@ -59,7 +59,7 @@ _SEES_EVERY_OP = ("/parallel/wire.py", "/parallel/faults.py")
 def _died_in(stack: str) -> str:
     """Where a fatal stack's main thread was, and its first line (faulthandler's: "Fatal Python error: ...")."""
     first = stack.strip().splitlines()[0] if stack.strip() else "died"
-    return f"{_place(stack)}; {first.rstrip(chr(10))}"
+    return f"{_place(stack)}; {first}"
 
 
 def _place(stack: str) -> str:
@@ -85,7 +85,8 @@ def _dead(records: dict[int, dict], stacks: dict[int, str], log: str) -> str | N
     if not dead:
         return None
     r = dead[0]
-    waits = [(q, e) for q, rec in sorted(records.items()) for e in rec["entries"] if e["state"] != "finished"]
+    waits = [(q, e) for q, rec in sorted(records.items()) for e in rec["entries"]
+             if e["state"] != "finished" and not e["p2p"]]
     what = _WHAT.search(log)
     said = f" ({what.group(1).split('] ', 1)[-1][:160]})" if what else ""
     line = f"rank {r} died {_died_in(stacks[r])}{said}"
@@ -98,8 +99,14 @@ def _dead(records: dict[int, dict], stacks: dict[int, str], log: str) -> str | N
     return line
 
 
+_UNEVEN = re.compile(r"all_?to_?all|^scatter|^gather")  # sizes that differ between ranks by design
+
+
 def _fingerprint(e: dict) -> tuple:
-    return e["op"], tuple(map(tuple, e["sizes"])), e["dtype"]
+    """What every member of a group must pass alike: the op, the dtype and, but where an op's parts
+    differ by rank (an all-to-all's splits, a scatter's, a gather's), the shapes (as torch's fr_trace)."""
+    sizes = () if _UNEVEN.search(e["op"]) else tuple(map(tuple, e["sizes"]))
+    return e["op"], sizes, e["dtype"]
 
 
 def _step_text(step: int) -> str:
@@ -107,7 +114,7 @@ def _step_text(step: int) -> str:
 
 
 def _where(e: dict) -> str:
-    return f" (step {e['step']})" if e["step"] >= 0 else " (setting up)"
+    return f" ({_step_text(e['step'])})"
 
 
 def _group_text(ranks: list[int]) -> str:
@@ -125,13 +132,19 @@ def _disagreements(records: dict[int, dict]) -> list[tuple[int, str]]:
         if len(have) < 2:
             continue
         seqs = {m: {e["seq"]: e for e in records[m]["entries"] if e["group"] == name and not e["p2p"]} for m in have}
+        enqueued = {m: int(records[m].get("status", {}).get(name, {}).get("last_enqueued_collective", -1))
+                    for m in have}
         last = {m: max(seqs[m], default=0) for m in have}
         oldest = max(min(seqs[m], default=0) for m in have)  # below it a ring may have forgotten
         for n in range(max(1, oldest), max(last.values()) + 1):
             at = {m: seqs[m].get(n) for m in have}
-            issued = [m for m in have if at[m] is not None]
+            # a member whose ring forgot #n (one ring for every group) got past it if torch's status says so
+            forgot = [m for m in have if at[m] is None and not seqs[m] and enqueued[m] >= n]
+            have_n = [m for m in have if m not in forgot]
+            at = {m: at[m] for m in have_n}
+            issued = [m for m in have_n if at[m] is not None]
             prints = {_fingerprint(at[m]) for m in issued}
-            if not issued or (len(issued) == len(have) and len(prints) == 1):
+            if not issued or (len(issued) == len(have_n) and len(prints) == 1):
                 continue  # agreed, or a number no record holds (a monitored barrier takes one, unrecorded)
             found.append((min(at[m]["time_ns"] for m in issued), _line(name, members, n, at, records, seqs)))
             break
@@ -157,9 +170,11 @@ def _line(name: str, members: list[int], n: int, at: dict, records: dict, seqs: 
     ahead = f"rank {issued[0]}" if len(issued) == 1 else f"ranks {', '.join(map(str, issued))}"
     verb = "waits" if len(issued) == 1 else "wait"
     gap = sum(1 for m in issued[:1] for k in seqs[m] if last < k <= n)  # recorded ones: a barrier takes a number
+    odd = [m for m in issued if _fingerprint(at[m]) != common]
+    also = f"; rank {odd[0]} issued #{n} {describe(at[odd[0]])}, not the same" if odd else ""
     return (f"rank {b} never issued collective #{n} on group {group}{its_last}; {ahead} {verb} in #{n} "
             f"{describe(e)}{_where(e)}: rank {b} is {gap} collective{'s' * (gap != 1)} behind; "
-            f"it was: {records[b]['doing']}")
+            f"it was: {records[b]['doing']}{also}")
 
 
 def _failed(records: dict[int, dict]) -> str | None:
@@ -171,8 +186,8 @@ def _failed(records: dict[int, dict]) -> str | None:
     r = failed[0]
     rec = records[r]
     stack = rec.get("stack", "")  # where its error was raised
-    where = f" {_died_in(stack).split(';')[0]}" if stack else ""
-    step = f"step {rec['step']}" if rec["step"] >= 0 else "setting up"
+    where = f" {_place(stack)}" if stack else ""
+    step = _step_text(rec["step"])
     others = "; ".join(f"rank {q} was: {records[q]['doing']}" for q in sorted(records) if q != r)
     return f"rank {r} failed at {step}{where}: {rec['error']}" + (f"; {others}" if others else "")
 
@@ -187,11 +202,10 @@ def _fingerprints(records: dict[int, dict]) -> str | None:
     for _, rec in sorted(records.items()):
         found = _PRINT.findall(rec["error"] or "")
         if len(found) == 2:
-            (a, n, *print_a), (b, _, *print_b) = found
-            step = f" (step {rec['step']})" if rec["step"] >= 0 else " (setting up)"
-            return (f"rank {b} is at collective #{n} {_torch_print(*print_b)}; rank {a} at #{n} "
-                    f"{_torch_print(*print_a)}{step}: the ranks issued different collectives (torch's check, "
-                    f"--debug-collectives)")
+            (a, n_a, *print_a), (b, n_b, *print_b) = found
+            return (f"rank {b} is at collective #{n_b} {_torch_print(*print_b)}; rank {a} at #{n_a} "
+                    f"{_torch_print(*print_a)} ({_step_text(rec['step'])}): the ranks issued different "
+                    f"collectives (torch's check, --debug-collectives)")
     return None
 
 
@@ -219,14 +233,16 @@ def diagnose(records: dict[int, dict], world: int, stacks: dict[int, str] | None
         return min(parted)[1]
     if died := _dead(records, stacks or {}, log):
         return died
-    if failed := _failed(records):
-        return failed
     missing = [r for r in range(world) if r not in records]
-    if missing:
+    failed = _failed(records)
+    if missing:  # killed (a signal faulthandler does not catch): the others' failures follow from it
         who = ", ".join(map(str, missing))
         return (f"rank{'s' * (len(missing) > 1)} {who} left no record: died or killed before writing one (its log "
-                f"says which); the others agree on every collective they issued")
-    unfinished = [(r, e) for r, rec in sorted(records.items()) for e in rec["entries"] if e["state"] != "finished"]
+                f"says which)" + (f"; then {failed}" if failed else "; the others agree on every collective"))
+    if failed:
+        return failed
+    unfinished = [(r, e) for r, rec in sorted(records.items()) for e in rec["entries"]
+                  if e["state"] != "finished" and not e["p2p"]]
     if unfinished:
         r, e = unfinished[0]
         return (f"every rank issued the same collectives; rank {r} waits in #{e['seq']} {describe(e)}{_where(e)}, "
@@ -269,7 +285,7 @@ def main(args, console) -> int:
     for rank in range(world):
         rec = records.get(rank)
         what = (f"{rec['doing']}; {len(rec['entries'])} collectives recorded; {rec['error'] or 'no error'}"
-                if rec else "died at once (rank{rank}.fatal.txt)" if rank in stacks else "no record")
+                if rec else f"died at once (rank{rank}.fatal.txt)" if rank in stacks else "no record")
         console.print(f"  rank {rank}: {what}", markup=False, highlight=False)
     console.print(f"each rank's collectives, one a line, to diff: {folder}/rank<R>.txt", markup=False)
     return 0

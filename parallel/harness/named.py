@@ -50,7 +50,7 @@ def caught(o) -> bool:
 def run_hang(job, folder: Path) -> tuple[Equivalence, float]:
     """Run a hang bug on its own ranks; the verdict "named" with the diagnosis, or "unnamed" with the error."""
     config = RunConfig.from_json(job.config)
-    out = folder / job.label.replace(":", "-")
+    out = folder / f"{job.label.replace(':', '-')}-{config.devices.replace(':', '')}"  # each run its own
     start = time.perf_counter()
     try:
         run_ranks(_rank, config.world_size, (job.strategy, job.config, str(out)), timeout=config.pg_timeout,

@@ -3,10 +3,11 @@
     python -m parallel.harness.recorder_cost [--strategy ddp,fsdp | all] [--rounds 5] [--steps 20]
     python -m parallel.harness.recorder_cost --detail [--rounds 6]   # one all-reduce: record, DETAIL
 
-The record (recorder.py) is torch's Flight Recorder, switched on for a process before its first group
-(TORCH_FR_BUFFER_SIZE), the loop's marks, and a watch thread. Neither can be switched off inside a process
-once its group exists, so each arm is a fresh set of spawned gloo ranks: one with the record on, as every
-run has it, one with it off (no Flight Recorder, no marks, no thread). The arms alternate, and swap their
+The record (recorder.py) is torch's Flight Recorder (on by default; TORCH_FR_BUFFER_SIZE=0, read when a
+process makes its first group, turns it off), the loop's marks, and a watch thread. The recorder cannot
+be switched off inside a process once its group exists, so each arm is a fresh set of spawned gloo
+ranks: one with the record on, as every run has it, one with it off (no Flight Recorder, no marks, no
+thread). The arms alternate, and swap their
 order every round, so that the machine's drift falls on both; each round gives the ratio of the two
 medians of a step, and the table the median of those ratios with their range. The default comparison's
 run: the CNN, batch 512, cpu:2, 20 timed steps after 3 warm-up.
@@ -47,8 +48,7 @@ def _rank(rank: int, world: int, name: str, config_json: str, folder: str) -> fl
 def one(name: str, config: RunConfig, on: bool) -> float:
     """Median ms a step of one run of `name`, in fresh ranks, with the record on or off (rank 0's)."""
     before = os.environ.pop("TORCH_FR_BUFFER_SIZE", None)
-    if on:
-        recorder.enable()
+    os.environ["TORCH_FR_BUFFER_SIZE"] = str(recorder.BUFFER) if on else "0"  # the ranks copy this environment
     try:
         with tempfile.TemporaryDirectory(prefix="record-") as folder:
             return run_ranks(_rank, config.world_size, (name, config.to_json(), folder if on else ""),
@@ -92,14 +92,12 @@ ARMS = ("off", "record", "detail")  # nothing; the record (torch's Flight Record
 
 
 def per_collective(rounds: int, sizes: tuple[int, ...] = (1024, 1 << 20), n: int = 200) -> None:
-    """--detail: one all-reduce on 2 ranks, with nothing, with the record, with DETAIL's check (the
-    record off): fresh ranks for each arm, the arms' order turned every round."""
+    """--detail: one all-reduce on 2 ranks, with nothing (the Flight Recorder off), with the record, with
+    DETAIL's check (the recorder off): fresh ranks for each arm, the arms' order turned every round."""
     arms: dict[str, list[dict]] = {a: [] for a in ARMS}
     for r in range(rounds):
         for arm in ARMS[r % 3:] + ARMS[:r % 3]:
-            os.environ.pop("TORCH_FR_BUFFER_SIZE", None)
-            if arm == "record":
-                recorder.enable()
+            os.environ["TORCH_FR_BUFFER_SIZE"] = str(recorder.BUFFER) if arm == "record" else "0"
             try:
                 arms[arm].append(run_ranks(_all_reduces, 2, (arm == "detail", sizes, n), timeout=60, total=300)[0])
             finally:

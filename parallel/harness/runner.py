@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from parallel import checkpoint, profiling, strategies
+from parallel import checkpoint, profiling, recorder, strategies
 from parallel.config import RunConfig
 from parallel.errors import ConfigError
 from parallel.harness import equivalence, hangs, launch, load, noise, twin
@@ -55,6 +55,7 @@ def run_one(strategy, variant: str, config: RunConfig, work: Path, logs: Path) -
         cmd = launch.command(strategy, config, paths, store.port if store else 0, tb_run(strategy.name, variant),
                              fork=fork)
         hang = Path(config.out) / "hang" / stem  # the ranks' records of collectives, on a failure or stall
+        shutil.rmtree(hang, ignore_errors=True)  # an earlier round's or attempt's are not this one's
         env = {**(launch.torchrun_env() if store else {}), **checked_env(workload_of(config)), HANG_DIR: str(hang)}
         outcome = launch.run_child(cmd, config.timeout, logs / f"{stem}.log", env=env, fork=fork)
     finally:
@@ -65,7 +66,7 @@ def run_one(strategy, variant: str, config: RunConfig, work: Path, logs: Path) -
         first = None if outcome.timed_out or not store else launch.first_failure(paths["result"])
         outcome.error = first or outcome.error or "the child wrote no result"
         log = (logs / f"{stem}.log").read_text(errors="replace") if (logs / f"{stem}.log").exists() else ""
-        own = first is not None and not hangs.from_a_collective(first)  # a rank's own crash says it all
+        own = first is not None and not recorder.from_a_collective(first)  # a rank's own crash says it all
         if store and not own and (line := hangs.explain(hang, strategy.world_size(config), log)):  # where they parted
             outcome.error = f"{line} (records: {hang})"
         return _failed_row(strategy, variant, config, outcome), None
