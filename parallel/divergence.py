@@ -172,4 +172,9 @@ class Check:
         self.checked += any(every)  # a step counts where some ranks share something (not FSDP's shards alone)
         self.found = compare(every, step) or ""
         if self.found:
+            self.close()
+
+    def close(self) -> None:
+        """The optimisers' hooks off: after the first difference, and at the loop's end."""
+        if self.grads is not None:
             self.grads.close()

@@ -18,7 +18,8 @@ from parallel.errors import ConfigError
 class Equivalence:
     """The oracle's verdict on one row (harness/equivalence.py)."""
 
-    verdict: str  # "baseline" | "match" | "mismatch" | "not-expected" | "unchecked"
+    verdict: str  # "baseline" | "match" | "mismatch" | "not-expected" | "unchecked"; an injected hang's
+    #               "named" | "unnamed" (harness/named.py: did its diagnosis name it)
     max_abs_diff: float | None = None  # the worst tensor's largest difference from `single`'s ...
     tolerance: float | None = None  # ... and that tensor's own tolerance
     reason: str = ""

@@ -109,6 +109,7 @@ def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult
             profiler.step()
         if config.checkpoint_every and ((step + 1) % config.checkpoint_every == 0 or step == total - 1):
             checkpoint.save(config, strategy, trainable, step, dist)
+    replicas.close()
     # One all-reduce for the whole run, off the clock: the mean over the ranks whose loss counts (each the
     # mean over its equal share; one per tensor-parallel group, the last pipeline stage).
     recorder.mark(-1, "after the last step: in the all-reduce of the losses")

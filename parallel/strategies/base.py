@@ -32,8 +32,8 @@ class Trainable:
     #   stage, say, may still be running on device 1 when device 0 is done)
     mutant: str = ""  # the injected bug this run carries (--mutant; see Mutant), "" for none
     not_expected: str = ""  # why this run, as it went, cannot match `single` (tokens dropped), "" if it must
-    held_by: dict[str, tuple[int, ...]] = field(default_factory=dict)  # tensors of `model` (by name) whose copies
-    #   other ranks hold than its layout says: the ranks holding the same one (--check-replicas; divergence.py)
+    held_by: dict[str, tuple[int, ...]] = field(default_factory=dict)  # by name, the ranks that hold the same
+    #   copy of a tensor of `model` where its layout alone would say otherwise (--check-replicas; divergence.py)
 
     def all_devices(self) -> list[torch.device]:
         return self.devices or [self.device]

@@ -58,9 +58,9 @@ BUCKET_EARLY = Mutant("zero:bucket-early", "a bucket is reduce-scattered when it
                                                                                           "options": {"zero_stage": 2}})
 # A bug a hang's diagnosis must name (harness/named.py); a short --pg-timeout ends the others' wait in seconds.
 BUG_RANK = 1
-UNEVEN_PADDING = Mutant("zero:uneven-padding", f"rank {BUG_RANK} pads each bucket to numel // N + 1 chunks, not "
-                        "ceil(numel / N) (an off-by-one in its own copy of the padding): where N divides a bucket, "
-                        "its reduce-scatter and all-gather carry N elements more than the others'",
+UNEVEN_PADDING = Mutant("zero:uneven-padding", f"rank {BUG_RANK} cuts each bucket into N chunks of numel // N + 1 "
+                        "elements, not ceil(numel / N) (an off-by-one in its own copy of the padding): where N "
+                        "divides a bucket, its reduce-scatter and all-gather carry N elements more than the others'",
                         {"options": {"bucket_mb": 1}, "pg_timeout": 3}, shows="hang")
 MUTANTS = (WRONG_SLICE, NO_ALL_GATHER, BUCKET_EARLY, UNEVEN_PADDING)
 
