@@ -188,29 +188,6 @@ def test_a_rank_that_skips_a_collective_is_named_from_real_records(tmp_path, mon
     assert "all_reduce(8 fp32)  [[8]]  step 0  failed" in (tmp_path / "rank0.txt").read_text()  # its timeout
 
 
-def _mismatched(rank, world, folder):
-    recorder.start(Path(folder), rank, stall_s=1.0)
-    recorder.mark(0, "step 0: in its train_step")
-    try:
-        torch.distributed.all_reduce(torch.ones(4 if rank == 0 else 8))  # gloo aborts the rank receiving more
-    except Exception as e:
-        recorder.stop(e)
-        raise
-
-
-@pytest.mark.slow
-def test_a_rank_that_gloo_aborts_on_mismatched_sizes_is_named(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "64")
-    with pytest.raises(RankError):
-        run_ranks(_mismatched, 2, (str(tmp_path),), timeout=3, total=40)
-    dead = hangs.fatal(tmp_path)
-    assert len(dead) == 1  # one rank died at once; its stack is all it left
-    (r,) = dead
-    line = hangs.explain(tmp_path, 2)
-    assert line.startswith(f"rank {r} died inside all_reduce"), line
-    assert f"rank {1 - r} waits in #1 all_reduce({4 if r == 1 else 8} fp32) on group [0, 1] (step 0)" in line
-
-
 def test_a_clean_run_leaves_no_record(tmp_path):
     rec = recorder.start(tmp_path / "hang", 0, stall_s=60)
     recorder.mark(0, "step 0")

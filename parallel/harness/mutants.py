@@ -21,6 +21,7 @@ import itertools
 import json
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,6 +125,7 @@ def honest_jobs(seeds: int, devices: tuple[str, ...] = ("cpu:2",), base: dict | 
     return jobs
 
 
+HANGS_AT_ONCE = 2  # hang bugs run side by side: each set of ranks idles until its short timeout
 GROUP_JOBS = 60  # runs per set of ranks: torch's state grew to 5 GB a rank over 400 fp64 runs in one set
 
 
@@ -138,8 +140,9 @@ def run_jobs(jobs: list[Job], total: float = 900.0, pg_timeout: float = 120.0) -
     with tempfile.TemporaryDirectory(prefix="references-") as folder:
         outcomes = run_ranks(_in_process, 1, ([(i, j) for i, j in enumerate(jobs) if i not in torchrun | hang],
                                               baselines, folder), timeout=pg_timeout, total=total)[0]
-        for i in sorted(hang):
-            outcomes[i] = _hung(jobs[i], Path(folder))
+        with ThreadPoolExecutor(HANGS_AT_ONCE) as pool:  # a hang's ranks mostly wait out its --pg-timeout
+            ran = pool.map(lambda i: _hung(jobs[i], Path(folder)), sorted(hang))
+            outcomes.update(zip(sorted(hang), ran, strict=True))
         for world in sorted({_world(jobs[i]) for i in torchrun}):
             indexed = [(i, jobs[i]) for i in sorted(torchrun) if _world(jobs[i]) == world]
             for at in range(0, len(indexed), GROUP_JOBS):  # fresh ranks every GROUP_JOBS runs
