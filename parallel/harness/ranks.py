@@ -65,23 +65,25 @@ def _collect(procs, results, timeout: float) -> list:
         except queue.Empty:
             dead = [r for r, p in enumerate(procs) if r not in out and not p.is_alive() and p.exitcode]
             if dead:  # the others see it at once (a peer gone): a moment for their reports and records
-                _root_cause([(dead[0], time.time(), f"died (exit code {procs[dead[0]].exitcode})")], results)
+                _root_cause([(dead[0], time.time(), f"died (exit code {procs[dead[0]].exitcode})")], results,
+                            world=len(procs))
                 raise RankError(f"rank {dead[0]} died (exit code {procs[dead[0]].exitcode})") from None
             if time.monotonic() > deadline:
                 missing = sorted(set(range(len(procs))) - out.keys())
                 raise TimeoutError(f"ranks {missing} did not finish in {timeout + 30:g} s") from None
             continue
         if not ok:
-            raise RankError(_root_cause([(rank, *value)], results))
+            raise RankError(_root_cause([(rank, *value)], results, world=len(procs)))
         out[rank] = pickle.loads(value)
     return [out[r] for r in range(len(procs))]
 
 
-def _root_cause(errors: list[tuple], results, grace_s: float = 2.0) -> str:
+def _root_cause(errors: list[tuple], results, grace_s: float = 2.0, world: int = 0) -> str:
     """One rank's failure makes the others fail too ("Connection closed by peer"), sometimes sooner than
-    its own report arrives: wait a moment for the others, and name the one that failed first."""
+    its own report arrives: wait a moment for the others (not once all `world` have reported), and name
+    the one that failed first."""
     end = time.monotonic() + grace_s
-    while time.monotonic() < end:
+    while time.monotonic() < end and not (world and len({e[0] for e in errors}) >= world):
         try:
             rank, ok, value = results.get(timeout=0.1)
         except queue.Empty:

@@ -60,7 +60,7 @@ NORM_UNSYNCED = Mutant("tensor_parallel:sp-norm-unsynced", "--sequence-parallel 
 VOCAB_REMAINDER = Mutant("tensor_parallel:vocab-remainder-dropped", "--loss-parallel on a vocabulary tp does not "
                          "divide: the head's split gives each rank V // tp rows, and the last V mod tp tokens' rows "
                          "are never made (their logits missing from the loss; Megatron-LM#1754)",
-                         {"workload": "transformer", "vocab": 63, "options": {"loss_parallel": 1}})
+                         {"workload": "transformer", "vocab": 63, "batch_size": 16, "options": {"loss_parallel": 1}})
 MUTANTS = (NORM_UNSYNCED, VOCAB_REMAINDER)
 
 
