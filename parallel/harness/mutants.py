@@ -125,7 +125,7 @@ def honest_jobs(seeds: int, devices: tuple[str, ...] = ("cpu:2",), base: dict | 
     return jobs
 
 
-HANGS_AT_ONCE = 2  # hang bugs run side by side: each set of ranks idles until its short timeout
+HANGS_AT_ONCE = 3  # hang bugs run side by side: each set of ranks idles until its short timeout
 GROUP_JOBS = 60  # runs per set of ranks: torch's state grew to 5 GB a rank over 400 fp64 runs in one set
 
 
