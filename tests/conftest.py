@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The suite's longest modules first (measured with --durations; docs/measurements.md): `--dist loadfile`
 # hands a worker the next module when it finishes one, so the long ones start at once and the short ones
 # fill in at the end, instead of one worker running a long module alone while the other waits.
-LONGEST_FIRST = ["test_oracle", "test_mutants", "test_sharded", "test_reliability", "test_compare",
+LONGEST_FIRST = ["test_mutants", "test_oracle", "test_sharded", "test_named_bugs", "test_reliability", "test_compare",
                  "test_pipeline_dist", "test_cli", "test_tensor_parallel", "test_multinode", "test_preflight"]
 
 
