@@ -31,6 +31,7 @@ import math
 import torch
 from torch import nn
 
+from parallel.dist import local
 from parallel.formulas import element_bytes
 
 BYTES = 4  # fp32
@@ -57,10 +58,6 @@ def formula(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, kernel
         softmax = elem + (1 + elem) * dropout  # its output (and the dropout's mask and output)
         terms["core"] = softmax * a * s * s * b / t if kernel == "math" else stats * a * s * b / t
     return terms
-
-
-def local(x) -> torch.Tensor:
-    return x.to_local() if hasattr(x, "to_local") else x
 
 
 def block_of(model: nn.Module) -> nn.Module | None:

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as td
 
+from parallel.dist import local
+
 _CHUNK = 1 << 22  # words summed at once: bounds the checksum's own memory on a large tensor
 
 
@@ -91,9 +93,9 @@ def checksums(trainable, loss: torch.Tensor, dims, rank: int, stepped: dict | No
     kept = [entry for entry in named if len(entry[1]) > 1]
     if not kept:
         return []
-    sums = [checksum(_local(t)) for _, _, t in kept]
+    sums = [checksum(local(t)) for _, _, t in kept]
     sums = torch.stack([s.to(sums[0].device) for s in sums]).cpu().tolist()  # one wait for the device
-    return [(name, group, (str(_local(t).dtype), tuple(_local(t).shape), *s))
+    return [(name, group, (str(local(t).dtype), tuple(local(t).shape), *s))
             for (name, group, t), s in zip(kept, sums, strict=True)]
 
 
@@ -121,13 +123,6 @@ class Gradients:
     def close(self) -> None:
         for h in self.handles:
             h.remove()
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's piece on this rank (what the rank holds); a plain tensor itself."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def compare(gathered: list[list[tuple]], step: int) -> str | None:

@@ -3,18 +3,10 @@ the local tensors (DTensor shards) and full state dicts on the CPU."""
 
 from __future__ import annotations
 
-import sys
-
 import torch
 from torch import nn
 
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """What this device really holds of `t`: a DTensor's local shard (a DTensor's numel() is the global
-    size), else the tensor itself. (A tensor can be a DTensor only once torch.distributed.tensor is
-    imported; not importing it here saves every process about 0.5 s of start-up.)"""
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    return t.to_local() if dtensor is not None and isinstance(t, dtensor.DTensor) else t
+from parallel.dist import local
 
 
 def tensor_bytes(t: torch.Tensor, allocated: bool = False) -> int:

@@ -23,10 +23,11 @@ from torch import nn
 
 from parallel import charts, measure, tables
 from parallel.devices import synchronizer
+from parallel.dist import local
 from parallel.formulas import element_bytes
 from parallel.kit.collectives import every_rank
 from parallel.kit.ring_attention import Ring, work_alone
-from parallel.kit.tensors import local, param_bytes
+from parallel.kit.tensors import param_bytes
 from parallel.measure.sharded_cost import allreduce_every_gradient
 from parallel.results import Row
 from parallel.tables import count, largest, size

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from parallel.devices import SHARED_GLOO_NO_DTENSOR
+from parallel.dist import local
 from parallel.errors import ConfigError
-from parallel.kit.tensors import local
 from parallel.layout import ParallelDims
 from parallel.measure import layers
 from parallel.outputs import call
