@@ -26,6 +26,7 @@ writes its record to FOLDER/rank<R>.json and .txt (one line a collective, to dif
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import faulthandler
 import json
@@ -124,30 +125,12 @@ class Recorder:
                "none: this torch has no flight recorder", "groups": {}, "status": {}, "entries": []}
         if not flight_recorder() or not td.is_initialized():
             return out
-        dumps = traces()
+        dumps, marks = traces(), list(self.marks)  # a copy: the loop appends while the watch thread reads
         out["groups"] = _groups()
         out["status"] = {k: v for t in dumps for k, v in t.get("pg_status", {}).items()}
-        out["entries"] = sorted((self._entry(e) for t in dumps for e in t.get("entries", [])),
+        out["entries"] = sorted((_entry(e, marks) for t in dumps for e in t.get("entries", [])),
                                 key=lambda e: e["time_ns"])
         return out
-
-    def _entry(self, e: dict) -> dict:
-        sizes = [list(s) for s in e.get("input_sizes", [])]
-        dtypes = sorted({DTYPES.get(d, d) for d in e.get("input_dtypes", [])})
-        p2p = bool(e.get("is_p2p"))
-        done = e.get("retired") or e.get("state") == "completed"
-        return {"group": e["process_group"][0], "seq": e["p2p_seq_id" if p2p else "collective_seq_id"],
-                "p2p": p2p, "op": e["profiling_name"].split(":")[-1], "sizes": sizes, "dtype": "/".join(dtypes),
-                "step": self._step_at(e["time_created_ns"]), "state": "finished" if done else "started",
-                "time_ns": e["time_created_ns"]}
-
-    def _step_at(self, time_ns: int) -> int:
-        step = -1  # before the first step: setting up
-        for s, t in tuple(self.marks):  # the loop appends while the watch thread reads
-            if t > time_ns:
-                break
-            step = s
-        return step
 
     def write(self, why: str, error: str = "", stacks: bool = False, raised: str = "") -> None:
         """Write the record (atomically) and, from the watch thread, every thread's Python stack. `raised`:
@@ -219,11 +202,28 @@ def stop(error: BaseException | None = None) -> None:
         return
     rec.close()
     if error is not None:
-        line = next((ln.strip() for ln in str(error).splitlines() if ln.strip()), "")
-        line = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", line)  # gloo's source location: noise here
+        line = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", error_line(error))  # gloo's source location: noise
         frames = reversed(traceback.extract_tb(error.__traceback__))
         raised = "".join(f'  File "{f.filename}", line {f.lineno} in {f.name}\n' for f in frames)
-        rec.write("it failed", error=f"{type(error).__name__}: {line}", raised=raised)
+        rec.write("it failed", error=line, raised=raised)
+
+
+@contextlib.contextmanager
+def recording(folder: Path, rank: int, pg_timeout: float):
+    """This rank's record around a run: watched, written with the error if the run raises (and raised on)."""
+    start(folder, rank, STALL_SHARE * pg_timeout)
+    try:
+        yield
+    except BaseException as e:
+        stop(e)
+        raise
+    finally:
+        stop()  # nothing left to stop after an error
+
+
+def error_line(error: BaseException) -> str:
+    """`Type: its first line`: an error as one line (a collective's error runs to a dozen)."""
+    return f"{type(error).__name__}: " + next((ln.strip() for ln in str(error).splitlines() if ln.strip()), "")
 
 
 _COLLECTIVE_ERRORS = ("gloo", "NCCL", "Timed out", "timed out", "Connection reset", "Connection closed",
@@ -237,6 +237,24 @@ def from_a_collective(error: str) -> bool:
     error = re.sub(r"^rank \d+: ", "", error)
     return error.startswith(_DIST_ERRORS) or (error.startswith("RuntimeError") and
                                                any(word in error for word in _COLLECTIVE_ERRORS))
+
+
+def _entry(e: dict, marks: list[tuple[int, int]]) -> dict:
+    """One Flight Recorder entry in the record's words, with the training step that issued it."""
+    sizes = [list(s) for s in e.get("input_sizes", [])]
+    dtypes = sorted({DTYPES.get(d, d) for d in e.get("input_dtypes", [])})
+    p2p = bool(e.get("is_p2p"))
+    done = e.get("retired") or e.get("state") == "completed"
+    return {"group": e["process_group"][0], "seq": e["p2p_seq_id" if p2p else "collective_seq_id"],
+            "p2p": p2p, "op": e["profiling_name"].split(":")[-1], "sizes": sizes, "dtype": "/".join(dtypes),
+            "step": _step_at(marks, e["time_created_ns"]), "state": "finished" if done else "started",
+            "time_ns": e["time_created_ns"]}
+
+
+def _step_at(marks: list[tuple[int, int]], time_ns: int) -> int:
+    """The step that had begun last at `time_ns` (marks: (step, its start), in order); -1 before the first."""
+    at = bisect.bisect_right(marks, time_ns, key=lambda m: m[1])
+    return marks[at - 1][0] if at else -1
 
 
 def _groups() -> dict[str, list[int]]:
@@ -253,9 +271,9 @@ def _groups() -> dict[str, list[int]]:
 
 def describe(entry: dict) -> str:
     """`all_reduce(1024 fp32)`: the op and what it carries (elements of its inputs, their dtype)."""
-    numel = sum(int(torch.Size(s).numel()) for s in entry["sizes"])
-    shapes = "+".join(f"{int(torch.Size(s).numel())}" for s in entry["sizes"]) if len(entry["sizes"]) > 1 else ""
-    return f"{entry['op']}({shapes or numel} {entry['dtype']})".replace(" )", ")")
+    counts = [int(torch.Size(s).numel()) for s in entry["sizes"]]
+    what = "+".join(map(str, counts)) if len(counts) > 1 else str(sum(counts))
+    return f"{entry['op']}({what} {entry['dtype']})".replace(" )", ")")
 
 
 def text_lines(record: dict) -> list[str]:

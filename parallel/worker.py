@@ -10,6 +10,7 @@ needs other strategies' results (speedup, equivalence).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -152,21 +153,17 @@ def run_here(strategy, config: RunConfig, dist: Dist | None = None, run: str = "
             os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"  # its children's, and the level, read at import:
             td.set_debug_level(td.DebugLevel.DETAIL)  # torch.distributed is imported by now (the zygote's)
         dist.init(config.pg_timeout)
-    try:
-        if needs_group:
-            recorder.start(hang_folder(strategy, config), dist.rank, recorder.STALL_SHARE * config.pg_timeout)
-        row, state = execute(strategy, config, dist, run=run)
-    except BaseException as e:
-        if needs_group:
-            recorder.stop(e)  # this rank's last collectives, for the parent's diagnosis (harness/hangs.py)
-            if HANG_DIR not in os.environ:  # a script under a plain torchrun: no parent reads them
-                folder = hang_folder(strategy, config)
-                print(f"[rank{dist.rank}]: its record of collectives: {folder}/ (python -m parallel diagnose "
-                      f"{folder})", file=sys.stderr, flush=True)
+    folder = hang_folder(strategy, config)
+    try:  # this rank's last collectives, written on an error for the parent's diagnosis (harness/hangs.py)
+        with recorder.recording(folder, dist.rank, config.pg_timeout) if needs_group else contextlib.nullcontext():
+            row, state = execute(strategy, config, dist, run=run)
+    except BaseException:
+        if needs_group and HANG_DIR not in os.environ:  # a script under a plain torchrun: no parent reads them
+            print(f"[rank{dist.rank}]: its record of collectives: {folder}/ (python -m parallel diagnose "
+                  f"{folder})", file=sys.stderr, flush=True)
         raise
     finally:
         if needs_group:
-            recorder.stop()
             dist.cleanup()
     return (row, state) if dist.is_main else None
 
@@ -216,8 +213,7 @@ def note_failure(result: Path, dist: Dist, e: Exception) -> None:
     """This rank's failure and its moment, beside the result (launch.first_failure reads them): torchrun's
     summary times failures to the second and names the lowest rank on a tie, so a rank that failed
     because a peer died a few ms before could be named in its place (seen with forked workers)."""
-    line = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
-    note = {"rank": dist.rank, "restart": dist.restart, "time": time.time(), "error": f"{type(e).__name__}: {line}"}
+    note = {"rank": dist.rank, "restart": dist.restart, "time": time.time(), "error": recorder.error_line(e)}
     atomic_write(result.with_name(f"{result.stem}.failure{dist.rank}.json"), json.dumps(note))
 
 

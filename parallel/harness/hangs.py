@@ -24,6 +24,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
+from parallel.errors import ConfigError
 from parallel.recorder import DTYPES, describe, from_a_collective
 from parallel.results import atomic_write
 
@@ -273,8 +274,6 @@ def add_parser(sub) -> None:
 
 def main(args, console) -> int:
     """`python -m parallel diagnose DIR`: the one line, then each rank's state and where its record is."""
-    from parallel.errors import ConfigError
-
     folder = Path(args.folder)
     records, stacks = read(folder), fatal(folder)
     if not records and not stacks:

@@ -66,11 +66,6 @@ def run_hang(job, folder: Path) -> tuple[Equivalence, float]:
 
 def _rank(rank: int, world: int, name: str, config_json: str, folder: str) -> None:
     config = RunConfig.from_json(config_json)
-    recorder.start(Path(folder), rank, recorder.STALL_SHARE * config.pg_timeout)
-    try:
+    with recorder.recording(Path(folder), rank, config.pg_timeout):
         execute(strategies.get(name), config, Dist(rank=rank, local_rank=rank, world_size=world,
                                                    local_world_size=world))
-    except BaseException as e:
-        recorder.stop(e)
-        raise
-    recorder.stop()

@@ -16,6 +16,7 @@ run: the CNN, batch 512, cpu:2, 20 timed steps after 3 warm-up.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import tempfile
@@ -35,28 +36,31 @@ from parallel.worker import execute
 
 def _rank(rank: int, world: int, name: str, config_json: str, folder: str) -> float:
     config = RunConfig.from_json(config_json)
-    if folder:
-        recorder.start(Path(folder), rank, recorder.STALL_SHARE * config.pg_timeout)
-    try:
+    with recorder.recording(Path(folder), rank, config.pg_timeout) if folder else contextlib.nullcontext():
         row, _ = execute(strategies.get(name), config, Dist(rank=rank, local_rank=rank, world_size=world,
                                                             local_world_size=world))
-    finally:
-        recorder.stop()
     return row.step_ms_p50
 
 
-def one(name: str, config: RunConfig, on: bool) -> float:
-    """Median ms a step of one run of `name`, in fresh ranks, with the record on or off (rank 0's)."""
-    before = os.environ.pop("TORCH_FR_BUFFER_SIZE", None)
-    os.environ["TORCH_FR_BUFFER_SIZE"] = str(recorder.BUFFER) if on else "0"  # the ranks copy this environment
+@contextlib.contextmanager
+def _recorder(on: bool):
+    """torch's Flight Recorder on (BUFFER entries) or off for the ranks started inside (they copy this
+    process's environment, and torch reads it when their first group is made); as it was after."""
+    before = os.environ.get("TORCH_FR_BUFFER_SIZE")
+    os.environ["TORCH_FR_BUFFER_SIZE"] = str(recorder.BUFFER) if on else "0"
     try:
-        with tempfile.TemporaryDirectory(prefix="record-") as folder:
-            return run_ranks(_rank, config.world_size, (name, config.to_json(), folder if on else ""),
-                             timeout=config.pg_timeout, total=300)[0]
+        yield
     finally:
         os.environ.pop("TORCH_FR_BUFFER_SIZE", None)
         if before is not None:
             os.environ["TORCH_FR_BUFFER_SIZE"] = before
+
+
+def one(name: str, config: RunConfig, on: bool) -> float:
+    """Median ms a step of one run of `name`, in fresh ranks, with the record on or off (rank 0's)."""
+    with _recorder(on), tempfile.TemporaryDirectory(prefix="record-") as folder:
+        return run_ranks(_rank, config.world_size, (name, config.to_json(), folder if on else ""),
+                         timeout=config.pg_timeout, total=300)[0]
 
 
 def paired(name: str, config: RunConfig, rounds: int) -> tuple[list[float], list[float]]:
@@ -97,11 +101,8 @@ def per_collective(rounds: int, sizes: tuple[int, ...] = (1024, 1 << 20), n: int
     arms: dict[str, list[dict]] = {a: [] for a in ARMS}
     for r in range(rounds):
         for arm in ARMS[r % 3:] + ARMS[:r % 3]:
-            os.environ["TORCH_FR_BUFFER_SIZE"] = str(recorder.BUFFER) if arm == "record" else "0"
-            try:
+            with _recorder(arm == "record"):
                 arms[arm].append(run_ranks(_all_reduces, 2, (arm == "detail", sizes, n), timeout=60, total=300)[0])
-            finally:
-                os.environ.pop("TORCH_FR_BUFFER_SIZE", None)
     for numel in sizes:
         off = [a[numel] for a in arms["off"]]
         parts = [f"all_reduce of {numel} fp32: {statistics.median(off):.0f} us [{min(off):.0f}-{max(off):.0f}]"]

@@ -65,10 +65,12 @@ def run_one(strategy, variant: str, config: RunConfig, work: Path, logs: Path) -
     if outcome.returncode != 0 or not paths["result"].exists():
         first = None if outcome.timed_out or not store else launch.first_failure(paths["result"])
         outcome.error = first or outcome.error or "the child wrote no result"
-        log = (logs / f"{stem}.log").read_text(errors="replace") if (logs / f"{stem}.log").exists() else ""
         own = first is not None and not recorder.from_a_collective(first)  # a rank's own crash says it all
-        if store and not own and (line := hangs.explain(hang, strategy.world_size(config), log)):  # where they parted
-            outcome.error = f"{line} (records: {hang})"
+        if store and not own:  # where the ranks parted (a dying gloo rank's last words are in the log)
+            log = logs / f"{stem}.log"
+            if line := hangs.explain(hang, strategy.world_size(config), log.read_text(errors="replace")
+                                     if log.exists() else ""):
+                outcome.error = f"{line} (records: {hang})"
         return _failed_row(strategy, variant, config, outcome), None
     shutil.rmtree(hang, ignore_errors=True)  # a stall that resolved itself: nothing to diagnose
     row = Row.from_dict(json.loads(paths["result"].read_text()))
