@@ -101,8 +101,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=None, help=f"GLOBAL batch per step (default {d.batch_size}, "
                    "rounded to the nearest multiple of the devices: 513 on 3)")
     p.add_argument("--steps", type=int, default=d.steps, help=f"timed optimiser steps ({d.steps})")
-    p.add_argument("--warmup", type=int, default=None, help=f"untimed optimiser steps first ({d.warmup}; 1 for a "
-                   "shape given on CPUs: a step of seconds is warm after one)")
+    p.add_argument("--warmup", type=int, default=None, help=f"untimed optimiser steps first ({d.warmup}; 0 for a "
+                   "shape given on CPUs whose step is seconds of arithmetic: warm from the first)")
     p.add_argument("--lr", type=float, default=d.lr, help=f"SGD learning rate ({d.lr})")
     p.add_argument("--seed", type=int, default=d.seed, help=f"seed of weights and data ({d.seed})")
     p.add_argument("--precision", default=None, help="fp32 (the GPU default's: bf16); bf16: every strategy's "
@@ -203,13 +203,22 @@ def add_strategy_options(p: argparse.ArgumentParser, owners: list, sweep: bool) 
 
 
 SHAPED_BATCH = 8  # sequences a step when a shape is given: a preset's 1K-8K tokens each, where 512 of 32 is the default
-SHAPED_WARMUP = 1  # ... and warm-up steps on CPUs: at real sizes a step takes seconds, warm after the first
+WARM_FLOPS = 1e11  # ... and on CPUs a step of more arithmetic (6 x parameters x tokens) than this, about a second
+# of one core here, has no warm-up: it is warm from the first (GPT-2 small's shape at 2 blocks, 1.1e12: 9,400 ms,
+# then 9,367 and 9,214; 16 rows' first steps 93-118% of their second, median 104%: docs/measurements.md), so a
+# warm-up step would only add its seconds. The report says what the first step added (notes.first_steps).
 # `compare` on GPUs with no model named (README, "On GPUs"): GPT-2 small's shape in bf16, 8 sequences of 1,024
 # tokens a GPU. The CNN's step on an H100 was 3.1 ms of kernel launches; a plain loop at GPT-2 small's shape
 # took 31-33 ms at 1-4 sequences and 59.5 at 16 (2026-11-25), so 8 a GPU keeps each GPU's share compute-bound.
 GPU_DEFAULT = {"preset": "gpt2-small", "precision": "bf16", "why": "GPUs and no --workload: GPT-2 small's shape "
                "in bf16, 8 sequences a GPU, so that a step is arithmetic, not kernel launches (the CNN's 3 ms on an "
                "H100); --workload cnn for the small one"}
+
+
+def step_flops(config: RunConfig) -> float:
+    """A training step's arithmetic: 6 x parameters x tokens of the global batch (forward 2, backward 4)."""
+    params = sum(p.numel() for p in usermodel.shape_model(config).parameters())
+    return 6.0 * params * config.batch_size * usermodel.workload_of(config).input_shape[0]
 
 
 def config_from_args(args: argparse.Namespace, default_out: bool = True) -> RunConfig:
@@ -225,13 +234,14 @@ def config_from_args(args: argparse.Namespace, default_out: bool = True) -> RunC
     given = plan_models.with_preset(given)
     shaped = shaped or gpu_default
     given.setdefault("workload", "transformer" if shaped else RunConfig.workload)
-    given.setdefault("warmup", SHAPED_WARMUP if shaped and not spec.real else RunConfig.warmup)
     if given.get("batch_size") is None:  # not given: the default, rounded to the world by validate
         per_gpu = (given.get("world_size") or spec.count) if gpu_default else 1  # the GPU default: 8 a GPU
         given.update(batch_size=SHAPED_BATCH * per_gpu if shaped else RunConfig.batch_size, batch_auto=True)
     config = RunConfig(**given, options=options)
     config.spec = spec  # parsed once, above: validate takes this parse
     config = config.validate()
+    if "warmup" not in given and shaped and not spec.real and step_flops(config) > WARM_FLOPS:
+        config = dataclasses.replace(config, warmup=0).validate()
     if not config.out and default_out:
         config.out = str(Path("results") / time.strftime("run-%Y%m%d-%H%M%S"))
     return config

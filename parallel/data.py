@@ -45,14 +45,15 @@ class SyntheticData:
         """n samples never trained on, from the same teacher: for comparing where strategies ended up. By
         default 2048, or for sequences longer than 32 tokens as many tokens as 2048 x 32 (at least 64
         sequences): a held-out pass over 2048 sequences of 512 tokens took longer than the training. At a
-        real vocabulary, at most 2^28 logits in all (at least 16 sequences): 65,536 tokens over GPT-2's
-        50,304 took 23 s on this CPU, against 5 s for the whole training of a short run."""
+        real vocabulary, at most 2^26 logits in all (at least 4 sequences): the parent evaluates every row,
+        and 65,536 tokens over GPT-2's 50,304 took 23 s on this CPU; 20 sequences of 256 (2^28) still took
+        7 s a row, where 5 take under 2 s (a row's step is 10 s)."""
         tokens = self.workload.data == "tokens"
         if not n:
             t = self.workload.input_shape[0] if tokens else 32
             n = max(64, 2048 * 32 // max(32, t))
             if tokens:
-                n = min(n, max(16, 2**28 // (t * self.workload.classes)))
+                n = min(n, max(4, 2**26 // (t * self.workload.classes)))
         if tokens:
             seq = _sequences(self.teacher, n, self.workload.input_shape[0], _stream(self.seed, HELDOUT, 0))
             return seq[:, :-1], seq[:, 1:]

@@ -74,14 +74,17 @@ def median_time(fn: Callable[[], object], reps: int, synchronize: Callable[[], N
                 budget_s: float | None = None) -> float:
     """Median seconds of `reps` runs of fn, synchronized before each clock read, after one warm-up run
     (timed like the others, then dropped). `budget_s`: fewer runs where `reps` of the warm-up's length
-    would take longer, at least 3, or 1 where the warm-up alone took longer than the budget (a step of
-    seconds, at a real size on a CPU): a measurement stays a small part of a run at any model size."""
+    would take longer, at least 3, or none where the warm-up alone took longer than the budget (a step of
+    seconds, at a real size on a CPU): then the warm-up's own time is the answer, since a run of seconds
+    is warm from the first (within 2% at GPT-2 small's shape, docs/measurements.md). A measurement stays
+    a small part of a run at any model size."""
     timer, times = StepTimer(synchronize), []
     with timer:
         fn()
+    if budget_s is not None and timer.elapsed > budget_s:
+        return timer.elapsed
     if budget_s is not None:
-        least = 1 if timer.elapsed > budget_s else 3
-        reps = min(reps, max(least, int(budget_s / max(timer.elapsed, 1e-9))))
+        reps = min(reps, max(3, int(budget_s / max(timer.elapsed, 1e-9))))
     for _ in range(reps):
         with timer:
             fn()

@@ -13,6 +13,7 @@ from parallel.cliargs import config_from_args
 from parallel.config import ConfigError, RunConfig
 from parallel.dist import Dist
 from parallel.harness import equivalence
+from parallel.kit import kv_copies
 from parallel.plan.models import ModelSpec
 from parallel.transformer import Transformer, rotate
 from parallel.usermodel import shape_model, workload_of
@@ -40,7 +41,10 @@ def test_a_preset_or_arch_alone_picks_the_transformer_and_flags_override_the_pre
                  "--kv-heads", "2", "--seq-len", "128", "--devices", "cpu:2")
     assert (c.workload, c.arch, c.vocab, c.layers, c.hidden, c.heads, c.kv_heads) == (
         "transformer", "llama", 128_256, 2, 512, 8, 2)
-    assert (c.batch_size, c.warmup) == (8, 1)  # a shaped transformer's defaults: 8 sequences, not 512; 1 warm-up
+    assert (c.batch_size, c.warmup) == (8, 0)  # a shaped transformer's defaults: 8 sequences, not 512; no warm-up
+    small = _compare("--arch", "llama", "--layers", "1", "--hidden", "64", "--heads", "4", "--vocab", "512",
+                     "--seq-len", "16", "--devices", "cpu:2")
+    assert small.warmup == 3  # a step of milliseconds on CPUs: warmed up, as any (its first took 129% here)
     w = workload_of(c)
     assert (w.classes, w.input_shape) == (128_256, (128,)) and "(llama3-8b)" in w.description
     model = shape_model(c)  # on the meta device: no memory at any vocabulary
@@ -91,14 +95,14 @@ def _llama(workload, world, options):
                      mutant=options.pop("mutant", ""), options=options).validate()
 
 
-def _judge(runs: list) -> None:
+def _judge(runs: list, make=_llama) -> None:
     """Every run of `runs` on 2 spawned ranks against `single` in float64: a match within FP64_MARGIN, or,
     for a run with an injected bug, a mismatch 100 times the rule."""
-    results = run_ranks(_train, 2, (runs, _llama))[0]
-    clean = _sharp(_llama("transformer", 2, {}))
+    results = run_ranks(_train, 2, (runs, make))[0]
+    clean = _sharp(make("transformer", 2, {}))
     ref = equivalence.reference_of(clean, *_execute(strategies.get("single"), clean, Dist()))
     for (name, _, options), (row, state) in zip(runs, results, strict=True):
-        verdict = equivalence.judge(strategies.get(name), _sharp(_llama("transformer", 2, options)), ref, row, state)
+        verdict = equivalence.judge(strategies.get(name), _sharp(make("transformer", 2, options)), ref, row, state)
         if "mutant" in options:
             assert verdict.verdict == "mismatch" and verdict.ratio > 100, verdict
         else:
@@ -120,12 +124,41 @@ def test_llama_matches_single_under_the_other_splitting_strategies():
             ("fsdp_cp", "transformer", {}), ("pipeline_dist", "transformer", {})])  # stages: RoPE in each
 
 
-def test_tensor_parallel_refuses_kv_heads_it_cannot_split_and_says_so():
+def test_tensor_parallel_copies_kv_heads_fewer_than_its_ranks_and_refuses_what_it_cannot_split():
     from parallel.strategies import manual_tp
 
     model = workload_of(RunConfig(workload="transformer", **LLAMA)).build_model(0)
-    assert manual_tp.plan_problems(model, 2) is None
-    assert "does not divide blocks.0.attn's 2 kv heads" in manual_tp.plan_problems(model, 4)
+    assert manual_tp.plan_problems(model, 2) is None and manual_tp.plan_problems(model, 4) is None  # 2 kv: copied
+    assert "does not divide blocks.0.attn's 2 kv heads" in manual_tp.plan_problems(model, 4, copies=False)  # fsdp_tp
+    odd = Transformer(64, 8, 96, 1, 12, "llama", 4, 96)  # 12 heads over 6 ranks: 2 each, but 4 kv heads
+    assert "tp 6 is not a multiple of blocks.0.attn's 4 kv heads" in manual_tp.plan_problems(odd, 6)
+    assert kv_copies.describe(model, 4) == "2 kv heads, each copied to 2 ranks (tp 4), their gradients summed there"
+    assert kv_copies.describe(model, 2) == "2 kv heads split, 1 a rank"
+    assert kv_copies.describe(Transformer(64, 8, 32, 1, 4), 2) == ""  # no grouped-query attention
+
+
+def test_copied_kv_heads_put_each_heads_copy_on_the_ranks_that_read_it_and_come_back_as_one():
+    attention = Transformer(64, 8, 64, 1, 4, "llama", 2, 96).blocks[0].attn  # 4 heads of 16, 2 kv heads
+    k = attention.k.weight.detach().clone()
+    kv_copies._repeat_rows(attention.k, 16, 2)  # tp 4: each kv head on 2 ranks
+    rank_rows = attention.k.weight.detach().chunk(4)  # what the colwise split gives each rank
+    for rank in range(4):  # rank r's query heads (one each) read kv head r // 2
+        assert torch.equal(rank_rows[rank], k[16 * (rank // 2):16 * (rank // 2 + 1)])
+    copies = kv_copies.Copies(2, ("attn.k",), 16, None, (0, 1))
+    assert torch.equal(kv_copies.one_copy({"attn.k.weight": attention.k.weight}, copies)["attn.k.weight"], k)
+
+
+def _mqa(workload, world, options):
+    """Llama with one kv head (multi-query attention): at tp 2 each rank holds a copy of it."""
+    options = dict(options)
+    return RunConfig(workload=workload, **{**LLAMA, "kv_heads": 1}, devices=f"cpu:{world}", batch_size=4, steps=2,
+                     warmup=1, mutant=options.pop("mutant", ""), options=options).validate()
+
+
+@pytest.mark.slow  # spawned ranks
+def test_kv_heads_copied_to_more_ranks_match_single_and_copies_left_unsummed_do_not():
+    _judge([("manual_tp", "transformer", {}), ("tensor_parallel", "transformer", {"sequence_parallel": 1}),
+            ("manual_tp", "transformer", {"mutant": "manual_tp:kv-copies-unsummed"})], make=_mqa)
 
 
 def test_the_planners_shape_for_a_user_reaches_plan_and_compare_alike():

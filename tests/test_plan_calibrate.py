@@ -182,7 +182,8 @@ def test_the_report_shows_the_same_calibration_from_the_run_itself():
     row = doc["rows"][0]
     rows = [types.SimpleNamespace(strategy="single", variant="", status="ok", step_ms_p50=row["step_ms_p50"],
                                   global_batch=16, twin_blocks=0)]
-    cal = types.SimpleNamespace(_compute={int(b): ms for b, ms in doc["cost_model"]["compute_ms_by_batch"].items()})
+    measured = {int(b): ms for b, ms in doc["cost_model"]["compute_ms_by_batch"].items()}
+    cal = types.SimpleNamespace(measured=lambda: measured)
     mine = costmodel.planner_calibration(rows, cal, RunConfig(**doc["config"]), doc["environment"])
     theirs = calibration.of_comparison(doc["config"], doc["environment"], row, doc["cost_model"]["compute_ms_by_batch"])
     assert {k: v for k, v in mine.items() if k != "note"} == theirs

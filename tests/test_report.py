@@ -186,3 +186,15 @@ def test_context_parallel_rows_get_their_table_and_picture_whole_in_100_columns(
         assert cell in table, cell
     html = page.write(tmp_path / "report.html", rows, env, skipped).read_text()
     assert "Context parallel: each rank&#x27;s attention work" in html
+
+
+def test_a_run_with_no_warm_up_says_what_its_first_step_added():
+    # A shape on CPUs has no warm-up (a step of seconds): each row's median then includes its first step.
+    a, b = dataclasses.replace(row("ddp", 1.0), step_ms=[1100.0, 1000.0]), dataclasses.replace(
+        row("fsdp", 1.0), step_ms=[900.0, 1000.0, 1000.0])
+    env = {"device_kind": "real", "run": {"warmup": 0}}
+    line = "no warm-up: each step time includes the first step, which took 100% of a later one's time (median; " \
+           "90-110% over 2 rows); --warmup 1 leaves it out"
+    assert notes.first_steps([a, b]) == line and line in notes.notes([a, b], env)
+    assert line not in notes.notes([a, b], {"device_kind": "real", "run": {"warmup": 1}})  # warm: nothing to say
+    assert notes.first_steps([dataclasses.replace(a, step_ms=[1.0])]) is None  # one step: no later one

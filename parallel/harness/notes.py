@@ -5,6 +5,7 @@ verdict: which strategy, on this hardware, from this run."""
 from __future__ import annotations
 
 import re
+import statistics
 
 from parallel.harness import twin
 from parallel.results import Row
@@ -76,6 +77,17 @@ def replica_lines(rows: list[Row]) -> list[str]:
     return out + ([f"--check-replicas: {'; '.join(parts)}"] if parts else [])
 
 
+def first_steps(rows: list[Row]) -> str | None:
+    """A run with no warm-up (a shape on CPUs: steps of seconds) times its first step too: how much slower
+    that step was than the later ones, over the rows, from their own step times."""
+    ratios = sorted(r.step_ms[0] / statistics.median(r.step_ms[1:]) for r in rows
+                    if r.status == "ok" and len(r.step_ms) > 1 and statistics.median(r.step_ms[1:]) > 0)
+    if not ratios:
+        return None
+    return (f"no warm-up: each step time includes the first step, which took {statistics.median(ratios):.0%} of "
+            f"a later one's time (median; {_span(ratios)} over {len(ratios)} rows); --warmup 1 leaves it out")
+
+
 def notes(rows: list[Row], environment: dict, skipped: dict | None = None) -> list[str]:
     """What a reader must know to read the table right, in as few lines as it takes."""
     out = [f"{r.label} {r.status}: {r.error.splitlines()[0]}"  # the log: logs/round-k/ with --repeat
@@ -100,6 +112,8 @@ def notes(rows: list[Row], environment: dict, skipped: dict | None = None) -> li
         if r.equivalence.basis and r.equivalence.basis != "fp32 rule" and r.equivalence.verdict != "baseline":
             judged.setdefault(r.equivalence.basis, []).append(r.label)
     out += [f"{', '.join(labels)}: judged by {basis}" for basis, labels in judged.items()]
+    if (environment.get("run") or {}).get("warmup") == 0 and (line := first_steps(rows)):
+        out.append(line)
     kind = environment["device_kind"]
     if kind == "virtual":
         out.append(f"simulated: {environment['devices']} is virtual devices on {environment['cpu']['cores']} CPU "

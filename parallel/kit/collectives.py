@@ -23,6 +23,17 @@ def every_rank(value) -> list:
     return out
 
 
+def rank0_says(flag: bool, device: torch.device) -> bool:
+    """Rank 0's `flag` on every rank (a collective): for a decision each rank would take on its own clock,
+    such as when a timing loop has spent its budget, which must be the same on every rank or the one that
+    goes on waits in a collective the others never issue."""
+    if not td.is_initialized() or td.get_world_size() == 1:
+        return flag
+    said = torch.tensor([float(flag)], device=device)
+    td.broadcast(said, 0)
+    return bool(said.item())
+
+
 def sum_gradients(params, divide_by: int, group=None) -> None:
     """The gradients of `params` summed over `group` (None: every rank) in one flat all-reduce, then divided
     by `divide_by` (the ranks whose mean losses make the step's: context and expert parallelism). A

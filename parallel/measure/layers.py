@@ -21,6 +21,7 @@ from torch import nn
 
 from parallel import measure
 from parallel.formulas import element_bytes
+from parallel.kit import kv_copies
 from parallel.kit.saved import ActivationMeter
 from parallel.measure.sharded_cost import ring_allreduce_bytes
 from parallel.outputs import call
@@ -44,6 +45,7 @@ class Result:
     bytes_per_block_per_step: dict[str, float] = field(default_factory=dict)
     activation_bytes_per_rank: int | None = None  # saved for backward in one forward, this rank
     mesh: str = ""  # 2-D: the dp x tp layout
+    kv_heads: str = ""  # grouped-query attention: its kv heads split over the ranks, or copied to them
 
 
 class Megatron(measure.Family):
@@ -61,6 +63,7 @@ class Megatron(measure.Family):
             out.activation_bytes_per_rank = forward_activation_bytes(t, data.batch(0))  # the whole batch
         if self.layout is not None:
             out.mesh = str(self.layout(config))
+        out.kv_heads = kv_copies.describe(shape_model(config), self._tp_dp(config)[0])
         return {Result.FAMILY: out}
 
     def _tp_dp(self, config) -> tuple[int, int]:
@@ -72,7 +75,8 @@ class Megatron(measure.Family):
         and a reduce-scatter of the same activation, (N-1)/N each: the same bytes); none for 2-D."""
         if self.layout is not None or tp_plan_of(model) is None:
             return None
-        return sum(ring_allreduce_bytes(p, config.world_size) for p in payloads(model, config))
+        copies = kv_copies.grad_bytes(model, config.world_size, element_bytes(config.precision))  # their gradients
+        return sum(ring_allreduce_bytes(p, config.world_size) for p in payloads(model, config)) + copies
 
     def predict_step_ms(self, cal, config, row) -> float | None:
         """`single`'s step on a dp share split tp ways (each rank computes 1/tp of every split layer; the

@@ -9,7 +9,7 @@ from torch import nn
 
 from parallel.devices import synchronizer
 from parallel.formulas import wire_bytes
-from parallel.kit.collectives import all_gather, reduce_scatter
+from parallel.kit.collectives import all_gather, rank0_says, reduce_scatter
 from parallel.kit.tensors import param_bytes
 from parallel.results import Measured
 from parallel.timing import StepTimer, summarize
@@ -68,22 +68,32 @@ def predict_sharded_ms(cal, config, row, all_gathers: int) -> float | None:
     return cal.compute_ms(config.batch_size // n) + comm
 
 
+COLLECTIVES_BUDGET_S = 4.0  # seconds the timed rounds may take: every round on small models; at GPT-2
+# small's 92M parameters over gloo a round took about 2 s, and 4 of them were most of zero's extras
+
+
 def timed_collectives(device: torch.device, numel: int, rounds: int = 10) -> dict[str, float]:
     """Median ms of one all-reduce, one reduce-scatter and one all-gather of `numel` fp32 elements (padded
     to a multiple of N) over the world, timed in turns round by round (the first round dropped), so that a
-    drift of the machine's speed hits all three alike: what each costs here, in one run."""
+    drift of the machine's speed hits all three alike: what each costs here, in one run. The rounds stop
+    once COLLECTIVES_BUDGET_S is spent, after at least one timed round (as rank 0 counts), or after the
+    first if it alone spent it: collectives of seconds are warm from the first (median_time's rule)."""
     n = td.get_world_size()
     whole = torch.zeros(-(-numel // n) * n, device=device)
     part = torch.zeros(whole.numel() // n, device=device)
     work = {"all_reduce": lambda: td.all_reduce(whole), "reduce_scatter": lambda: reduce_scatter(part, whole),
             "all_gather": lambda: all_gather(whole, part)}
-    timer, times = StepTimer(synchronizer(device)), {k: [] for k in work}
+    timer, times, spent = StepTimer(synchronizer(device)), {k: [] for k in work}, 0.0
     for i in range(rounds + 1):
         for kind, run in work.items():
             with timer:
                 run()
-            if i:
-                times[kind].append(timer.elapsed)
+            spent += timer.elapsed
+            times[kind].append(timer.elapsed)
+        if rank0_says(spent > COLLECTIVES_BUDGET_S, device):
+            break
+        if not i:  # a first round within the budget warmed up: dropped
+            times = {k: [] for k in work}
     return {k: summarize(v)["p50_ms"] for k, v in times.items()}
 
 

@@ -84,7 +84,7 @@ def check(config) -> None:
                           f"least 2 of them (dp x tp = {n}; tp alone is `tensor_parallel`)")
     config.check_divisible(n // tp, "data-parallel size")
     model = shape_model(config)
-    if why := manual_tp.plan_problems(model, tp):
+    if why := manual_tp.plan_problems(model, tp, copies=False):
         raise ConfigError(f"cannot split the {config.workload} over {tp} tensor-parallel ranks: {why}")
 
 

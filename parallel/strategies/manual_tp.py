@@ -21,6 +21,10 @@ colwise/rowwise pair costs one forward and one backward, 4 all-reduces per trans
 The replicated layers (embeddings, norms, the head) see the same inputs and the same output gradients
 on every rank (g and f make them so), so they get the same gradient everywhere and need no all-reduce
 of their own. Each rank holds 1/N of the split layers' parameters, gradients and optimizer state.
+
+Grouped-query attention with fewer kv heads than ranks (Llama 3 8B's 8 at tp 16): each kv head is
+copied to the N / kv ranks whose query heads read it, and those ranks add their shares of its gradient
+before the step (kit/kv_copies.py: the one collective here outside f and g).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from torch import nn
 
 from parallel import checkpoint
 from parallel.errors import ConfigError
+from parallel.kit import kv_copies
 from parallel.layout import ParallelDims
 from parallel.measure import layers
 from parallel.outputs import call
@@ -59,7 +64,11 @@ RANK_BRANCH = Mutant("manual_tp:rank-branch", "the model's forward branches on t
                      "replicated head sees different inputs on the two ranks", {"workload": "transformer",
                                                                                 "check_replicas": True},
                      shows="replicas")
-MUTANTS = (FUSED_QKV_SPLIT, BIAS_ON_EVERY_RANK, RANK_BRANCH)
+KV_UNSUMMED = Mutant("manual_tp:kv-copies-unsummed", "fewer kv heads than ranks (multi-query attention at tp 2): "
+                     "each rank's copy of its kv head steps with its own query heads' share of the gradient, "
+                     "never summed with the other copies'", {"workload": "transformer", "arch": "llama",
+                                                             "kv_heads": 1})
+MUTANTS = (FUSED_QKV_SPLIT, BIAS_ON_EVERY_RANK, RANK_BRANCH, KV_UNSUMMED)
 
 
 class _Copy(torch.autograd.Function):
@@ -126,6 +135,7 @@ class Split:
     world: int
     colwise: tuple[str, ...]
     rowwise: tuple[str, ...]
+    copies: kv_copies.Copies | None = None  # kv heads fewer than the ranks: each copied to the ranks reading it
 
 
 def dims(config, dist) -> ParallelDims:
@@ -133,19 +143,22 @@ def dims(config, dist) -> ParallelDims:
     return ParallelDims(world=dist.world_size, tp=dist.world_size)
 
 
-def plan_problems(model: nn.Module, tp: int) -> str | None:
-    """Why `model` cannot be split over `tp` ranks (a size that does not divide), or None."""
+def plan_problems(model: nn.Module, tp: int, copies: bool = True) -> str | None:
+    """Why `model` cannot be split over `tp` ranks (a size that does not divide), or None. `copies`: kv
+    heads fewer than tp are copied to the ranks that read them (kit/kv_copies.py); fsdp_tp does not."""
     for name, m in model.named_modules():
         if isinstance(m, Attention) and (heads := m.q.out_features // m.head_size) % tp:
             return f"tp {tp} does not divide {name}'s {heads} heads"
-        if isinstance(m, Attention) and (kv := m.k.out_features // m.head_size) % tp:  # GQA: a rank needs whole
-            return (f"tp {tp} does not divide {name}'s {kv} kv heads (grouped-query attention; kv heads "
-                    "replicated over the ranks are not built: a tp that divides them splits them)")
-    plan = tp_plan_of(model)
+        if isinstance(m, Attention) and (kv := m.k.out_features // m.head_size) % tp and not copies:
+            return (f"tp {tp} does not divide {name}'s {kv} kv heads (grouped-query attention; copies of kv "
+                    "heads on the ranks that read them are made by manual_tp and tensor_parallel only)")
+    if why := kv_copies.problem(model, tp):
+        return why
+    plan, copied = tp_plan_of(model), {f"{n}.{p}" for n, _, _ in kv_copies.kv_heads_below(model, tp) for p in "kv"}
     for name in plan.colwise + plan.rowwise:
         if type(layer := model.get_submodule(name)) is not nn.Linear:  # GPT-2's Conv1D holds its weight transposed
             return f"its plan names {name}, a {type(layer).__name__}: the plan splits nn.Linear layers only"
-    for name in plan.colwise:
+    for name in (c for c in plan.colwise if c not in copied):  # a copied k or v: tp copies of one head's rows
         if (out := model.get_submodule(name).out_features) % tp:
             return f"tp {tp} does not divide {name}'s {out} output features"
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
@@ -212,6 +225,7 @@ def _copy_first_input(module, args, kwargs):
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     # Every rank built the same model from the seed (workloads.build_model): each keeps its part of it.
+    copies = kv_copies.copied(model, dist.world_size, dist.rank)  # fewer kv heads than ranks: each head m times
     colwise, rowwise = shard(model, dist.rank, dist.world_size, config)
     model = model.to(dist.device)
     if injected(config, RANK_BRANCH) and dist.rank == 1:  # the bug: a rank-dependent branch in the model
@@ -219,8 +233,9 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     split = {f"{n}.weight" for n in colwise + rowwise} | {f"{n}.bias" for n in colwise}  # a row split's bias is whole
     whole = tuple(range(dist.world_size))  # the rest every rank holds alike (--check-replicas)
     return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device,
-                     state=Split(dist.world_size, colwise, rowwise),
-                     held_by={k: whole for k, _ in model.named_parameters() if k not in split})
+                     state=Split(dist.world_size, colwise, rowwise, copies),
+                     held_by={k: whole for k, _ in model.named_parameters() if k not in split}
+                     | kv_copies.held_by(copies))
 
 
 def train_step(t: Trainable, batch, dist):
@@ -228,6 +243,8 @@ def train_step(t: Trainable, batch, dist):
     t.optimizer.zero_grad(set_to_none=True)
     loss = t.loss_fn(call(t.model, x, y), y)
     loss.backward()
+    if not injected(t, KV_UNSUMMED):
+        kv_copies.sum_copies(t.model, t.state.copies)  # a kv head's copies: their ranks' shares of its gradient
     t.optimizer.step()  # each rank its part of the split layers, and all of the replicated ones
     return loss.detach()
 
@@ -257,7 +274,7 @@ def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
         dim = _split_dim(t.state, name)
         whole = value if dim is None else _gathered(value, dim, t.state.world)
         out[name] = whole.detach().cpu().clone()
-    return out
+    return kv_copies.one_copy(out, t.state.copies)
 
 
 def checkpoint_state(t: Trainable) -> dict:

@@ -18,6 +18,8 @@ gradients are then partial on every rank, and DTensor all-reduces them (small: 2
 
 --loss-parallel 1: the head is split by vocabulary (ColwiseParallel, output Shard(-1)), and the
 cross-entropy runs on the split logits under loss_parallel(): no rank ever holds B x T x V logits.
+
+Fewer kv heads than ranks: each copied to the ranks that read it, as in manual_tp (kit/kv_copies.py).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch import nn
 from parallel.devices import SHARED_GLOO_NO_DTENSOR
 from parallel.dist import local
 from parallel.errors import ConfigError
+from parallel.kit import kv_copies
 from parallel.layout import ParallelDims
 from parallel.measure import layers
 from parallel.outputs import call
@@ -80,6 +83,7 @@ class Options:
 @dataclass
 class State:
     loss_parallel: bool  # the head's logits split by vocabulary into the loss
+    copies: kv_copies.Copies | None = None  # kv heads fewer than the ranks: each copied to the ranks reading it
 
 
 def dims(config, dist) -> ParallelDims:
@@ -184,11 +188,13 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     from torch.distributed.tensor import DTensor
 
     o = options_of(Options, config)
+    copies = kv_copies.copied(model, dist.world_size, dist.rank)  # fewer kv heads than ranks: each head m times
     model = apply(model.to(dist.device), dims(config, dist).mesh(dist.device.type), o, config)
     whole = tuple(range(dist.world_size))  # what the plan leaves whole, every tp rank holds alike (--check-replicas)
     return Trainable(model, make_optimizer(by_kind(model.parameters())), loss_fn, dist.device,
-                     state=State(bool(o.loss_parallel)),
-                     held_by={k: whole for k, p in model.named_parameters() if not isinstance(p, DTensor)})
+                     state=State(bool(o.loss_parallel), copies),
+                     held_by={k: whole for k, p in model.named_parameters() if not isinstance(p, DTensor)}
+                     | kv_copies.held_by(copies))
 
 
 def train_step(t: Trainable, batch, dist):
@@ -199,6 +205,7 @@ def train_step(t: Trainable, batch, dist):
         t.optimizer.zero_grad(set_to_none=True)
         loss = t.loss_fn(call(t.model, x, y), y)
         loss.backward()
+        kv_copies.sum_copies(t.model, t.state.copies)  # a kv head's copies: their ranks' shares of its gradient
         t.optimizer.step()
     return local(loss).detach()  # a replicated DTensor under loss parallelism: every rank's is the whole
 
@@ -210,5 +217,10 @@ def available(spec) -> str | None:
 # The collectives per block, one forward's saved activations, Megatron's bytes and step (parallel/measure/layers.py)
 MEASURE = layers.Megatron(activations=True)
 
-HOOKS = Hooks(available=available, dims=dims, check=check, state_dict=full_state_dict,
+def state_dict(t: Trainable) -> dict:
+    """Every DTensor gathered whole (a collective), each copied kv head once."""
+    return kv_copies.one_copy(full_state_dict(t), t.state.copies)
+
+
+HOOKS = Hooks(available=available, dims=dims, check=check, state_dict=state_dict,
               model_state_bytes=model_state_every_rank)
