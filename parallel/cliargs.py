@@ -240,8 +240,8 @@ def config_from_args(args: argparse.Namespace, default_out: bool = True) -> RunC
     config = RunConfig(**given, options=options)
     config.spec = spec  # parsed once, above: validate takes this parse
     config = config.validate()
-    if "warmup" not in given and shaped and not spec.real and step_flops(config) > WARM_FLOPS:
-        config = dataclasses.replace(config, warmup=0).validate()
+    if "warmup" not in given and shaped and not spec.real and config.hang_rank < 0 and step_flops(config) > WARM_FLOPS:
+        config = dataclasses.replace(config, warmup=0).validate()  # (--hang-rank keeps its warm-up: it stops step 1)
     if not config.out and default_out:
         config.out = str(Path("results") / time.strftime("run-%Y%m%d-%H%M%S"))
     return config

@@ -86,9 +86,10 @@ def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult
     dims = strategy.dims(config, dist)  # which share of each global batch this rank takes, whose loss counts
     share = dims.batch_share(dist.rank)
     snapshot = snapshot_path(strategy, config, dist)
-    # Bytes on the wire, counted in the warm-up steps (off the clock), per block for tensor parallelism
+    # Bytes on the wire, counted in the warm-up steps (off the clock), per block for tensor parallelism; with
+    # no warm-up (a CPU step of seconds), in the first step alone, whose time the report's note then shows
     per_block = trainable is not None and getattr(strategy, "TENSOR_PARALLEL", False)  # Megatron counts per block
-    counter = wire.Counter(config.warmup, trainable.model if per_block else None)
+    counter = wire.Counter(max(1, config.warmup), trainable.model if per_block else None)
     replicas = divergence.Check(config, dims, dist, trainable)  # --check-replicas, between steps (off the clock)
     for step in range(start, total):
         batch = data.batch(step, *share)

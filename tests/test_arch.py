@@ -132,6 +132,8 @@ def test_tensor_parallel_copies_kv_heads_fewer_than_its_ranks_and_refuses_what_i
     assert "does not divide blocks.0.attn's 2 kv heads" in manual_tp.plan_problems(model, 4, copies=False)  # fsdp_tp
     odd = Transformer(64, 8, 96, 1, 12, "llama", 4, 96)  # 12 heads over 6 ranks: 2 each, but 4 kv heads
     assert "tp 6 is not a multiple of blocks.0.attn's 4 kv heads" in manual_tp.plan_problems(odd, 6)
+    more = Transformer(64, 8, 96, 1, 12, "llama", 6, 96)  # 6 kv heads over 4 ranks: 1.5 each, neither way
+    assert "tp 4 does not divide blocks.0.attn's 6 kv heads" in manual_tp.plan_problems(more, 4)
     assert kv_copies.describe(model, 4) == "2 kv heads, each copied to 2 ranks (tp 4), their gradients summed there"
     assert kv_copies.describe(model, 2) == "2 kv heads split, 1 a rank"
     assert kv_copies.describe(Transformer(64, 8, 32, 1, 4), 2) == ""  # no grouped-query attention

@@ -1,5 +1,6 @@
 """Tensor and sequence parallelism on gloo ranks spawned inside pytest: manual_tp (Megatron by hand) and
-tensor_parallel (DTensor) on 2 ranks, fsdp_tp (FSDP2 x TP) and HSDP (fsdp --replicate 2) on 4. Parity with
+tensor_parallel (DTensor) on 2 ranks, fsdp_tp (FSDP2 x TP), HSDP (fsdp --replicate 2) and grouped-query
+attention's kv heads copied over 4 tensor-parallel ranks on 4. Parity with
 `single`, the collectives per transformer block against Megatron's count, their bytes, the activations
 sequence parallelism saves, and the refusals. (cpu:2 parity of manual_tp and tensor_parallel on the MLP
 and the transformer is also the registry's test in test_oracle.py; their bugs are in the mutants.)"""
@@ -19,11 +20,15 @@ E = 8  # bytes per element: judged_on_ranks runs in float64 (tests/multirank.py)
 TWO = [("manual_tp", "mlp", {}), ("manual_tp", "transformer", {}), ("tensor_parallel", "mlp", {}),
        ("tensor_parallel", "transformer", {}), ("tensor_parallel", "transformer", {"sequence_parallel": 1}),
        ("tensor_parallel", "transformer", {"sequence_parallel": 1, "loss_parallel": 1})]
-FOUR = [("fsdp_tp", "mlp", {"tp": 2}), ("fsdp_tp", "transformer", {"tp": 2}), ("fsdp", "mlp", {"replicate": 2})]
+GQA = {"arch": "llama", "kv_heads": 2}  # 4 heads, 2 kv heads: at tp 4 each kv head copied to 2 of the 4 ranks
+FOUR = [("fsdp_tp", "mlp", {"tp": 2}), ("fsdp_tp", "transformer", {"tp": 2}), ("fsdp", "mlp", {"replicate": 2}),
+        ("manual_tp", "transformer", {"shape": "gqa"}), ("tensor_parallel", "transformer", {"shape": "gqa"})]
 
 
 def _config(workload: str, world: int, options: dict) -> RunConfig:
-    return RunConfig(workload=workload, devices=f"cpu:{world}", batch_size=BATCH, steps=3, warmup=1,
+    options = dict(options)
+    shape = GQA if options.pop("shape", "") == "gqa" else {}
+    return RunConfig(workload=workload, **shape, devices=f"cpu:{world}", batch_size=BATCH, steps=3, warmup=1,
                      options=options).validate()
 
 
@@ -67,6 +72,10 @@ def test_fsdp_x_tp_and_hsdp_match_single_on_four_ranks():
     hsdp = rows[2].details["bytes_per_step_by_collective"]  # 2 replicas of 2 shards: their all-reduce is there
     assert set(hsdp) == {"all_gather", "reduce_scatter", "all_reduce"}
     assert result_of(rows[0], layers.Result).mesh == "dp_shard 2 x tp 2"
+    for copied in rows[3:]:  # two groups of copies ({0, 1}, {2, 3}), by hand and by DTensor: matched above
+        assert result_of(copied, layers.Result).kv_heads == \
+            "2 kv heads, each copied to 2 ranks (tp 4), their gradients summed there"
+        assert copied.comm_bytes_per_step == pytest.approx(copied.comm_bytes_predicted, rel=0.01)  # their sum too
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -149,9 +149,9 @@ def plan_problems(model: nn.Module, tp: int, copies: bool = True) -> str | None:
     for name, m in model.named_modules():
         if isinstance(m, Attention) and (heads := m.q.out_features // m.head_size) % tp:
             return f"tp {tp} does not divide {name}'s {heads} heads"
-        if isinstance(m, Attention) and (kv := m.k.out_features // m.head_size) % tp and not copies:
-            return (f"tp {tp} does not divide {name}'s {kv} kv heads (grouped-query attention; copies of kv "
-                    "heads on the ranks that read them are made by manual_tp and tensor_parallel only)")
+        if isinstance(m, Attention) and (kv := m.k.out_features // m.head_size) % tp and (kv > tp or not copies):
+            return (f"tp {tp} does not divide {name}'s {kv} kv heads (grouped-query attention; fewer kv heads "
+                    "than ranks are copied to the ranks that read them, by manual_tp and tensor_parallel)")
     if why := kv_copies.problem(model, tp):
         return why
     plan, copied = tp_plan_of(model), {f"{n}.{p}" for n, _, _ in kv_copies.kv_heads_below(model, tp) for p in "kv"}

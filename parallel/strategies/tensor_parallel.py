@@ -217,6 +217,7 @@ def available(spec) -> str | None:
 # The collectives per block, one forward's saved activations, Megatron's bytes and step (parallel/measure/layers.py)
 MEASURE = layers.Megatron(activations=True)
 
+
 def state_dict(t: Trainable) -> dict:
     """Every DTensor gathered whole (a collective), each copied kv head once."""
     return kv_copies.one_copy(full_state_dict(t), t.state.copies)
