@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as td
 
+from parallel.dist import local
+
 # gloo has reduce_scatter_single / all_gather_single in torch 2.13; torch 2.11 (the oldest the suite ran on)
 # has only reduce_scatter_tensor / all_gather_into_tensor (deprecated names in 2.13).
 reduce_scatter = getattr(td, "reduce_scatter_single", None) or td.reduce_scatter_tensor
@@ -38,7 +40,8 @@ def sum_gradients(params, divide_by: int, group=None) -> None:
     """The gradients of `params` summed over `group` (None: every rank) in one flat all-reduce, then divided
     by `divide_by` (the ranks whose mean losses make the step's: context and expert parallelism). A
     parameter with no gradient this step (an expert no row reached, a router whose gates were unused)
-    counts as zero, so every rank sends the same flat tensor."""
+    counts as zero, so every rank sends the same flat tensor. A DTensor's gradient is summed as what this
+    rank holds of it (its local shard: under no_grad, to_local is that shard itself)."""
     import torch.distributed as td
 
     params = list(params)
@@ -47,11 +50,12 @@ def sum_gradients(params, divide_by: int, group=None) -> None:
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    td.all_reduce(flat, group=group)
-    flat /= divide_by
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    with torch.no_grad():
+        grads = [local(p.grad) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        td.all_reduce(flat, group=group)
+        flat /= divide_by
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as td
 from torch import nn
 
-from parallel.dist import local
+from parallel.kit.collectives import sum_gradients
 from parallel.transformer import Attention
 
 
@@ -87,19 +87,11 @@ def params(model: nn.Module, copies: Copies) -> list[nn.Parameter]:
     return [p for name in copies.names for p in model.get_submodule(name).parameters()]
 
 
-@torch.no_grad()
 def sum_copies(model: nn.Module, copies: Copies | None) -> None:
-    """Every copy's gradient summed over the ranks of its head (what this rank holds of it: a DTensor's
-    local shard; under no_grad to_local is that shard itself), in one flat all-reduce."""
-    if copies is None:
-        return
-    grads = [local(p.grad) for p in params(model, copies)]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    td.all_reduce(flat, group=copies.group)
-    at = 0
-    for g in grads:
-        g.copy_(flat[at:at + g.numel()].view_as(g))
-        at += g.numel()
+    """Every copy's gradient summed over the ranks of its head, in one flat all-reduce (what this rank
+    holds of it: a DTensor's local shard)."""
+    if copies is not None:
+        sum_gradients(params(model, copies), 1, copies.group)
 
 
 def one_copy(state: dict[str, torch.Tensor], copies: Copies | None) -> dict[str, torch.Tensor]:

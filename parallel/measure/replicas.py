@@ -5,27 +5,25 @@ without it). Their rows use the sharded family's Result (measure/sharded.py)."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.distributed as td
 
 from parallel import measure
-from parallel.devices import synchronizer
 from parallel.formulas import element_bytes
-from parallel.kit.collectives import rank0_says
 from parallel.measure.sharded import FAMILY, Result, _model_state, held
 from parallel.measure.sharded_cost import (
     allreduce_every_gradient,
     grad_bytes,
     predict_data_parallel_ms,
+    timed_rounds,
 )
 from parallel.results import Measured
-from parallel.timing import StepTimer, summarize
 from parallel.usermodel import workload_of
 
 EXTRAS_BUDGET_S = 10.0  # seconds ddp's interleaved rounds may take: all 10 on small models, 1 at real sizes
-WARM_STEP_S = 1.0  # a run whose steps took longer is warm: its timing needs no round of warm-up first
 
 
 class Replicas(measure.Family):
@@ -89,36 +87,24 @@ class AllReduce(measure.Family):
         params = list(model.parameters())
         _model_state(r, held(params, t.optimizer), 0, sum(p.numel() for p in params), dist.world_size,
                      params[0].element_size())
-        ms = self._timed(t, data, config, dist, warm=bool(run.step_s) and min(run.step_s) > WARM_STEP_S)
+        ms = self._timed(t, data, config, dist)
         r.step_ms, r.no_sync_step_ms, exposed = ms["step"], ms["no_sync"], ms["step"] - ms["no_sync"]
         return {FAMILY: r, "measured": Measured(
             exposed_comm_ms=exposed, exposed_over_allreduce=exposed / ms["allreduce"],
             allreduce_all_grads_ms=ms["allreduce"], allreduce_4B_ms=ms["allreduce_4B"])}
 
-    def _timed(self, t, data, config, dist, warm: bool) -> dict[str, float]:
+    def _timed(self, t, data, config, dist) -> dict[str, float]:
         """Median ms of a step, the same step with no all-reduce (no_sync), one standalone all-reduce of every
         gradient at once and one of 4 bytes (the latency: the cost model's alpha), timed interleaved, round
-        by round, with the loop's clock, so that drift of the machine's speed hits all four alike; on fresh
-        batches after the run's own. The first round warms up and is dropped, unless the run's steps took
-        seconds (`warm`, as rank 0 saw it): at GPT-2 small's shape on CPUs a round is two steps of 5 s."""
+        by round, with the loop's clock (timed_rounds, within EXTRAS_BUDGET_S: at GPT-2 small's shape on
+        CPUs a round is two steps of 5 s, and one round is all); on fresh batches after the run's own."""
         flat = torch.zeros(sum(p.numel() for p in t.model.parameters()), device=t.device)  # (all grads,)
         tiny = torch.zeros(1, device=t.device)
-        timer = StepTimer(synchronizer(t.device))
-        work = {"step": lambda b: self.step(t, b), "no_sync": lambda b: self.step(t, b, sync=False),
-                "allreduce": lambda b: td.all_reduce(flat), "allreduce_4B": lambda b: td.all_reduce(tiny)}
-        times: dict[str, list[float]] = {k: [] for k in work}
-        first, spent, drop = config.warmup + config.steps, 0.0, 0 if rank0_says(warm, t.device) else 1
-        for i in range(drop + max(10, config.steps)):
-            batch = data.batch(first + i, dist.rank, dist.world_size)
-            for kind, run in work.items():
-                with timer:
-                    run(batch)
-                spent += timer.elapsed
-                if i >= drop:
-                    times[kind].append(timer.elapsed)
-            if i >= drop and rank0_says(spent > EXTRAS_BUDGET_S, t.device):  # every rank stops after the same round
-                break
-        return {k: summarize(v)["p50_ms"] for k, v in times.items()}
+        first = config.warmup + config.steps
+        batch = functools.lru_cache(maxsize=1)(lambda i: data.batch(first + i, dist.rank, dist.world_size))  # a round's
+        work = {"step": lambda i: self.step(t, batch(i)), "no_sync": lambda i: self.step(t, batch(i), sync=False),
+                "allreduce": lambda i: td.all_reduce(flat), "allreduce_4B": lambda i: td.all_reduce(tiny)}
+        return timed_rounds(work, max(10, config.steps), EXTRAS_BUDGET_S, t.device)
 
     def comm_bytes_predicted(self, model, config) -> float:
         """Every gradient all-reduced once with a ring; half the bytes in bf16."""

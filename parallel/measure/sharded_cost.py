@@ -3,6 +3,8 @@ calibration, and the collectives timed alone in a run."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as td
 from torch import nn
@@ -72,29 +74,36 @@ COLLECTIVES_BUDGET_S = 4.0  # seconds the timed rounds may take: every round on 
 # small's 92M parameters over gloo a round took about 2 s, and 4 of them were most of zero's extras
 
 
-def timed_collectives(device: torch.device, numel: int, rounds: int = 10) -> dict[str, float]:
-    """Median ms of one all-reduce, one reduce-scatter and one all-gather of `numel` fp32 elements (padded
-    to a multiple of N) over the world, timed in turns round by round (the first round dropped), so that a
-    drift of the machine's speed hits all three alike: what each costs here, in one run. The rounds stop
-    once COLLECTIVES_BUDGET_S is spent, after at least one timed round (as rank 0 counts), or after the
-    first if it alone spent it: collectives of seconds are warm from the first (median_time's rule)."""
-    n = td.get_world_size()
-    whole = torch.zeros(-(-numel // n) * n, device=device)
-    part = torch.zeros(whole.numel() // n, device=device)
-    work = {"all_reduce": lambda: td.all_reduce(whole), "reduce_scatter": lambda: reduce_scatter(part, whole),
-            "all_gather": lambda: all_gather(whole, part)}
+def timed_rounds(work: dict[str, Callable[[int], object]], rounds: int, budget_s: float,
+                 device: torch.device) -> dict[str, float]:
+    """Median ms of each of `work`'s callables (given the round's number), timed in turns round by round so
+    that a drift of the machine's speed hits all alike. The first round warms up and is dropped, unless it
+    alone spent `budget_s`: work of seconds is warm from the first (median_time's rule). The rounds stop
+    once `budget_s` is spent, as rank 0 counts it (rank0_says), so that every rank times the same rounds."""
     timer, times, spent = StepTimer(synchronizer(device)), {k: [] for k in work}, 0.0
     for i in range(rounds + 1):
         for kind, run in work.items():
             with timer:
-                run()
+                run(i)
             spent += timer.elapsed
             times[kind].append(timer.elapsed)
-        if rank0_says(spent > COLLECTIVES_BUDGET_S, device):
+        if rank0_says(spent > budget_s, device):
             break
-        if not i:  # a first round within the budget warmed up: dropped
+        if not i:
             times = {k: [] for k in work}
     return {k: summarize(v)["p50_ms"] for k, v in times.items()}
+
+
+def timed_collectives(device: torch.device, numel: int, rounds: int = 10) -> dict[str, float]:
+    """Median ms of one all-reduce, one reduce-scatter and one all-gather of `numel` fp32 elements (padded
+    to a multiple of N) over the world, timed in turns (timed_rounds, within COLLECTIVES_BUDGET_S): what
+    each costs here, in one run."""
+    n = td.get_world_size()
+    whole = torch.zeros(-(-numel // n) * n, device=device)
+    part = torch.zeros(whole.numel() // n, device=device)
+    work = {"all_reduce": lambda i: td.all_reduce(whole), "reduce_scatter": lambda i: reduce_scatter(part, whole),
+            "all_gather": lambda i: all_gather(whole, part)}
+    return timed_rounds(work, rounds, COLLECTIVES_BUDGET_S, device)
 
 
 def measured_collectives(device: torch.device, numel: int, rounds: int) -> Measured:
