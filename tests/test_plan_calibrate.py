@@ -62,14 +62,15 @@ def test_the_fit_recovers_the_scales_the_planner_made_its_points_with(c, o):
     assert ms(16, one_c, one_o) == pytest.approx(ms(16, c, o))
 
 
-def test_the_h100_run_one_point_the_planner_was_8_percent_high_and_calibrated_is_within_5(tmp_path, capsys):
+def test_the_h100_run_one_point_held_out_within_15_percent_and_calibrated_within_5(tmp_path, capsys):
     code, cal = calibrate(tmp_path, H100)
     assert code == 0, capsys.readouterr().err
     text = " ".join(capsys.readouterr().out.split())  # the console wraps at its width
     assert cal["gpu"] == "h100" and cal["device"] == "NVIDIA H100 80GB HBM3" and cal["run"].endswith("run0")
     (p,) = cal["points"]  # the run was stopped before the cost model timed single at other batches
     assert p["batch"] == 16 and p["measured_ms"] == pytest.approx(55.59, abs=0.01)
-    assert 0.03 < p["error"] < 0.15, p  # 60.2 ms predicted for 55.6: the planner before calibration
+    # held out (validate.ROLES): nothing was fitted on compare's step; 49.4 ms predicted for 55.6 (-11.2%)
+    assert abs(p["error"]) < 0.15, p
     assert abs(p["calibrated_error"]) < 0.05
     assert cal["compute"] == cal["overhead"] and "one point" in cal["fit"] and "one point" in text
     assert cal["optimizer"] == "sgd-momentum" and cal["precision"] == "bf16"
@@ -166,7 +167,7 @@ def test_a_calibration_plans_later_runs_with_its_scales_for_its_kind_only(tmp_pa
     (r,) = json.loads(capsys.readouterr().out)
     efficiency = GPUS["h100"].efficiency.scaled(cal["compute"], cal["overhead"])
     expected = cost.predict(ModelSpec(12, 768, 12, 50304, 1024), Layout(mbs=16), Training(16, "bf16", **{
-        "attention": "flash", "dropout": False, "dp_overlap": True, "elementwise": 5.4}),
+        "attention": "flash", "dropout": False, "dp_overlap": True, "elementwise": 3.5}),
         Cluster(dataclasses.replace(GPUS["h100"], efficiency=efficiency), 1, 1))
     assert r["step_s"] == pytest.approx(expected["step_s"]) and r["calibration"]["gpu"] == "h100"
     assert cli.main([*shape, "--gpu", "h100"]) == 0
@@ -200,4 +201,6 @@ def test_the_published_means_have_not_moved():
                  validate.figure1: 6.153496087093109e-05, validate.table2: 0.08733602878214668}
     for table, mean in published.items():
         assert validate.summary(table())["mean"] == pytest.approx(mean, rel=1e-12), table.__name__
-    assert [r["predicted"] for r in validate.single_h100()] == pytest.approx([31.2681, 33.2882, 59.6995], abs=1e-3)
+    rows = validate.single_h100()  # the fit: launch_s on micro-batches 1 and 4, the rest that run's calibration
+    assert [r["predicted"] for r in rows][:2] == pytest.approx([31.2681, 33.2882], abs=1e-3)
+    assert all(abs(r["residual"]) < 0.02 for r in rows), rows

@@ -10,7 +10,8 @@ import pytest
 from parallel import cli
 from parallel.plan import cost, models, validate
 from parallel.plan.hardware import GPUS, Cluster, Efficiency
-from parallel.plan.layouts import STACKS, Layout, Training
+from parallel.plan.layouts import Layout, Training
+from parallel.plan.stacks import STACKS
 
 pytestmark = pytest.mark.timeout(120)
 GPT2 = ["plan", "--arch", "gpt", "--layers", "12", "--hidden", "768", "--heads", "12", "--vocab", "50304",

@@ -21,8 +21,9 @@ from collections.abc import Callable
 from parallel.errors import ConfigError
 from parallel.plan.cost import predict
 from parallel.plan.hardware import GPUS, Cluster, Gpu
-from parallel.plan.layouts import STACKS, Layout, Training
+from parallel.plan.layouts import Layout, Training
 from parallel.plan.models import ModelSpec
+from parallel.plan.stacks import STACKS
 
 # What the planner assumes a run trains with (layouts.Training's defaults), and what compare trains with
 # (train.make_optimizer, train.precision), in words for the output and calibration.json.

@@ -9,7 +9,8 @@ import math
 from parallel.errors import ConfigError
 from parallel.plan import models, search
 from parallel.plan.hardware import GPUS, cluster
-from parallel.plan.layouts import ELEM, STACKS, Training
+from parallel.plan.layouts import ELEM, Training
+from parallel.plan.stacks import STACKS
 
 NO_CONTEXT_PARALLEL = {"megatron-2022"}  # context parallelism came to Megatron-LM later (2024)
 
@@ -54,6 +55,9 @@ def add_parser(sub) -> None:
                    "published.py and this machine's latest comparison; errors per row, mean and worst")
     o.add_argument("--calibrate", metavar="OUT", help="calibrate the planner on a finished comparison's single "
                    "step (OUT/results.json, the built-in transformer at a planner shape); writes OUT/calibration.json")
+    o.add_argument("--sweep", metavar="FILE.csv", help="--validate: score a sweep of the Playbook's columns (model, "
+                   "nodes, gpus, dp, tp, pp, zero, mbs, grad_acc, gbs_seqs, seq, mfu_pct, tok_s_gpu, mem_gb, status) "
+                   "instead, as a held-out set")
     o.add_argument("--results", metavar="DIR", help="--validate: the comparison to check (default: the newest "
                    "results/run-*)")
 

@@ -19,8 +19,9 @@ import dataclasses
 from parallel.measure.replay import CLOSED_FORMS
 from parallel.plan.hardware import Cluster
 from parallel.plan.layouts import ELEM, OPTIMIZERS, Layout, Training, micro_batches, weight_bytes
-from parallel.plan.memory import memory, params_per_gpu
+from parallel.plan.memory import memory, stage_params, usable_gib
 from parallel.plan.models import ModelSpec
+from parallel.plan.stages import stages
 
 
 @dataclasses.dataclass
@@ -50,14 +51,20 @@ class Parts:
 KERNELS = {"forward": 28, "backward": 56, "head": 20, "step": 26}
 
 
-def launched(device_s: float, kernels: int, cl: Cluster) -> tuple[float, float]:
+def launched(device_s: float, kernels: float, cl: Cluster, host: float = 1.0) -> tuple[float, float]:
     """(seconds, of which overhead) of a piece of a step that does `device_s` of arithmetic and memory traffic
     in `kernels` kernels: the GPU's time, with its gap between kernels, or the host's time to launch them where
-    that is longer. The GPU cannot start a kernel the host has not launched; the host is taken not to run
-    ahead of the GPU from one piece to the next (each piece's overhead is paid, not pooled)."""
+    that is longer (`host`: the stack's time per kernel over eager torch's). The GPU cannot start a kernel the
+    host has not launched; the host is taken not to run ahead of the GPU from one piece to the next (each
+    piece's overhead is paid, not pooled)."""
     e = cl.gpu.efficiency
-    t = max(device_s + kernels * e.gap_s, kernels * e.launch_s)
+    t = max(device_s + kernels * e.gap_s, kernels * e.launch_s * host)
     return t, t - device_s
+
+
+def kernels(train: Training) -> dict[str, float]:
+    """The kernels a piece launches: the stack's counts where it gives them, else eager torch's (KERNELS)."""
+    return dict(zip(KERNELS, train.kernels, strict=True)) if train.kernels else KERNELS
 
 
 def layer_traffic(model: ModelSpec, lay: Layout, train: Training) -> dict[str, tuple[str, float, int, int]]:
@@ -85,14 +92,37 @@ def layer_traffic(model: ModelSpec, lay: Layout, train: Training) -> dict[str, t
     return out
 
 
+def matmul_time(model: ModelSpec, lay: Layout, train: Training, cl: Cluster, tokens: float) -> tuple[float, float]:
+    """Seconds of one layer's weight matrix products on one GPU, forward and backward. A kind whose
+    efficiency was fitted to whole layers (the A100's, Efficiency.per_gemm False) runs them all at the
+    layer's width on a GPU (h / tp), backward twice forward. A kind whose matrix products were timed one by
+    one (the H100's) runs each at its own contraction: forward Y = XW over W's rows (h for the column-parallel
+    q, k, v and MLP inputs, h/tp or F/tp for the row-parallel outputs), backward dX over W's columns and dW
+    over the tokens."""
+    e = cl.gpu.efficiency
+    if not e.per_gemm:
+        mm = model.layer_matmul_flops(tokens) / lay.tp / cl.matmul_rate(train.precision, model.hidden / lay.tp)
+        return mm, 2 * mm
+    h, t, F = model.hidden, lay.tp, model.F
+    k = model.top_k if model.experts else 1
+    gemms = [(h, (h + 2 * h * model.kv // model.heads) / t), (h / t, h),  # q, k, v; the attention's output
+             (h, (2 if model.gated else 1) * k * F / t), (k * F / t, h)]  # the MLP's input(s), its output
+    peak = cl.peak(train.precision)
+    fwd = sum(2 * tokens * K * N / (peak * e.matmul(K)) for K, N in gemms)
+    bwd = sum(2 * tokens * K * N / (peak * e.matmul(N)) + 2 * tokens * K * N / (peak * e.matmul(tokens))
+              for K, N in gemms)
+    return fwd, bwd
+
+
 def layer_time(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> Parts:
     e, elem = cl.gpu.efficiency, ELEM[train.precision]
     peak = cl.matmul_rate(train.precision, model.hidden / lay.tp)
     hbm = cl.gpu.hbm * e.memory
     q_len = model.seq / lay.cp
     tokens = lay.tokens(model.seq)
-    mm = model.layer_matmul_flops(tokens) / lay.tp / peak
-    core = model.core_flops(lay.mbs, q_len) / lay.tp / peak * (0.5 if train.attention == "flash" else 1.0)
+    mm_f, mm_b = matmul_time(model, lay, train, cl, tokens)
+    core_rate = cl.peak(train.precision) * e.attention if e.attention and train.attention == "flash" else peak
+    core = model.core_flops(lay.mbs, q_len) / lay.tp / core_rate * (0.5 if train.attention == "flash" else 1.0)
     whole = tokens * model.hidden / (lay.tp if lay.sequence_parallel else 1)
     # elementwise bytes of a forward: two norms (read, write), two residual adds with dropout (read two,
     # write one, a mask), the MLP's activation (read, write; SwiGLU reads two), the softmax (and dropout)
@@ -102,8 +132,9 @@ def layer_time(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> P
     moved = whole * elem * (2 * 2 + 2 * 3) + train.dropout * 2 * whole + mlp * elem * (3 if model.gated else 2)
     softmax = scores * (2 * elem + train.dropout * (1 + 2 * elem)) if train.attention == "unfused" else 0.0
     ew, ew_core = moved * train.elementwise / hbm, softmax / hbm
-    (fwd, over_f), (bwd, over_b) = (launched(n * (mm + core + ew + ew_core), KERNELS[k], cl)
-                                    for n, k in ((1, "forward"), (2, "backward")))
+    count = kernels(train)
+    (fwd, over_f), (bwd, over_b) = (launched(mm + n * (core + ew + ew_core), count[k], cl, train.host)
+                                    for mm, n, k in ((mm_f, 1, "forward"), (mm_b, 2, "backward")))
     t = Parts(fwd, bwd, overhead=over_f + over_b)
     if lay.recompute == "full":
         t.backward, t.overhead = t.backward + t.forward, t.overhead + over_f
@@ -119,13 +150,16 @@ def layer_time(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> P
     return t
 
 
-def head_time(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> tuple[float, float]:
+def head_time(model: ModelSpec, lay: Layout, train: Training, cl: Cluster, head: bool = True,
+              loss: bool = True) -> tuple[float, float]:
     """The last stage's extra: the output projection to the vocabulary and the loss, forward and back
-    (seconds, of which launch overhead)."""
+    (seconds, of which launch overhead); `head` or `loss` alone where a cost split puts them on two ranks
+    (each launching half the kernels)."""
     tokens = lay.tokens(model.seq)
     peak = cl.matmul_rate(train.precision, model.hidden / lay.tp)
-    loss = tokens * model.vocab / lay.tp * 16 / (cl.gpu.hbm * cl.gpu.efficiency.memory)
-    return launched(3 * model.logits_flops(tokens) / lay.tp / peak + loss, KERNELS["head"], cl)
+    moved = tokens * model.vocab / lay.tp * train.loss_bytes / (cl.gpu.hbm * cl.gpu.efficiency.memory)
+    device = head * 3 * model.logits_flops(tokens) / lay.tp / peak + loss * moved
+    return launched(device, kernels(train)["head"] * (head + loss) / 2, cl, train.host) if head or loss else (0, 0)
 
 
 def dp_traffic(psi: float, lay: Layout, train: Training) -> list[tuple[str, float, int]]:
@@ -143,52 +177,79 @@ def dp_traffic(psi: float, lay: Layout, train: Training) -> list[tuple[str, floa
         return [("all_gather", psi * param, gathers * m), ("reduce_scatter", grads, m)]
     if lay.zero_stage in (1, 2):
         times = micro_batches(lay, train) if lay.zero_stage == 2 else 1
-        return [("reduce_scatter", grads, times), ("all_gather", psi * param, 1)]
+        return [(train.zero_reduce, grads, times), ("all_gather", psi * param, 1)]
     return [("all_reduce", grads, 1)]
-
-
-USABLE = 0.95  # of a GPU's memory a run can fill: the CUDA context, NCCL's buffers and fragmentation take the rest
 
 
 def schedule_of(lay: Layout) -> str:
     return "interleaved1f1b" if lay.stages_per_rank > 1 and lay.schedule == "1f1b" else lay.schedule
 
 
+def pipeline(model: ModelSpec, lay: Layout, train: Training, cl: Cluster, lt: Parts, m: int) -> dict:
+    """One micro-batch through the busiest rank, and the bubble. Even split: that rank is the last (its
+    layers and the head), the bubble the schedule's closed form on its layers, and the hand-offs exposed
+    apart (Narayanan's scatter/gather). Cost split (nanotron): every rank's layers, its ends, and its
+    blocking sends and receives, forward and back (the logits where the head sits one rank before the
+    loss); a pipeline of unequal stages takes sum(T_r) + (m - 1) max(T_r), so its bubble is the other
+    ranks' sum."""
+    elem, p, v = ELEM[train.precision], lay.pp, lay.stages_per_rank
+    act = lay.tokens(model.seq) * model.hidden * elem
+    if train.partition == "even" or p == 1 or v > 1:
+        layers = lay.layers(model.layers)
+        head, head_over = head_time(model, lay, train, cl)
+        f, b = layers * lt.forward / v, layers * lt.backward / v  # one chunk
+        bubble = max(0.0, CLOSED_FORMS[schedule_of(lay)](p, f, b, b / 2, b / 2)) if p > 1 else 0.0
+        handoff = 2 * v * cl.collective_s("send", act / (lay.tp if train.pp_scatter_gather else 1), 2,
+                                          lay.tp * lay.cp * lay.dp + 1) if p > 1 else 0.0
+        return {"stage": layers * (lt.forward + lt.backward) + head, "layers": layers, "head": head,
+                "head_over": head_over, "bubble": bubble, "handoff": handoff, "handoff_in_stage": False}
+    span = lay.tp * lay.cp * lay.dp + 1  # pipeline neighbours sit a data-parallel group apart
+    ranks = stages(model, lay, train, m)
+    logits = lay.tokens(model.seq) * model.vocab / lay.tp * elem
+    sizes = [logits if st.head and not st.loss else act / (lay.tp if lay.sequence_parallel else 1) for st in ranks]
+    times = []
+    for st in ranks:
+        head, head_over = head_time(model, lay, train, cl, st.head, st.loss)
+        sends = sum(2 * cl.collective_s("send", sizes[r], 2, span) for r in (st.rank - 1, st.rank) if 0 <= r < p - 1)
+        times.append({"stage": st.layers * (lt.forward + lt.backward) + head + sends, "layers": st.layers,
+                      "head": head, "head_over": head_over, "handoff": sends})
+    busiest = max(times, key=lambda t: t["stage"])
+    return busiest | {"bubble": sum(t["stage"] for t in times) - busiest["stage"], "handoff_in_stage": True}
+
+
 def predict(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> dict:
     """One layout's prediction: step time by part, throughput, memory by kind and whether it fits."""
-    e, elem = cl.gpu.efficiency, ELEM[train.precision]
-    m, p, v = micro_batches(lay, train), lay.pp, lay.stages_per_rank
-    layers = lay.layers(model.layers)
+    e = cl.gpu.efficiency
+    m = micro_batches(lay, train)
     lt = layer_time(model, lay, train, cl)
-    head, head_over = head_time(model, lay, train, cl)
-    busiest = layers * (lt.forward + lt.backward) + head  # the last stage (pp = 1: the only one)
-    f, b = layers * lt.forward / v, layers * lt.backward / v  # one chunk
-    bubble = max(0.0, CLOSED_FORMS[schedule_of(lay)](p, f, b, b / 2, b / 2)) if p > 1 else 0.0
+    pipe = pipeline(model, lay, train, cl, lt, m)
+    layers, head, head_over, bubble = pipe["layers"], pipe["head"], pipe["head_over"], pipe["bubble"]
     parts = {"compute": m * (layers * lt.compute + head - head_over), "bubble": bubble}
     comm = {dim: m * layers * s for dim, s in lt.comm.items()}
-    if p > 1:  # each micro-batch's hand-offs, forward and back, once per chunk a rank holds
-        act = lay.tokens(model.seq) * model.hidden * elem / (lay.tp if train.pp_scatter_gather else 1)
-        span = lay.tp * lay.cp * lay.dp + 1  # pipeline neighbours sit a data-parallel group apart
-        comm["pp"] = 2 * v * m * cl.collective_s("send", act, 2, span)
-    dense, experts = max(params_per_gpu(model, lay, "first"), params_per_gpu(model, lay, "last"))
+    if lay.pp > 1:  # each micro-batch's hand-offs, forward and back, once per chunk a rank holds
+        comm["pp"] = m * pipe["handoff"]
+    ranks = stages(model, lay, train, m)
+    dense, experts = max(stage_params(model, lay, st) for st in ranks)
     (shards, expert_shards), span = lay.shards(), lay.dp * lay.cp * lay.tp
     dp = sum(count * cl.collective_s(kind, nbytes, group, span)  # experts' holders strided: as wide
              for psi, group in ((dense, shards), (experts, expert_shards)) if psi
              for kind, nbytes, count in dp_traffic(psi, lay, train))
+    overlap = train.dp_overlap and (train.zero_overlap or lay.zero_stage not in (1, 2))
     if lay.zero_stage == 3:  # FSDP's gathers prefetch under the whole step's compute
-        hidden = parts["compute"] if train.dp_overlap else 0.0
+        hidden = parts["compute"] if overlap else 0.0
     else:  # DDP's buckets all-reduce under the last micro-batch's backward
         # backward is 2/3 of the arithmetic; ZeRO-2's reduce-scatter runs under every micro-batch's
-        hidden = (m if lay.zero_stage == 2 else 1) * layers * lt.compute / 1.5 if train.dp_overlap else 0.0
+        hidden = (m if lay.zero_stage == 2 else 1) * layers * lt.compute / 1.5 if overlap else 0.0
     if shards > 1:
         comm["dp"] = max(0.0, dp - hidden)
     owned = dense / (shards if lay.zero_stage else 1) + experts / (expert_shards if lay.zero_stage else 1)
     # Adam: 30 bytes a parameter it owns (OPTIMIZERS); the step's kernels outside the layers launch around it
     moved = OPTIMIZERS[train.optimizer][0]
-    optimizer, step_over = launched(owned * moved / (cl.gpu.hbm * e.memory), KERNELS["step"], cl)
+    optimizer, step_over = launched(owned * moved / (cl.gpu.hbm * e.memory), kernels(train)["step"], cl, train.host)
     parts["optimizer"] = optimizer - step_over
     parts["overhead"] = m * (layers * lt.overhead + head_over) + step_over
-    step = m * busiest + bubble + sum(v for k, v in comm.items() if k in ("pp", "dp")) + optimizer
+    exposed_pp = 0.0 if pipe["handoff_in_stage"] else comm.get("pp", 0.0)
+    step = m * pipe["stage"] + bubble + exposed_pp + comm.get("dp", 0.0) + optimizer
     gpus = lay.gpus
     flops = model.model_flops(train.global_batch)
     tokens = train.global_batch * model.seq
@@ -200,5 +261,5 @@ def predict(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> dict
             "step_s": step, "parts_s": parts, "exposed_comm_s": comm,
             "tokens_per_s_per_gpu": tokens / step / gpus, "tflops_per_gpu": flops / step / gpus / 1e12,
             "hw_tflops_per_gpu": hw / step / gpus / 1e12, "mfu": flops / step / gpus / cl.peak(train.precision),
-            "memory_gib": mem, "fits": mem["total"] <= cl.gpu.memory_gib * USABLE,
+            "memory_gib": mem, "fits": mem["total"] <= usable_gib(cl.gpu.memory_gib, train),
             "flops": "model FLOPs: 6 x matmul parameters per token + 12 L h s (full attention), no recompute"}

@@ -42,6 +42,8 @@ class Efficiency:
     latency_s: float = 20e-6  # per ring step of a collective, and per pipeline hand-off
     launch_s: float = LAUNCH_S  # host seconds per kernel launched (eager PyTorch), the floor under each piece
     gap_s: float = 0.0  # the GPU idle between two kernels back to back (the A100's fitted efficiencies hold it)
+    per_gemm: bool = False  # matmul(x): x each product's contraction (timed so) or the layer's width h/tp (fitted)
+    attention: float = 0.0  # the share of peak a fused attention kernel reaches; 0: matmul(h/tp)'s (fitted so)
 
     def matmul(self, width: float) -> float:
         return self.mm_max * width / (width + self.mm_half)
@@ -53,6 +55,7 @@ class Efficiency:
         if compute <= 0 or overhead < 0:
             raise ValueError(f"compute {compute:g} must be positive and overhead {overhead:g} not negative")
         return dataclasses.replace(self, mm_max=self.mm_max / compute, memory=self.memory / compute,
+                                   attention=self.attention / compute,
                                    launch_s=self.launch_s * overhead, gap_s=self.gap_s * overhead)
 
 
@@ -64,7 +67,10 @@ class Efficiency:
 # half-width, 50, would give 742 at 768. Between kernels the H100 idled 2.7 µs each (GPT-2 small, micro-batch
 # 16: 55.6 ms a step, 52.2 of them in its 1,278 kernels, the profiler's sum).
 # The rest of their efficiencies are the A100's (no published run of theirs was read).
-GH100 = Efficiency(nvlink=0.77, mm_half=256.0, gap_s=2.7e-6)
+# Their flash attention: FlashAttention-2 on an H100 SXM5 ran 319 TFLOP/s forward at head dim 128, causal, 4K
+# tokens (Shah et al. 2024, FlashAttention-3, its figure of attention forward speed; causal FLOPs halved, as
+# the planner counts them under flash): 0.32 of the peak, which the planner takes forward and backward.
+GH100 = Efficiency(nvlink=0.77, mm_half=256.0, gap_s=2.7e-6, per_gemm=True, attention=0.32)
 
 
 @dataclasses.dataclass(frozen=True)

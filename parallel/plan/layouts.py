@@ -63,20 +63,23 @@ class Training:
     optimizer_bytes: int = 12  # fp32 master copy, Adam's two moments (a fp32 run has no master: 8)
     optimizer: str = "adam"  # a key of OPTIMIZERS: what its step moves, and whether the weights stay fp32
     elementwise: float = 1.0  # elementwise bytes over the fused count (Megatron's kernels); eager torch: more
+    # What differs between software stacks beyond those (stacks.py names each stack's values and their sources):
+    partition: str = "even"  # pipeline stages: "even" (ceil(L/pp) layers each, head last) or "cost" (nanotron's)
+    grad_copy_bytes: int = 0  # a 16-bit gradient kept beside the fp32 one (nanotron: .grad, DDP's buckets)
+    zero_reduce: str = "reduce_scatter"  # ZeRO-1/2's gradient reduction; nanotron (2024): one fp32 all-reduce
+    zero_overlap: bool = True  # ZeRO-1/2's reduction under backward (where dp_overlap); nanotron: after it
+    loss_bytes: int = 16  # bytes the loss moves per logit element, forward and backward
+    kernels: tuple = ()  # kernels launched (forward, backward a layer; head and loss; the step's): () cost.KERNELS
+    host: float = 1.0  # the host's time per kernel over eager torch's (Efficiency.launch_s)
+    activation_scale: float = 1.0  # what a run holds per micro-batch (activations, logits) over the count of it
+    memory_fixed_gib: float = 0.0  # memory no tensor holds: the CUDA context, NCCL's buffers
+    memory_usable: float = 0.95  # of the rest, what the caching allocator can hand out (fragmentation)
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer {self.optimizer!r}: one of {', '.join(OPTIMIZERS)}")
-
-
-# The software a plan assumes: torch's today, or the one the published Megatron runs used. torch is eager:
-# its elementwise kernels (an fp32 residual stream and a cast before each Linear under autocast, LayerNorm
-# and GELU unfused, bias gradients) move 5.4 times the bytes of Megatron's fused ones, fitted to a bare loop
-# on one H100 (docs/planner.md, "One GPU").
-STACKS = {
-    "torch": {"attention": "flash", "dropout": False, "dp_overlap": True, "elementwise": 5.4},
-    "megatron-2022": {"attention": "unfused", "dropout": True, "dp_overlap": False},
-}
+        if self.partition not in ("even", "cost"):
+            raise ValueError(f"partition {self.partition!r}: even or cost")
 
 
 # What an optimizer step reads and writes per parameter it owns (bytes), and the state it keeps beside the

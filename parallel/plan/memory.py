@@ -9,27 +9,37 @@ from parallel.formulas import model_state
 from parallel.plan.hardware import GiB
 from parallel.plan.layouts import ELEM, OPTIMIZERS, Layout, Training, micro_batches
 from parallel.plan.models import ModelSpec
+from parallel.plan.stages import Stage, in_flight, stages  # noqa: F401 (in_flight: memory.in_flight)
 
 
 def params_per_gpu(model: ModelSpec, lay: Layout, stage: str = "first") -> tuple[float, float]:
-    """(dense, expert) parameters on a GPU of the `stage` ("first" or "last") before any ZeRO sharding: its
-    layers, split by tp (experts by tp x ep); the first stage adds the token (and position) embedding, the
-    last the head (a tied head's copy too, as Megatron keeps one there) and the final norm; pp = 1 both."""
-    layers = lay.layers(model.layers)
-    experts = model.expert_params * model.experts * layers / (lay.tp * lay.ep) if model.experts else 0.0
-    dense = (model.layer_params - (model.expert_params * model.experts if model.experts else 0)) * layers / lay.tp
+    """(dense, expert) parameters on the first or the last rank of an even pipeline (pp = 1: the only one)
+    before any ZeRO sharding: stage_params of that rank."""
+    ends = lay.pp == 1
+    return stage_params(model, lay, Stage(0, lay.layers(model.layers), embedding=ends or stage == "first",
+                                          head=ends or stage == "last"))
+
+
+def stage_params(model: ModelSpec, lay: Layout, st: Stage) -> tuple[float, float]:
+    """(dense, expert) parameters a rank of stage `st` holds before any ZeRO sharding: its layers, split by tp
+    (experts by tp x ep); the embedding's rank adds the token (and position) embedding, the head's the head (a
+    tied head's copy too, as Megatron and nanotron keep one there) and the final norm; a rank with both holds
+    a tied head once."""
+    experts = model.expert_params * model.experts * st.layers / (lay.tp * lay.ep) if model.experts else 0.0
+    dense = (model.layer_params - (model.expert_params * model.experts if model.experts else 0)) * st.layers / lay.tp
     positions = model.seq * model.hidden if model.arch == "gpt" else 0
     head = model.vocab * (model.hidden + (model.arch == "gpt" and not model.head_tied)) + model.norm_params // 2
-    ends = {"first": model.vocab * model.hidden + positions, "last": head}
-    extra = sum(ends.values()) - (model.vocab * model.hidden if model.head_tied else 0) if lay.pp == 1 \
-        else ends[stage]  # one GPU, a tied head is the embedding itself
+    extra = (model.vocab * model.hidden + positions) * st.embedding + head * st.head
+    if st.embedding and st.head and model.head_tied:
+        extra -= model.vocab * model.hidden  # one GPU's tied head is the embedding itself
     return dense + extra / lay.tp, experts
 
 
-def state_of(model: ModelSpec, lay: Layout, train: Training, stage: str = "first") -> dict[str, float]:
-    """Model state bytes by kind: dense parameters sharded (by the ZeRO stage) over dp x cp, expert
-    parameters over the dp x cp / ep ranks that hold copies of the same experts."""
-    dense, experts = params_per_gpu(model, lay, stage)
+def state_of(model: ModelSpec, lay: Layout, train: Training, st: Stage) -> dict[str, float]:
+    """Model state bytes by kind on a rank of stage `st`: dense parameters sharded (by the ZeRO stage) over
+    dp x cp, expert parameters over the dp x cp / ep ranks that hold copies of the same experts; a stack's
+    16-bit gradient beside the fp32 one is sharded as the gradients are."""
+    dense, experts = stage_params(model, lay, st)
     shards, expert_shards = lay.shards()
     state = OPTIMIZERS[train.optimizer][1]
     if state is not None:  # SGD over fp32 weights (compare's): fp32 gradients, its buffer
@@ -42,18 +52,10 @@ def state_of(model: ModelSpec, lay: Layout, train: Training, stage: str = "first
     if experts:
         for k, v in model_state(experts, lay.zero_stage, expert_shards, *sizes).items():
             state[k] += v
+    if train.grad_copy_bytes and lay.zero_stage == 0:  # DDP's buckets: nanotron's ZeRO-1 ran without DDP
+        state["gradients"] += sum(model_state(psi, lay.zero_stage, n, 0, train.grad_copy_bytes, 0)["gradients"]
+                                  for psi, n in ((dense, shards), (experts, expert_shards)))
     return state
-
-
-def in_flight(lay: Layout, m: int) -> float:
-    """Micro-batches' worth of L/pp layers the first stage holds at its peak: GPipe all m; 1F1B p
-    (Narayanan 2021); interleaved, p (1 + (p-1)/(p v)) (Korthikanti 2022, section 4.2.3)."""
-    p, v = lay.pp, lay.stages_per_rank
-    if p == 1:
-        return 1.0
-    if lay.schedule == "gpipe":
-        return m
-    return min(p, m) * (1 + (p - 1) / (p * v) if v > 1 else 1)
 
 
 def layer_activations(model: ModelSpec, lay: Layout, train: Training) -> float:
@@ -66,26 +68,34 @@ def layer_activations(model: ModelSpec, lay: Layout, train: Training) -> float:
 
 
 def memory(model: ModelSpec, lay: Layout, train: Training) -> dict[str, float]:
-    """GiB per GPU by kind on the stage that needs the most: the first (the embedding, the most
-    micro-batches held) or the last (the head, the logits; under 1F1B one micro-batch held, interleaved
-    counted as the first's, an upper bound)."""
+    """GiB per GPU by kind on the pipeline rank that needs the most (stages.stages: the first and the last of
+    an even split, every rank of a cost split): its model state, its layers' activations times the
+    micro-batches it holds, and buffers: the logits where the loss is (16-bit, their fp32 copy and softmax),
+    the 16-bit logits kept for backward where the head is without the loss, the recompute's working layer,
+    ZeRO-3's gathered layers."""
     elem = ELEM[train.precision]
     m = micro_batches(lay, train)
-    layers = lay.layers(model.layers)
     per_layer = layer_activations(model, lay, train)
     tokens = lay.tokens(model.seq)
     common = (4 * tokens * model.hidden * elem if lay.recompute == "full" else 0)  # the layer being recomputed
     if lay.zero_stage == 3:  # the gathered parameters of the layer in use and the one prefetched
         experts = model.expert_params * model.experts * (1 - 1 / lay.ep) if model.experts else 0
         common += 2 * (model.layer_params - experts) / lay.tp * elem  # a rank gathers its own experts only
-    logits = tokens * model.vocab / lay.tp * (elem + 4 + 4)  # logits, fp32 softmax and its gradient
-    held_last = in_flight(lay, m) if lay.pp == 1 or lay.stages_per_rank > 1 or lay.schedule == "gpipe" else 1
-    stages = []
-    for stage, held, buffers in (("first", in_flight(lay, m), common + (logits if lay.pp == 1 else 0)),
-                                 ("last", held_last, common + logits)):
-        out = {**state_of(model, lay, train, stage), "activations": per_layer * layers * held, "buffers": buffers}
-        stages.append({k: v / GiB for k, v in out.items()} | {"total": sum(out.values()) / GiB, "stage": stage})
-        if lay.pp == 1:
-            break
-    worst = max(stages, key=lambda d: d["total"])
-    return {k: v for k, v in worst.items() if k != "stage"}
+    logits = tokens * model.vocab / lay.tp  # elements
+    worst = None
+    for st in stages(model, lay, train, m):
+        buffers = common + (logits * (elem + 4 + 4) if st.loss else logits * elem * st.held if st.head else 0.0)
+        acts = per_layer * st.layers * st.held
+        out = {**state_of(model, lay, train, st), "activations": acts * train.activation_scale,
+               "buffers": buffers * train.activation_scale}
+        total = sum(out.values())
+        if worst is None or total > worst["total"]:
+            worst = {k: v / GiB for k, v in out.items()} | {"total": total}
+    worst["total"] /= GiB
+    return worst
+
+
+def usable_gib(gpu_gib: float, train: Training) -> float:
+    """What a run's tensors can fill of a GPU: the memory no tensor holds (the CUDA context, NCCL's buffers)
+    taken out, and of the rest the share the caching allocator can hand out (Training.memory_usable)."""
+    return (gpu_gib - train.memory_fixed_gib) * train.memory_usable

@@ -53,6 +53,11 @@ T2_MODELS = {"175B": (96, 12288, 96), "530B": (105, 20480, 128)}  # (L, h, heads
 # (micro-batch, ms a step). The planner's gpt ties the head (124M): the same matrix work a token.
 H100_GPT2_SMALL = [(1, 30.9), (4, 32.8), (16, 59.5)]
 
+# compare's own `single` step on one H100 (2026-11-26, cuda:0x2, torch 2.11; tests/data/h100_gpt2_small_results.json):
+# GPT-2 small's shape with its head untied (163.2M parameters), 16 x 1,024 tokens, bf16 autocast over fp32 weights,
+# SGD with momentum 0.9. Nothing was fitted to it: (batch, ms a step).
+H100_COMPARE_SINGLE = (16, 55.59063399999786)
+
 
 def gpt(layers: int, hidden: int, heads: int, name: str = "") -> ModelSpec:
     return ModelSpec(layers, hidden, heads, 51200, 2048, name=name)

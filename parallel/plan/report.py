@@ -46,8 +46,9 @@ def _count(n: float) -> str:
     return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
-def _errors(title: str, rows: list[dict], unit: str, source: str = "published"):
-    t = _table(title, [("row", "left"), (f"{source} {unit}", "right"), ("predicted", "right"), ("error", "right")])
+def _errors(title: str, rows: list[dict], unit: str, source: str = "published", role: str = ""):
+    t = _table(f"{role.capitalize()}: {title}" if role else title,
+               [("row", "left"), (f"{source} {unit}", "right"), ("predicted", "right"), ("error", "right")])
     for r in rows:
         t.add_row(r["row"], f"{r['published']:.2f}", f"{r['predicted']:.2f}", f"{r['error']:+.1%}")
     s = v.summary(rows)
@@ -55,27 +56,96 @@ def _errors(title: str, rows: list[dict], unit: str, source: str = "published"):
     return t
 
 
+def _pct(x) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def _playbook(console, scored: dict, loo: dict | None, role: str, source: str) -> None:
+    """The sweep's scores: the choice first (per cell), then fits against ran / crashed, then the errors."""
+    s = scored["summary"]
+    t = _table(f"{role.capitalize()}: {source}: the planner's pick per (model, GPUs)",
+               [("model", "left"), ("GPUs", "right"), ("ran", "right"), ("best measured", "left"),
+                ("planner's pick", "left"), ("loss", "right"), ("Spearman", "right")])
+    for c in scored["cells"]:
+        pick = c["pick"].split(" ", 1)[-1] if c["pick"] else "nothing fits" if c["says_nothing_fits"] else "-"
+        best = c["best"].split(" ", 1)[-1] if c["best"] else "none ran"
+        t.add_row(c["model"], str(c["gpus"]), f"{c['ran']}/{c['layouts']}", best, pick, _pct(c["pick_loss"]),
+                  "-" if c["spearman"] is None else f"{c['spearman']:.2f}")
+    t.caption = (f"pick among the layouts that ran: loss {_pct(s['pick_loss_mean'])} mean, {_pct(s['pick_loss_worst'])}"
+                 f" worst; among all it calls fitting (a crash scores 0): {_pct(s['pick_loss_any_mean'])} mean")
+    console.print(t)
+    cf = scored["confusion"]
+    console.print(f"Fits: called fitting {cf['fits, ran']} ran, {cf['fits, crashed']} crashed; called out of memory "
+                  f"{cf['no fit, ran']} ran, {cf['no fit, crashed']} crashed: {_pct(s['crashed_called_fits'])} of the "
+                  f"crashed called fitting, {_pct(s['ran_called_oom'])} of those that ran called out of memory. "
+                  f"Tokens/s/GPU: median |error| {_pct(s['median_error'])} ({_pct(s['median_error_mfu20'])} where "
+                  f"MFU >= 20%); memory: median |error| {_pct(s['median_mem_error'])}. {s['ran']} ran, {s['crashed']}"
+                  f" crashed, {scored['dropped']} inconsistent rows dropped.", highlight=False)
+    if loo:
+        t = _table("Leave one model out: fitted on the other models' rows, scored on this one's",
+                   [("left out", "left"), ("pick loss", "right"), ("crashed fits", "right"), ("ran OOM", "right"),
+                    ("tok/s err", "right"), ("MFU>=20", "right"), ("memory err", "right")])
+        for model, r in loo.items():
+            x = r["score"]
+            t.add_row(model, _pct(x["pick_loss_mean"]), _pct(x["crashed_called_fits"]), _pct(x["ran_called_oom"]),
+                      _pct(x["median_error"]), _pct(x["median_error_mfu20"]), _pct(x["median_mem_error"]))
+        t.add_row("all (the fit)", _pct(s["pick_loss_mean"]), _pct(s["crashed_called_fits"]), _pct(s["ran_called_oom"]),
+                  _pct(s["median_error"]), _pct(s["median_error_mfu20"]), _pct(s["median_mem_error"]))
+        t.caption = "medians of |error| per row; pick loss: the mean over the model's cells"
+        console.print(t)
+
+
 def validate(args, console) -> int:
-    tables = {"narayanan_table1": v.table1(), "korthikanti_table5": v.table5(), "korthikanti_figure1": v.figure1(),
-              "narayanan_table2": v.table2(), "single_h100": v.single_h100()}
+    sweep = getattr(args, "sweep", None)
+    if sweep:
+        if not Path(sweep).is_file():
+            raise ConfigError(f"--sweep {sweep}: no such file")
+        try:
+            scored = v.playbook(sweep)
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError(f"--sweep {sweep}: not a sweep of the Playbook's columns ({e.__class__.__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        if args.json:
+            print(json.dumps({"sweep": {"role": "held out (given)", "file": sweep, **scored}}, indent=1))
+            return 0
+        _playbook(console, scored, None, "held out", sweep)
+        return 0
+    tables = {"narayanan_table1": v.table1(), "narayanan_table2": v.table2(),
+              "h100_compare_single": v.compare_single_h100(), "korthikanti_table5": v.table5(),
+              "single_h100": v.single_h100(), "korthikanti_figure1": v.figure1()}
+    scored, loo = v.playbook(), v.playbook_loo()
     machine = this_machine(args.results)
+    roles = {k: {"role": r, "fitted": what} for k, (r, what) in v.ROLES.items()}
     if args.json:
-        print(json.dumps({k: {"rows": rows, **v.summary(rows)} for k, rows in tables.items()}
+        print(json.dumps({"playbook_1node": {**roles["playbook_1node"], **scored, "leave_one_model_out": loo}}
+                         | {k: {**roles[k], "rows": rows, **v.summary(rows)} for k, rows in tables.items()}
                          | {"crossover": v.crossover(tables["narayanan_table2"]), "this_machine": machine}, indent=1))
         return 0
+    _playbook(console, scored, loo, "fit", "The Ultra-Scale Playbook, 8 x H100 (nanotron)")
     console.print(_errors("Narayanan et al. 2021, Table 1: TFLOP/s per GPU (eq. 3, with recompute)",
-                          tables["narayanan_table1"], "TF/s"))
-    console.print(_errors("Korthikanti et al. 2022, Table 5: seconds per iteration", tables["korthikanti_table5"], "s"))
-    console.print(_errors("Korthikanti et al. 2022, Figure 1: GiB per GPU", tables["korthikanti_figure1"], "GiB"))
+                          tables["narayanan_table1"], "TF/s", role="held out"))
     console.print(_errors("Narayanan et al. 2021, Table 2: TFLOP/s per GPU at a fixed batch",
-                          tables["narayanan_table2"], "TF/s"))
+                          tables["narayanan_table2"], "TF/s", role="held out"))
     cross = v.crossover(tables["narayanan_table2"])
     ratios = "; ".join(f"{k} {' '.join(f'{x:.2f}' for x in r['predicted'])} (published "
                        f"{' '.join(f'{x:.2f}' for x in r['published'])})" for k, r in cross["ratios"].items())
     console.print(f"Table 2's crossover {'reproduced' if cross['reproduced'] else '[red]NOT reproduced[/]'}: "
                   f"throughput per GPU over the fewest GPUs' as they double: {ratios}.")
-    console.print(_errors("One H100, GPT-2 small, eager (the fit): ms a step", tables["single_h100"], "ms",
-                          "measured"))
+    console.print(_errors("One H100, compare's single step: ms a step", tables["h100_compare_single"], "ms",
+                          "measured", role="held out"))
+    console.print(_errors("Korthikanti et al. 2022, Table 5: seconds per iteration", tables["korthikanti_table5"],
+                          "s", role="fit"))
+    h100 = tables["single_h100"]
+    t = _errors("One H100, GPT-2 small, a bare eager loop: ms a step", h100, "ms", "measured", role="fit")
+    cal = h100[0]["calibration"]
+    residuals = ", ".join(f"{r['residual']:+.1%}" for r in h100)
+    t.caption += (f"; that run's calibration (compute x{cal['compute']:.3f}, overhead x{cal['overhead']:.3f}) "
+                  f"leaves residuals {residuals}")
+    console.print(t)
+    console.print(_errors("Korthikanti et al. 2022, Figure 1: GiB per GPU", tables["korthikanti_figure1"], "GiB",
+                          role="identity"))
+    console.print("Roles: held out, nothing fitted on it; fit, constants fitted on it (python -m parallel.plan.fit "
+                  "fits them again); identity, the source's own formula recomputed.", highlight=False)
     if machine:
         t = _table(f"This machine's comparison ({machine['folder']}): the same ring and ZeRO formulas, calibrated "
                    "in the run", [("strategy", "left"), ("step ms", "right"), ("pred.", "right"), ("ratio", "right"),

@@ -1,5 +1,7 @@
-"""`plan --validate`: every published row predicted with its own configuration, beside what was measured, and
-the single-H100 steps the launch and eager-kernel terms were fitted to."""
+"""`plan --validate`: every published row predicted with its own configuration, beside what was measured, each
+set with its role (ROLES): held out (nothing was fitted on it), fit (constants were, by fit.py, which names
+them), or identity (the source's own formula recomputed). The Ultra-Scale Playbook's one-node sweep comes
+first, scored on the choice a user makes (playbook.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +12,21 @@ from parallel.formulas import model_state
 from parallel.plan import published as pub
 from parallel.plan.cost import predict
 from parallel.plan.hardware import GPUS, Cluster, Efficiency, GiB
-from parallel.plan.layouts import STACKS, Layout, Training
+from parallel.plan.layouts import Layout, Training
 from parallel.plan.models import PRESETS
+from parallel.plan.stacks import STACKS
+
+# Each set's role, and what was fitted on it (fit.py reproduces every fitted constant from its rows).
+ROLES = {
+    "playbook_1node": ("fit", "nanotron's stack: elementwise, host, activation_scale, memory_usable (fit.py); "
+                              "leave one model out beside it"),
+    "narayanan_table1": ("held out", "nothing fitted on it"),
+    "narayanan_table2": ("held out", "nothing fitted on it"),
+    "h100_compare_single": ("held out", "compare's single step on one H100: nothing fitted on it"),
+    "korthikanti_table5": ("fit", "the A100's efficiencies mm_max, mm_half, memory, nvlink (fit.py)"),
+    "single_h100": ("fit", "the H100's launch_s on micro-batches 1 and 4; the rest is that run's calibration"),
+    "korthikanti_figure1": ("identity", "the paper's own formula recomputed: 0.0% by construction"),
+}
 
 MEGATRON = dict(precision="fp16", attention="unfused", dropout=True, grad_bytes=4, dp_overlap=False)
 
@@ -93,17 +108,61 @@ def table2(efficiency=None) -> list[dict]:
 
 def single_h100(efficiency=None) -> list[dict]:
     """The bare eager loop on GPT-2 small, one H100 (published.H100_GPT2_SMALL), as `plan --gpu h100 --gpus 1
-    --mbs N --global-batch N` predicts it on torch's stack: ms a step, measured and predicted."""
+    --mbs N --global-batch N` predicts it on torch's stack: ms a step, measured and predicted; then that run's
+    own calibration (calibration.fit on its three steps: what the stack leaves of its residual) and each step
+    calibrated, the fit's residuals."""
+    from parallel.plan import calibration
+
     gpu = GPUS["h100"] if efficiency is None else dataclasses.replace(GPUS["h100"], efficiency=efficiency)
+
+    def ms(mbs, c=1.0, o=1.0):
+        return calibration.step(PRESETS["gpt2-small"], Training(mbs, "bf16", **STACKS["torch"]), gpu, c, o)
+    c, o, _ = calibration.fit(pub.H100_GPT2_SMALL, lambda b, c, o: ms(b, c, o)["step_s"] * 1e3)
     rows = []
     for mbs, measured in pub.H100_GPT2_SMALL:
-        r = predict(PRESETS["gpt2-small"], Layout(mbs=mbs), Training(mbs, "bf16", **STACKS["torch"]),
-                    Cluster(gpu, 1, 1))
-        got = r["step_s"] * 1e3
+        r = ms(mbs)
+        got, cal = r["step_s"] * 1e3, ms(mbs, c, o)["step_s"] * 1e3
         rows.append({"row": f"gpt2-small mbs {mbs}", "published": measured, "predicted": got,
-                     "error": got / measured - 1, "what": "ms/step",
-                     "overhead": r["parts_s"]["overhead"] / r["step_s"]})
+                     "error": got / measured - 1, "what": "ms/step", "overhead": r["parts_s"]["overhead"] / r["step_s"],
+                     "calibration": {"compute": c, "overhead": o}, "calibrated": cal, "residual": cal / measured - 1})
     return rows
+
+
+def compare_single_h100() -> list[dict]:
+    """compare's own single step on one H100 (published.H100_COMPARE_SINGLE), held out: predicted as compare
+    trained it (SGD with momentum over fp32 weights, bf16 autocast, GPT-2 small untied), uncalibrated, and with
+    the bare loop's calibration (single_h100's), a run on the same kind of machine."""
+    from parallel.plan import calibration
+
+    batch, measured = pub.H100_COMPARE_SINGLE
+    spec = dataclasses.replace(PRESETS["gpt2-small"], tied=False)
+    train = calibration.compare_training({"precision": "bf16", "momentum": 0.9}, batch)
+    scales = single_h100()[0]["calibration"]
+    rows = []
+    for label, c, o in (("uncalibrated", 1.0, 1.0), ("the bare loop's calibration", scales["compute"],
+                                                     scales["overhead"])):
+        got = calibration.step(spec, train, GPUS["h100"], c, o)["step_s"] * 1e3
+        rows.append({"row": f"gpt2-small untied, batch {batch}, {label}", "published": measured, "predicted": got,
+                     "error": got / measured - 1, "what": "ms/step"})
+    return rows
+
+
+def playbook(path=None, stack: dict | None = None) -> dict:
+    """The Playbook's one-node sweep (or `path`, a CSV of the same columns), scored (playbook.score) with
+    nanotron's stack, and the rows dropped as inconsistent."""
+    from parallel.plan import playbook as pb
+
+    runs, dropped = pb.runs(path) if path else pb.runs()
+    return pb.score(pb.predict_all(runs, stack)) | {"dropped": dropped}
+
+
+def playbook_loo() -> dict:
+    """Leave one model out (fit.leave_one_model_out): each model's scores with the constants fitted on the
+    others' rows."""
+    from parallel.plan import fit
+    from parallel.plan import playbook as pb
+
+    return fit.leave_one_model_out(pb.runs()[0])
 
 
 def crossover(rows: list[dict]) -> dict:
