@@ -231,9 +231,14 @@ def predict(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> dict
     ranks = stages(model, lay, train, m)
     dense, experts = max(stage_params(model, lay, st) for st in ranks)
     (shards, expert_shards), span = lay.shards(), lay.dp * lay.cp * lay.tp
-    dp = sum(count * cl.collective_s(kind, nbytes, group, span)  # experts' holders strided: as wide
-             for psi, group in ((dense, shards), (experts, expert_shards)) if psi
-             for kind, nbytes, count in dp_traffic(psi, lay, train))
+    # ZeRO-1/2's all-gather of the updated parameters comes after the step: nothing of backward is left to
+    # hide it under (ZeRO-3's gathers prefetch under the next layers instead)
+    after = lay.zero_stage in (1, 2)
+    dp, exposed = 0.0, 0.0
+    for psi, group in ((dense, shards), (experts, expert_shards)):  # experts' holders strided: as wide
+        for kind, nbytes, count in dp_traffic(psi, lay, train) if psi else []:
+            t = count * cl.collective_s(kind, nbytes, group, span)
+            dp, exposed = (dp, exposed + t) if after and kind == "all_gather" else (dp + t, exposed)
     overlap = train.dp_overlap and (train.zero_overlap or lay.zero_stage not in (1, 2))
     if lay.zero_stage == 3:  # FSDP's gathers prefetch under the whole step's compute
         hidden = parts["compute"] if overlap else 0.0
@@ -241,7 +246,7 @@ def predict(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> dict
         # backward is 2/3 of the arithmetic; ZeRO-2's reduce-scatter runs under every micro-batch's
         hidden = (m if lay.zero_stage == 2 else 1) * layers * lt.compute / 1.5 if overlap else 0.0
     if shards > 1:
-        comm["dp"] = max(0.0, dp - hidden)
+        comm["dp"] = max(0.0, dp - hidden) + exposed
     owned = dense / (shards if lay.zero_stage else 1) + experts / (expert_shards if lay.zero_stage else 1)
     # Adam: 30 bytes a parameter it owns (OPTIMIZERS); the step's kernels outside the layers launch around it
     moved = OPTIMIZERS[train.optimizer][0]

@@ -1,0 +1,149 @@
+"""The planner held against the Ultra-Scale Playbook's one-node H100 rows (parallel/plan/data): the scores a
+user would judge it by, nanotron's stack as read in its code, every fitted constant fitted again from the rows
+it names (python -m parallel.plan.fit), leave one model out, the roles of the validation sets, and ties.
+In-process: nothing trains here."""
+
+import json
+
+import pytest
+
+from parallel import cli
+from parallel.plan import fit, search, stages, validate
+from parallel.plan import playbook as pb
+from parallel.plan.layouts import Layout, Training
+from parallel.plan.stacks import STACKS
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def scored():
+    return validate.playbook()
+
+
+@pytest.fixture(scope="module")
+def loo():
+    return validate.playbook_loo()
+
+
+def test_the_sweep_is_read_as_published_and_its_inconsistent_rows_dropped():
+    runs, dropped = pb.runs()
+    assert dropped == 2 and len(runs) == 243  # 245 one-node rows; two whose mbs x grad_acc x dp is not 256
+    assert sum(r.ran for r in runs) == 67 and {r.gpus for r in runs} == {8}
+    r = next(r for r in runs if r.describe() == "8B tp2 dp4 mbs1 z1 sp")
+    assert (r.tok_s_gpu, r.mem_gib, r.layout.sequence_parallel) == (7141, 65.2, True)
+
+
+def test_nanotrons_stages_split_by_cost_as_its_build_model_does():
+    """1B at pp 8, by hand: a layer costs 4h^2 + 3Fh = 67.1M, the head Vh = 262.7M; the total over 8 is 167M a
+    rank. The running total passes rank r's share on its 3rd, 2nd, 3rd, 2nd, 3rd, 2nd layer; the 7th rank takes
+    the last layer and then the head (which passes its share), leaving the loss alone on the 8th."""
+    model = pb.MODELS["1B"]
+    split = stages.by_cost(model, Layout(pp=8), m=256)
+    assert [s.layers for s in split] == [3, 2, 3, 2, 3, 2, 1, 0]
+    assert [s.rank for s in split if s.head] == [6] and [s.rank for s in split if s.loss] == [7]
+    assert split[0].embedding and [s.held for s in split] == [8, 7, 6, 5, 4, 3, 2, 1]
+    even = stages.stages(model, Layout(pp=8), Training(256), 256)  # Megatron's: 2 a rank, the head last
+    assert [(s.layers, s.head) for s in even] == [(2, False), (2, True)]
+
+
+def test_the_issues_goals_on_the_fit_set(scored):
+    s = scored["summary"]
+    assert s["pick_loss_mean"] <= 0.05 and s["pick_loss_worst"] <= 0.10, scored["cells"]
+    assert s["crashed_called_fits"] <= 0.10 and s["ran_called_oom"] <= 0.05, scored["confusion"]
+    assert s["median_error_mfu20"] <= 0.10 and s["median_mem_error"] <= 0.10, s
+    eighty = next(c for c in scored["cells"] if c["model"] == "80B")
+    assert eighty["ran"] == 0 and eighty["says_nothing_fits"]  # 57 layouts, every one crashed
+
+
+def edge_rows(runs) -> set[str]:
+    """Layouts the sweep ran on the edge: run twice, once to the end and once to a crash, or run at under half
+    its model's median MFU (8B pp2 dp4 z1: 16.6% beside 41-45%, at 71.5 of 80 GiB)."""
+    import statistics
+
+    twice = {r.describe() for r in runs if r.ran} & {r.describe() for r in runs if not r.ran}
+    ran = [r for r in runs if r.ran]
+    median = {m: statistics.median(r.mfu for r in ran if r.model == m) for m in {r.model for r in ran}}
+    return twice | {r.describe() for r in runs if r.ran and r.mfu < median[r.model] / 2}
+
+
+def test_leave_one_model_out_stays_within_one_and_a_half_times_the_goals(loo):
+    """With one exception: 8B's 13 rows make one row 7.7%, over 1.5 x 5%, and the one row called out of memory
+    there is the edge row that ran at 37% of its neighbours' speed."""
+    assert set(loo) == {"1B", "3B", "8B"}
+    runs = pb.runs()[0]
+    for model, r in loo.items():
+        s = r["score"]
+        assert s["pick_loss_mean"] <= 1.5 * 0.05 and s["pick_loss_worst"] <= 1.5 * 0.10, (model, s)
+        assert s["crashed_called_fits"] <= 1.5 * 0.10, (model, s)
+        assert s["median_error_mfu20"] <= 1.5 * 0.10 and s["median_mem_error"] <= 1.5 * 0.10, (model, s)
+        pairs = pb.predict_all([x for x in runs if x.model == model], STACKS["nanotron"] | r["constants"])
+        called_oom = {x.describe() for x, p in pairs if x.ran and not p["fits"]}
+        assert s["ran_called_oom"] <= 1.5 * 0.05 or called_oom <= edge_rows(runs), (model, called_oom)
+
+
+def test_the_rows_that_ran_called_out_of_memory_are_the_sweeps_edge_rows(scored):
+    runs = pb.runs()[0]
+    called_oom = {x["row"] for x in scored["rows"] if x["ran"] and not x["fits"]}
+    assert called_oom <= edge_rows(runs), called_oom - edge_rows(runs)
+
+
+def test_the_planners_tie_is_its_own_error_with_a_model_left_out(loo):
+    errors = [r["score"]["median_error"] for r in loo.values()]
+    assert sum(errors) / len(errors) == pytest.approx(search.TIE, abs=0.005)
+
+
+def test_the_scores_can_fail_torchs_stack_on_nanotrons_runs_loses_a_fifth():
+    """What the issue measured before this stack: torch's (even stages, its kernels, no fp32 buffers), scored
+    the same way, picks 8B's slowest-but-one layout and calls 14% of the crashes fitting."""
+    s = pb.score(pb.predict_all(pb.runs()[0], STACKS["torch"]))["summary"]
+    assert s["pick_loss_mean"] > 0.15 and s["crashed_called_fits"] > 0.10, s
+
+
+def test_the_fit_gives_the_constants_in_the_code(capsys):
+    """python -m parallel.plan.fit --check: nanotron's four from the Playbook rows, the H100's launch_s from
+    the bare loop, the A100's efficiencies within 0.2 points of Table 5's best."""
+    assert fit.main(["--check", "--no-loo"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["nanotron"]["fitted"] == {k: STACKS["nanotron"][k] for k in report["nanotron"]["fitted"]}
+    assert report["a100"]["in_code_mean_error"] <= report["a100"]["best_mean_error"] + 0.002
+
+
+def test_validate_says_every_sets_role_in_json(capsys):
+    assert cli.main(["plan", "--validate", "--json", "--results", "/nonexistent-parallel-results"]) == 2
+    capsys.readouterr()
+    assert cli.main(["plan", "--validate", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    roles = {k: v["role"] for k, v in doc.items() if isinstance(v, dict) and "role" in v}
+    assert roles == {"playbook_1node": "fit", "narayanan_table1": "held out", "narayanan_table2": "held out",
+                     "h100_compare_single": "held out", "korthikanti_table5": "fit", "single_h100": "fit",
+                     "korthikanti_figure1": "identity"}
+    assert set(doc["playbook_1node"]["leave_one_model_out"]) == {"1B", "3B", "8B"}
+    assert all(abs(r["error"]) < 0.15 for r in doc["h100_compare_single"]["rows"])  # held out, bounded
+
+
+def test_a_sweep_file_is_scored_as_held_out_and_bad_ones_are_one_line(tmp_path, capsys):
+    path = tmp_path / "sweep.csv"
+    lines = pb.DATA.read_text().splitlines()
+    path.write_text("\n".join([lines[0], *[x for x in lines[1:] if x.startswith("3B,")]]) + "\n")
+    assert cli.main(["plan", "--validate", "--sweep", str(path), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)["sweep"]
+    assert doc["role"] == "held out (given)" and [c["model"] for c in doc["cells"]] == ["3B"]
+    (tmp_path / "bad.csv").write_text("model,gpus\n1B,8\n")
+    for bad in (tmp_path / "bad.csv", tmp_path / "missing.csv"):
+        assert cli.main(["plan", "--validate", "--sweep", str(bad)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and "--sweep" in err and "Traceback" not in err
+
+
+def test_layouts_within_the_planners_error_are_not_told_apart(capsys):
+    args = ["plan", "--preset", "llama3-8b", "--gpus", "8", "--gpu", "h100", "--global-batch", "256", "--seq",
+            "4096", "--stack", "nanotron", "--cp", "1"]
+    assert cli.main([*args, "--json"]) == 0
+    ranked = json.loads(capsys.readouterr().out)
+    close = [r for r in ranked[1:] if r["step_s"] <= (1 + search.TIE) * ranked[0]["step_s"]]
+    assert close and all(r["not_told_apart_from_first"] for r in close)
+    assert not any(r["not_told_apart_from_first"] for r in ranked if r not in close)
+    assert cli.main(args) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "not told apart from it" in text and "predicted fastest" in text
