@@ -12,7 +12,8 @@ from parallel.plan.hardware import GPUS, cluster
 from parallel.plan.layouts import ELEM, Training
 from parallel.plan.stacks import STACKS
 
-NO_CONTEXT_PARALLEL = {"megatron-2022"}  # context parallelism came to Megatron-LM later (2024)
+# Context parallelism came to Megatron-LM in 2024; the Playbook's nanotron sweep ran none (no cp in its rows)
+NO_CONTEXT_PARALLEL = {"megatron-2022", "nanotron"}
 
 
 def add_parser(sub) -> None:

@@ -71,6 +71,9 @@ class Training:
     loss_bytes: int = 16  # bytes the loss moves per logit element, forward and backward
     kernels: tuple = ()  # kernels launched (forward, backward a layer; head and loss; the step's): () cost.KERNELS
     host: float = 1.0  # the host's time per kernel over eager torch's (Efficiency.launch_s)
+    zero_stages: tuple = (0, 1, 2, 3)  # what the stack can run: the search tries no other
+    recomputes: tuple = ("none", "selective", "full")
+    interleaved: bool = True  # pipeline stages interleaved on a rank (v > 1)
     activation_scale: float = 1.0  # what a run holds per micro-batch (activations, logits) over the count of it
     memory_fixed_gib: float = 0.0  # memory no tensor holds: the CUDA context, NCCL's buffers
     memory_usable: float = 0.95  # of the rest, what the caching allocator can hand out (fragmentation)

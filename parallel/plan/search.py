@@ -21,9 +21,10 @@ def candidates(model: ModelSpec, cl: Cluster, train: Training, fixed: dict) -> l
     """Layouts of exactly cl.gpus GPUs: tp a power of two within a node dividing the K, V heads; pp
     dividing the layers or a power of two (the stages then uneven by a layer); cp a power of two up to 8
     dividing the sequence; ep dividing the experts and dp x cp; mbs a power of two dividing each
-    data-parallel rank's share of the batch; interleaving only with micro-batches in rounds of pp. A value
-    in `fixed` (the flags given) replaces the options and must pass the same conditions, except that a
-    fixed tp may be any divisor of the K, V heads (across nodes too)."""
+    data-parallel rank's share of the batch; interleaving only with micro-batches in rounds of pp; ZeRO
+    stages, recomputations and interleaving only as the stack runs them (Training). A value in `fixed` (the
+    flags given) replaces the options and must pass the same conditions, except that a fixed tp may be any
+    divisor of the K, V heads (across nodes too)."""
     n, batch = cl.gpus, train.global_batch
 
     def pick(name, options, ok=lambda x: True):
@@ -41,10 +42,11 @@ def candidates(model: ModelSpec, cl: Cluster, train: Training, fixed: dict) -> l
                 pick("ep", range(1, max(1, model.experts) + 1),
                      lambda e, dp=dp, cp=cp: e == 1 or (model.experts % e == 0 and (dp * cp) % e == 0)),
                 pick("mbs", _powers(batch // dp), lambda b, dp=dp: (batch // dp) % b == 0),
-                pick("stages_per_rank", (1, 2, 3, 4), lambda v, pp=pp: (v == 1 or 1 < pp and pp * v <= model.layers)
+                pick("stages_per_rank", (1, 2, 3, 4) if train.interleaved else (1,),
+                     lambda v, pp=pp: (v == 1 or 1 < pp and pp * v <= model.layers)
                      and (v > 1 or fixed.get("schedule") != "interleavedzb" or pp == 1)),
-                pick("zero_stage", (0, 1, 2, 3), lambda z, dp=dp, cp=cp: z == 0 or dp * cp > 1),
-                pick("recompute", ("none", "selective", "full")),
+                pick("zero_stage", train.zero_stages, lambda z, dp=dp, cp=cp: z == 0 or dp * cp > 1),
+                pick("recompute", train.recomputes),
                 pick("sequence_parallel", (True, False), lambda on, tp=tp: not on or tp > 1)):
             if v > 1 and (batch // (dp * mbs)) % pp:  # torch's interleaved schedules: micro-batches in rounds of pp
                 continue

@@ -34,6 +34,7 @@ MEGATRON_2022 = {"attention": "unfused", "dropout": True, "dp_overlap": False}
 NANOTRON = {"attention": "flash", "dropout": False, "dp_overlap": True, "partition": "cost",
             "grad_copy_bytes": 2,  # DDP's bf16 buckets (ZeRO-0)
             "zero_reduce": "all_reduce", "zero_overlap": False, "loss_bytes": 52,
+            "zero_stages": (0, 1), "recomputes": ("none", "full"), "interleaved": False,  # what it ran then
             "elementwise": 6.1,  # fitted
             "host": 1.35,  # fitted
             "activation_scale": 1.6,  # fitted
