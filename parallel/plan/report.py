@@ -113,7 +113,10 @@ def validate(args, console) -> int:
     tables = {"narayanan_table1": v.table1(), "narayanan_table2": v.table2(),
               "h100_compare_single": v.compare_single_h100(), "korthikanti_table5": v.table5(),
               "single_h100": v.single_h100(), "korthikanti_figure1": v.figure1()}
-    scored, loo = v.playbook(), v.playbook_loo()
+    from parallel.plan import fit
+    from parallel.plan import playbook as pb
+
+    scored, loo = v.playbook(), fit.leave_one_model_out(pb.runs()[0])
     machine = this_machine(args.results)
     roles = {k: {"role": r, "fitted": what} for k, (r, what) in v.ROLES.items()}
     if args.json:

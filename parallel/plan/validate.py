@@ -156,15 +156,6 @@ def playbook(path=None, stack: dict | None = None) -> dict:
     return pb.score(pb.predict_all(runs, stack)) | {"dropped": dropped}
 
 
-def playbook_loo() -> dict:
-    """Leave one model out (fit.leave_one_model_out): each model's scores with the constants fitted on the
-    others' rows."""
-    from parallel.plan import fit
-    from parallel.plan import playbook as pb
-
-    return fit.leave_one_model_out(pb.runs()[0])
-
-
 def crossover(rows: list[dict]) -> dict:
     """Per scheme and model, throughput at each GPU count over the first. Reproduced when, as published,
     ZeRO-3 loses half at each doubling (a quarter or less left after two: published 0.31 and 0.35) while
