@@ -134,10 +134,64 @@ def test_a_sweep_file_is_scored_as_held_out_and_bad_ones_are_one_line(tmp_path, 
     doc = json.loads(capsys.readouterr().out)["sweep"]
     assert doc["role"] == "held out (given)" and [c["model"] for c in doc["cells"]] == ["3B"]
     (tmp_path / "bad.csv").write_text("model,gpus\n1B,8\n")
-    for bad in (tmp_path / "bad.csv", tmp_path / "missing.csv"):
-        assert cli.main(["plan", "--validate", "--sweep", str(bad)]) == 2
+    (tmp_path / "short.csv").write_text(lines[0] + "\n1B,1,8,8,1\n")
+    (tmp_path / "zero.csv").write_text(lines[0] + "\n" + lines[1].replace("1B,1,8,1,1,8,", "1B,1,8,1,0,8,") + "\n")
+    (tmp_path / "empty.csv").write_text(lines[0] + "\n1B,1,8,8,1,1,0,1,32,256,4096,38.3,0,36.7,ok\n")
+    for bad in ("bad", "short", "zero", "empty", "missing"):
+        assert cli.main(["plan", "--validate", "--sweep", str(tmp_path / f"{bad}.csv")]) == 2, bad
         err = capsys.readouterr().err.strip()
-        assert err.count("\n") == 0 and "--sweep" in err and "Traceback" not in err
+        assert err.count("\n") == 0 and "--sweep" in err and "Traceback" not in err, (bad, err)
+    assert cli.main(["plan", "--sweep", str(path), "--gpus", "8", "--global-batch", "8", "--preset", "llama3-8b"]) == 2
+    assert "--validate" in capsys.readouterr().err
+    crashed = tmp_path / "crashed.csv"  # nothing ran: every metric that needs a run says so, nothing raises
+    crashed.write_text("\n".join([lines[0], *[x for x in lines[1:] if x.startswith("80B,")]]) + "\n")
+    assert cli.main(["plan", "--validate", "--sweep", str(crashed), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)["sweep"]["summary"]
+    assert summary["ran"] == 0 and summary["pick_loss_mean"] is None and summary["crashed_called_fits"] == 0
+
+
+def test_a_cell_the_planner_calls_all_too_big_loses_everything():
+    runs = [r for r in pb.runs()[0] if r.model == "1B"]
+    pairs = [(r, p | {"fits": False}) for r, p in pb.predict_all(runs)]
+    (cell,) = pb.score(pairs)["cells"]
+    assert cell["pick"] is None and cell["pick_loss"] == 1.0 and cell["pick_loss_any"] == 1.0
+
+
+def test_a_cost_split_pipeline_is_its_slowest_rank_m_times_plus_the_others_once():
+    """nanotron's 1B at pp 8, 256 micro-batches: the step's pipeline part is sum(T_r) + (m - 1) max(T_r), so
+    the bubble is the other ranks' sum, and each rank's time holds its sends; the 7th rank (a layer and the
+    head) is the slowest, the 8th (the loss alone) sends the logits' gradient back."""
+    from parallel.plan import cost
+    from parallel.plan.hardware import cluster
+
+    model, lay, cl = pb.MODELS["1B"], Layout(pp=8), cluster(8, "h100")
+    train = Training(256, "bf16", **STACKS["nanotron"])
+    lt = cost.layer_time(model, lay, train, cl)
+    pipe = cost.pipeline(model, lay, train, cl, lt, 256)
+    ranks = stages.by_cost(model, lay, 256)
+    times = []
+    for st in ranks:
+        head, _ = cost.head_time(model, lay, train, cl, st.head, st.loss)
+        times.append(st.layers * (lt.forward + lt.backward) + head)
+    assert pipe["layers"] == 1 and pipe["head"] > 0  # the busiest: rank 6
+    assert pipe["stage"] == pytest.approx(times[6] + pipe["handoff"])
+    logits = 4096 * model.vocab * 2  # bf16, tp 1: the hand-off between the head's rank and the loss's
+    assert pipe["handoff"] > 2 * cl.collective_s("send", logits, 2, 2)  # its sends, and what it receives
+    assert pipe["bubble"] > sum(times) - times[6] and pipe["handoff_in_stage"]
+
+
+def test_zero_1s_gather_after_the_step_is_never_hidden_and_the_usable_memory_is_the_stacks():
+    from parallel.plan import cost
+    from parallel.plan.hardware import cluster
+    from parallel.plan.memory import usable_gib
+
+    model, cl = pb.MODELS["1B"], cluster(8, "h100")
+    train = Training(256, "bf16", **STACKS["torch"])  # overlaps data parallelism under backward
+    z0, z1 = (cost.predict(model, Layout(dp=8, zero_stage=z), train, cl) for z in (0, 1))
+    gather = cl.collective_s("all_gather", model.params * 2, 8)
+    assert z0["exposed_comm_s"]["dp"] == 0.0 and z1["exposed_comm_s"]["dp"] >= gather
+    assert usable_gib(80, train) == pytest.approx(76.0)
+    assert usable_gib(80, Training(1, memory_fixed_gib=2, memory_usable=0.5)) == pytest.approx(39.0)
 
 
 def test_layouts_within_the_planners_error_are_not_told_apart(capsys):

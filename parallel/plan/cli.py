@@ -137,6 +137,8 @@ def check(model, cl, train, fixed) -> None:
 
 
 def main(args, console) -> int:
+    if args.sweep and not args.validate:
+        raise ConfigError("--sweep scores a sweep with --validate: plan --validate --sweep FILE.csv")
     if args.validate:
         from parallel.plan import report
 

@@ -156,9 +156,14 @@ def head_time(model: ModelSpec, lay: Layout, train: Training, cl: Cluster, head:
     (seconds, of which launch overhead); `head` or `loss` alone where a cost split puts them on two ranks
     (each launching half the kernels)."""
     tokens = lay.tokens(model.seq)
-    peak = cl.matmul_rate(train.precision, model.hidden / lay.tp)
-    moved = tokens * model.vocab / lay.tp * train.loss_bytes / (cl.gpu.hbm * cl.gpu.efficiency.memory)
-    device = head * 3 * model.logits_flops(tokens) / lay.tp / peak + loss * moved
+    e, one = cl.gpu.efficiency, model.logits_flops(tokens) / lay.tp
+    if e.per_gemm:  # column-parallel: forward over h, backward dX over V/tp and dW over the tokens
+        projection = sum(one / (cl.peak(train.precision) * e.matmul(x)) for x in (model.hidden,
+                                                                                 model.vocab / lay.tp, tokens))
+    else:
+        projection = 3 * one / cl.matmul_rate(train.precision, model.hidden / lay.tp)
+    moved = tokens * model.vocab / lay.tp * train.loss_bytes / (cl.gpu.hbm * e.memory)
+    device = head * projection + loss * moved
     return launched(device, kernels(train)["head"] * (head + loss) / 2, cl, train.host) if head or loss else (0, 0)
 
 
@@ -210,7 +215,10 @@ def pipeline(model: ModelSpec, lay: Layout, train: Training, cl: Cluster, lt: Pa
     times = []
     for st in ranks:
         head, head_over = head_time(model, lay, train, cl, st.head, st.loss)
-        sends = sum(2 * cl.collective_s("send", sizes[r], 2, span) for r in (st.rank - 1, st.rank) if 0 <= r < p - 1)
+        # a rank with no blocks (more ranks than blocks) passes nothing on, and costs nothing
+        empty = not (st.layers or st.embedding or st.head or st.loss)
+        sends = 0.0 if empty else sum(2 * cl.collective_s("send", sizes[r], 2, span)
+                                      for r in (st.rank - 1, st.rank) if 0 <= r < p - 1)
         times.append({"stage": st.layers * (lt.forward + lt.backward) + head + sends, "layers": st.layers,
                       "head": head, "head_over": head_over, "handoff": sends})
     busiest = max(times, key=lambda t: t["stage"])

@@ -23,6 +23,8 @@ import statistics
 
 from parallel.plan import playbook as pb
 from parallel.plan.hardware import GPUS, cluster
+from parallel.plan.layouts import Training
+from parallel.plan.memory import usable_gib
 from parallel.plan.stacks import STACKS
 
 H100 = cluster(8, "h100")
@@ -61,9 +63,11 @@ def _refine(runs, base, names, coarse: dict, steps: dict, error) -> dict:
 
 
 def fit_nanotron(runs: list[pb.Run]) -> dict:
-    """nanotron's fitted constants from `runs`: time (elementwise, host), memory (activation_scale,
-    memory_fixed_gib), then memory_usable, the share of the GPU's memory (less the fixed part) below which
-    a layout is called fitting, on ran against crashed."""
+    """nanotron's fitted constants from `runs` (some of which ran, and some crashed): time (elementwise,
+    host) on the tokens/s of those that ran, memory (activation_scale) on their memory, then memory_usable
+    (fit_usable) on all of them."""
+    if not any(r.ran for r in runs):
+        raise ValueError("no row ran: nothing to fit time or memory on")
     base = dict(STACKS["nanotron"])
     coarse = _grid(runs, base, TIME, [[x / 2 for x in range(2, 17)], [x / 4 for x in range(2, 17)]], time_error)
     base |= _refine(runs, base, TIME, coarse, {"elementwise": 0.1, "host": 0.05}, time_error)
@@ -77,10 +81,13 @@ def fit_usable(pairs) -> float:
     picks lose least (the choice is what a user came for); of those, the one with the fewest rows
     misclassified (the share of crashed rows called fitting plus the share of rows that ran called out of
     memory); of those, the middle one."""
+    fixed = STACKS["nanotron"].get("memory_fixed_gib", 0.0)
+
     def score(u):
-        limit = H100.gpu.memory_gib * u
+        limit = usable_gib(H100.gpu.memory_gib, Training(1, memory_fixed_gib=fixed, memory_usable=u))
         s = pb.score([(r, p | {"fits": p["memory_gib"]["total"] <= limit}) for r, p in pairs])["summary"]
-        return round(s["pick_loss_mean"] or 0.0, 6), round(s["crashed_called_fits"] + s["ran_called_oom"], 6)
+        return (round(s["pick_loss_mean"] or 0.0, 6),
+                round((s["crashed_called_fits"] or 0.0) + (s["ran_called_oom"] or 0.0), 6))
     grid = [k / 1000 for k in range(700, 1001, 5)]
     scores = {u: score(u) for u in grid}
     best = [u for u in grid if scores[u] == min(scores.values())]

@@ -37,8 +37,8 @@ def stage_params(model: ModelSpec, lay: Layout, st: Stage) -> tuple[float, float
 
 def state_of(model: ModelSpec, lay: Layout, train: Training, st: Stage) -> dict[str, float]:
     """Model state bytes by kind on a rank of stage `st`: dense parameters sharded (by the ZeRO stage) over
-    dp x cp, expert parameters over the dp x cp / ep ranks that hold copies of the same experts; a stack's
-    16-bit gradient beside the fp32 one is sharded as the gradients are."""
+    dp x cp, expert parameters over the dp x cp / ep ranks that hold copies of the same experts; under ZeRO-0
+    a stack's 16-bit gradient copy beside the fp32 one (DDP's buckets)."""
     dense, experts = stage_params(model, lay, st)
     shards, expert_shards = lay.shards()
     state = OPTIMIZERS[train.optimizer][1]
@@ -84,10 +84,13 @@ def memory(model: ModelSpec, lay: Layout, train: Training) -> dict[str, float]:
     logits = tokens * model.vocab / lay.tp  # elements
     worst = None
     for st in stages(model, lay, train, m):
-        buffers = common + (logits * (elem + 4 + 4) if st.loss else logits * elem * st.held if st.head else 0.0)
+        # the loss's logits (16-bit, their fp32 copy and softmax) for each micro-batch a cost split's loss rank
+        # holds (the last, 1; an even split's last counted once); the head's 16-bit outputs where it sends them
+        held = st.held if train.partition == "cost" else 1
+        ends = logits * (elem + 4 + 4) * held if st.loss else logits * elem * st.held if st.head else 0.0
         acts = per_layer * st.layers * st.held
         out = {**state_of(model, lay, train, st), "activations": acts * train.activation_scale,
-               "buffers": buffers * train.activation_scale}
+               "buffers": common + ends * train.activation_scale}
         total = sum(out.values())
         if worst is None or total > worst["total"]:
             worst = {k: v / GiB for k, v in out.items()} | {"total": total}

@@ -29,7 +29,7 @@ DATA = Path(__file__).parent / "data" / "playbook-h100-1node.csv"
 GLOBAL_BATCH = 256  # sequences a step, every row
 SEQ = 4096
 
-# The shapes whose FLOPs a token reproduce the sweep's MFU over its tokens/s within 0.5% (published.md, E):
+# The shapes whose FLOPs a token reproduce the sweep's MFU over its tokens/s within 0.5% (data/SOURCE.md):
 # Llama 3.2 1B and 3B, 3.1 8B, 3 70B, with multi-head attention (kv heads = heads) and the 128,256 vocabulary.
 MODELS = {
     "1B": llama("1B", 16, 2048, 32, 32, 8192, seq=SEQ),
@@ -77,18 +77,37 @@ class Run:
 
 def runs(path: Path = DATA) -> tuple[list[Run], int]:
     """(the consistent rows, how many were dropped): a row whose mbs x grad_acc x dp is not the sweep's 256
-    sequences is not the configuration it names (published.md, E's caveat)."""
+    sequences is not the configuration it names (data/SOURCE.md). A row that is not a sweep's row at all (a
+    model the planner has no shape for, a count below 1, a run without its numbers) raises ValueError naming
+    its line."""
     out, dropped = [], 0
     with open(path, newline="") as f:
-        for r in csv.DictReader(f):
-            n = {k: int(r[k]) for k in ("dp", "tp", "pp", "zero", "mbs", "grad_acc")}
-            if n["mbs"] * n["grad_acc"] * n["dp"] != GLOBAL_BATCH or int(r["seq"]) != SEQ:
+        for line, r in enumerate(csv.DictReader(f), start=2):
+            try:
+                run = _run(r)
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"line {line}: {e.__class__.__name__} {e}".strip()) from None
+            if run is None:
                 dropped += 1
-                continue
-            ran = r["status"] == "ok"
-            out.append(Run(r["model"], **n, ran=ran, tok_s_gpu=float(r["tok_s_gpu"]) if ran else None,
-                           mem_gib=float(r["mem_gb"]) if ran else None, mfu=float(r["mfu_pct"]) if ran else None))
+            else:
+                out.append(run)
     return out, dropped
+
+
+def _run(r: dict) -> Run | None:
+    n = {k: int(r[k]) for k in ("dp", "tp", "pp", "zero", "mbs", "grad_acc")}
+    if min(v for k, v in n.items() if k != "zero") < 1 or n["zero"] not in (0, 1, 2, 3):
+        raise ValueError(f"{', '.join(f'{k} {v}' for k, v in n.items())}: counts 1 or more, zero 0-3")
+    if r["model"] not in MODELS or r["status"] not in ("ok", "crashed_or_oom"):
+        raise ValueError(f"model {r['model']!r} (one of {', '.join(MODELS)}), status {r['status']!r}")
+    if n["mbs"] * n["grad_acc"] * n["dp"] != GLOBAL_BATCH or int(r["seq"]) != SEQ:
+        return None
+    ran = r["status"] == "ok"
+    numbers = {k: float(r[k]) for k in ("tok_s_gpu", "mem_gb", "mfu_pct")} if ran else {}
+    if ran and min(numbers.values()) <= 0:
+        raise ValueError("a run that ran needs tok_s_gpu, mem_gb and mfu_pct above 0")
+    return Run(r["model"], **n, ran=ran, tok_s_gpu=numbers.get("tok_s_gpu"), mem_gib=numbers.get("mem_gb"),
+               mfu=numbers.get("mfu_pct"))
 
 
 def predict_all(runs: list[Run], stack: dict | None = None) -> list[tuple[Run, dict]]:
@@ -150,8 +169,7 @@ def score(pairs: list[tuple[Run, dict]]) -> dict:
     well = [abs(x["error"]) for x in ran if x["mfu"] >= 20]
     summary = {
         "pick_loss_mean": statistics.fmean(losses) if losses else None, "pick_loss_worst": max(losses, default=None),
-        "pick_loss_any_mean": statistics.fmean(c["pick_loss_any"] for c in cells if c["pick_loss_any"] is not None)
-        if losses else None,
+        "pick_loss_any_mean": statistics.fmean(c["pick_loss_any"] for c in cells if c["ran"]) if losses else None,
         "crashed_called_fits": sum(x["fits"] for x in crashed) / len(crashed) if crashed else None,
         "ran_called_oom": sum(not x["fits"] for x in ran) / len(ran) if ran else None,
         "median_error_mfu20": statistics.median(well) if well else None,
@@ -173,13 +191,13 @@ def _cell(key: tuple[str, int], rows: list[dict]) -> dict:
     if not ran:
         return out
     best = max(ran, key=lambda x: x["tok_s_gpu"])
-    pick = max(ran, key=lambda x: (x["fits"], x["predicted_tok_s_gpu"]))
+    fit_ran = [x for x in ran if x["fits"]]
+    pick = max(fit_ran, key=lambda x: x["predicted_tok_s_gpu"]) if fit_ran else None
     fitting = [x for x in rows if x["fits"]]
     pick_any = max(fitting, key=lambda x: x["predicted_tok_s_gpu"]) if fitting else None
-    out |= {"best": best["row"], "best_tok_s_gpu": best["tok_s_gpu"], "pick": pick["row"],
-            "pick_loss": 1 - pick["tok_s_gpu"] / best["tok_s_gpu"],
-            "spearman": spearman([x["predicted_tok_s_gpu"] for x in ran], [x["tok_s_gpu"] for x in ran])}
-    if pick_any is not None:
-        out |= {"pick_any": pick_any["row"], "pick_any_ran": pick_any["ran"],
-                "pick_loss_any": 1 - (pick_any.get("tok_s_gpu") or 0.0) / best["tok_s_gpu"]}
+    out |= {"best": best["row"], "best_tok_s_gpu": best["tok_s_gpu"], "pick": pick and pick["row"],
+            "pick_loss": 1 - pick["tok_s_gpu"] / best["tok_s_gpu"] if pick else 1.0,  # nothing picked: all lost
+            "spearman": spearman([x["predicted_tok_s_gpu"] for x in ran], [x["tok_s_gpu"] for x in ran]),
+            "pick_any": pick_any and pick_any["row"], "pick_any_ran": bool(pick_any and pick_any["ran"]),
+            "pick_loss_any": 1 - ((pick_any or {}).get("tok_s_gpu") or 0.0) / best["tok_s_gpu"]}
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
@@ -102,9 +103,9 @@ def validate(args, console) -> int:
             raise ConfigError(f"--sweep {sweep}: no such file")
         try:
             scored = v.playbook(sweep)
-        except (OSError, ValueError, KeyError) as e:
-            raise ConfigError(f"--sweep {sweep}: not a sweep of the Playbook's columns ({e.__class__.__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        except (OSError, ValueError, csv.Error) as e:
+            raise ConfigError(f"--sweep {sweep}: not a sweep of the Playbook's columns "
+                              f"({(str(e) or e.__class__.__name__).splitlines()[0]})") from None
         if args.json:
             print(json.dumps({"sweep": {"role": "held out (given)", "file": sweep, **scored}}, indent=1))
             return 0

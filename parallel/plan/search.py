@@ -73,14 +73,15 @@ def shares(r: dict) -> dict[str, float]:
 
 
 # The planner's own error in ranking layouts it was not fitted to: the median |error| of tokens/s per GPU over
-# the Playbook's one-node rows with each model left out of the fit (fit.leave_one_model_out: 8.7%, 7.0% and
+# the Playbook's one-node rows with each model left out of the fit (fit.leave_one_model_out: 8.3%, 6.5% and
 # 8.2% for 1B, 3B and 8B; tests/test_plan_fit.py holds this to them). Layouts predicted within it of the
 # fastest are not told apart: `plan` says so, as compare says "not told apart", and crowns none of them.
 TIE = 0.08
 
 
 def tied(results: list[dict]) -> list[dict]:
-    """The layouts after the first predicted within TIE of its throughput: the planner cannot order them."""
+    """The layouts after the first whose predicted step is within TIE of its step (throughput within 1/(1 +
+    TIE)): the planner cannot order them."""
     return [r for r in results[1:] if r["step_s"] <= (1 + TIE) * results[0]["step_s"]] if results else []
 
 
