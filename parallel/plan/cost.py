@@ -133,20 +133,30 @@ def layer_time(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> P
     softmax = scores * (2 * elem + train.dropout * (1 + 2 * elem)) if train.attention == "unfused" else 0.0
     ew, ew_core = moved * train.elementwise / hbm, softmax / hbm
     count = kernels(train)
-    (fwd, over_f), (bwd, over_b) = (launched(mm + n * (core + ew + ew_core), count[k], cl, train.host)
-                                    for mm, n, k in ((mm_f, 1, "forward"), (mm_b, 2, "backward")))
-    t = Parts(fwd, bwd, overhead=over_f + over_b)
-    if lay.recompute == "full":
-        t.backward, t.overhead = t.backward + t.forward, t.overhead + over_f
+    device = {"forward": mm_f + core + ew + ew_core, "backward": mm_b + 2 * (core + ew + ew_core)}
+    launches = {k: count[k] for k in device}
+    if lay.recompute == "full":  # backward runs the forward again first
+        device["backward"] += device["forward"]
+        launches["backward"] += launches["forward"]
     elif lay.recompute == "selective":
-        t.backward += core + ew_core
-    traffic = layer_traffic(model, lay, train)
-    for dim, (kind, nbytes, forward, backward) in traffic.items():
+        device["backward"] += core + ew_core
+    comm = {"forward": {}, "backward": {}}
+    for dim, (kind, nbytes, forward, backward) in layer_traffic(model, lay, train).items():
         group, span = {"tp": (lay.tp, lay.tp), "cp": (2, lay.cp * lay.tp),
                        "ep": (lay.ep, lay.ep * lay.cp * lay.tp)}[dim]
         one = cl.collective_s(kind, nbytes, group, span)
         hidden = core if dim == "cp" else 0.0  # the ring's passes run under the attention core
-        t.add_comm(dim, max(0.0, forward * one - hidden), max(0.0, backward * one - backward / forward * hidden))
+        comm["forward"][dim] = max(0.0, forward * one - hidden)
+        comm["backward"][dim] = max(0.0, backward * one - backward / forward * hidden)
+    # The collectives are the GPU's work too: the host launches them among the kernels and runs on while
+    # the GPU waits in them, so a host-bound layer hides them (nanotron's tp 8 at one sequence a micro-batch)
+    t = Parts()
+    for k in device:
+        total, over = launched(device[k] + sum(comm[k].values()), launches[k], cl, train.host)
+        setattr(t, k, total)
+        t.overhead += over
+    for k in comm["forward"]:
+        t.comm[k] = comm["forward"][k] + comm["backward"][k]
     return t
 
 
@@ -270,9 +280,12 @@ def predict(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> dict
             "full": (model.layer_matmul_flops(model.seq) + model.core_flops(1, model.seq)) * model.layers}
     hw = flops + redo[lay.recompute] * train.global_batch
     mem = memory(model, lay, train)
+    short = train.fill and lay.pp > 1 and m < lay.pp - 1  # the engine refuses it at the start
     return {"layout": dataclasses.asdict(lay), "describe": lay.describe(), "gpus": gpus, "micro_batches": m,
             "step_s": step, "parts_s": parts, "exposed_comm_s": comm,
             "tokens_per_s_per_gpu": tokens / step / gpus, "tflops_per_gpu": flops / step / gpus / 1e12,
             "hw_tflops_per_gpu": hw / step / gpus / 1e12, "mfu": flops / step / gpus / cl.peak(train.precision),
-            "memory_gib": mem, "fits": mem["total"] <= usable_gib(cl.gpu.memory_gib, train),
+            "memory_gib": mem, "fits": mem["total"] <= usable_gib(cl.gpu.memory_gib, train) and not short,
+            **({"refused": f"{m} micro-batches, fewer than pp - 1 = {lay.pp - 1}: the stack's 1F1B asserts it"}
+               if short else {}),
             "flops": "model FLOPs: 6 x matmul parameters per token + 12 L h s (full attention), no recompute"}

@@ -85,7 +85,8 @@ def fit_usable(pairs) -> float:
 
     def score(u):
         limit = usable_gib(H100.gpu.memory_gib, Training(1, memory_fixed_gib=fixed, memory_usable=u))
-        s = pb.score([(r, p | {"fits": p["memory_gib"]["total"] <= limit}) for r, p in pairs])["summary"]
+        s = pb.score([(r, p | {"fits": p["memory_gib"]["total"] <= limit and "refused" not in p})
+                      for r, p in pairs])["summary"]
         return (round(s["pick_loss_mean"] or 0.0, 6),
                 round((s["crashed_called_fits"] or 0.0) + (s["ran_called_oom"] or 0.0), 6))
     grid = [k / 1000 for k in range(700, 1001, 5)]

@@ -74,6 +74,7 @@ class Training:
     zero_stages: tuple = (0, 1, 2, 3)  # what the stack can run: the search tries no other
     recomputes: tuple = ("none", "selective", "full")
     interleaved: bool = True  # pipeline stages interleaved on a rank (v > 1)
+    fill: bool = False  # the pipeline asserts at least pp - 1 micro-batches a step (nanotron's 1F1B)
     activation_scale: float = 1.0  # what a run holds per micro-batch (activations, logits) over the count of it
     memory_fixed_gib: float = 0.0  # memory no tensor holds: the CUDA context, NCCL's buffers
     memory_usable: float = 0.95  # of the rest, what the caching allocator can hand out (fragmentation)

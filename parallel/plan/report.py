@@ -34,7 +34,9 @@ def show(console, model, cl, train, results: list[dict], tried: int, top: int) -
     for k, gib in best["memory_gib"].items():
         mem.add_row(k, f"{gib:.2f}")
     console.print(mem)
-    if not best["fits"]:
+    if not best["fits"] and "refused" in best:
+        console.print(f"[red]Nothing runs[/]: the layout needing least memory is refused: {best['refused']}.")
+    elif not best["fits"]:
         console.print(f"[red]Nothing fits[/]: the layout needing least memory needs {best['memory_gib']['total']:.1f}"
                       f" GiB of the {cl.gpu.memory_gib:.0f} GiB a {cl.gpu.name} has.")
     elif len(results) > 1:

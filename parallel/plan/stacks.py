@@ -35,8 +35,9 @@ NANOTRON = {"attention": "flash", "dropout": False, "dp_overlap": True, "partiti
             "grad_copy_bytes": 2,  # DDP's bf16 buckets (ZeRO-0)
             "zero_reduce": "all_reduce", "zero_overlap": False, "loss_bytes": 52,
             "zero_stages": (0, 1), "recomputes": ("none", "full"), "interleaved": False,  # what it ran then
+            "fill": True,  # its 1F1B engine asserts at least pp - 1 micro-batches [read: engine.py]
             "elementwise": 6.1,  # fitted
-            "host": 1.35,  # fitted
+            "host": 1.75,  # fitted
             "activation_scale": 1.6,  # fitted
             "memory_usable": 0.91}  # fitted
 
