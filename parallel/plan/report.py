@@ -78,12 +78,16 @@ def _playbook(console, scored: dict, loo: dict | None, role: str, source: str) -
                  f" worst; among all it calls fitting (a crash scores 0): {_pct(s['pick_loss_any_mean'])} mean")
     console.print(t)
     cf = scored["confusion"]
-    console.print(f"Fits: called fitting {cf['fits, ran']} ran, {cf['fits, crashed']} crashed; called out of memory "
-                  f"{cf['no fit, ran']} ran, {cf['no fit, crashed']} crashed: {_pct(s['crashed_called_fits'])} of the "
-                  f"crashed called fitting, {_pct(s['ran_called_oom'])} of those that ran called out of memory. "
-                  f"Tokens/s/GPU: median |error| {_pct(s['median_error'])} ({_pct(s['median_error_mfu20'])} where "
+    t = _table("Fits: the planner's word against the run", [("planner says", "left"), ("ran", "right"),
+                                                             ("crashed or OOM", "right")])
+    for says in ("fits", "no fit"):
+        t.add_row(says, str(cf[f"{says}, ran"]), str(cf[f"{says}, crashed"]))
+    t.caption = (f"{_pct(s['crashed_called_fits'])} of the crashed called fitting, {_pct(s['ran_called_oom'])} of "
+                 "those that ran called out of memory")
+    console.print(t)
+    console.print(f"Tokens/s/GPU: median |error| {_pct(s['median_error'])} ({_pct(s['median_error_mfu20'])} where "
                   f"MFU >= 20%); memory: median |error| {_pct(s['median_mem_error'])}. {s['ran']} ran, {s['crashed']}"
-                  f" crashed, {scored['dropped']} inconsistent rows dropped.", highlight=False)
+                  f" crashed, {scored['dropped']} inconsistent rows dropped; --json has every row.", highlight=False)
     if loo:
         t = _table("Leave one model out: fitted on the other models' rows, scored on this one's",
                    [("left out", "left"), ("pick loss", "right"), ("crashed fits", "right"), ("ran OOM", "right"),
@@ -120,11 +124,13 @@ def validate(args, console) -> int:
     from parallel.plan import playbook as pb
 
     scored, loo = v.playbook(), fit.leave_one_model_out(pb.runs()[0])
+    loo_t5, loo_h100 = fit.fit_a100()["leave_one_out"], fit.fit_h100_host()["leave_one_out"]
     machine = this_machine(args.results)
     roles = {k: {"role": r, "fitted": what} for k, (r, what) in v.ROLES.items()}
     if args.json:
         print(json.dumps({"playbook_1node": {**roles["playbook_1node"], **scored, "leave_one_model_out": loo}}
                          | {k: {**roles[k], "rows": rows, **v.summary(rows)} for k, rows in tables.items()}
+                         | {"leave_one_out": {"korthikanti_table5": loo_t5, "single_h100": loo_h100}}
                          | {"crossover": v.crossover(tables["narayanan_table2"]), "this_machine": machine}, indent=1))
         return 0
     _playbook(console, scored, loo, "fit", "The Ultra-Scale Playbook, 8 x H100 (nanotron)")
@@ -139,14 +145,17 @@ def validate(args, console) -> int:
                   f"throughput per GPU over the fewest GPUs' as they double: {ratios}.")
     console.print(_errors("One H100, compare's single step: ms a step", tables["h100_compare_single"], "ms",
                           "measured", role="held out"))
-    console.print(_errors("Korthikanti et al. 2022, Table 5: seconds per iteration", tables["korthikanti_table5"],
-                          "s", role="fit"))
+    t = _errors("Korthikanti et al. 2022, Table 5: seconds per iteration", tables["korthikanti_table5"], "s",
+                role="fit")
+    t.caption += (f" (residuals); leave one row out: {_pct(loo_t5['mean'])} mean, {_pct(loo_t5['worst'])} worst")
+    console.print(t)
     h100 = tables["single_h100"]
     t = _errors("One H100, GPT-2 small, a bare eager loop: ms a step", h100, "ms", "measured", role="fit")
     cal = h100[0]["calibration"]
     residuals = ", ".join(f"{r['residual']:+.1%}" for r in h100)
     t.caption += (f"; that run's calibration (compute x{cal['compute']:.3f}, overhead x{cal['overhead']:.3f}) "
-                  f"leaves residuals {residuals}")
+                  f"leaves residuals {residuals}; leave one step out of it: "
+                  f"{', '.join(_pct(x) for x in loo_h100['calibration'])}")
     console.print(t)
     console.print(_errors("Korthikanti et al. 2022, Figure 1: GiB per GPU", tables["korthikanti_figure1"], "GiB",
                           role="identity"))
