@@ -34,10 +34,6 @@ class Parts:
     comm: dict = dataclasses.field(default_factory=dict)
     overhead: float = 0.0
 
-    def add_comm(self, dim: str, forward: float, backward: float) -> None:
-        self.forward, self.backward = self.forward + forward, self.backward + backward
-        self.comm[dim] = self.comm.get(dim, 0.0) + forward + backward
-
     @property
     def compute(self) -> float:
         return self.forward + self.backward - sum(self.comm.values()) - self.overhead
@@ -60,11 +56,6 @@ def launched(device_s: float, kernels: float, cl: Cluster, host: float = 1.0) ->
     e = cl.gpu.efficiency
     t = max(device_s + kernels * e.gap_s, kernels * e.launch_s * host)
     return t, t - device_s
-
-
-def kernels(train: Training) -> dict[str, float]:
-    """The kernels a piece launches: the stack's counts where it gives them, else eager torch's (KERNELS)."""
-    return dict(zip(KERNELS, train.kernels, strict=True)) if train.kernels else KERNELS
 
 
 def layer_traffic(model: ModelSpec, lay: Layout, train: Training) -> dict[str, tuple[str, float, int, int]]:
@@ -132,9 +123,8 @@ def layer_time(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> P
     moved = whole * elem * (2 * 2 + 2 * 3) + train.dropout * 2 * whole + mlp * elem * (3 if model.gated else 2)
     softmax = scores * (2 * elem + train.dropout * (1 + 2 * elem)) if train.attention == "unfused" else 0.0
     ew, ew_core = moved * train.elementwise / hbm, softmax / hbm
-    count = kernels(train)
     device = {"forward": mm_f + core + ew + ew_core, "backward": mm_b + 2 * (core + ew + ew_core)}
-    launches = {k: count[k] for k in device}
+    launches = {k: KERNELS[k] for k in device}
     if lay.recompute == "full":  # backward runs the forward again first
         device["backward"] += device["forward"]
         launches["backward"] += launches["forward"]
@@ -174,7 +164,7 @@ def head_time(model: ModelSpec, lay: Layout, train: Training, cl: Cluster, head:
         projection = 3 * one / cl.matmul_rate(train.precision, model.hidden / lay.tp)
     moved = tokens * model.vocab / lay.tp * train.loss_bytes / (cl.gpu.hbm * e.memory)
     device = head * projection + loss * moved
-    return launched(device, kernels(train)["head"] * (head + loss) / 2, cl, train.host) if head or loss else (0, 0)
+    return launched(device, KERNELS["head"] * (head + loss) / 2, cl, train.host) if head or loss else (0, 0)
 
 
 def dp_traffic(psi: float, lay: Layout, train: Training) -> list[tuple[str, float, int]]:
@@ -268,7 +258,7 @@ def predict(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> dict
     owned = dense / (shards if lay.zero_stage else 1) + experts / (expert_shards if lay.zero_stage else 1)
     # Adam: 30 bytes a parameter it owns (OPTIMIZERS); the step's kernels outside the layers launch around it
     moved = OPTIMIZERS[train.optimizer][0]
-    optimizer, step_over = launched(owned * moved / (cl.gpu.hbm * e.memory), kernels(train)["step"], cl, train.host)
+    optimizer, step_over = launched(owned * moved / (cl.gpu.hbm * e.memory), KERNELS["step"], cl, train.host)
     parts["optimizer"] = optimizer - step_over
     parts["overhead"] = m * (layers * lt.overhead + head_over) + step_over
     exposed_pp = 0.0 if pipe["handoff_in_stage"] else comm.get("pp", 0.0)

@@ -69,7 +69,6 @@ class Training:
     zero_reduce: str = "reduce_scatter"  # ZeRO-1/2's gradient reduction; nanotron (2024): one fp32 all-reduce
     zero_overlap: bool = True  # ZeRO-1/2's reduction under backward (where dp_overlap); nanotron: after it
     loss_bytes: int = 16  # bytes the loss moves per logit element, forward and backward
-    kernels: tuple = ()  # kernels launched (forward, backward a layer; head and loss; the step's): () cost.KERNELS
     host: float = 1.0  # the host's time per kernel over eager torch's (Efficiency.launch_s)
     zero_stages: tuple = (0, 1, 2, 3)  # what the stack can run: the search tries no other
     recomputes: tuple = ("none", "selective", "full")
