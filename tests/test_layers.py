@@ -142,6 +142,37 @@ def test_strategies_holds_only_strategies():
 
 
 
+LESSON = ("setup", "train_step", "Options", "MUTANTS", "HOOKS")  # the order a strategy's file reads in
+
+
+def lesson_order(source: str) -> list[str]:
+    """The names of LESSON a module defines at its top level, in the order it defines them."""
+    names = []
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.append(node.name)
+        elif isinstance(node, ast.Assign):
+            names += [t.id for t in node.targets if isinstance(t, ast.Name)]
+    return [n for n in names if n in LESSON]
+
+
+def test_every_strategy_opens_on_its_algorithm():
+    """Docstring, identity, then setup and train_step; the Options and checks after them; the injected bugs
+    and the hooks last (DESIGN.md, "How to add")."""
+    for f in sorted((PACKAGE / "strategies").glob("*.py")):
+        if f.stem in ("base", "__init__"):
+            continue
+        order = lesson_order(f.read_text())
+        assert order == [n for n in LESSON if n in order], (f.name, order)
+        setup = next(i for i, line in enumerate(f.read_text().splitlines(), 1) if line.startswith("def setup("))
+        assert setup <= 60, (f.name, setup)  # past the docstring and the imports only
+
+
+def test_the_lesson_rule_sees_a_file_that_opens_on_its_options():
+    source = "class Options: pass\nMUTANTS = ()\ndef setup(): pass\ndef train_step(): pass\nHOOKS = None\n"
+    assert lesson_order(source) != [n for n in LESSON if n in lesson_order(source)]
+
+
 def test_no_package_file_is_over_300_lines():
     long = {str(f.relative_to(ROOT)): n for f in PACKAGE.rglob("*.py") if (n := len(f.read_text().splitlines())) > 300}
     assert long == {}

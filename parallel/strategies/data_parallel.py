@@ -27,16 +27,31 @@ from parallel.strategies.base import Hooks, Trainable
 NAME = "data_parallel"
 LAUNCH = "inprocess"
 SYNCHRONOUS = True
-SENDS_SEEN = False  # its copies between devices happen inside nn.DataParallel, unseen: no bytes shown
-LOGITS_LOSS = True  # the loss is taken over the gathered logits (a model's own loss: parallel/outputs.py)
 
 
-def world_size(config) -> int:
-    return config.world_size if config.spec.real else 1  # a pass-through uses one device
+def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
+    spec = config.spec
+    devices = [spec.device(i) for i in range(world_size(config))]
+    model = model.to(devices[0])
+    if spec.real:
+        ids = [d.index for d in devices]
+        dp = in_callers_autocast(nn.DataParallel(model, device_ids=ids, output_device=ids[0]))
+    elif not gpu_count():  # no CUDA here: torch's own class, which then passes through
+        dp = in_callers_autocast(nn.DataParallel(model))
+    else:  # a CPU device list on a machine with GPUs: pass through explicitly
+        dp = PassThrough(model)
+    return Trainable(dp, make_optimizer(dp.parameters()), loss_fn, devices[0], devices=devices)
 
 
-def device_kind(spec) -> str:
-    return spec.kind_label if spec.real else "pass-through"
+def train_step(t: Trainable, batch, dist):
+    x, y = (b.to(t.device, non_blocking=True) for b in batch)  # scattered inside forward()
+    t.optimizer.zero_grad(set_to_none=True)
+    # The outputs are gathered on device_ids[0]; a model's own losses would be one per replica, so the loss
+    # is taken over the logits (the targets are scattered with the inputs: whole logits, outputs.call).
+    loss = t.loss_fn(logits_of(call(t.model, x, y)), y)
+    loss.backward()
+    t.optimizer.step()
+    return loss.detach()
 
 
 class PassThrough(nn.Module):
@@ -80,29 +95,12 @@ def _under_autocast(module: nn.Module, device_type: str, dtype: torch.dtype):
     return run
 
 
-def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
-    spec = config.spec
-    devices = [spec.device(i) for i in range(world_size(config))]
-    model = model.to(devices[0])
-    if spec.real:
-        ids = [d.index for d in devices]
-        dp = in_callers_autocast(nn.DataParallel(model, device_ids=ids, output_device=ids[0]))
-    elif not gpu_count():  # no CUDA here: torch's own class, which then passes through
-        dp = in_callers_autocast(nn.DataParallel(model))
-    else:  # a CPU device list on a machine with GPUs: pass through explicitly
-        dp = PassThrough(model)
-    return Trainable(dp, make_optimizer(dp.parameters()), loss_fn, devices[0], devices=devices)
+def world_size(config) -> int:
+    return config.world_size if config.spec.real else 1  # a pass-through uses one device
 
 
-def train_step(t: Trainable, batch, dist):
-    x, y = (b.to(t.device, non_blocking=True) for b in batch)  # scattered inside forward()
-    t.optimizer.zero_grad(set_to_none=True)
-    # The outputs are gathered on device_ids[0]; a model's own losses would be one per replica, so the loss
-    # is taken over the logits (the targets are scattered with the inputs: whole logits, outputs.call).
-    loss = t.loss_fn(logits_of(call(t.model, x, y)), y)
-    loss.backward()
-    t.optimizer.step()
-    return loss.detach()
+def device_kind(spec) -> str:
+    return spec.kind_label if spec.real else "pass-through"
 
 
 def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
@@ -113,7 +111,11 @@ def memory_layout(config, layout):
     return layout.replace(gathers_whole_batch=True)  # the first device holds the whole batch's logits
 
 
+SENDS_SEEN = False  # its copies between devices happen inside nn.DataParallel, unseen: no bytes shown
+LOGITS_LOSS = True  # the loss is taken over the gathered logits (a model's own loss: parallel/outputs.py)
+
 # Its cost model's step (parallel/measure/replicas.py): a pass-through on CPU is one device's step; its copies are
 # made inside torch, unseen by the loop's counter: no textbook bytes beside them.
 MEASURE = replicas.Replicas(world_size, copies=False)
+
 HOOKS = Hooks(world_size=world_size, device_kind=device_kind, state_dict=state_dict, memory_layout=memory_layout)

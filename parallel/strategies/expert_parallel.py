@@ -43,80 +43,6 @@ from parallel.usermodel import shape_model
 NAME = "expert_parallel"
 LAUNCH = "torchrun"
 SYNCHRONOUS = True
-EXPERTS = True  # it splits the model's routed experts (model.moe_layers())
-ROUTING = True  # its routers' counts are summed over every rank (trains with --aux-loss)
-DEFAULT_EP = 2  # on 4 devices: ep 2 x dp 2
-
-_MOE = {"workload": "moe"}
-UNGATED = Mutant("expert_parallel:combine-without-gates", "the experts' outputs summed back to their tokens "
-                 "without the router's gate weights", _MOE)
-ROUTER_UNREDUCED = Mutant("expert_parallel:router-grad-not-reduced", "the routers' gradients left out of the "
-                          "dense all-reduce: each rank's router learns from its own tokens", _MOE)
-TRANSPOSED = Mutant("expert_parallel:splits-transposed", "the received rows read as grouped by expert then "
-                    "source, not source then expert: rows go to the wrong expert", _MOE)
-LOCAL_AUX = Mutant("expert_parallel:aux-loss-local-counts", "the load-balancing loss's counts taken over the "
-                   "rank's own tokens, not summed over the batch",
-                   {**_MOE, "aux_loss": 1.0, "batch_size": 8, "seq_len": 8})  # 32 tokens a rank: counts that differ
-MUTANTS = (UNGATED, ROUTER_UNREDUCED, TRANSPOSED, LOCAL_AUX)
-
-
-@dataclass
-class Options:
-    ep: int = field(default=0, metadata={"help": f"ranks per expert-parallel group, dividing the devices and the "
-                                                 f"experts; the rest data parallel (0: {DEFAULT_EP})"})
-    capacity_factor: float = field(default=0.0, metadata={"help": "rows an expert takes per call, over its even "
-                                                                  "share (0: dropless); the rest are dropped"})
-
-    def __post_init__(self):
-        if self.ep < 0:
-            raise ConfigError(f"--ep must be 0 (the default) or more, got {self.ep}")
-        if not self.capacity_factor >= 0:
-            raise ConfigError(f"--capacity-factor must be 0 (dropless) or more, got {self.capacity_factor}")
-
-
-def ep_of(config) -> int:
-    return options_of(Options, config).ep or min(DEFAULT_EP, config.world_size)
-
-
-def experts_per_layer(model: nn.Module) -> int:
-    return model.moe_layers()[0].num_experts
-
-
-def check(config) -> None:
-    n, ep = config.world_size, ep_of(config)
-    if n % ep:
-        raise ConfigError(f"--ep {ep} does not divide the {n} devices")
-    experts = experts_per_layer(shape_model(config))
-    if experts % ep:
-        raise ConfigError(f"--ep {ep} does not divide the {experts} experts of each layer")
-    config.check_divisible(n, "devices")
-
-
-@dataclass
-class State:
-    dispatch: Dispatch
-    owned: list[int]  # the global index of each expert this rank holds, in every layer
-    dense: list[nn.Parameter]  # replicated: averaged over every rank
-    experts: list[nn.Parameter]  # this rank's experts: summed over the ranks holding them, divided by N
-    expert_group: object  # the ranks holding the same experts (None: one)
-    world: int
-
-
-def _groups(world: int, ep: int, rank: int):
-    """(the rank's expert-parallel group: ep neighbours; its expert-replica group: every ep-th rank), each
-    None when of one rank. Every rank creates every group, in the same order (torch.distributed's rule)."""
-    mine = [None, None]
-    for g in range(world // ep):
-        ranks = list(range(g * ep, (g + 1) * ep))
-        group = td.new_group(ranks) if ep > 1 else None
-        if rank in ranks:
-            mine[0] = group
-    for j in range(ep):
-        ranks = list(range(j, world, ep))
-        group = td.new_group(ranks) if world > ep else None
-        if rank in ranks:
-            mine[1] = group
-    return mine
 
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
@@ -171,6 +97,97 @@ def train_step(t: Trainable, batch, dist):
     return loss.detach()
 
 
+def ep_of(config) -> int:
+    return options_of(Options, config).ep or min(DEFAULT_EP, config.world_size)
+
+
+@dataclass
+class State:
+    dispatch: Dispatch
+    owned: list[int]  # the global index of each expert this rank holds, in every layer
+    dense: list[nn.Parameter]  # replicated: averaged over every rank
+    experts: list[nn.Parameter]  # this rank's experts: summed over the ranks holding them, divided by N
+    expert_group: object  # the ranks holding the same experts (None: one)
+    world: int
+
+
+def _groups(world: int, ep: int, rank: int):
+    """(the rank's expert-parallel group: ep neighbours; its expert-replica group: every ep-th rank), each
+    None when of one rank. Every rank creates every group, in the same order (torch.distributed's rule)."""
+    mine = [None, None]
+    for g in range(world // ep):
+        ranks = list(range(g * ep, (g + 1) * ep))
+        group = td.new_group(ranks) if ep > 1 else None
+        if rank in ranks:
+            mine[0] = group
+    for j in range(ep):
+        ranks = list(range(j, world, ep))
+        group = td.new_group(ranks) if world > ep else None
+        if rank in ranks:
+            mine[1] = group
+    return mine
+
+
+DEFAULT_EP = 2  # on 4 devices: ep 2 x dp 2
+
+_MOE = {"workload": "moe"}
+
+
+@dataclass
+class Options:
+    ep: int = field(default=0, metadata={"help": f"ranks per expert-parallel group, dividing the devices and the "
+                                                 f"experts; the rest data parallel (0: {DEFAULT_EP})"})
+    capacity_factor: float = field(default=0.0, metadata={"help": "rows an expert takes per call, over its even "
+                                                                  "share (0: dropless); the rest are dropped"})
+
+    def __post_init__(self):
+        if self.ep < 0:
+            raise ConfigError(f"--ep must be 0 (the default) or more, got {self.ep}")
+        if not self.capacity_factor >= 0:
+            raise ConfigError(f"--capacity-factor must be 0 (dropless) or more, got {self.capacity_factor}")
+
+
+def experts_per_layer(model: nn.Module) -> int:
+    return model.moe_layers()[0].num_experts
+
+
+def check(config) -> None:
+    n, ep = config.world_size, ep_of(config)
+    if n % ep:
+        raise ConfigError(f"--ep {ep} does not divide the {n} devices")
+    experts = experts_per_layer(shape_model(config))
+    if experts % ep:
+        raise ConfigError(f"--ep {ep} does not divide the {experts} experts of each layer")
+    config.check_divisible(n, "devices")
+
+
+UNGATED = Mutant("expert_parallel:combine-without-gates", "the experts' outputs summed back to their tokens "
+                 "without the router's gate weights", _MOE)
+ROUTER_UNREDUCED = Mutant("expert_parallel:router-grad-not-reduced", "the routers' gradients left out of the "
+                          "dense all-reduce: each rank's router learns from its own tokens", _MOE)
+TRANSPOSED = Mutant("expert_parallel:splits-transposed", "the received rows read as grouped by expert then "
+                    "source, not source then expert: rows go to the wrong expert", _MOE)
+LOCAL_AUX = Mutant("expert_parallel:aux-loss-local-counts", "the load-balancing loss's counts taken over the "
+                   "rank's own tokens, not summed over the batch",
+                   {**_MOE, "aux_loss": 1.0, "batch_size": 8, "seq_len": 8})  # 32 tokens a rank: counts that differ
+MUTANTS = (UNGATED, ROUTER_UNREDUCED, TRANSPOSED, LOCAL_AUX)
+
+
+# How the injected bugs above are written: setup puts one in the dispatch's place
+
+
+def combine_ungated(x, routing, rows_out):
+    """UNGATED: Dispatch.combine with every gate 1: the experts' outputs summed back to their tokens."""
+    return combine(x, dataclasses.replace(routing, gate=torch.ones_like(routing.gate)), rows_out)
+
+
+def order_transposed(grid):
+    """TRANSPOSED: Dispatch.order reading the received rows as expert-major: the same total, other rows per
+    expert."""
+    expert = torch.arange(grid.shape[1], device=grid.device).repeat_interleave(grid.shape[0])
+    return torch.argsort(expert.repeat_interleave(grid.t().reshape(-1)), stable=True)
+
+
 def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
     """The whole model on rank 0 under one device's names: every rank's experts gathered (a collective)."""
     names = _global_names(t)
@@ -223,25 +240,14 @@ def _name(model: nn.Module, module: nn.Module) -> str:
     return next(n for n, m in model.named_modules() if m is module)
 
 
-# The injected bugs (MUTANTS): setup puts one in the dispatch's place --------------------------------------
-
-
-def combine_ungated(x, routing, rows_out):
-    """UNGATED: Dispatch.combine with every gate 1: the experts' outputs summed back to their tokens."""
-    return combine(x, dataclasses.replace(routing, gate=torch.ones_like(routing.gate)), rows_out)
-
-
-def order_transposed(grid):
-    """TRANSPOSED: Dispatch.order reading the received rows as expert-major: the same total, other rows per
-    expert."""
-    expert = torch.arange(grid.shape[1], device=grid.device).repeat_interleave(grid.shape[0])
-    return torch.argsort(expert.repeat_interleave(grid.t().reshape(-1)), stable=True)
-
-
 def memory_layout(config, layout):
     return layout.replace(ep=ep_of(config))  # the routed experts split over ep ranks (the planner's memory)
 
 
+EXPERTS = True  # it splits the model's routed experts (model.moe_layers())
+ROUTING = True  # its routers' counts are summed over every rank (trains with --aux-loss)
+
 MEASURE = Experts(ep_of, held=lambda t: t.state.owned)  # measure/experts.py: routing, balance, bytes
+
 HOOKS = Hooks(check=check, state_dict=state_dict, model_state_bytes=model_state_every_rank,
               checkpoint_state=checkpoint_state, restore_checkpoint=restore_checkpoint, memory_layout=memory_layout)

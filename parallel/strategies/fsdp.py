@@ -52,90 +52,6 @@ NAME = "fsdp"
 LAUNCH = "torchrun"
 SYNCHRONOUS = True
 
-# Bugs the oracle must catch (`--mutant NAME`; base.Mutant).
-UNSYNCED_INIT = Mutant("fsdp:unsynced-init", "ranks build the model from different seeds: fully_shard broadcasts "
-                       "nothing, each rank keeps its slice of its own initialisation")
-SUM_NOT_MEAN = Mutant("fsdp:sum-not-mean", "gradient divide factor 1 on every group (set_gradient_divide_factor), "
-                      "as if the loss were already a mean over the global batch: gradients summed, not averaged",
-                      {"options": {"reshard": 0}})
-MUTANTS = (UNSYNCED_INIT, SUM_NOT_MEAN)
-
-MIXED_RTOL = 0.2  # the stated rule for --mixed-precision bf16 (see tolerance)
-
-
-@dataclass
-class Options:
-    reshard: int = field(default=1, metadata={"help": "1: free gathered parameters after forward (ZeRO-3, 3 Psi); "
-                                                      "0: keep them for backward (2 Psi)"})
-    mixed_precision: str = field(default="", metadata={"help": "bf16: gather and compute in bf16, reduce "
-                                                                "and step in fp32 (MixedPrecisionPolicy)"})
-    offload: str = field(default="", metadata={"help": "cpu: parameter shards and optimizer on the host "
-                                                        "(CPUOffloadPolicy; GPUs only)"})
-    replicate: int = field(default=1, metadata={"help": "R > 1: HSDP, R replicas each sharded over N/R ranks "
-                                                        "(a 2-D mesh: gradients reduce-scattered in a replica, "
-                                                        "then all-reduced across them)"})
-
-    def __post_init__(self):
-        if self.reshard not in (0, 1):
-            raise ConfigError(f"--reshard must be 0 or 1, got {self.reshard}")
-        if self.mixed_precision not in ("", "bf16"):
-            raise ConfigError(f"--mixed-precision must be bf16 (or empty), got {self.mixed_precision!r}")
-        if self.offload not in ("", "cpu"):
-            raise ConfigError(f"--offload must be cpu (or empty), got {self.offload!r}")
-        if self.replicate < 1:
-            raise ConfigError(f"--replicate must be at least 1, got {self.replicate}")
-
-
-@dataclass
-class Sharded:
-    groups: list[nn.Module]  # every FSDP group, blocks first, the root last
-
-
-def dims(config, dist) -> ParallelDims:
-    """Data parallel whose ranks shard the model (each still takes its own share of the batch): one axis,
-    or with --replicate R, R replicas of N/R shards each (HSDP)."""
-    r = options_of(Options, config).replicate
-    return ParallelDims(world=dist.world_size, dp_replicate=r, dp_shard=dist.world_size // r)
-
-
-def check(config) -> None:
-    config.check_divisible(config.world_size, "world size")
-    if (r := options_of(Options, config).replicate) > 1 and (config.world_size % r or r == config.world_size):
-        raise ConfigError(f"--replicate {r} must divide the {config.world_size} devices into replicas of at least "
-                          "2 shards each (replicas of 1 are plain data parallel: ddp)")
-    if options_of(Options, config).offload and not config.spec.real:
-        raise ConfigError("--offload cpu needs GPUs: FSDP2 pins the offloaded shards in page-locked memory, "
-                          "which needs an accelerator (and on CPU devices everything is on the host already)")
-
-
-def blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's blocks, each to be one FSDP group: the parameter-holding elements of its Sequential and
-    ModuleList containers, outermost first, not looking inside a block."""
-    out = []
-    for child in model.children():
-        if isinstance(model, (nn.Sequential, nn.ModuleList)) and any(True for _ in child.parameters()):
-            out.append(child)
-        else:
-            out.extend(blocks(child))
-    return out
-
-
-def apply(model: nn.Module, mesh, reshard: bool | None = True, **policies) -> list[nn.Module]:
-    """FSDP2 over `mesh` (a DeviceMesh, or a composition's slice of one): every block an FSDP group, then
-    the root, with `policies` (mp_policy, offload_policy); the groups, the root last. reshard None:
-    torch's default, the blocks resharded after forward and the root kept for backward."""
-    from torch.distributed.fsdp import fully_shard
-
-    # torch 2.13 warns whenever a group's output is a view (a Linear on a 3-D input is one): an in-place op
-    # on it would skip the pre-backward all-gather. The loss here never modifies the output in place.
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    groups = blocks(model)
-    for block in groups:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **policies)
-    # the root last: the parameters no block holds, and the hooks that drive the rest (it reshards as well)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **policies)
-    return [*groups, model]
-
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
@@ -172,6 +88,92 @@ def train_step(t: Trainable, batch, dist):
     return loss.detach()
 
 
+@dataclass
+class Sharded:
+    groups: list[nn.Module]  # every FSDP group, blocks first, the root last
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's blocks, each to be one FSDP group: the parameter-holding elements of its Sequential and
+    ModuleList containers, outermost first, not looking inside a block."""
+    out = []
+    for child in model.children():
+        if isinstance(model, (nn.Sequential, nn.ModuleList)) and any(True for _ in child.parameters()):
+            out.append(child)
+        else:
+            out.extend(blocks(child))
+    return out
+
+
+def apply(model: nn.Module, mesh, reshard: bool | None = True, **policies) -> list[nn.Module]:
+    """FSDP2 over `mesh` (a DeviceMesh, or a composition's slice of one): every block an FSDP group, then
+    the root, with `policies` (mp_policy, offload_policy); the groups, the root last. reshard None:
+    torch's default, the blocks resharded after forward and the root kept for backward."""
+    from torch.distributed.fsdp import fully_shard
+
+    # torch 2.13 warns whenever a group's output is a view (a Linear on a 3-D input is one): an in-place op
+    # on it would skip the pre-backward all-gather. The loss here never modifies the output in place.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    groups = blocks(model)
+    for block in groups:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **policies)
+    # the root last: the parameters no block holds, and the hooks that drive the rest (it reshards as well)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **policies)
+    return [*groups, model]
+
+
+MIXED_RTOL = 0.2  # the stated rule for --mixed-precision bf16 (see tolerance)
+
+
+@dataclass
+class Options:
+    reshard: int = field(default=1, metadata={"help": "1: free gathered parameters after forward (ZeRO-3, 3 Psi); "
+                                                      "0: keep them for backward (2 Psi)"})
+    mixed_precision: str = field(default="", metadata={"help": "bf16: gather and compute in bf16, reduce "
+                                                                "and step in fp32 (MixedPrecisionPolicy)"})
+    offload: str = field(default="", metadata={"help": "cpu: parameter shards and optimizer on the host "
+                                                        "(CPUOffloadPolicy; GPUs only)"})
+    replicate: int = field(default=1, metadata={"help": "R > 1: HSDP, R replicas each sharded over N/R ranks "
+                                                        "(a 2-D mesh: gradients reduce-scattered in a replica, "
+                                                        "then all-reduced across them)"})
+
+    def __post_init__(self):
+        if self.reshard not in (0, 1):
+            raise ConfigError(f"--reshard must be 0 or 1, got {self.reshard}")
+        if self.mixed_precision not in ("", "bf16"):
+            raise ConfigError(f"--mixed-precision must be bf16 (or empty), got {self.mixed_precision!r}")
+        if self.offload not in ("", "cpu"):
+            raise ConfigError(f"--offload must be cpu (or empty), got {self.offload!r}")
+        if self.replicate < 1:
+            raise ConfigError(f"--replicate must be at least 1, got {self.replicate}")
+
+
+def check(config) -> None:
+    config.check_divisible(config.world_size, "world size")
+    if (r := options_of(Options, config).replicate) > 1 and (config.world_size % r or r == config.world_size):
+        raise ConfigError(f"--replicate {r} must divide the {config.world_size} devices into replicas of at least "
+                          "2 shards each (replicas of 1 are plain data parallel: ddp)")
+    if options_of(Options, config).offload and not config.spec.real:
+        raise ConfigError("--offload cpu needs GPUs: FSDP2 pins the offloaded shards in page-locked memory, "
+                          "which needs an accelerator (and on CPU devices everything is on the host already)")
+
+
+# Bugs the oracle must catch (`--mutant NAME`; base.Mutant).
+UNSYNCED_INIT = Mutant("fsdp:unsynced-init", "ranks build the model from different seeds: fully_shard broadcasts "
+                       "nothing, each rank keeps its slice of its own initialisation")
+SUM_NOT_MEAN = Mutant("fsdp:sum-not-mean", "gradient divide factor 1 on every group (set_gradient_divide_factor), "
+                      "as if the loss were already a mean over the global batch: gradients summed, not averaged",
+                      {"options": {"reshard": 0}})
+MUTANTS = (UNSYNCED_INIT, SUM_NOT_MEAN)
+
+
+def dims(config, dist) -> ParallelDims:
+    """Data parallel whose ranks shard the model (each still takes its own share of the batch): one axis,
+    or with --replicate R, R replicas of N/R shards each (HSDP)."""
+    r = options_of(Options, config).replicate
+    return ParallelDims(world=dist.world_size, dp_replicate=r, dp_shard=dist.world_size // r)
+
+
 def tolerance(config) -> Rule | None:
     """--mixed-precision bf16 computes forward and backward with bf16 parameters, which `single` (fp32)
     never does: judged by its own stated rule, as `--precision bf16` is (a bf16 product carries a relative
@@ -194,5 +196,6 @@ def memory_layout(config, layout):
 # Its measurement (parallel/measure/sharded.py): each rank's shards beside ZeRO-3's formula, the peak of gathered
 # parameters, each collective timed alone, the textbook's bytes (3 Psi; 2 without resharding) and the step.
 MEASURE = sharded.FullyShard(lambda t: t.state.groups, dims, options=lambda config: options_of(Options, config))
+
 HOOKS = Hooks(dims=dims, check=check, state_dict=full_state_dict, model_state_bytes=model_state_every_rank,
               tolerance=tolerance, memory_layout=memory_layout)

@@ -25,24 +25,6 @@ from parallel.strategies.context_parallel import Options, check_cp, cp_of
 NAME = "fsdp_cp"
 LAUNCH = "torchrun"
 SYNCHRONOUS = True
-SEQUENCE = True
-
-__all__ = ["Options"]  # the same knobs as context_parallel (--cp-layout, --cp-comm, --cp)
-DEFAULT_CP = 2  # on 4 devices: dp 2 x cp 2
-
-DP_ONLY = Mutant("fsdp_cp:shard-over-dp-only", "FSDP2 over the dp ranks alone, as for plain data parallelism: "
-                 "the gradients are never summed over the cp ranks", {"workload": "transformer"})
-MUTANTS = (DP_ONLY,)
-
-
-def dims(config, dist=None) -> ParallelDims:
-    """dp x cp, cp innermost: each dp coordinate a ring of cp ranks, and FSDP2 over all of them."""
-    cp = cp_of(config, DEFAULT_CP)
-    return ParallelDims(world=config.world_size, dp_shard=config.world_size // cp, cp=cp)
-
-
-def check(config) -> None:
-    check_cp(config, cp_of(config, DEFAULT_CP))
 
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
@@ -63,10 +45,33 @@ def train_step(t: Trainable, batch, dist):
     return loss.detach()
 
 
+__all__ = ["Options"]  # the same knobs as context_parallel (--cp-layout, --cp-comm, --cp)
+
+DEFAULT_CP = 2  # on 4 devices: dp 2 x cp 2
+
+
+def check(config) -> None:
+    check_cp(config, cp_of(config, DEFAULT_CP))
+
+
+DP_ONLY = Mutant("fsdp_cp:shard-over-dp-only", "FSDP2 over the dp ranks alone, as for plain data parallelism: "
+                 "the gradients are never summed over the cp ranks", {"workload": "transformer"})
+MUTANTS = (DP_ONLY,)
+
+
+def dims(config, dist=None) -> ParallelDims:
+    """dp x cp, cp innermost: each dp coordinate a ring of cp ranks, and FSDP2 over all of them."""
+    cp = cp_of(config, DEFAULT_CP)
+    return ParallelDims(world=config.world_size, dp_shard=config.world_size // cp, cp=cp)
+
+
 def memory_layout(config, layout):
     return layout.replace(zero_stage=3)  # FSDP2 over all dp x cp ranks (the planner's memory)
 
 
+SEQUENCE = True
+
 MEASURE = context.Context(dims, context_parallel.local_loss, fsdp_blocks=fsdp.blocks)  # measure/context.py
+
 HOOKS = Hooks(dims=dims, check=check, state_dict=full_state_dict, model_state_bytes=model_state_every_rank,
               memory_layout=memory_layout)

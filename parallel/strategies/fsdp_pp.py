@@ -34,20 +34,32 @@ from parallel.strategies import fsdp, pipeline_dist
 from parallel.strategies.base import Hooks, Mutant, Trainable, injected, model_state_every_rank, options_of
 
 NAME = "fsdp_pp"
-LAYERED = True  # cuts the model's pipeline_layers() into stages
-TIES = False  # a weight tied across stages would be sharded twice; its copies' gradients are not summed
 LAUNCH = "torchrun"
 SYNCHRONOUS = True
-CHECKPOINTS = False  # as pipeline_dist: the stages depend on the split measured at start-up
 
-SHARE_BY_STAGE = Mutant("fsdp_pp:share-by-stage", "each rank's share of the batch taken from its place in the "
-                        "pipeline (rank // dp) instead of its data-parallel coordinate: a pipeline's first stage "
-                        "reads one half's inputs and its last stage the other half's targets",
-                        {"workload": "mlp", "devices": "cpu:4", "options": {"pp": 2}})
-DDP_STATIC = Mutant("fsdp_pp:ddp-static-graph", "DDP (static_graph=True) instead of FSDP2 around each stage, the "
-                    "way round plain DDP's internal assert under a pipeline: it runs, and trains off one device",
-                    {"workload": "mlp", "devices": "cpu:4", "options": {"pp": 2}})
-MUTANTS = (SHARE_BY_STAGE, DDP_STATIC)
+
+def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
+    layout = _layout(config, dist)
+    mesh = layout.mesh(dist.device.type)  # ("pp", "dp_shard"), made once; each dimension its slice
+
+    def shard(stage):  # FSDP2 over the stage's dp ranks; the bug: DDP around it
+        if injected(config, DDP_STATIC):
+            from torch.nn.parallel import DistributedDataParallel
+
+            return DistributedDataParallel(stage, process_group=mesh["dp_shard"].get_group(), static_graph=True)
+        fsdp.apply(stage, mesh["dp_shard"])
+
+    return pipeline_dist.build(model, make_optimizer, loss_fn, dist, config, mesh["pp"], shard,
+                               batch=config.batch_size // layout.dp)
+
+
+train_step = pipeline_dist.train_step
+
+
+def _layout(config, dist) -> ParallelDims:
+    """pp x dp: stages outermost, so a stage's dp ranks are neighbours; the loss where the last stage is."""
+    o = options_of(Options, config)
+    return ParallelDims(world=dist.world_size, pp=o.pp, dp_shard=dist.world_size // o.pp, loss_pp=o.loss_pp)
 
 
 @dataclass
@@ -73,33 +85,6 @@ class Options(pipeline_dist.Options):
             raise ConfigError(f"--dp-mode must be fsdp, got {self.dp_mode!r}")
 
 
-def available(spec) -> str | None:
-    if spec.count < 4:
-        return f"needs 4 devices or more (pp 2 x dp 2), {spec} has {spec.count}"
-    return SHARED_GLOO_NO_P2P if spec.shared else None
-
-
-def defaults(config) -> dict:
-    """Micro-batches fitted to each pipeline's share of the batch (pipeline_dist.fit_microbatches)."""
-    pp, n = options_of(Options, config).pp, config.world_size
-    return pipeline_dist.fit_microbatches(config, pp, config.batch_size // max(1, n // pp)) if n % pp == 0 else {}
-
-
-def _layout(config, dist) -> ParallelDims:
-    """pp x dp: stages outermost, so a stage's dp ranks are neighbours; the loss where the last stage is."""
-    o = options_of(Options, config)
-    return ParallelDims(world=dist.world_size, pp=o.pp, dp_shard=dist.world_size // o.pp, loss_pp=o.loss_pp)
-
-
-def dims(config, dist) -> ParallelDims:
-    """What the loop asks for each rank's share of the batch and whose loss counts; with the
-    fsdp_pp:share-by-stage bug, ranks numbered as if the stage were the inner axis (dp_rank = rank // dp)."""
-    if injected(config, SHARE_BY_STAGE):
-        pp = options_of(Options, config).pp
-        return ParallelDims(world=dist.world_size, dp_shard=pp, tp=dist.world_size // pp)
-    return _layout(config, dist)
-
-
 def check(config) -> None:
     pp, n = options_of(Options, config).pp, config.world_size
     if n % pp or pp == n:
@@ -113,22 +98,36 @@ def check(config) -> None:
                           "2.11); on 2.13 the bug runs and trains off one device")
 
 
-def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
-    layout = _layout(config, dist)
-    mesh = layout.mesh(dist.device.type)  # ("pp", "dp_shard"), made once; each dimension its slice
 
-    def shard(stage):  # FSDP2 over the stage's dp ranks; the bug: DDP around it
-        if injected(config, DDP_STATIC):
-            from torch.nn.parallel import DistributedDataParallel
-
-            return DistributedDataParallel(stage, process_group=mesh["dp_shard"].get_group(), static_graph=True)
-        fsdp.apply(stage, mesh["dp_shard"])
-
-    return pipeline_dist.build(model, make_optimizer, loss_fn, dist, config, mesh["pp"], shard,
-                               batch=config.batch_size // layout.dp)
+SHARE_BY_STAGE = Mutant("fsdp_pp:share-by-stage", "each rank's share of the batch taken from its place in the "
+                        "pipeline (rank // dp) instead of its data-parallel coordinate: a pipeline's first stage "
+                        "reads one half's inputs and its last stage the other half's targets",
+                        {"workload": "mlp", "devices": "cpu:4", "options": {"pp": 2}})
+DDP_STATIC = Mutant("fsdp_pp:ddp-static-graph", "DDP (static_graph=True) instead of FSDP2 around each stage, the "
+                    "way round plain DDP's internal assert under a pipeline: it runs, and trains off one device",
+                    {"workload": "mlp", "devices": "cpu:4", "options": {"pp": 2}})
+MUTANTS = (SHARE_BY_STAGE, DDP_STATIC)
 
 
-train_step = pipeline_dist.train_step
+def available(spec) -> str | None:
+    if spec.count < 4:
+        return f"needs 4 devices or more (pp 2 x dp 2), {spec} has {spec.count}"
+    return SHARED_GLOO_NO_P2P if spec.shared else None
+
+
+def defaults(config) -> dict:
+    """Micro-batches fitted to each pipeline's share of the batch (pipeline_dist.fit_microbatches)."""
+    pp, n = options_of(Options, config).pp, config.world_size
+    return pipeline_dist.fit_microbatches(config, pp, config.batch_size // max(1, n // pp)) if n % pp == 0 else {}
+
+
+def dims(config, dist) -> ParallelDims:
+    """What the loop asks for each rank's share of the batch and whose loss counts; with the
+    fsdp_pp:share-by-stage bug, ranks numbered as if the stage were the inner axis (dp_rank = rank // dp)."""
+    if injected(config, SHARE_BY_STAGE):
+        pp = options_of(Options, config).pp
+        return ParallelDims(world=dist.world_size, dp_shard=pp, tp=dist.world_size // pp)
+    return _layout(config, dist)
 
 
 def memory_layout(config, layout):
@@ -137,6 +136,11 @@ def memory_layout(config, layout):
     return layout.replace(microbatches=o.microbatches, schedule=o.schedule, zero_stage=3)
 
 
+LAYERED = True  # cuts the model's pipeline_layers() into stages
+TIES = False  # a weight tied across stages would be sharded twice; its copies' gradients are not summed
+CHECKPOINTS = False  # as pipeline_dist: the stages depend on the split measured at start-up
+
 MEASURE = pipelines.Torch(lambda config: options_of(Options, config), layout=_layout)  # the mesh in its result
+
 HOOKS = Hooks(available=available, dims=dims, check=check, defaults=defaults, state_dict=pipeline_dist.state_dict,
               model_state_bytes=model_state_every_rank, memory_layout=memory_layout)

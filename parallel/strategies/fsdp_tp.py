@@ -38,13 +38,22 @@ from parallel.usermodel import shape_model
 NAME = "fsdp_tp"
 LAUNCH = "torchrun"
 SYNCHRONOUS = True
-TENSOR_PARALLEL = True
 
-# A bug the oracle must catch (`--mutant NAME`; base.Mutant).
-TP_RANKS_SPLIT_BATCH = Mutant("fsdp_tp:tp-ranks-split-batch", "the batch split by global rank, as in plain data "
-                              "parallel: the ranks of a tensor-parallel group compute on different samples",
-                              {"workload": "mlp", "devices": "cpu:4", "options": {"tp": 2}})
-MUTANTS = (TP_RANKS_SPLIT_BATCH,)
+
+def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
+    mesh = layout(config).mesh(dist.device.type)  # ("dp_shard", "tp"), made once; each dimension its slice
+    model = tensor_parallel.apply(model.to(dist.device), mesh["tp"], tensor_parallel.Options(), config)
+    fsdp.apply(model, mesh["dp_shard"])  # then every block and the root sharded over dp
+    return Trainable(model, make_optimizer(tensor_parallel.by_kind(model.parameters())), loss_fn, dist.device)
+
+
+train_step = fsdp.train_step  # this dp coordinate's share, every tp rank of a group alike (dims)
+
+
+def layout(config) -> ParallelDims:
+    """dp x tp: the ranks of a tensor-parallel group neighbours, FSDP over the dp ranks."""
+    tp = options_of(Options, config).tp
+    return ParallelDims(world=config.world_size, dp_shard=config.world_size // tp, tp=tp)
 
 
 @dataclass
@@ -57,10 +66,23 @@ class Options:
             raise ConfigError(f"--tp must be at least 2 (tp 1 is `fsdp`), got {self.tp}")
 
 
-def layout(config) -> ParallelDims:
-    """dp x tp: the ranks of a tensor-parallel group neighbours, FSDP over the dp ranks."""
-    tp = options_of(Options, config).tp
-    return ParallelDims(world=config.world_size, dp_shard=config.world_size // tp, tp=tp)
+def check(config) -> None:
+    tp, n = options_of(Options, config).tp, config.world_size
+    if n % tp or tp == n:
+        raise ConfigError(f"--tp {tp} must divide the {n} devices into data-parallel groups of tp ranks, at "
+                          f"least 2 of them (dp x tp = {n}; tp alone is `tensor_parallel`)")
+    config.check_divisible(n // tp, "data-parallel size")
+    model = shape_model(config)
+    if why := manual_tp.plan_problems(model, tp, copies=False):
+        raise ConfigError(f"cannot split the {config.workload} over {tp} tensor-parallel ranks: {why}")
+
+
+
+# A bug the oracle must catch (`--mutant NAME`; base.Mutant).
+TP_RANKS_SPLIT_BATCH = Mutant("fsdp_tp:tp-ranks-split-batch", "the batch split by global rank, as in plain data "
+                              "parallel: the ranks of a tensor-parallel group compute on different samples",
+                              {"workload": "mlp", "devices": "cpu:4", "options": {"tp": 2}})
+MUTANTS = (TP_RANKS_SPLIT_BATCH,)
 
 
 def dims(config, dist) -> ParallelDims:
@@ -77,32 +99,14 @@ def available(spec) -> str | None:
     return tensor_parallel.available(spec)
 
 
-def check(config) -> None:
-    tp, n = options_of(Options, config).tp, config.world_size
-    if n % tp or tp == n:
-        raise ConfigError(f"--tp {tp} must divide the {n} devices into data-parallel groups of tp ranks, at "
-                          f"least 2 of them (dp x tp = {n}; tp alone is `tensor_parallel`)")
-    config.check_divisible(n // tp, "data-parallel size")
-    model = shape_model(config)
-    if why := manual_tp.plan_problems(model, tp, copies=False):
-        raise ConfigError(f"cannot split the {config.workload} over {tp} tensor-parallel ranks: {why}")
-
-
-def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
-    mesh = layout(config).mesh(dist.device.type)  # ("dp_shard", "tp"), made once; each dimension its slice
-    model = tensor_parallel.apply(model.to(dist.device), mesh["tp"], tensor_parallel.Options(), config)
-    fsdp.apply(model, mesh["dp_shard"])  # then every block and the root sharded over dp
-    return Trainable(model, make_optimizer(tensor_parallel.by_kind(model.parameters())), loss_fn, dist.device)
-
-
-train_step = fsdp.train_step  # this dp coordinate's share, every tp rank of a group alike (dims)
-
-
 def memory_layout(config, layout):
     return layout.replace(zero_stage=3)  # FSDP2 over the dp ranks (the planner's memory)
 
 
+TENSOR_PARALLEL = True
+
 # The collectives per block and the mesh; the step: Megatron's over tp, FSDP's over dp (parallel/measure/layers.py)
 MEASURE = layers.Megatron(layout=layout)
+
 HOOKS = Hooks(dims=dims, available=available, check=check, state_dict=full_state_dict,
               model_state_bytes=model_state_every_rank, memory_layout=memory_layout)

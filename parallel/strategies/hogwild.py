@@ -39,43 +39,6 @@ from parallel.usermodel import workload_of
 NAME = "hogwild"
 LAUNCH = "hogwild"
 SYNCHRONOUS = False
-NOT_EXPECTED_REASON = "asynchronous: workers update shared parameters without locks, in no fixed order"
-CHECKPOINTS = False  # each worker's optimiser state lives and dies in that worker
-
-
-@dataclass
-class Options:
-    workers: int = field(default=0, metadata={"help": "worker processes; 0 = one per device"})
-
-    def __post_init__(self):
-        if not 0 <= self.workers <= 64:
-            raise ConfigError(f"--workers must be 1..64 (0: one per device), got {self.workers}")
-
-
-@dataclass
-class State:
-    workers: int
-    counter: object = None  # in a worker: the shared count of updates (a multiprocessing Value)
-    staleness: list[int] = field(default_factory=list)  # in a worker: updates landed between read and write
-    summary: dict = field(default_factory=dict)  # in the parent: the workers' figures, combined
-
-
-def world_size(config) -> int:
-    return options_of(Options, config).workers or config.world_size
-
-
-def available(spec) -> str | None:
-    # CUDA tensors cross processes by IPC and must outlive every consumer; not run here, so refused.
-    return "Hogwild here shares CPU memory; CUDA is not supported" if spec.real else None
-
-
-def check(config) -> None:
-    n = world_size(config)
-    config.check_divisible(n, "--workers")
-
-
-def comm_bytes_predicted(model, config) -> int:
-    return 0  # shared memory: no messages, the workers write the same pages
 
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
@@ -96,6 +59,41 @@ def train_step(t: Trainable, batch, dist):
         counter.value += 1
         t.state.staleness.append(counter.value - seen - 1)
     return loss.detach()
+
+
+@dataclass
+class State:
+    workers: int
+    counter: object = None  # in a worker: the shared count of updates (a multiprocessing Value)
+    staleness: list[int] = field(default_factory=list)  # in a worker: updates landed between read and write
+    summary: dict = field(default_factory=dict)  # in the parent: the workers' figures, combined
+
+
+@dataclass
+class Options:
+    workers: int = field(default=0, metadata={"help": "worker processes; 0 = one per device"})
+
+    def __post_init__(self):
+        if not 0 <= self.workers <= 64:
+            raise ConfigError(f"--workers must be 1..64 (0: one per device), got {self.workers}")
+
+
+def check(config) -> None:
+    n = world_size(config)
+    config.check_divisible(n, "--workers")
+
+
+def world_size(config) -> int:
+    return options_of(Options, config).workers or config.world_size
+
+
+def available(spec) -> str | None:
+    # CUDA tensors cross processes by IPC and must outlive every consumer; not run here, so refused.
+    return "Hogwild here shares CPU memory; CUDA is not supported" if spec.real else None
+
+
+def comm_bytes_predicted(model, config) -> int:
+    return 0  # shared memory: no messages, the workers write the same pages
 
 
 def train(strategy, t: Trainable, data, config, dist, profiler=None):
@@ -200,6 +198,9 @@ def model_state_bytes(t: Trainable, config) -> list[int]:
 def memory_layout(config, layout) -> None:
     return None  # a process a replica, all updating one shared model: no layout the planner has
 
+
+NOT_EXPECTED_REASON = "asynchronous: workers update shared parameters without locks, in no fixed order"
+CHECKPOINTS = False  # each worker's optimiser state lives and dies in that worker
 
 HOOKS = Hooks(world_size=world_size, available=available, check=check, comm_bytes_predicted=comm_bytes_predicted,
               train=train, state_dict=state_dict, extra_measurements=extra_measurements,

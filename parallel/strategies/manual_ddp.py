@@ -42,45 +42,45 @@ LAUNCH = "torchrun"
 SYNCHRONOUS = True
 
 
-# Bugs the oracle must catch (`--mutant NAME`; base.Mutant).
-LAST_BUCKET_DROPPED = Mutant("manual_ddp:last-bucket-dropped", "the last, smaller bucket is never made (an "
-                             "off-by-one in the bucketing), so the first layer's gradients are never all-reduced",
-                             {"options": {"bucket_mb": 1}})
-SHARE_OFF_BY_ONE = Mutant("manual_ddp:share-off-by-one", "rank 0 trains on one sample fewer than its share "
-                          "(an off-by-one slice)", {"workload": "cnn", "batch_size": 512})
-GRADS_SET_TO_NONE = Mutant("manual_ddp:grads-set-to-none", "zero_grad(set_to_none=True): from step 1 the gradients "
-                                                           "are fresh tensors, no longer views of the buckets reduced")
-# Bugs a hang's diagnosis must name (harness/named.py): each on rank BUG_RANK, with buckets of different sizes
-# (1 MiB: the MLP's four), and a short --pg-timeout so the others' wait ends in seconds.
-BUG_RANK, SKIPPED_AT = 1, 2  # SKIPPED_AT: the step at which manual_ddp:bucket-skipped leaves its bucket out
-BUCKETS_REORDERED = Mutant("manual_ddp:buckets-reordered", f"rank {BUG_RANK} holds its bucket all-reduces back and "
-                           "launches them all after backward, walking its list from the end (a reversed() meant "
-                           "for the forward order): its n-th all-reduce is another bucket, of another size, than "
-                           "the others' n-th", {"options": {"bucket_mb": 1}, "pg_timeout": 3}, shows="hang")
-BUCKET_SKIPPED = Mutant("manual_ddp:bucket-skipped", f"at step {SKIPPED_AT} rank {BUG_RANK} leaves out the last "
-                        "bucket's all-reduce (a \"nothing changed, skip it\" shortcut on one rank): the others wait "
-                        "in it",
-                        {"options": {"bucket_mb": 1}, "pg_timeout": 3}, shows="hang")
-MUTANTS = (LAST_BUCKET_DROPPED, SHARE_OFF_BY_ONE, GRADS_SET_TO_NONE, BUCKETS_REORDERED, BUCKET_SKIPPED)
-
-DEFAULT_BUCKET_MB = 25.0  # DDP's bucket_cap_mb (DDP also makes its first bucket 1 MiB; this one does not)
-
-
-@dataclass
-class Options:
-    bucket_mb: float = field(default=0.0, metadata={"help": "gradient bucket cap in MiB; 0 = 25, DDP's default"})
-    naive: int = field(default=0, metadata={"help": "1: no buckets, one blocking all-reduce per parameter as its "
-                                                    "gradient lands"})
-
-    def __post_init__(self):
-        if not self.bucket_mb >= 0:
-            raise ConfigError(f"--bucket-mb must be 0 (the default, 25) or more, got {self.bucket_mb}")
-        if self.naive not in (0, 1):
-            raise ConfigError(f"--naive must be 0 or 1, got {self.naive}")
+def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
+    opts = options_of(Options, config)
+    model = model.to(dist.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:  # every rank starts from rank 0's weights, as DDP's constructor ensures
+        td.broadcast(p.detach(), src=0)
+    sync = Sync(dist.world_size)
+    if dist.rank == BUG_RANK:
+        sync.deferred = injected(config, BUCKETS_REORDERED)
+        sync.skip_at = SKIPPED_AT if injected(config, BUCKET_SKIPPED) else -1
+    hooked = params
+    if not opts.naive:
+        groups = buckets_in_backward_order(params, (opts.bucket_mb or DEFAULT_BUCKET_MB) * 2**20)
+        if injected(config, LAST_BUCKET_DROPPED):
+            groups = groups[:-1]
+        sync.buckets = [Bucket(i, g) for i, g in enumerate(groups)]
+        sync.bucket_of = {p: b for b in sync.buckets for p in b.params}
+        hooked = list(sync.bucket_of)
+        hook = lambda p: _bucket_ready(sync, p)  # noqa: E731
+    else:
+        hook = lambda p: _naive(sync, p)  # noqa: E731
+    for p in hooked:
+        p.register_post_accumulate_grad_hook(hook)
+    return Trainable(model, make_optimizer(params), loss_fn, dist.device, state=sync)
 
 
-def check(config) -> None:
-    config.check_divisible(config.world_size, "world size")
+def train_step(t: Trainable, batch, dist):
+    sync = t.state
+    x, y = (b.to(t.device, non_blocking=True) for b in batch)  # this rank's share, (B/N, ...)
+    if injected(t, SHARE_OFF_BY_ONE) and dist.rank == 0:
+        x, y = x[:-1], y[:-1]
+    # Zero the bucket views in place; None would detach them.
+    t.optimizer.zero_grad(set_to_none=injected(t, GRADS_SET_TO_NONE))
+    loss = t.loss_fn(call(t.model, x, y), y)  # the mean over this rank's share
+    loss.backward()  # the hooks all-reduce as gradients land
+    with record_function("wait for the buckets"):
+        _finish(sync)
+    t.optimizer.step()
+    return loss.detach()
 
 
 class Bucket:
@@ -122,32 +122,6 @@ def buckets_in_backward_order(params: list[nn.Parameter], cap_bytes: float) -> l
     return groups
 
 
-def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
-    opts = options_of(Options, config)
-    model = model.to(dist.device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:  # every rank starts from rank 0's weights, as DDP's constructor ensures
-        td.broadcast(p.detach(), src=0)
-    sync = Sync(dist.world_size)
-    if dist.rank == BUG_RANK:
-        sync.deferred = injected(config, BUCKETS_REORDERED)
-        sync.skip_at = SKIPPED_AT if injected(config, BUCKET_SKIPPED) else -1
-    hooked = params
-    if not opts.naive:
-        groups = buckets_in_backward_order(params, (opts.bucket_mb or DEFAULT_BUCKET_MB) * 2**20)
-        if injected(config, LAST_BUCKET_DROPPED):
-            groups = groups[:-1]
-        sync.buckets = [Bucket(i, g) for i, g in enumerate(groups)]
-        sync.bucket_of = {p: b for b in sync.buckets for p in b.params}
-        hooked = list(sync.bucket_of)
-        hook = lambda p: _bucket_ready(sync, p)  # noqa: E731
-    else:
-        hook = lambda p: _naive(sync, p)  # noqa: E731
-    for p in hooked:
-        p.register_post_accumulate_grad_hook(hook)
-    return Trainable(model, make_optimizer(params), loss_fn, dist.device, state=sync)
-
-
 def _naive(sync: Sync, p: nn.Parameter) -> None:
     """Backward has just accumulated p's gradient: average it over the ranks, now (blocking)."""
     with record_function("all-reduce one gradient"):
@@ -183,19 +157,47 @@ def _skipped(sync: Sync, b: Bucket) -> bool:
     return sync.step == sync.skip_at and b.index == len(sync.buckets) - 1
 
 
-def train_step(t: Trainable, batch, dist):
-    sync = t.state
-    x, y = (b.to(t.device, non_blocking=True) for b in batch)  # this rank's share, (B/N, ...)
-    if injected(t, SHARE_OFF_BY_ONE) and dist.rank == 0:
-        x, y = x[:-1], y[:-1]
-    # Zero the bucket views in place; None would detach them.
-    t.optimizer.zero_grad(set_to_none=injected(t, GRADS_SET_TO_NONE))
-    loss = t.loss_fn(call(t.model, x, y), y)  # the mean over this rank's share
-    loss.backward()  # the hooks all-reduce as gradients land
-    with record_function("wait for the buckets"):
-        _finish(sync)
-    t.optimizer.step()
-    return loss.detach()
+# Bugs a hang's diagnosis must name (harness/named.py): each on rank BUG_RANK, with buckets of different sizes
+# (1 MiB: the MLP's four), and a short --pg-timeout so the others' wait ends in seconds.
+BUG_RANK, SKIPPED_AT = 1, 2  # SKIPPED_AT: the step at which manual_ddp:bucket-skipped leaves its bucket out
+
+DEFAULT_BUCKET_MB = 25.0  # DDP's bucket_cap_mb (DDP also makes its first bucket 1 MiB; this one does not)
+
+
+@dataclass
+class Options:
+    bucket_mb: float = field(default=0.0, metadata={"help": "gradient bucket cap in MiB; 0 = 25, DDP's default"})
+    naive: int = field(default=0, metadata={"help": "1: no buckets, one blocking all-reduce per parameter as its "
+                                                    "gradient lands"})
+
+    def __post_init__(self):
+        if not self.bucket_mb >= 0:
+            raise ConfigError(f"--bucket-mb must be 0 (the default, 25) or more, got {self.bucket_mb}")
+        if self.naive not in (0, 1):
+            raise ConfigError(f"--naive must be 0 or 1, got {self.naive}")
+
+
+def check(config) -> None:
+    config.check_divisible(config.world_size, "world size")
+
+
+# Bugs the oracle must catch (`--mutant NAME`; base.Mutant).
+LAST_BUCKET_DROPPED = Mutant("manual_ddp:last-bucket-dropped", "the last, smaller bucket is never made (an "
+                             "off-by-one in the bucketing), so the first layer's gradients are never all-reduced",
+                             {"options": {"bucket_mb": 1}})
+SHARE_OFF_BY_ONE = Mutant("manual_ddp:share-off-by-one", "rank 0 trains on one sample fewer than its share "
+                          "(an off-by-one slice)", {"workload": "cnn", "batch_size": 512})
+GRADS_SET_TO_NONE = Mutant("manual_ddp:grads-set-to-none", "zero_grad(set_to_none=True): from step 1 the gradients "
+                                                           "are fresh tensors, no longer views of the buckets reduced")
+BUCKETS_REORDERED = Mutant("manual_ddp:buckets-reordered", f"rank {BUG_RANK} holds its bucket all-reduces back and "
+                           "launches them all after backward, walking its list from the end (a reversed() meant "
+                           "for the forward order): its n-th all-reduce is another bucket, of another size, than "
+                           "the others' n-th", {"options": {"bucket_mb": 1}, "pg_timeout": 3}, shows="hang")
+BUCKET_SKIPPED = Mutant("manual_ddp:bucket-skipped", f"at step {SKIPPED_AT} rank {BUG_RANK} leaves out the last "
+                        "bucket's all-reduce (a \"nothing changed, skip it\" shortcut on one rank): the others wait "
+                        "in it",
+                        {"options": {"bucket_mb": 1}, "pg_timeout": 3}, shows="hang")
+MUTANTS = (LAST_BUCKET_DROPPED, SHARE_OFF_BY_ONE, GRADS_SET_TO_NONE, BUCKETS_REORDERED, BUCKET_SKIPPED)
 
 
 def model_state_bytes(t: Trainable, config) -> list[int]:
@@ -205,4 +207,5 @@ def model_state_bytes(t: Trainable, config) -> list[int]:
 
 # Its measurement (parallel/measure/replicas.py): the buckets, the textbook's bytes and the cost model's step.
 MEASURE = replicas.AllReduce(buckets=lambda t: [b.buffer.numel() * b.buffer.element_size() for b in t.state.buckets])
+
 HOOKS = Hooks(check=check, model_state_bytes=model_state_bytes)

@@ -36,23 +36,6 @@ from parallel.timing import PhaseTimer
 NAME = "manual_dp"
 LAUNCH = "inprocess"
 SYNCHRONOUS = True
-LOGITS_LOSS = True  # the loss is taken over the gathered logits (a model's own loss: parallel/outputs.py)
-
-# Bugs the oracle must catch (`--mutant NAME`; base.Mutant).
-STALE_REPLICA = Mutant("manual_dp:stale-replica", "replicas made at the first step and kept: they go on "
-                                                  "computing with the first step's weights", {"workload": "cnn"})
-REPLICA_GRAD_DROPPED = Mutant("manual_dp:replica-grad-dropped", "the last replica's backward never runs: its "
-                                                                "chunk adds no gradient", {"devices": "cpu:3"})
-MUTANTS = (STALE_REPLICA, REPLICA_GRAD_DROPPED)
-
-
-@dataclass
-class State:
-    devices: list[torch.device]
-    pool: DeviceThreads  # a long-lived thread per device
-    param_bytes: int  # what a replica copies
-    phase: PhaseTimer  # where each step's time goes
-    kept: list | None = None  # the replicas of the first step (only under STALE_REPLICA)
 
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
@@ -67,10 +50,6 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
                      state=State(devices, DeviceThreads(devices, spec.threads_per_device()),
                                  param_bytes(model.parameters()), PhaseTimer(IntervalClock(devices))),
                      devices=devices)
-
-
-def _backward(output: torch.Tensor, grad: torch.Tensor) -> None:
-    torch.autograd.backward(output, grad)
 
 
 def train_step(t: Trainable, batch, dist):
@@ -102,6 +81,27 @@ def train_step(t: Trainable, batch, dist):
     return loss.detach()
 
 
+@dataclass
+class State:
+    devices: list[torch.device]
+    pool: DeviceThreads  # a long-lived thread per device
+    param_bytes: int  # what a replica copies
+    phase: PhaseTimer  # where each step's time goes
+    kept: list | None = None  # the replicas of the first step (only under STALE_REPLICA)
+
+
+def _backward(output: torch.Tensor, grad: torch.Tensor) -> None:
+    torch.autograd.backward(output, grad)
+
+
+# Bugs the oracle must catch (`--mutant NAME`; base.Mutant).
+STALE_REPLICA = Mutant("manual_dp:stale-replica", "replicas made at the first step and kept: they go on "
+                                                  "computing with the first step's weights", {"workload": "cnn"})
+REPLICA_GRAD_DROPPED = Mutant("manual_dp:replica-grad-dropped", "the last replica's backward never runs: its "
+                                                                "chunk adds no gradient", {"devices": "cpu:3"})
+MUTANTS = (STALE_REPLICA, REPLICA_GRAD_DROPPED)
+
+
 def model_state_bytes(t: Trainable, config) -> list[int]:
     """Device 0 holds the original parameters, their gradients and the optimiser state, and every device
     a replica's parameter copies for the length of a step."""
@@ -113,7 +113,10 @@ def memory_layout(config, layout):
     return layout.replace(gathers_whole_batch=True)  # the first device holds the whole batch's logits
 
 
+LOGITS_LOSS = True  # the loss is taken over the gathered logits (a model's own loss: parallel/outputs.py)
+
 # Its measurement (parallel/measure/replicas.py): where each timed step's time went, the bytes copied between the
 # devices by the textbook, and the cost model's step.
 MEASURE = replicas.Replicas(phases=lambda t: t.state.phase)
+
 HOOKS = Hooks(model_state_bytes=model_state_bytes, memory_layout=memory_layout)

@@ -50,25 +50,32 @@ from parallel.workloads import tp_plan_of
 NAME = "manual_tp"
 LAUNCH = "torchrun"
 SYNCHRONOUS = True
-TENSOR_PARALLEL = True  # trains only workloads whose model has a tp_plan()
-LAYER_ACTIVATIONS = True  # a transformer layer's activation bytes beside the formula (activations.py)
 
-# Bugs the oracle must catch (`--mutant NAME`; base.Mutant).
-FUSED_QKV_SPLIT = Mutant("manual_tp:fused-qkv-split", "q, k and v split as one fused [q | k | v] matrix cut into N "
-                         "contiguous pieces, not by heads: rank 0 gets all of q's heads and half of k's "
-                         "(pytorch#140069)", {"workload": "transformer"})
-BIAS_ON_EVERY_RANK = Mutant("manual_tp:bias-every-rank", "a rowwise layer's bias added before the all-reduce, on "
-                            "every rank: N times the bias", {"workload": "mlp"})
-RANK_BRANCH = Mutant("manual_tp:rank-branch", "the model's forward branches on the rank: a debugging branch left "
-                     "in (`if rank == 1`) drops out part of the final norm's output on rank 1 only, so the "
-                     "replicated head sees different inputs on the two ranks", {"workload": "transformer",
-                                                                                "check_replicas": True},
-                     shows="replicas")
-KV_UNSUMMED = Mutant("manual_tp:kv-copies-unsummed", "fewer kv heads than ranks (multi-query attention at tp 2): "
-                     "each rank's copy of its kv head steps with its own query heads' share of the gradient, "
-                     "never summed with the other copies'", {"workload": "transformer", "arch": "llama",
-                                                             "kv_heads": 1})
-MUTANTS = (FUSED_QKV_SPLIT, BIAS_ON_EVERY_RANK, RANK_BRANCH, KV_UNSUMMED)
+
+def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
+    # Every rank built the same model from the seed (workloads.build_model): each keeps its part of it.
+    copies = kv_copies.copied(model, dist.world_size, dist.rank)  # fewer kv heads than ranks: each head m times
+    colwise, rowwise = shard(model, dist.rank, dist.world_size, config)
+    model = model.to(dist.device)
+    if injected(config, RANK_BRANCH) and dist.rank == 1:  # the bug: a rank-dependent branch in the model
+        model.head[0].register_forward_hook(lambda module, args, out: F.dropout(out, 0.1, training=True))
+    split = {f"{n}.weight" for n in colwise + rowwise} | {f"{n}.bias" for n in colwise}  # a row split's bias is whole
+    whole = tuple(range(dist.world_size))  # the rest every rank holds alike (--check-replicas)
+    return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device,
+                     state=Split(dist.world_size, colwise, rowwise, copies),
+                     held_by={k: whole for k, _ in model.named_parameters() if k not in split}
+                     | kv_copies.held_by(copies))
+
+
+def train_step(t: Trainable, batch, dist):
+    x, y = (b.to(t.device, non_blocking=True) for b in batch)  # the whole batch, on every rank
+    t.optimizer.zero_grad(set_to_none=True)
+    loss = t.loss_fn(call(t.model, x, y), y)
+    loss.backward()
+    if not injected(t, KV_UNSUMMED):
+        kv_copies.sum_copies(t.model, t.state.copies)  # a kv head's copies: their ranks' shares of its gradient
+    t.optimizer.step()  # each rank its part of the split layers, and all of the replicated ones
+    return loss.detach()
 
 
 class _Copy(torch.autograd.Function):
@@ -138,44 +145,6 @@ class Split:
     copies: kv_copies.Copies | None = None  # kv heads fewer than the ranks: each copied to the ranks reading it
 
 
-def dims(config, dist) -> ParallelDims:
-    """One tensor-parallel group: every rank the whole batch; one loss counts (they are all the same)."""
-    return ParallelDims(world=dist.world_size, tp=dist.world_size)
-
-
-def plan_problems(model: nn.Module, tp: int, copies: bool = True) -> str | None:
-    """Why `model` cannot be split over `tp` ranks (a size that does not divide), or None. `copies`: kv
-    heads fewer than tp are copied to the ranks that read them (kit/kv_copies.py); fsdp_tp does not."""
-    for name, m in model.named_modules():
-        if isinstance(m, Attention) and (heads := m.q.out_features // m.head_size) % tp:
-            return f"tp {tp} does not divide {name}'s {heads} heads"
-        if isinstance(m, Attention) and (kv := m.k.out_features // m.head_size) % tp and (kv > tp or not copies):
-            return (f"tp {tp} does not divide {name}'s {kv} kv heads (grouped-query attention; fewer kv heads "
-                    "than ranks are copied to the ranks that read them, by manual_tp and tensor_parallel)")
-    if why := kv_copies.problem(model, tp):
-        return why
-    plan, copied = tp_plan_of(model), {f"{n}.{p}" for n, _, _ in kv_copies.kv_heads_below(model, tp) for p in "kv"}
-    for name in plan.colwise + plan.rowwise:
-        if type(layer := model.get_submodule(name)) is not nn.Linear:  # GPT-2's Conv1D holds its weight transposed
-            return f"its plan names {name}, a {type(layer).__name__}: the plan splits nn.Linear layers only"
-    for name in (c for c in plan.colwise if c not in copied):  # a copied k or v: tp copies of one head's rows
-        if (out := model.get_submodule(name).out_features) % tp:
-            return f"tp {tp} does not divide {name}'s {out} output features"
-        parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-        if (size := getattr(parent, "head_dim", None)) and (heads := out // size) % tp:  # whole heads a rank:
-            return f"tp {tp} does not divide {name}'s {heads} heads"  # grouped-query k/v have fewer
-    for name in plan.rowwise:
-        if (inp := model.get_submodule(name).in_features) % tp:
-            return f"tp {tp} does not divide {name}'s {inp} input features"
-    return None
-
-
-def check(config) -> None:
-    model = shape_model(config)
-    if why := plan_problems(model, config.world_size):
-        raise ConfigError(f"cannot split the {config.workload} over {config.world_size} ranks: {why}")
-
-
 def _rows(t: torch.Tensor | None, rank: int, n: int, dim: int = 0) -> torch.Tensor | None:
     return None if t is None else t.detach().chunk(n, dim=dim)[rank]  # None: a Linear without bias
 
@@ -223,30 +192,60 @@ def _copy_first_input(module, args, kwargs):
     return with_first_input(args, kwargs, _Copy.apply)
 
 
-def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
-    # Every rank built the same model from the seed (workloads.build_model): each keeps its part of it.
-    copies = kv_copies.copied(model, dist.world_size, dist.rank)  # fewer kv heads than ranks: each head m times
-    colwise, rowwise = shard(model, dist.rank, dist.world_size, config)
-    model = model.to(dist.device)
-    if injected(config, RANK_BRANCH) and dist.rank == 1:  # the bug: a rank-dependent branch in the model
-        model.head[0].register_forward_hook(lambda module, args, out: F.dropout(out, 0.1, training=True))
-    split = {f"{n}.weight" for n in colwise + rowwise} | {f"{n}.bias" for n in colwise}  # a row split's bias is whole
-    whole = tuple(range(dist.world_size))  # the rest every rank holds alike (--check-replicas)
-    return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device,
-                     state=Split(dist.world_size, colwise, rowwise, copies),
-                     held_by={k: whole for k, _ in model.named_parameters() if k not in split}
-                     | kv_copies.held_by(copies))
+def plan_problems(model: nn.Module, tp: int, copies: bool = True) -> str | None:
+    """Why `model` cannot be split over `tp` ranks (a size that does not divide), or None. `copies`: kv
+    heads fewer than tp are copied to the ranks that read them (kit/kv_copies.py); fsdp_tp does not."""
+    for name, m in model.named_modules():
+        if isinstance(m, Attention) and (heads := m.q.out_features // m.head_size) % tp:
+            return f"tp {tp} does not divide {name}'s {heads} heads"
+        if isinstance(m, Attention) and (kv := m.k.out_features // m.head_size) % tp and (kv > tp or not copies):
+            return (f"tp {tp} does not divide {name}'s {kv} kv heads (grouped-query attention; fewer kv heads "
+                    "than ranks are copied to the ranks that read them, by manual_tp and tensor_parallel)")
+    if why := kv_copies.problem(model, tp):
+        return why
+    plan, copied = tp_plan_of(model), {f"{n}.{p}" for n, _, _ in kv_copies.kv_heads_below(model, tp) for p in "kv"}
+    for name in plan.colwise + plan.rowwise:
+        if type(layer := model.get_submodule(name)) is not nn.Linear:  # GPT-2's Conv1D holds its weight transposed
+            return f"its plan names {name}, a {type(layer).__name__}: the plan splits nn.Linear layers only"
+    for name in (c for c in plan.colwise if c not in copied):  # a copied k or v: tp copies of one head's rows
+        if (out := model.get_submodule(name).out_features) % tp:
+            return f"tp {tp} does not divide {name}'s {out} output features"
+        parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        if (size := getattr(parent, "head_dim", None)) and (heads := out // size) % tp:  # whole heads a rank:
+            return f"tp {tp} does not divide {name}'s {heads} heads"  # grouped-query k/v have fewer
+    for name in plan.rowwise:
+        if (inp := model.get_submodule(name).in_features) % tp:
+            return f"tp {tp} does not divide {name}'s {inp} input features"
+    return None
 
 
-def train_step(t: Trainable, batch, dist):
-    x, y = (b.to(t.device, non_blocking=True) for b in batch)  # the whole batch, on every rank
-    t.optimizer.zero_grad(set_to_none=True)
-    loss = t.loss_fn(call(t.model, x, y), y)
-    loss.backward()
-    if not injected(t, KV_UNSUMMED):
-        kv_copies.sum_copies(t.model, t.state.copies)  # a kv head's copies: their ranks' shares of its gradient
-    t.optimizer.step()  # each rank its part of the split layers, and all of the replicated ones
-    return loss.detach()
+def check(config) -> None:
+    model = shape_model(config)
+    if why := plan_problems(model, config.world_size):
+        raise ConfigError(f"cannot split the {config.workload} over {config.world_size} ranks: {why}")
+
+
+# Bugs the oracle must catch (`--mutant NAME`; base.Mutant).
+FUSED_QKV_SPLIT = Mutant("manual_tp:fused-qkv-split", "q, k and v split as one fused [q | k | v] matrix cut into N "
+                         "contiguous pieces, not by heads: rank 0 gets all of q's heads and half of k's "
+                         "(pytorch#140069)", {"workload": "transformer"})
+BIAS_ON_EVERY_RANK = Mutant("manual_tp:bias-every-rank", "a rowwise layer's bias added before the all-reduce, on "
+                            "every rank: N times the bias", {"workload": "mlp"})
+RANK_BRANCH = Mutant("manual_tp:rank-branch", "the model's forward branches on the rank: a debugging branch left "
+                     "in (`if rank == 1`) drops out part of the final norm's output on rank 1 only, so the "
+                     "replicated head sees different inputs on the two ranks", {"workload": "transformer",
+                                                                                "check_replicas": True},
+                     shows="replicas")
+KV_UNSUMMED = Mutant("manual_tp:kv-copies-unsummed", "fewer kv heads than ranks (multi-query attention at tp 2): "
+                     "each rank's copy of its kv head steps with its own query heads' share of the gradient, "
+                     "never summed with the other copies'", {"workload": "transformer", "arch": "llama",
+                                                             "kv_heads": 1})
+MUTANTS = (FUSED_QKV_SPLIT, BIAS_ON_EVERY_RANK, RANK_BRANCH, KV_UNSUMMED)
+
+
+def dims(config, dist) -> ParallelDims:
+    """One tensor-parallel group: every rank the whole batch; one loss counts (they are all the same)."""
+    return ParallelDims(world=dist.world_size, tp=dist.world_size)
 
 
 def _gathered(t: torch.Tensor, dim: int, world: int) -> torch.Tensor:
@@ -281,6 +280,9 @@ def checkpoint_state(t: Trainable) -> dict:
     """The live state, each split tensor under a key of this rank's own (checkpoint.per_rank)."""
     return checkpoint.per_rank(t, lambda name: _split_dim(t.state, name) is not None, t.state.world)
 
+
+TENSOR_PARALLEL = True  # trains only workloads whose model has a tp_plan()
+LAYER_ACTIVATIONS = True  # a transformer layer's activation bytes beside the formula (activations.py)
 
 MEASURE = layers.Megatron()  # the collectives per block, Megatron's bytes and step (parallel/measure/layers.py)
 

@@ -35,43 +35,8 @@ from parallel.strategies.base import Hooks, Mutant, Trainable, injected, options
 from parallel.usermodel import workload_of
 
 NAME = "model_parallel"
-LAYERED = True  # cuts the model's pipeline_layers() into stages
 LAUNCH = "inprocess"
 SYNCHRONOUS = True
-
-# A bug the oracle must catch (`--mutant NAME`; base.Mutant).
-NO_GRAD_BACK = Mutant("model_parallel:no-grad-back", "the activations' gradient is never sent back to the "
-                      "previous stage: the first stage never learns", {"workload": "cnn"})
-MUTANTS = (NO_GRAD_BACK,)
-
-
-@dataclass
-class Options:
-    balance: str = field(default="time", metadata={"help": "split stages by measured 'time' or by 'params'"})
-
-    def __post_init__(self):
-        if self.balance not in ("time", "params"):
-            raise ConfigError(f"--balance must be time or params, got {self.balance!r}")
-
-
-@dataclass
-class Stages:
-    split: Split  # the stages and their devices
-    watch: Watch  # each stage's busy time and activations, for the report (measure.pipelines)
-
-
-def setup_stages(model, make_optimizer, loss_fn, config, sample_size: int, balance: str) -> Trainable:
-    """Shared with `pipeline`: split the model over the devices, one device's share of the cores for the
-    main thread (it runs or coordinates the stages)."""
-    spec = config.spec
-    devices = [spec.device(i) for i in range(config.world_size)]
-    torch.set_num_threads(spec.threads_per_device())
-    # The timing input: a batch of the workload's own data (images, or token ids for the transformer).
-    sample = workload_of(config).dataset(config.seed, sample_size).batch(0)[0]
-    sp = split(model, devices, balance, sample, given_cut(config, balance, len(devices), layers_of(model)))
-    return Trainable(model, make_optimizer(model.parameters()), loss_fn, devices[0],
-                     state=Stages(sp, Watch(sp.stages, devices, config.warmup)),
-                     devices=devices)
 
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
@@ -103,6 +68,41 @@ def train_step(t: Trainable, batch, dist):
     return saved[last][1].detach()
 
 
+@dataclass
+class Stages:
+    split: Split  # the stages and their devices
+    watch: Watch  # each stage's busy time and activations, for the report (measure.pipelines)
+
+
+def setup_stages(model, make_optimizer, loss_fn, config, sample_size: int, balance: str) -> Trainable:
+    """Shared with `pipeline`: split the model over the devices, one device's share of the cores for the
+    main thread (it runs or coordinates the stages)."""
+    spec = config.spec
+    devices = [spec.device(i) for i in range(config.world_size)]
+    torch.set_num_threads(spec.threads_per_device())
+    # The timing input: a batch of the workload's own data (images, or token ids for the transformer).
+    sample = workload_of(config).dataset(config.seed, sample_size).batch(0)[0]
+    sp = split(model, devices, balance, sample, given_cut(config, balance, len(devices), layers_of(model)))
+    return Trainable(model, make_optimizer(model.parameters()), loss_fn, devices[0],
+                     state=Stages(sp, Watch(sp.stages, devices, config.warmup)),
+                     devices=devices)
+
+
+@dataclass
+class Options:
+    balance: str = field(default="time", metadata={"help": "split stages by measured 'time' or by 'params'"})
+
+    def __post_init__(self):
+        if self.balance not in ("time", "params"):
+            raise ConfigError(f"--balance must be time or params, got {self.balance!r}")
+
+
+# A bug the oracle must catch (`--mutant NAME`; base.Mutant).
+NO_GRAD_BACK = Mutant("model_parallel:no-grad-back", "the activations' gradient is never sent back to the "
+                      "previous stage: the first stage never learns", {"workload": "cnn"})
+MUTANTS = (NO_GRAD_BACK,)
+
+
 def model_state_bytes(t: Trainable, config) -> list[int]:
     return [state_bytes(list(stage.parameters()), t.optimizer) for stage in t.state.split.stages]
 
@@ -111,5 +111,8 @@ def memory_layout(config, layout):
     return layout.replace(pp=layout.dp, dp=1)  # a stage a device (the planner's memory)
 
 
+LAYERED = True  # cuts the model's pipeline_layers() into stages
+
 MEASURE = pipelines.Threads(one_at_a_time=True)
+
 HOOKS = Hooks(check=check_layers, model_state_bytes=model_state_bytes, memory_layout=memory_layout)

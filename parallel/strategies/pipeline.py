@@ -45,47 +45,8 @@ from parallel.strategies.model_parallel import Options as SplitOptions
 from parallel.strategies.model_parallel import Stages, model_state_bytes, setup_stages
 
 NAME = "pipeline"
-LAYERED = True  # cuts the model's pipeline_layers() into stages
 LAUNCH = "inprocess"
 SYNCHRONOUS = True
-
-# Bugs the oracle must catch (`--mutant NAME`; base.Mutant).
-MICROBATCH_DROPPED = Mutant("pipeline:microbatch-dropped", "the last micro-batch's backward is missing from "
-                                                           "every stage's schedule", {"workload": "cnn"})
-EQUAL_WEIGHTS = Mutant("pipeline:equal-weights", "micro-batch losses weighted 1/m, not by their size, when the "
-                                                 "batch does not divide into m", {"batch_size": 100,
-                                                                                  "options": {"microbatches": 3}})
-MUTANTS = (MICROBATCH_DROPPED, EQUAL_WEIGHTS)
-
-
-@dataclass
-class Options(SplitOptions):
-    microbatches: int = field(default=4, metadata={"help": "micro-batches per step (GPipe's m)"})
-    schedule: str = field(default="1f1b", metadata={"help": "1f1b (PipeDream-Flush) or gpipe (all F, then all B)"})
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.microbatches < 1:
-            raise ConfigError(f"--microbatches must be at least 1, got {self.microbatches}")
-        if self.schedule not in self.schedules():
-            raise ConfigError(f"--schedule must be one of {', '.join(self.schedules())}, got {self.schedule!r}")
-
-    def schedules(self) -> dict:
-        """The schedules this strategy runs, by name."""
-        return SCHEDULES
-
-
-def defaults(config) -> dict:
-    """At least one micro-batch per stage where the user gave no count (fewer leave a stage idle all
-    step), up to the batch; the threads' own schedules need nothing more (unequal micro-batches are fine)."""
-    m = max(Options.microbatches, config.world_size)
-    return {"microbatches": m} if m <= config.batch_size and m != Options.microbatches else {}
-
-
-def check(config) -> None:
-    check_layers(config)
-    if (m := options_of(Options, config).microbatches) > config.batch_size:
-        raise ConfigError(f"--microbatches {m} is more than the global batch {config.batch_size}")
 
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
@@ -101,6 +62,26 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     t.state = State(**vars(t.state), m=m, schedule=o.schedule, ops=ops, timeout=config.pg_timeout,
                     pool=DeviceThreads(sp.devices, config.spec.threads_per_device()))
     return t
+
+
+def train_step(t: Trainable, batch, dist):
+    sp, m = t.state.split, t.state.m
+    x, y = batch  # the global batch; stage 0 takes it micro-batch by micro-batch
+    xs, ys = list(x.chunk(m)), list(y.chunk(m))
+    p = len(sp.stages)
+    weights = [1 / len(ys)] * len(ys) if injected(t, EQUAL_WEIGHTS) else [len(c) / len(y) for c in ys]
+    st = _Step(xs, ys, weights, [queue.SimpleQueue() for _ in range(p)],
+               [queue.SimpleQueue() for _ in range(p)], [None] * len(xs), t.state.timeout)
+    t.optimizer.zero_grad(set_to_none=True)
+    t.state.watch.start_step()
+    try:
+        t.state.pool.run([lambda s: _run_stage(t, st, s)] * p, list(range(p)))
+    except RuntimeError as e:
+        raise RuntimeError(f"pipeline stage failed: {type(st.error).__name__}: {st.error}") from e
+    sp.sum_tied()  # a weight two stages use (GPT-2's head): its copies' gradients summed (tied.untie)
+    t.optimizer.step()
+    t.state.watch.end_step()
+    return torch.stack(st.losses).sum()
 
 
 @dataclass
@@ -167,24 +148,43 @@ def _run_stage(t: Trainable, st: _Step, s: int) -> None:
         raise
 
 
-def train_step(t: Trainable, batch, dist):
-    sp, m = t.state.split, t.state.m
-    x, y = batch  # the global batch; stage 0 takes it micro-batch by micro-batch
-    xs, ys = list(x.chunk(m)), list(y.chunk(m))
-    p = len(sp.stages)
-    weights = [1 / len(ys)] * len(ys) if injected(t, EQUAL_WEIGHTS) else [len(c) / len(y) for c in ys]
-    st = _Step(xs, ys, weights, [queue.SimpleQueue() for _ in range(p)],
-               [queue.SimpleQueue() for _ in range(p)], [None] * len(xs), t.state.timeout)
-    t.optimizer.zero_grad(set_to_none=True)
-    t.state.watch.start_step()
-    try:
-        t.state.pool.run([lambda s: _run_stage(t, st, s)] * p, list(range(p)))
-    except RuntimeError as e:
-        raise RuntimeError(f"pipeline stage failed: {type(st.error).__name__}: {st.error}") from e
-    sp.sum_tied()  # a weight two stages use (GPT-2's head): its copies' gradients summed (tied.untie)
-    t.optimizer.step()
-    t.state.watch.end_step()
-    return torch.stack(st.losses).sum()
+@dataclass
+class Options(SplitOptions):
+    microbatches: int = field(default=4, metadata={"help": "micro-batches per step (GPipe's m)"})
+    schedule: str = field(default="1f1b", metadata={"help": "1f1b (PipeDream-Flush) or gpipe (all F, then all B)"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.microbatches < 1:
+            raise ConfigError(f"--microbatches must be at least 1, got {self.microbatches}")
+        if self.schedule not in self.schedules():
+            raise ConfigError(f"--schedule must be one of {', '.join(self.schedules())}, got {self.schedule!r}")
+
+    def schedules(self) -> dict:
+        """The schedules this strategy runs, by name."""
+        return SCHEDULES
+
+
+def check(config) -> None:
+    check_layers(config)
+    if (m := options_of(Options, config).microbatches) > config.batch_size:
+        raise ConfigError(f"--microbatches {m} is more than the global batch {config.batch_size}")
+
+
+# Bugs the oracle must catch (`--mutant NAME`; base.Mutant).
+MICROBATCH_DROPPED = Mutant("pipeline:microbatch-dropped", "the last micro-batch's backward is missing from "
+                                                           "every stage's schedule", {"workload": "cnn"})
+EQUAL_WEIGHTS = Mutant("pipeline:equal-weights", "micro-batch losses weighted 1/m, not by their size, when the "
+                                                 "batch does not divide into m", {"batch_size": 100,
+                                                                                  "options": {"microbatches": 3}})
+MUTANTS = (MICROBATCH_DROPPED, EQUAL_WEIGHTS)
+
+
+def defaults(config) -> dict:
+    """At least one micro-batch per stage where the user gave no count (fewer leave a stage idle all
+    step), up to the batch; the threads' own schedules need nothing more (unequal micro-batches are fine)."""
+    m = max(Options.microbatches, config.world_size)
+    return {"microbatches": m} if m <= config.batch_size and m != Options.microbatches else {}
 
 
 def memory_layout(config, layout):
@@ -192,5 +192,8 @@ def memory_layout(config, layout):
     return layout.replace(pp=layout.dp, dp=1, microbatches=o.microbatches, schedule=o.schedule)
 
 
+LAYERED = True  # cuts the model's pipeline_layers() into stages
+
 MEASURE = pipelines.Threads()
+
 HOOKS = Hooks(check=check, defaults=defaults, model_state_bytes=model_state_bytes, memory_layout=memory_layout)

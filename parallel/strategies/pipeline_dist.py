@@ -49,126 +49,30 @@ from parallel.strategies import pipeline
 from parallel.strategies.base import Hooks, Mutant, Trainable, injected, model_state_every_rank, options_of
 from parallel.usermodel import shape_model
 
-EXAMPLES_GPT2 = str(Path(__file__).resolve().parents[2] / "examples" / "gpt2.py")  # the tied-head mutant's model
-
 NAME = "pipeline_dist"
-LAYERED = True  # cuts the model's pipeline_layers() into stages
 LAUNCH = "torchrun"
 SYNCHRONOUS = True
-CHECKPOINTS = False  # each rank's stages depend on the split measured at start-up; not resumable across runs
-
-# A bug the oracle must catch (`--mutant NAME`; base.Mutant).
-SUMMED = Mutant("pipeline_dist:summed-microbatches", "scale_grads=False with the micro-batches' mean losses as they "
-                "are: the gradients of m micro-batches summed, m times one device's", {"workload": "mlp"})
-TIE_UNSUMMED = Mutant("pipeline_dist:tie-unsummed", "the head tied to the token embedding has a copy in the first "
-                      "and the last stage, and their gradients are never summed: each learns from one use",
-                      {"model": EXAMPLES_GPT2 + ":gpt2_tied", "vocab": 64, "seq_len": 16, "workload": ""})
-TIE_IN_RANK = Mutant("pipeline_dist:tie-within-rank", "dualpipev's V puts the token embedding and the head tied to "
-                     "it on rank 0: their copies are summed across ranks only, so in the V nothing sums them",
-                     {"model": EXAMPLES_GPT2 + ":gpt2_tied", "vocab": 64, "seq_len": 16, "workload": "",
-                      "options": {"schedule": "dualpipev"}})
-MUTANTS = (SUMMED, TIE_UNSUMMED, TIE_IN_RANK)
 
 
-@dataclass
-class Options(pipeline.Options):
-    schedule: str = field(default="1f1b", metadata={"help": "torch's schedule: " + ", ".join(SCHEDULES)})
-    stages_per_rank: int = field(default=0, metadata={"help": "stages each rank holds (0: the schedule's own, 1 "
-                                                              "or 2); the looped schedules take 2 or more"})
-
-    def schedules(self) -> dict:
-        return SCHEDULES
-
-    def __post_init__(self):
-        super().__post_init__()
-        _, v, placement = SCHEDULES[self.schedule]
-        if self.stages_per_rank < 0:
-            raise ConfigError(f"--stages-per-rank must be 0 (the schedule's own) or more, got {self.stages_per_rank}")
-        if v == 1 and self.stages_per_rank > 1:
-            raise ConfigError(f"--schedule {self.schedule} runs one stage per rank, not {self.stages_per_rank} (the "
-                              "looped schedules run several: interleaved1f1b, loopedbfs, interleavedzb)")
-        if v > 1 and self.stages_per_rank == 1:
-            raise ConfigError(f"--schedule {self.schedule} loops over several stages per rank: --stages-per-rank 1 "
-                              "is gpipe or 1f1b")
-        if placement == "v" and self.stages_per_rank not in (0, 2):
-            raise ConfigError(f"--schedule {self.schedule} places its stages in a V, exactly 2 per rank; "
-                              f"--stages-per-rank {self.stages_per_rank} would make {self.stages_per_rank} per rank")
-
-    @property
-    def v(self) -> int:
-        """Stages per rank."""
-        return self.stages_per_rank or SCHEDULES[self.schedule][1]
-
-    @property
-    def placement(self) -> str:
-        """Stage i on rank i % p ("loop") or in a V ("v")."""
-        return SCHEDULES[self.schedule][2]
-
-    @property
-    def loss_pp(self) -> int:
-        """The pipeline coordinate of the last stage, whose rank computes the loss (ParallelDims.loss_pp)."""
-        return 0 if self.placement == "v" else -1
+def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
+    return build(model, make_optimizer, loss_fn, dist, config)
 
 
-def dims(config, dist) -> ParallelDims:
-    """Every rank a pipeline stage (or two) of the one model: each sees the whole batch; the loss is where
-    the last stage is."""
-    return ParallelDims(world=dist.world_size, pp=dist.world_size, loss_pp=options_of(Options, config).loss_pp)
-
-
-def available(spec) -> str | None:
-    if spec.count < 2:
-        return f"needs 2 devices or more (one stage each), {spec} has {spec.count}"
-    return SHARED_GLOO_NO_P2P if spec.shared else None
-
-
-def check(config) -> None:
-    check_pipeline(config, config.world_size, config.batch_size)
-
-
-def fit_microbatches(config, p: int, batch: int) -> dict:
-    """The micro-batches a pipeline of p ranks gets where the user gave none: the fewest of at least the
-    Options' default and p (fewer leave a stage idle for the whole step; 1f1b refuses them) that divide the
-    `batch` samples it takes a step (torch's stages receive into buffers of one micro-batch's shape) and,
-    for the looped schedules, come in whole rounds of p. None fits: the default stays, and check says why."""
-    o = options_of(Options, config)
-    least = max(Options.microbatches, p, least_microbatches(o.schedule, p))
-    for m in range(least, batch + 1):
-        if batch % m == 0 and (o.v == 1 or m % p == 0):
-            return {"microbatches": m}
-    return {}
-
-
-def defaults(config) -> dict:
-    return fit_microbatches(config, config.world_size, config.batch_size)
-
-
-def check_pipeline(config, p: int, batch: int) -> None:
-    """A pipeline of p ranks training on `batch` samples a step (fsdp_pp: one of several)."""
-    o = options_of(Options, config)
-    v, m = o.v, o.microbatches
-    if m > batch or batch % m:
-        raise ConfigError(f"--microbatches {m} must divide the {batch} samples each pipeline takes a step: torch's "
-                          "stages receive into buffers shaped like one micro-batch")
-    if p < 2:
-        raise ConfigError(f"{NAME} needs at least 2 processes (one stage each), got {p}")
-    layers = layers_of(shape_model(config))
-    if p * v > len(layers):
-        raise ConfigError(f"--schedule {o.schedule} runs {v} stage(s) on each of {p} ranks, {p * v} stages, but the "
-                          f"{config.workload} has {len(layers)} layers to split")
-    if p * v > (holding := sum(any(True for _ in layer.parameters()) for layer in layers)):
-        raise ConfigError(f"{p * v} stages, but only {holding} of the {config.workload}'s layers have parameters: a "
-                          "stage without any has nothing to train (fewer ranks, or --stages-per-rank 1)")
-    if o.schedule == "1f1b" and m < p:  # torch's conditions, checked here to fail before any process starts
-        raise ConfigError(f"--schedule 1f1b needs at least as many micro-batches as stages: {m} < {p}")
-    if m < (least := least_microbatches(o.schedule, p)):
-        raise ConfigError(f"--schedule {o.schedule} needs at least as many micro-batches as its {least} stages (2 "
-                          f"on each of {p} ranks): --microbatches {m}")
-    if o.schedule in ("interleaved1f1b", "interleavedzb") and m % (rounds := max(1, m // p)):
-        raise ConfigError(f"--schedule {o.schedule} runs micro-batches in rounds of {p}: --microbatches {m} is not a "
-                          f"multiple of its {rounds} rounds")
-    if why := torch_lacks(SCHEDULES[o.schedule][0], config.spec.backend):  # what was asked is sound
-        raise ConfigError(f"{NAME}: {why}")
+def train_step(t: Trainable, batch, dist):
+    s = t.state
+    x, y = (b.to(t.device, non_blocking=True) for b in batch)  # the whole batch: stage 0 and the loss use it
+    losses: list[torch.Tensor] = []
+    t.optimizer.zero_grad(set_to_none=True)
+    s.busy.start_step()
+    s.schedule.step(*([x] if s.first else []), **({"target": y, "losses": losses} if s.last else {}),
+                    return_outputs=False)
+    if s.tied is not None and not injected(t, TIE_UNSUMMED):
+        s.tied.sum()
+    t.optimizer.step()
+    s.busy.end_step()
+    if not s.last:
+        return torch.zeros((), device=t.device)  # not counted (dims: loss_pp)
+    return torch.stack([v.detach() for v in losses]).mean()  # equal micro-batches: the batch mean
 
 
 @dataclass
@@ -183,10 +87,6 @@ class State:
     last: bool  # this rank holds the last stage (computes the loss)
     busy: Busy
     tied: TiedAcross | None  # weights several stages use (GPT-2's head): their gradients summed
-
-
-def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
-    return build(model, make_optimizer, loss_fn, dist, config)
 
 
 def build(model, make_optimizer, loss_fn, dist, config, pp=None, each_stage=None,
@@ -229,21 +129,121 @@ def build(model, make_optimizer, loss_fn, dist, config, pp=None, each_stage=None
     return Trainable(local, make_optimizer(local.parameters()), loss_fn, dist.device, state=state)
 
 
-def train_step(t: Trainable, batch, dist):
-    s = t.state
-    x, y = (b.to(t.device, non_blocking=True) for b in batch)  # the whole batch: stage 0 and the loss use it
-    losses: list[torch.Tensor] = []
-    t.optimizer.zero_grad(set_to_none=True)
-    s.busy.start_step()
-    s.schedule.step(*([x] if s.first else []), **({"target": y, "losses": losses} if s.last else {}),
-                    return_outputs=False)
-    if s.tied is not None and not injected(t, TIE_UNSUMMED):
-        s.tied.sum()
-    t.optimizer.step()
-    s.busy.end_step()
-    if not s.last:
-        return torch.zeros((), device=t.device)  # not counted (dims: loss_pp)
-    return torch.stack([v.detach() for v in losses]).mean()  # equal micro-batches: the batch mean
+EXAMPLES_GPT2 = str(Path(__file__).resolve().parents[2] / "examples" / "gpt2.py")  # the tied-head mutant's model
+
+
+@dataclass
+class Options(pipeline.Options):
+    schedule: str = field(default="1f1b", metadata={"help": "torch's schedule: " + ", ".join(SCHEDULES)})
+    stages_per_rank: int = field(default=0, metadata={"help": "stages each rank holds (0: the schedule's own, 1 "
+                                                              "or 2); the looped schedules take 2 or more"})
+
+    def schedules(self) -> dict:
+        return SCHEDULES
+
+    def __post_init__(self):
+        super().__post_init__()
+        _, v, placement = SCHEDULES[self.schedule]
+        if self.stages_per_rank < 0:
+            raise ConfigError(f"--stages-per-rank must be 0 (the schedule's own) or more, got {self.stages_per_rank}")
+        if v == 1 and self.stages_per_rank > 1:
+            raise ConfigError(f"--schedule {self.schedule} runs one stage per rank, not {self.stages_per_rank} (the "
+                              "looped schedules run several: interleaved1f1b, loopedbfs, interleavedzb)")
+        if v > 1 and self.stages_per_rank == 1:
+            raise ConfigError(f"--schedule {self.schedule} loops over several stages per rank: --stages-per-rank 1 "
+                              "is gpipe or 1f1b")
+        if placement == "v" and self.stages_per_rank not in (0, 2):
+            raise ConfigError(f"--schedule {self.schedule} places its stages in a V, exactly 2 per rank; "
+                              f"--stages-per-rank {self.stages_per_rank} would make {self.stages_per_rank} per rank")
+
+    @property
+    def v(self) -> int:
+        """Stages per rank."""
+        return self.stages_per_rank or SCHEDULES[self.schedule][1]
+
+    @property
+    def placement(self) -> str:
+        """Stage i on rank i % p ("loop") or in a V ("v")."""
+        return SCHEDULES[self.schedule][2]
+
+    @property
+    def loss_pp(self) -> int:
+        """The pipeline coordinate of the last stage, whose rank computes the loss (ParallelDims.loss_pp)."""
+        return 0 if self.placement == "v" else -1
+
+
+def check(config) -> None:
+    check_pipeline(config, config.world_size, config.batch_size)
+
+
+def check_pipeline(config, p: int, batch: int) -> None:
+    """A pipeline of p ranks training on `batch` samples a step (fsdp_pp: one of several)."""
+    o = options_of(Options, config)
+    v, m = o.v, o.microbatches
+    if m > batch or batch % m:
+        raise ConfigError(f"--microbatches {m} must divide the {batch} samples each pipeline takes a step: torch's "
+                          "stages receive into buffers shaped like one micro-batch")
+    if p < 2:
+        raise ConfigError(f"{NAME} needs at least 2 processes (one stage each), got {p}")
+    layers = layers_of(shape_model(config))
+    if p * v > len(layers):
+        raise ConfigError(f"--schedule {o.schedule} runs {v} stage(s) on each of {p} ranks, {p * v} stages, but the "
+                          f"{config.workload} has {len(layers)} layers to split")
+    if p * v > (holding := sum(any(True for _ in layer.parameters()) for layer in layers)):
+        raise ConfigError(f"{p * v} stages, but only {holding} of the {config.workload}'s layers have parameters: a "
+                          "stage without any has nothing to train (fewer ranks, or --stages-per-rank 1)")
+    if o.schedule == "1f1b" and m < p:  # torch's conditions, checked here to fail before any process starts
+        raise ConfigError(f"--schedule 1f1b needs at least as many micro-batches as stages: {m} < {p}")
+    if m < (least := least_microbatches(o.schedule, p)):
+        raise ConfigError(f"--schedule {o.schedule} needs at least as many micro-batches as its {least} stages (2 "
+                          f"on each of {p} ranks): --microbatches {m}")
+    if o.schedule in ("interleaved1f1b", "interleavedzb") and m % (rounds := max(1, m // p)):
+        raise ConfigError(f"--schedule {o.schedule} runs micro-batches in rounds of {p}: --microbatches {m} is not a "
+                          f"multiple of its {rounds} rounds")
+    if why := torch_lacks(SCHEDULES[o.schedule][0], config.spec.backend):  # what was asked is sound
+        raise ConfigError(f"{NAME}: {why}")
+
+
+# A bug the oracle must catch (`--mutant NAME`; base.Mutant).
+SUMMED = Mutant("pipeline_dist:summed-microbatches", "scale_grads=False with the micro-batches' mean losses as they "
+                "are: the gradients of m micro-batches summed, m times one device's", {"workload": "mlp"})
+TIE_UNSUMMED = Mutant("pipeline_dist:tie-unsummed", "the head tied to the token embedding has a copy in the first "
+                      "and the last stage, and their gradients are never summed: each learns from one use",
+                      {"model": EXAMPLES_GPT2 + ":gpt2_tied", "vocab": 64, "seq_len": 16, "workload": ""})
+TIE_IN_RANK = Mutant("pipeline_dist:tie-within-rank", "dualpipev's V puts the token embedding and the head tied to "
+                     "it on rank 0: their copies are summed across ranks only, so in the V nothing sums them",
+                     {"model": EXAMPLES_GPT2 + ":gpt2_tied", "vocab": 64, "seq_len": 16, "workload": "",
+                      "options": {"schedule": "dualpipev"}})
+MUTANTS = (SUMMED, TIE_UNSUMMED, TIE_IN_RANK)
+
+
+def dims(config, dist) -> ParallelDims:
+    """Every rank a pipeline stage (or two) of the one model: each sees the whole batch; the loss is where
+    the last stage is."""
+    return ParallelDims(world=dist.world_size, pp=dist.world_size, loss_pp=options_of(Options, config).loss_pp)
+
+
+def available(spec) -> str | None:
+    if spec.count < 2:
+        return f"needs 2 devices or more (one stage each), {spec} has {spec.count}"
+    return SHARED_GLOO_NO_P2P if spec.shared else None
+
+
+def fit_microbatches(config, p: int, batch: int) -> dict:
+    """The micro-batches a pipeline of p ranks gets where the user gave none: the fewest of at least the
+    Options' default and p (fewer leave a stage idle for the whole step; 1f1b refuses them) that divide the
+    `batch` samples it takes a step (torch's stages receive into buffers of one micro-batch's shape) and,
+    for the looped schedules, come in whole rounds of p. None fits: the default stays, and check says why."""
+    o = options_of(Options, config)
+    least = max(Options.microbatches, p, least_microbatches(o.schedule, p))
+    for m in range(least, batch + 1):
+        if batch % m == 0 and (o.v == 1 or m % p == 0):
+            return {"microbatches": m}
+    return {}
+
+
+def defaults(config) -> dict:
+    return fit_microbatches(config, config.world_size, config.batch_size)
 
 
 def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
@@ -266,6 +266,10 @@ def memory_layout(config, layout):
     return layout.replace(microbatches=o.microbatches, schedule=o.schedule)
 
 
+LAYERED = True  # cuts the model's pipeline_layers() into stages
+CHECKPOINTS = False  # each rank's stages depend on the split measured at start-up; not resumable across runs
+
 MEASURE = pipelines.Torch(lambda config: options_of(Options, config))
+
 HOOKS = Hooks(available=available, dims=dims, check=check, defaults=defaults, state_dict=state_dict,
               model_state_bytes=model_state_every_rank, memory_layout=memory_layout)

@@ -13,13 +13,6 @@ from parallel.strategies.base import Hooks, Trainable, make_optimizers
 NAME = "single"
 LAUNCH = "inprocess"
 SYNCHRONOUS = True
-LAYER_ACTIVATIONS = True  # a transformer layer's activation bytes beside the formula (activations.py)
-MULTI_PART = True  # also trains models with separately optimised parts (the DCGAN)
-ROUTING = True  # one process: a router's counts are the whole batch's (trains with --aux-loss)
-
-
-def world_size(config) -> int:
-    return 1
 
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
@@ -38,5 +31,14 @@ def train_step(t: Trainable, batch, dist):
     return loss.detach()
 
 
+def world_size(config) -> int:
+    return 1
+
+
+LAYER_ACTIVATIONS = True  # a transformer layer's activation bytes beside the formula (activations.py)
+MULTI_PART = True  # also trains models with separately optimised parts (the DCGAN)
+ROUTING = True  # one process: a router's counts are the whole batch's (trains with --aux-loss)
+
 MEASURE = replicas.Replicas(world_size)  # one replica: the step's compute, nothing sent (parallel/measure/replicas.py)
+
 HOOKS = Hooks(world_size=world_size)

@@ -52,51 +52,38 @@ from parallel.workloads import tp_plan_of
 NAME = "tensor_parallel"
 LAUNCH = "torchrun"
 SYNCHRONOUS = True
-TENSOR_PARALLEL = True
-LAYER_ACTIVATIONS = True  # a transformer layer's activation bytes beside the formula (activations.py)
-
-# A bug the oracle must catch (`--mutant NAME`; base.Mutant).
-NORM_UNSYNCED = Mutant("tensor_parallel:sp-norm-unsynced", "--sequence-parallel with the blocks' second norm left "
-                       "out of the plan: it runs on its rank's positions as a plain module, and its weight's "
-                       "gradient is never summed over the ranks", {"workload": "transformer",
-                                                                    "options": {"sequence_parallel": 1}})
-VOCAB_REMAINDER = Mutant("tensor_parallel:vocab-remainder-dropped", "--loss-parallel on a vocabulary tp does not "
-                         "divide: the head's split gives each rank V // tp rows, and the last V mod tp tokens' rows "
-                         "are never made (their logits missing from the loss; Megatron-LM#1754)",
-                         {"workload": "transformer", "vocab": 63, "batch_size": 16, "options": {"loss_parallel": 1}})
-MUTANTS = (NORM_UNSYNCED, VOCAB_REMAINDER)
 
 
-@dataclass
-class Options:
-    sequence_parallel: int = field(default=0, metadata={"help": "1: activations between the split layers stay "
-                                                                "split along the sequence (the transformer)"})
-    loss_parallel: int = field(default=0, metadata={"help": "1: logits split by vocabulary into the loss "
-                                                            "(the transformer)"})
+def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
+    from torch.distributed.tensor import DTensor
 
-    def __post_init__(self):
-        for name in ("sequence_parallel", "loss_parallel"):
-            if getattr(self, name) not in (0, 1):
-                raise ConfigError(f"--{name.replace('_', '-')} must be 0 or 1, got {getattr(self, name)}")
+    o = options_of(Options, config)
+    copies = kv_copies.copied(model, dist.world_size, dist.rank)  # fewer kv heads than ranks: each head m times
+    model = apply(model.to(dist.device), dims(config, dist).mesh(dist.device.type), o, config)
+    whole = tuple(range(dist.world_size))  # what the plan leaves whole, every tp rank holds alike (--check-replicas)
+    return Trainable(model, make_optimizer(by_kind(model.parameters())), loss_fn, dist.device,
+                     state=State(bool(o.loss_parallel), copies),
+                     held_by={k: whole for k, p in model.named_parameters() if not isinstance(p, DTensor)}
+                     | kv_copies.held_by(copies))
+
+
+def train_step(t: Trainable, batch, dist):
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    x, y = (b.to(t.device, non_blocking=True) for b in batch)  # the whole batch, on every rank
+    with loss_parallel() if t.state.loss_parallel else contextlib.nullcontext():
+        t.optimizer.zero_grad(set_to_none=True)
+        loss = t.loss_fn(call(t.model, x, y), y)
+        loss.backward()
+        kv_copies.sum_copies(t.model, t.state.copies)  # a kv head's copies: their ranks' shares of its gradient
+        t.optimizer.step()
+    return local(loss).detach()  # a replicated DTensor under loss parallelism: every rank's is the whole
 
 
 @dataclass
 class State:
     loss_parallel: bool  # the head's logits split by vocabulary into the loss
     copies: kv_copies.Copies | None = None  # kv heads fewer than the ranks: each copied to the ranks reading it
-
-
-def dims(config, dist) -> ParallelDims:
-    return manual_tp.dims(config, dist)
-
-
-def check(config) -> None:
-    o = options_of(Options, config)
-    if (o.sequence_parallel or o.loss_parallel) and workload_of(config).data != "tokens":
-        flag = "--sequence-parallel" if o.sequence_parallel else "--loss-parallel"
-        raise ConfigError(f"{flag} needs a sequence model (the transformer): the {config.workload} has no "
-                          "sequence to split and 10 classes")
-    manual_tp.check(config)
 
 
 def plan(model: nn.Module, o: Options, config) -> dict:
@@ -184,44 +171,58 @@ def _rows_per_rank_floored(head: nn.Linear, tp: int) -> None:
     head.out_features = keep
 
 
-def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
-    from torch.distributed.tensor import DTensor
+@dataclass
+class Options:
+    sequence_parallel: int = field(default=0, metadata={"help": "1: activations between the split layers stay "
+                                                                "split along the sequence (the transformer)"})
+    loss_parallel: int = field(default=0, metadata={"help": "1: logits split by vocabulary into the loss "
+                                                            "(the transformer)"})
 
+    def __post_init__(self):
+        for name in ("sequence_parallel", "loss_parallel"):
+            if getattr(self, name) not in (0, 1):
+                raise ConfigError(f"--{name.replace('_', '-')} must be 0 or 1, got {getattr(self, name)}")
+
+
+def check(config) -> None:
     o = options_of(Options, config)
-    copies = kv_copies.copied(model, dist.world_size, dist.rank)  # fewer kv heads than ranks: each head m times
-    model = apply(model.to(dist.device), dims(config, dist).mesh(dist.device.type), o, config)
-    whole = tuple(range(dist.world_size))  # what the plan leaves whole, every tp rank holds alike (--check-replicas)
-    return Trainable(model, make_optimizer(by_kind(model.parameters())), loss_fn, dist.device,
-                     state=State(bool(o.loss_parallel), copies),
-                     held_by={k: whole for k, p in model.named_parameters() if not isinstance(p, DTensor)}
-                     | kv_copies.held_by(copies))
+    if (o.sequence_parallel or o.loss_parallel) and workload_of(config).data != "tokens":
+        flag = "--sequence-parallel" if o.sequence_parallel else "--loss-parallel"
+        raise ConfigError(f"{flag} needs a sequence model (the transformer): the {config.workload} has no "
+                          "sequence to split and 10 classes")
+    manual_tp.check(config)
 
 
-def train_step(t: Trainable, batch, dist):
-    from torch.distributed.tensor.parallel import loss_parallel
+# A bug the oracle must catch (`--mutant NAME`; base.Mutant).
+NORM_UNSYNCED = Mutant("tensor_parallel:sp-norm-unsynced", "--sequence-parallel with the blocks' second norm left "
+                       "out of the plan: it runs on its rank's positions as a plain module, and its weight's "
+                       "gradient is never summed over the ranks", {"workload": "transformer",
+                                                                    "options": {"sequence_parallel": 1}})
+VOCAB_REMAINDER = Mutant("tensor_parallel:vocab-remainder-dropped", "--loss-parallel on a vocabulary tp does not "
+                         "divide: the head's split gives each rank V // tp rows, and the last V mod tp tokens' rows "
+                         "are never made (their logits missing from the loss; Megatron-LM#1754)",
+                         {"workload": "transformer", "vocab": 63, "batch_size": 16, "options": {"loss_parallel": 1}})
+MUTANTS = (NORM_UNSYNCED, VOCAB_REMAINDER)
 
-    x, y = (b.to(t.device, non_blocking=True) for b in batch)  # the whole batch, on every rank
-    with loss_parallel() if t.state.loss_parallel else contextlib.nullcontext():
-        t.optimizer.zero_grad(set_to_none=True)
-        loss = t.loss_fn(call(t.model, x, y), y)
-        loss.backward()
-        kv_copies.sum_copies(t.model, t.state.copies)  # a kv head's copies: their ranks' shares of its gradient
-        t.optimizer.step()
-    return local(loss).detach()  # a replicated DTensor under loss parallelism: every rank's is the whole
+
+def dims(config, dist) -> ParallelDims:
+    return manual_tp.dims(config, dist)
 
 
 def available(spec) -> str | None:
     return SHARED_GLOO_NO_DTENSOR if spec.shared else None
 
 
-# The collectives per block, one forward's saved activations, Megatron's bytes and step (parallel/measure/layers.py)
-MEASURE = layers.Megatron(activations=True)
-
-
 def state_dict(t: Trainable) -> dict:
     """Every DTensor gathered whole (a collective), each copied kv head once."""
     return kv_copies.one_copy(full_state_dict(t), t.state.copies)
 
+
+TENSOR_PARALLEL = True
+LAYER_ACTIVATIONS = True  # a transformer layer's activation bytes beside the formula (activations.py)
+
+# The collectives per block, one forward's saved activations, Megatron's bytes and step (parallel/measure/layers.py)
+MEASURE = layers.Megatron(activations=True)
 
 HOOKS = Hooks(available=available, dims=dims, check=check, state_dict=state_dict,
               model_state_bytes=model_state_every_rank)

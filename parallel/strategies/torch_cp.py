@@ -29,24 +29,6 @@ from parallel.usermodel import workload_of
 NAME = "torch_cp"
 LAUNCH = "torchrun"
 SYNCHRONOUS = True
-SEQUENCE = True
-CPU_WHY = ("needs CUDA: torch's context_parallel() dispatches only CUDA's flash, efficient and cuDNN attention "
-           "to its ring (on CPU: no sharding strategy for aten._scaled_dot_product_flash_attention_for_cpu)")
-
-
-def available(spec) -> str | None:
-    if not spec.real:
-        return CPU_WHY
-    return SHARED_GLOO_NO_DTENSOR if spec.shared else None
-
-
-def dims(config, dist) -> ParallelDims:
-    return ParallelDims(world=config.world_size, cp=config.world_size)
-
-
-def check(config) -> None:
-    if why := split_check("zigzag", config.world_size, workload_of(config).input_shape[0]):
-        raise ConfigError(why)  # torch falls back to contiguous shards; its own causal rule assumes head-tail
 
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
@@ -70,5 +52,26 @@ def train_step(t: Trainable, batch, dist):
     t.optimizer.step()
     return loss.detach()
 
+
+CPU_WHY = ("needs CUDA: torch's context_parallel() dispatches only CUDA's flash, efficient and cuDNN attention "
+           "to its ring (on CPU: no sharding strategy for aten._scaled_dot_product_flash_attention_for_cpu)")
+
+
+def check(config) -> None:
+    if why := split_check("zigzag", config.world_size, workload_of(config).input_shape[0]):
+        raise ConfigError(why)  # torch falls back to contiguous shards; its own causal rule assumes head-tail
+
+
+def available(spec) -> str | None:
+    if not spec.real:
+        return CPU_WHY
+    return SHARED_GLOO_NO_DTENSOR if spec.shared else None
+
+
+def dims(config, dist) -> ParallelDims:
+    return ParallelDims(world=config.world_size, cp=config.world_size)
+
+
+SEQUENCE = True
 
 HOOKS = Hooks(available=available, dims=dims, check=check)

@@ -48,68 +48,6 @@ NAME = "zero"
 LAUNCH = "torchrun"
 SYNCHRONOUS = True
 
-# Bugs the oracle must catch (`--mutant NAME`; base.Mutant).
-WRONG_SLICE = Mutant("zero:wrong-slice", "each rank's optimizer steps the next rank's chunks of the parameters "
-                     "with its own chunks' gradient (a shard offset off by one rank)")
-NO_ALL_GATHER = Mutant("zero:no-all-gather", "the updated chunks are never all-gathered: each rank sees only "
-                       "its own chunks move", {"options": {"zero_stage": 2}})
-BUCKET_EARLY = Mutant("zero:bucket-early", "a bucket is reduce-scattered when its first gradient lands, not its "
-                      "last: the rest of it is reduced before backward has written it", {"workload": "cnn",
-                                                                                          "options": {"zero_stage": 2}})
-# A bug a hang's diagnosis must name (harness/named.py); a short --pg-timeout ends the others' wait in seconds.
-BUG_RANK = 1
-UNEVEN_PADDING = Mutant("zero:uneven-padding", f"rank {BUG_RANK} cuts each bucket into N chunks of numel // N + 1 "
-                        "elements, not ceil(numel / N) (an off-by-one in its own copy of the padding): where N "
-                        "divides a bucket, its reduce-scatter and all-gather carry N elements more than the others'",
-                        {"options": {"bucket_mb": 1}, "pg_timeout": 3}, shows="hang")
-MUTANTS = (WRONG_SLICE, NO_ALL_GATHER, BUCKET_EARLY, UNEVEN_PADDING)
-
-@dataclass
-class Options:
-    zero_stage: int = field(default=1, metadata={"help": "1: optimizer state sharded; 2: gradients too"})
-    bucket_mb: float = field(default=0.0, metadata={"help": "gradient bucket cap in MiB; 0 = 25, DDP's default"})
-
-    def __post_init__(self):
-        if self.zero_stage not in (1, 2):
-            raise ConfigError(f"--zero-stage must be 1 or 2, got {self.zero_stage} (stage 3 is `fsdp`)")
-        if not self.bucket_mb >= 0:
-            raise ConfigError(f"--bucket-mb must be 0 (the default, 25) or more, got {self.bucket_mb}")
-
-
-@dataclass
-class Bucket:
-    """A range of the flat parameters (its length a multiple of N) and this rank's chunk of it."""
-
-    index: int
-    start: int
-    end: int
-    params: list[nn.Parameter]
-    shard: nn.Parameter  # (length/N,) this rank's chunk: a view of the flat parameters, what the optimizer steps
-    ready: int = 0  # gradients landed so far in this backward
-    reduced: bool = False
-    staged: torch.Tensor | None = None  # stage 2: the bucket's whole gradients, only until reduce-scattered
-
-
-@dataclass
-class Shards:
-    """This rank's view of the flat parameters and its chunks of them."""
-
-    world: int
-    stage: int
-    flat: torch.Tensor  # (P,) every parameter back to back, bucket by bucket, each padded to a multiple of N
-    grads: torch.Tensor | None  # stage 1: (P,) the full gradient buffer, p.grad views into it
-    buckets: list[Bucket]
-    offsets: dict[nn.Parameter, int] = field(default_factory=dict)  # each parameter's place in `flat`
-    early: bool = False  # the zero:bucket-early bug
-
-    @property
-    def shards(self) -> list[nn.Parameter]:
-        return [b.shard for b in self.buckets]
-
-
-def check(config) -> None:
-    config.check_divisible(config.world_size, "world size")
-
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     o, n = options_of(Options, config), dist.world_size
@@ -145,6 +83,56 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     return Trainable(model, make_optimizer(z.shards), loss_fn, dist.device, state=z)
 
 
+def train_step(t: Trainable, batch, dist):
+    z = t.state
+    x, y = (b.to(t.device, non_blocking=True) for b in batch)  # this rank's share, (B/N, ...)
+    if z.grads is not None:
+        z.grads.zero_()  # the parameters' .grad are views of it: zeroed in place, never set to None
+    loss = t.loss_fn(call(t.model, x, y), y)  # the mean over this rank's share
+    loss.backward()  # the hooks reduce-scatter each bucket as its last gradient lands
+    for b in z.buckets:  # one whose parameters got no gradient is reduced now: every rank runs the same
+        if not b.reduced:
+            _reduce(z, b)
+    t.optimizer.step()  # torch's update rule, on this rank's chunks only (in place: the model's weights)
+    for b in z.buckets:
+        b.shard.grad, b.ready, b.reduced = None, 0, False  # stage 1's gradients live in the buffer
+        if not injected(t, NO_ALL_GATHER):
+            with record_function(f"all-gather bucket {b.index}"):  # every rank's chunks into its weights
+                all_gather(z.flat[b.start:b.end], b.shard.detach().clone())
+    return loss.detach()
+
+
+@dataclass
+class Bucket:
+    """A range of the flat parameters (its length a multiple of N) and this rank's chunk of it."""
+
+    index: int
+    start: int
+    end: int
+    params: list[nn.Parameter]
+    shard: nn.Parameter  # (length/N,) this rank's chunk: a view of the flat parameters, what the optimizer steps
+    ready: int = 0  # gradients landed so far in this backward
+    reduced: bool = False
+    staged: torch.Tensor | None = None  # stage 2: the bucket's whole gradients, only until reduce-scattered
+
+
+@dataclass
+class Shards:
+    """This rank's view of the flat parameters and its chunks of them."""
+
+    world: int
+    stage: int
+    flat: torch.Tensor  # (P,) every parameter back to back, bucket by bucket, each padded to a multiple of N
+    grads: torch.Tensor | None  # stage 1: (P,) the full gradient buffer, p.grad views into it
+    buckets: list[Bucket]
+    offsets: dict[nn.Parameter, int] = field(default_factory=dict)  # each parameter's place in `flat`
+    early: bool = False  # the zero:bucket-early bug
+
+    @property
+    def shards(self) -> list[nn.Parameter]:
+        return [b.shard for b in self.buckets]
+
+
 def _landed(z: Shards, b: Bucket, p: nn.Parameter) -> None:
     """Backward has accumulated p's gradient. Stage 2 moves it into the bucket's staging buffer and frees
     it; the bucket's last gradient starts its reduce-scatter."""
@@ -170,23 +158,39 @@ def _reduce(z: Shards, b: Bucket) -> None:
     b.staged, b.reduced = None, True
 
 
-def train_step(t: Trainable, batch, dist):
-    z = t.state
-    x, y = (b.to(t.device, non_blocking=True) for b in batch)  # this rank's share, (B/N, ...)
-    if z.grads is not None:
-        z.grads.zero_()  # the parameters' .grad are views of it: zeroed in place, never set to None
-    loss = t.loss_fn(call(t.model, x, y), y)  # the mean over this rank's share
-    loss.backward()  # the hooks reduce-scatter each bucket as its last gradient lands
-    for b in z.buckets:  # one whose parameters got no gradient is reduced now: every rank runs the same
-        if not b.reduced:
-            _reduce(z, b)
-    t.optimizer.step()  # torch's update rule, on this rank's chunks only (in place: the model's weights)
-    for b in z.buckets:
-        b.shard.grad, b.ready, b.reduced = None, 0, False  # stage 1's gradients live in the buffer
-        if not injected(t, NO_ALL_GATHER):
-            with record_function(f"all-gather bucket {b.index}"):  # every rank's chunks into its weights
-                all_gather(z.flat[b.start:b.end], b.shard.detach().clone())
-    return loss.detach()
+# A bug a hang's diagnosis must name (harness/named.py); a short --pg-timeout ends the others' wait in seconds.
+BUG_RANK = 1
+
+
+@dataclass
+class Options:
+    zero_stage: int = field(default=1, metadata={"help": "1: optimizer state sharded; 2: gradients too"})
+    bucket_mb: float = field(default=0.0, metadata={"help": "gradient bucket cap in MiB; 0 = 25, DDP's default"})
+
+    def __post_init__(self):
+        if self.zero_stage not in (1, 2):
+            raise ConfigError(f"--zero-stage must be 1 or 2, got {self.zero_stage} (stage 3 is `fsdp`)")
+        if not self.bucket_mb >= 0:
+            raise ConfigError(f"--bucket-mb must be 0 (the default, 25) or more, got {self.bucket_mb}")
+
+
+def check(config) -> None:
+    config.check_divisible(config.world_size, "world size")
+
+
+# Bugs the oracle must catch (`--mutant NAME`; base.Mutant).
+WRONG_SLICE = Mutant("zero:wrong-slice", "each rank's optimizer steps the next rank's chunks of the parameters "
+                     "with its own chunks' gradient (a shard offset off by one rank)")
+NO_ALL_GATHER = Mutant("zero:no-all-gather", "the updated chunks are never all-gathered: each rank sees only "
+                       "its own chunks move", {"options": {"zero_stage": 2}})
+BUCKET_EARLY = Mutant("zero:bucket-early", "a bucket is reduce-scattered when its first gradient lands, not its "
+                      "last: the rest of it is reduced before backward has written it", {"workload": "cnn",
+                                                                                          "options": {"zero_stage": 2}})
+UNEVEN_PADDING = Mutant("zero:uneven-padding", f"rank {BUG_RANK} cuts each bucket into N chunks of numel // N + 1 "
+                        "elements, not ceil(numel / N) (an off-by-one in its own copy of the padding): where N "
+                        "divides a bucket, its reduce-scatter and all-gather carry N elements more than the others'",
+                        {"options": {"bucket_mb": 1}, "pg_timeout": 3}, shows="hang")
+MUTANTS = (WRONG_SLICE, NO_ALL_GATHER, BUCKET_EARLY, UNEVEN_PADDING)
 
 
 def _held(t: Trainable) -> tuple[int, int, int]:
@@ -227,5 +231,6 @@ def memory_layout(config, layout):
 # timed alone, the textbook's bytes (2 Psi) and the cost model's step.
 MEASURE = sharded.Zero(_held, lambda t: [(b.end - b.start) * t.state.flat.element_size() for b in t.state.buckets],
                        options=lambda config: options_of(Options, config))
+
 HOOKS = Hooks(check=check, model_state_bytes=model_state_bytes, state_dict=state_dict,
               checkpoint_state=checkpoint_state, restore_checkpoint=loaded_in_place, memory_layout=memory_layout)

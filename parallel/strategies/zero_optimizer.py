@@ -34,20 +34,6 @@ NAME = "zero_optimizer"
 LAUNCH = "torchrun"
 SYNCHRONOUS = True
 
-# A bug the oracle must catch (`--mutant NAME`; base.Mutant).
-LOCAL_STEP_ONLY = Mutant("zero_optimizer:local-step-only", "the wrapped optimizer's own step() called instead of "
-                         "ZeroRedundancyOptimizer's: the parameters are never broadcast back", {"workload": "cnn"})
-MUTANTS = (LOCAL_STEP_ONLY,)
-
-
-def check(config) -> None:
-    config.check_divisible(config.world_size, "world size")
-
-
-def _labelled_allreduce(t: Trainable, bucket):  # no return annotation: DDP rejects a string one
-    with record_function(f"all-reduce bucket {bucket.index()}"):
-        return default_hooks.allreduce_hook(None, bucket)
-
 
 def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
     # Imported here: torch.distributed.optim scripts its functional optimizers with TorchScript at import,
@@ -71,6 +57,21 @@ def train_step(t: Trainable, batch, dist):
     with record_function("step owned parameters, broadcast them"):
         (t.optimizer.optim if injected(t, LOCAL_STEP_ONLY) else t.optimizer).step()
     return loss.detach()
+
+
+def _labelled_allreduce(t: Trainable, bucket):  # no return annotation: DDP rejects a string one
+    with record_function(f"all-reduce bucket {bucket.index()}"):
+        return default_hooks.allreduce_hook(None, bucket)
+
+
+def check(config) -> None:
+    config.check_divisible(config.world_size, "world size")
+
+
+# A bug the oracle must catch (`--mutant NAME`; base.Mutant).
+LOCAL_STEP_ONLY = Mutant("zero_optimizer:local-step-only", "the wrapped optimizer's own step() called instead of "
+                         "ZeroRedundancyOptimizer's: the parameters are never broadcast back", {"workload": "cnn"})
+MUTANTS = (LOCAL_STEP_ONLY,)
 
 
 def _owned(t: Trainable, rank: int) -> list[torch.nn.Parameter]:
@@ -106,5 +107,6 @@ def memory_layout(config, layout):
 # Its measurement (parallel/measure/sharded.py): what each rank holds beside ZeRO-1's formula, the parameters
 # each owns, the textbook's bytes (3 Psi) and the cost model's step.
 MEASURE = sharded.ZeroRedundancy(owned=_owned)
+
 HOOKS = Hooks(check=check, state_dict=state_dict, model_state_bytes=model_state_bytes,
               checkpoint_state=checkpoint_state, restore_checkpoint=loaded_in_place, memory_layout=memory_layout)
