@@ -68,7 +68,7 @@ class Calibration:
         return ms * batch / measured
 
     def _measure_compute(self, batch: int) -> float:
-        single, device = strategies.get("single"), self.config.spec.device(0)
+        single, device = strategies.get(strategies.BASELINE), self.config.spec.device(0)
         with _threads(self.config.spec.threads_per_device()):
             model = self.workload.build_model(self.config.seed)
             t = single.setup(model, make_optimizer(self.config), self.workload.loss, Dist(device=device), self.config)

@@ -259,7 +259,7 @@ def _measure() -> None:
     from parallel.dist import Dist
     from parallel.worker import execute
 
-    single = strategies.get("single")
+    single = strategies.get(strategies.BASELINE)
     for workload in WORKLOADS:
         initial = WORKLOADS[workload].build_model(0).state_dict()
         (row, ref), (_, other) = [execute(single, RunConfig(workload=workload, devices=d).validate(), Dist())

@@ -169,7 +169,7 @@ def _baseline(job: Job) -> RunConfig:
 
 def _in_process(rank: int, world: int, indexed: list[tuple[int, Job]], baselines: list[str], folder: str):
     """One process: `single` for every baseline (saved to `folder`), then every in-process job, judged."""
-    single, refs = strategies.get("single"), References(folder)
+    single, refs = strategies.get(strategies.BASELINE), References(folder)
     for key in baselines:
         config = RunConfig.from_json(key)
         refs.put(key, equivalence.reference_of(config, *execute(single, config, Dist())))

@@ -24,7 +24,8 @@ def own_noise(config, ref: Reference, rerun=None) -> Rule | None:
     movement after 23 steps, 3% after 4). So its noise is measured in the run, as the docstring's was: the
     same training in another, equally valid order of sums, against the baseline. On CPU devices that is
     `single` again in this process on the other thread count. On GPUs it is the batch in two accumulated
-    halves (ddp on one GPU, --accum 2: the split a data-parallel run makes), run by `rerun(strategy,
+    halves (the strategy that declares HALVES, ddp's --accum 2, on one GPU: the split a data-parallel run
+    makes), run by `rerun(strategy,
     config) -> (row, state)` (the runner's child, on the run's own GPU: this process never trains a GPU
     run's model on the CPU, nor holds a CUDA context). Where the worst tensor or loss step is off by more
     than RTOL / NOISE_MARGIN of its scale, the rule for the run is NOISE_MARGIN times that, and says so:
@@ -40,8 +41,12 @@ def own_noise(config, ref: Reference, rerun=None) -> Rule | None:
         if rerun is None or config.batch_size % 2:
             return None
         how = f"`single`'s batch in two accumulated halves on {spec.device(0)}"
-        halves = dataclasses.replace(config, world_size=1, options={"accum": 2}, profile=False, extras=False)
-        row, state = rerun(strategies.get("ddp"), halves)
+        reference = strategies.halving()
+        if reference is None:
+            return None
+        halves = dataclasses.replace(config, world_size=1, options=dict(reference.HALVES), profile=False,
+                                     extras=False)
+        row, state = rerun(reference, halves)
         if state is None:
             return None
         return _noise_rule(config, ref, row, state, how)
@@ -49,7 +54,7 @@ def own_noise(config, ref: Reference, rerun=None) -> Rule | None:
         return None
     how = f"`single` on {cores} threads against 1"
     other = dataclasses.replace(config, devices="cpu:1", world_size=1, profile=False, extras=False, out="")
-    return _noise_rule(config, ref, *execute(strategies.get("single"), other, Dist()), how)
+    return _noise_rule(config, ref, *execute(strategies.get(strategies.BASELINE), other, Dist()), how)
 
 
 def _noise_rule(config, ref: Reference, row, state, how: str) -> Rule | None:

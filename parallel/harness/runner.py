@@ -34,7 +34,7 @@ from parallel.usermodel import checked_env, shape_model, workload_of
 from parallel.worker import HANG_DIR
 from parallel.workloads import eval_loss
 
-BASELINE = "single"
+BASELINE = strategies.BASELINE
 
 
 def _failed_row(strategy, variant: str, config: RunConfig, outcome: launch.Outcome) -> Row:

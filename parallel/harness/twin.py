@@ -66,7 +66,8 @@ def baseline(config: RunConfig, over: str, model: Callable) -> tuple[list[tuple]
     """`single` on the shallow twin, as the plan's first entry (labelled "twin=B"), and what the run says
     of `single`, left out at full size because of `over`; no entry where no twin can be built or none
     fits the cap. `model()`: the whole model on the meta device."""
-    single, full, why = strategies.get("single"), _params(model()), f"the model has no more than {DEPTHS[-1]} block"
+    single, full = strategies.get(strategies.BASELINE), _params(model())
+    why = f"the model has no more than {DEPTHS[-1]} block"
     for blocks in DEPTHS:
         cfg = dataclasses.replace(config, twin_blocks=blocks)
         try:

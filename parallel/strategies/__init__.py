@@ -29,6 +29,7 @@ from parallel.usermodel import workload_of
 from parallel.workloads import Workload
 
 # The report lists strategies in this order; `single` is the baseline and always first.
+BASELINE = "single"  # a role: one device, the reference every other strategy is checked against
 NAMES = ["single", "manual_dp", "data_parallel", "manual_ddp", "ddp", "zero", "zero_optimizer", "fsdp", "manual_tp",
          "tensor_parallel", "fsdp_tp", "hogwild", "model_parallel", "pipeline", "pipeline_dist", "fsdp_pp",
          "context_parallel", "fsdp_cp", "torch_cp", "expert_parallel"]
@@ -46,6 +47,8 @@ CONSTANTS = {"Options": None, "NOT_EXPECTED_REASON": None, "CHECKPOINTS": True, 
              "LOGITS_LOSS": False,  # LOGITS_LOSS: it takes cross-entropy over the logits it gathers (LAYERED: its
              #   last stage's), not the loss a model computes itself (parallel/outputs.py)
              "LAYER_ACTIVATIONS": False,  # one transformer layer's activations measured beside the formula
+             "HALVES": None,  # the options under which one device runs its batch in two accumulated halves: a
+             #   data-parallel reference for a model's own rounding noise (harness/noise.py)
              "SENDS_SEEN": True}  # False: what it moves between devices happens inside torch, unseen by the loop's
 #                                   counter (nn.DataParallel's copies): the row shows no bytes
 
@@ -187,6 +190,12 @@ def get(name: str) -> Strategy:
 
 def all_strategies() -> list[Strategy]:
     return [get(n) for n in NAMES]
+
+
+def halving() -> Strategy | None:
+    """The first strategy that declares HALVES: how one device splits its batch into two accumulated halves,
+    as data parallelism splits it (the noise measurement's reference on GPUs)."""
+    return next((s for s in all_strategies() if s.HALVES is not None), None)
 
 
 def mutants() -> dict[str, tuple[Strategy, base.Mutant]]:

@@ -211,6 +211,7 @@ def memory_layout(config, layout):
 
 MULTI_PART = True  # the DCGAN: each part its own DDP, each its own optimiser
 SYNCS_BATCHNORM = True  # BatchNorm over the whole batch (SyncBatchNorm), as on one device
+HALVES = {"accum": 2}  # on one device, its batch in two accumulated halves (the noise measurement's reference)
 
 # Its measurement (parallel/measure/replicas.py): a step timed with and without the all-reduce, the buckets,
 # the textbook's bytes and the cost model's step.
