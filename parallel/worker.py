@@ -36,16 +36,39 @@ from parallel.train import default_dtype, make_optimizer, precision, step_lines
 from parallel.usermodel import workload_of
 
 
+@dataclasses.dataclass
+class Trained:
+    """What one training run leaves for its row: the loop's result, the final parameters, the memory peaks,
+    the family's extra measurements and the seconds each phase took."""
+    result: object
+    trainable: object
+    state: dict
+    peaks: list
+    peak_kind: str
+    reserved: list
+    extra: dict
+    predicted: float | None
+    threads: int
+    phases: dict
+    loss_names: tuple = ()
+
+
 def execute(strategy, config: RunConfig, dist: Dist, data=None, run: str = "") -> tuple[Row, dict]:
     """Train once with `strategy` in this process (one rank of it); returns the row and final parameters.
     `data`: where batches come from (default: SyntheticData; the sweep passes a DataLoader's)."""
+    trained = train_once(strategy, config, dist, data, run)
+    return build_row(strategy, config, dist, trained), trained.state
+
+
+def train_once(strategy, config: RunConfig, dist: Dist, data=None, run: str = "") -> Trained:
+    """The devices and threads set, the model and data made from the seed, the strategy's setup, THE loop,
+    then (off the clock) the final parameters, the memory peaks and the family's extra measurements."""
     began = time.perf_counter()  # the phases' times: where a run's seconds go (a short run is mostly start-up)
     phases = {"start": round(time.time() - float(os.environ.get(LAUNCHED_AT, time.time())), 2)}
-    spec = config.spec
     local = devices_driven(strategy, config, dist)
     # The cores are split between devices; this process drives len(local) of them. Set explicitly:
     # torchrun sets OMP_NUM_THREADS=1 in every worker, which would otherwise decide for us.
-    threads = spec.threads_per_device() * len(local)
+    threads = config.spec.threads_per_device() * len(local)
     torch.set_num_threads(threads)
     activate(local)  # CUDA initialised (and the rank's device current) before any memory statistic
     exact_fp32(local)  # no TF32 on GPUs: every run is checked against `single` at fp32's tolerances
@@ -69,35 +92,43 @@ def execute(strategy, config: RunConfig, dist: Dist, data=None, run: str = "") -
         phases["train"], began = round(time.perf_counter() - began, 2), time.perf_counter()
         state = strategy.state_dict(trainable)
         peaks, peak_kind = peak_memory(local)
-        peak, reserved = max(peaks), peak_reserved(local)  # reserved: CUDA only (the allocator's cache too)
+        reserved = peak_reserved(local)  # CUDA only (the allocator's cache too)
         with precision(config, trainable.device):  # what it times is the run's own step
             extra = strategy.extra_measurements(trainable, data, config, dist, result) if config.extras else {}
             extra |= layer.details(workload.input_shape[0], config.precision) if layer is not None else {}
     phases["extras"] = round(time.perf_counter() - began, 2)
+    return Trained(result, trainable, state, peaks, peak_kind, reserved, extra, predicted, threads // len(local),
+                   phases, tuple(workload.loss_names))
+
+
+def build_row(strategy, config: RunConfig, dist: Dist, trained: Trained) -> Row:
+    """The row of one run: its times (median and p95), memory, bytes, losses, and every detail in words."""
+    result, extra, peak = trained.result, dict(trained.extra), max(trained.peaks)
     measured = extra.pop("measured", Measured())
     typed = {k: v for k, v in extra.items() if dataclasses.is_dataclass(v)}  # the families' Results (measure/)
     extra |= {k: dataclasses.asdict(v) for k, v in typed.items()}  # a dict in the row, read back by result_of
-    details = {"model_state_bytes_per_device": strategy.model_state_bytes(trainable, config),
-               **({f"{peak_kind}_per_device": peaks} if len(peaks) > 1 else {}),
-               **_peak_per_rank(peak, peak_kind, dist), **extra, "phases_s": phases}
-    if reserved:
-        details |= {"cuda_max_reserved": max(reserved), **_peak_per_rank(max(reserved), "cuda_max_reserved", dist)}
+    details = {"model_state_bytes_per_device": strategy.model_state_bytes(trained.trainable, config),
+               **({f"{trained.peak_kind}_per_device": trained.peaks} if len(trained.peaks) > 1 else {}),
+               **_peak_per_rank(peak, trained.peak_kind, dist), **extra, "phases_s": trained.phases}
+    if trained.reserved:
+        top = max(trained.reserved)
+        details |= {"cuda_max_reserved": top, **_peak_per_rank(top, "cuda_max_reserved", dist)}
     if result.checked is not None:  # --check-replicas: the steps it compared, and the first disagreement if any
         details["replicas_checked"] = result.checked
     if result.diverged:
         details["replicas_diverged"] = result.diverged
-    if why := every_rank_reason(trainable.not_expected, dist):
+    if why := every_rank_reason(trained.trainable.not_expected, dist):
         details["not_expected"] = why
+    predicted = trained.predicted
     for found in typed.values():  # a prediction that needs the run (the experts': from its routing)
         predicted = getattr(found, "comm_bytes_predicted", None) or predicted
-
     stats = summarize(result.step_s)
     ran = len(result.losses)  # fewer than warmup + steps after a resume
-    row = Row(
+    return Row(
         strategy=strategy.name,
         variant="",
         launcher=strategy.launch,
-        devices=str(spec),
+        devices=str(config.spec),
         device_kind=strategy.kind(config),
         world_size=strategy.world_size(config),
         global_batch=config.batch_size,
@@ -105,19 +136,18 @@ def execute(strategy, config: RunConfig, dist: Dist, data=None, run: str = "") -
         step_ms_p95=stats["p95_ms"],
         samples_per_s=result.samples_per_s or (stats["p50_ms"] and config.batch_size / (stats["p50_ms"] / 1e3)),
         peak_mem_bytes=peak,
-        peak_mem_kind=peak_kind,
+        peak_mem_kind=trained.peak_kind,
         comm_bytes_per_step=result.wire.total / (result.wire.counted or ran) if ran and strategy.SENDS_SEEN else None,
         comm_bytes_predicted=predicted,
         final_loss=result.losses[-1] if ran else None,
-        threads_per_device=threads // len(local),
+        threads_per_device=trained.threads,
         losses=result.losses,
-        loss_parts=dict(zip(workload.loss_names, map(list, zip(*result.loss_parts, strict=True)), strict=True))
+        loss_parts=dict(zip(trained.loss_names, map(list, zip(*result.loss_parts, strict=True)), strict=True))
         if result.loss_parts else {},
         step_ms=[s * 1e3 for s in result.step_s],
         measured=measured,
         details=details,
     )
-    return row, state
 
 
 def every_rank_reason(reason: str, dist: Dist) -> str:
