@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(300)
 BATCH = 32  # 4 micro-batches of 8 (torch's stages need equal micro-batches: refused otherwise)
 
 # Every schedule this torch runs over gloo (torch 2.11 cannot start a V schedule there: see the last test).
-RUNS_HERE = [s for s, (cls, _, _) in pipeline_dist.SCHEDULES.items() if not schedules.torch_lacks(cls, "gloo")]
+RUNS_HERE = [s for s, row in pipeline_dist.SCHEDULES.items() if not schedules.torch_lacks(row.cls, "gloo")]
 # Every schedule on the MLP and the CNN; on the transformer (a run costs 3x theirs) a flat one and a V
 # (or a looped one where this torch runs no V over gloo): the schedules do not look at the layers they run.
 ON_TRANSFORMER = ["1f1b", next(s for s in ("zbv", "interleaved1f1b") if s in RUNS_HERE)]
@@ -202,3 +202,22 @@ def test_every_stage_holds_parameters_where_the_model_allows():
     config = RunConfig(workload="cnn", devices="cpu:8").validate()
     with pytest.raises(ConfigError, match="only 5 of the cnn's layers have parameters"):
         strategies.get("pipeline_dist").validate(config)
+
+
+@pytest.mark.parametrize("schedule, per_rank, run, says", [
+    ("1f1b", -1, {}, "must be 0"),
+    ("1f1b", 2, {}, "runs one stage per rank"),
+    ("interleaved1f1b", 1, {}, "loops over several stages per rank"),
+    ("zbv", 3, {}, "exactly 2 per rank"),
+    ("gpipe", 0, {"p": 2, "m": 3, "batch": 8}, "must divide the 8 samples"),
+    ("gpipe", 0, {"p": 1}, "at least 2 processes"),
+    ("gpipe", 0, {"p": 4, "layers": 3, "holding": 3}, "4 stages, but the model has 3 layers"),
+    ("gpipe", 0, {"p": 4, "layers": 6, "holding": 3}, "only 3 of the model's layers have parameters"),
+    ("1f1b", 0, {"p": 4, "m": 2, "batch": 8, "layers": 8, "holding": 8}, "micro-batches as stages: 2 < 4"),
+    ("dualpipev", 0, {"p": 2, "m": 2, "batch": 8, "layers": 8, "holding": 8}, "as its 4 stages"),
+    ("interleaved1f1b", 0, {"p": 4, "m": 9, "batch": 9, "layers": 8, "holding": 8}, "rounds of 4"),
+])
+def test_each_rule_of_a_schedules_row_breaks_with_its_own_message(schedule, per_rank, run, says):
+    run = {"m": 1, "batch": 1, "layers": 64, "holding": 64} | run
+    assert says in schedules.broken_rule(schedule, per_rank, **run)
+    assert schedules.broken_rule(schedule, 0, p=2, m=8, batch=8, layers=64, holding=64) is None  # a sound run

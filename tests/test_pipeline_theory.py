@@ -29,7 +29,8 @@ def orders(schedule: str, p: int, m: int, groups: bool = False):
     from torch.distributed.pipelining import schedules
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
-    name, v, _ = pipeline_dist.SCHEDULES[schedule]
+    row = pipeline_dist.SCHEDULES[schedule]
+    name, v = row.cls, row.per_rank
     ops = get_schedule_ops(getattr(schedules, name), p, m, v if v > 1 else None)
     held_by = types.SimpleNamespace(pipeline_order=dict(enumerate(ops)))
     out = torch_orders(held_by, schedule, p, m)

@@ -37,8 +37,8 @@ from parallel.devices import SHARED_GLOO_NO_P2P
 from parallel.errors import ConfigError
 from parallel.kit.collectives import every_rank
 from parallel.kit.saved import ActivationMeter
-from parallel.kit.schedules import TORCH as SCHEDULES  # name -> (torch's class, stages per rank, placement)
-from parallel.kit.schedules import least_microbatches, stage_ids, torch_lacks
+from parallel.kit.schedules import TORCH as SCHEDULES  # name -> its row: torch's class, stages a rank, its rules
+from parallel.kit.schedules import broken_rule, least_microbatches, stage_ids, torch_lacks
 from parallel.kit.stages import agreed_cut, layers_of
 from parallel.kit.tied import TiedAcross
 from parallel.layout import ParallelDims
@@ -98,7 +98,7 @@ def build(model, make_optimizer, loss_fn, dist, config, pp=None, each_stage=None
     o = options_of(Options, config)
     rank, p = (pp.get_local_rank(), pp.size()) if pp is not None else (dist.rank, dist.world_size)
     group = pp.get_group() if pp is not None else None
-    torch_name, v, placement = SCHEDULES[o.schedule][0], o.v, o.placement
+    torch_name, v, placement = SCHEDULES[o.schedule].cls, o.v, o.placement
     layers = layers_of(model)
     layer_name = {id(m): n for n, m in model.named_modules()}
     batch = batch or config.batch_size
@@ -142,28 +142,18 @@ class Options(pipeline.Options):
 
     def __post_init__(self):
         super().__post_init__()
-        _, v, placement = SCHEDULES[self.schedule]
-        if self.stages_per_rank < 0:
-            raise ConfigError(f"--stages-per-rank must be 0 (the schedule's own) or more, got {self.stages_per_rank}")
-        if v == 1 and self.stages_per_rank > 1:
-            raise ConfigError(f"--schedule {self.schedule} runs one stage per rank, not {self.stages_per_rank} (the "
-                              "looped schedules run several: interleaved1f1b, loopedbfs, interleavedzb)")
-        if v > 1 and self.stages_per_rank == 1:
-            raise ConfigError(f"--schedule {self.schedule} loops over several stages per rank: --stages-per-rank 1 "
-                              "is gpipe or 1f1b")
-        if placement == "v" and self.stages_per_rank not in (0, 2):
-            raise ConfigError(f"--schedule {self.schedule} places its stages in a V, exactly 2 per rank; "
-                              f"--stages-per-rank {self.stages_per_rank} would make {self.stages_per_rank} per rank")
+        if why := broken_rule(self.schedule, self.stages_per_rank):  # the schedule's row: the options' rules
+            raise ConfigError(why)
 
     @property
     def v(self) -> int:
         """Stages per rank."""
-        return self.stages_per_rank or SCHEDULES[self.schedule][1]
+        return self.stages_per_rank or SCHEDULES[self.schedule].per_rank
 
     @property
     def placement(self) -> str:
         """Stage i on rank i % p ("loop") or in a V ("v")."""
-        return SCHEDULES[self.schedule][2]
+        return SCHEDULES[self.schedule].placement
 
     @property
     def loss_pp(self) -> int:
@@ -176,30 +166,15 @@ def check(config) -> None:
 
 
 def check_pipeline(config, p: int, batch: int) -> None:
-    """A pipeline of p ranks training on `batch` samples a step (fsdp_pp: one of several)."""
+    """A pipeline of p ranks training on `batch` samples a step (fsdp_pp: one of several): the rules of its
+    schedule's row (kit.schedules.broken_rule), then what this torch lacks to run it."""
     o = options_of(Options, config)
-    v, m = o.v, o.microbatches
-    if m > batch or batch % m:
-        raise ConfigError(f"--microbatches {m} must divide the {batch} samples each pipeline takes a step: torch's "
-                          "stages receive into buffers shaped like one micro-batch")
-    if p < 2:
-        raise ConfigError(f"{NAME} needs at least 2 processes (one stage each), got {p}")
     layers = layers_of(shape_model(config))
-    if p * v > len(layers):
-        raise ConfigError(f"--schedule {o.schedule} runs {v} stage(s) on each of {p} ranks, {p * v} stages, but the "
-                          f"{config.workload} has {len(layers)} layers to split")
-    if p * v > (holding := sum(any(True for _ in layer.parameters()) for layer in layers)):
-        raise ConfigError(f"{p * v} stages, but only {holding} of the {config.workload}'s layers have parameters: a "
-                          "stage without any has nothing to train (fewer ranks, or --stages-per-rank 1)")
-    if o.schedule == "1f1b" and m < p:  # torch's conditions, checked here to fail before any process starts
-        raise ConfigError(f"--schedule 1f1b needs at least as many micro-batches as stages: {m} < {p}")
-    if m < (least := least_microbatches(o.schedule, p)):
-        raise ConfigError(f"--schedule {o.schedule} needs at least as many micro-batches as its {least} stages (2 "
-                          f"on each of {p} ranks): --microbatches {m}")
-    if o.schedule in ("interleaved1f1b", "interleavedzb") and m % (rounds := max(1, m // p)):
-        raise ConfigError(f"--schedule {o.schedule} runs micro-batches in rounds of {p}: --microbatches {m} is not a "
-                          f"multiple of its {rounds} rounds")
-    if why := torch_lacks(SCHEDULES[o.schedule][0], config.spec.backend):  # what was asked is sound
+    holding = sum(any(True for _ in layer.parameters()) for layer in layers)
+    if why := broken_rule(o.schedule, o.stages_per_rank, p, o.microbatches, batch, len(layers), holding,
+                          config.workload or "model"):
+        raise ConfigError(why)
+    if why := torch_lacks(SCHEDULES[o.schedule].cls, config.spec.backend):  # what was asked is sound
         raise ConfigError(f"{NAME}: {why}")
 
 
