@@ -23,7 +23,7 @@ from rich.markup import escape
 from torch.utils.data import DataLoader, Dataset
 
 from parallel import strategies
-from parallel.basics import noise
+from parallel.basics import implausible
 from parallel.config import RunConfig
 from parallel.data import SyntheticData
 from parallel.devices import gpu_count
@@ -126,7 +126,7 @@ def run_point(point: dict, config: RunConfig) -> dict:
     device = config.spec.device(0)
     data = LoaderData(SyntheticData(workload, config.seed, config.batch_size), config.warmup + config.steps,
                       point["num_workers"], pin_memory=device.type == "cuda", timeout=config.timeout)
-    start, watch = time.perf_counter(), noise.Watch()
+    start, watch = time.perf_counter(), implausible.Watch()
     try:
         row, state = execute(strategies.get("single"), config, Dist(device=device), data=data)
     finally:
@@ -168,7 +168,7 @@ COLUMNS = [("lr", "lr", "{:g}"), ("batch_size", "batch", "{:,}"), ("num_workers"
 
 
 def flag_timings(results: list[dict]) -> None:
-    """r["noisy"]: why a run's timings cannot be right as measured (basics/noise.py), "" when nothing says so.
+    """r["noisy"]: why a run's timings cannot be right as measured (basics/implausible.py), "" when nothing says so.
     Beside each run's own spread and the CPU other processes used, the physics: step+load includes the step,
     and runs that differ only in lr do the same work, so their steps cannot differ twofold."""
     timed = [(i, r) for i, r in enumerate(results, 1) if r.get("status") == "ok" and r.get("step_ms_p50")]
@@ -177,10 +177,10 @@ def flag_timings(results: list[dict]) -> None:
         if r.get("status") != "ok" or not step:
             r["noisy"] = ""
             continue
-        flags = [noise.spread({"p50_ms": step, "min_ms": min(ms), "n": len(ms)}) if ms else None,
-                 noise.busy(r.get("others_cpu"))]
+        flags = [implausible.spread({"p50_ms": step, "min_ms": min(ms), "n": len(ms)}) if ms else None,
+                 implausible.busy(r.get("others_cpu"))]
         both = r.get("step_ms_end_to_end")
-        if both and both * noise.FASTER < step:
+        if both and both * implausible.FASTER < step:
             flags.append(f"step+load {both:.3g} ms is less than the step alone ({step:.3g} ms), which cannot be: "
                          "it includes the step")
         same = [(i, o["step_ms_p50"]) for i, o in timed
@@ -202,7 +202,7 @@ def table(results: list[dict], title: str):
         t.add_column(header, justify="left" if header in ("device", "status") else "right", overflow="fold")
     for i, r in enumerate(results, 1):
         cells = {k: "-" if r.get(k) is None else escape(fmt.format(r[k])) for k, _, fmt in COLUMNS}
-        cells["step_ms_p50"] = noise.mark(cells["step_ms_p50"], bool(r.get("noisy")))
+        cells["step_ms_p50"] = implausible.mark(cells["step_ms_p50"], bool(r.get("noisy")))
         t.add_row(str(i), *cells.values())
     return t
 

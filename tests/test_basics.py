@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from parallel import cli
-from parallel.basics import bench, memory, noise, savers, streams
+from parallel.basics import bench, implausible, memory, savers, streams
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 MiB = 2**20
@@ -126,7 +126,7 @@ def test_checkpointing_faster_than_fp32_is_flagged_not_printed_as_a_speedup(monk
     assert "1.90x faster than fp32, which cannot be: checkpointing recomputes" in flags["checkpointing"][0]
     monkeypatch.setattr(savers, "run", lambda *a, **k: results)
     # A quiet machine: otherwise a busy one (the suite's other process) adds a note on every figure.
-    monkeypatch.setattr(noise, "Watch", lambda: SimpleNamespace(stop=lambda: None))
+    monkeypatch.setattr(implausible, "Watch", lambda: SimpleNamespace(stop=lambda: None))
     monkeypatch.setenv("COLUMNS", "300")  # one line a row and a note
     assert cli.main(["bench", "memory", "--device", "cpu", "--budget-mb", "0"]) == 0
     out = capsys.readouterr().out

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from parallel.basics import noise
+from parallel.basics import implausible
 from parallel.data import SyntheticData
 from parallel.devices import gpu_count, synchronizer
 from parallel.timing import StepTimer, summarize
@@ -139,7 +139,7 @@ def run(scale: float = 1.0, repeats: int = 10, devices: list[torch.device] | Non
         for device in devices:
             name, fn = make(device, scale)
             progress(f"{name} on {device}")
-            sync, watch = synchronizer(device), noise.Watch()
+            sync, watch = synchronizer(device), implausible.Watch()
             synced, naive = time_synced(fn, sync, repeats), time_naive(fn, sync, repeats)
             lines.append(Line(name, str(device), synced, naive, watch.stop()))
             del fn
@@ -159,7 +159,7 @@ def numpy_vs_cupy(scale: float, repeats: int) -> list[Line]:
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((n, n), dtype=np.float32), rng.standard_normal((n, n), dtype=np.float32)
     name = f"matrix product {n}x{n}, NumPy / CuPy"
-    watch = noise.Watch()
+    watch = implausible.Watch()
     synced, naive = time_synced(lambda: a @ b, lambda: None, repeats), time_naive(lambda: a @ b, lambda: None, repeats)
     lines = [Line(name, "numpy (cpu)", synced, naive, watch.stop())]
     try:

@@ -11,7 +11,7 @@ import torch
 from rich.markup import escape
 from rich.table import Table
 
-from parallel.basics import bench, noise, savers
+from parallel.basics import bench, implausible, savers
 from parallel.basics import memory as mem
 from parallel.basics import streams as st
 from parallel.devices import activate, gpu_count
@@ -71,9 +71,9 @@ CPU_SIDE = ("cpu", "numpy (cpu)")  # devices whose ops finish before they return
 
 
 def line_flags(line: bench.Line) -> list[str]:
-    """Why a cpu-vs-gpu line's timings cannot be right as measured (noise.py); empty when nothing says so."""
+    """Why a cpu-vs-gpu line's timings cannot be right as measured (implausible.py); empty when nothing says so."""
     synced, naive = line.synced["p50_ms"], line.naive["p50_ms"]
-    flags = [noise.spread(line.synced), noise.busy(line.others_cpu)]
+    flags = [implausible.spread(line.synced), implausible.busy(line.others_cpu)]
     if line.device in CPU_SIDE:
         if synced and naive and not 0.5 <= naive / synced <= 2:
             flags.append(f"naive {naive:.3g} ms against synchronized {synced:.3g} ms, which cannot be: on the CPU "
@@ -86,7 +86,7 @@ def line_flags(line: bench.Line) -> list[str]:
 
 def cpu_vs_gpu(args, console) -> dict:
     with console.status("timing") as status:
-        watch = noise.Watch()
+        watch = implausible.Watch()
         lines = bench.run(args.scale, args.repeats, progress=lambda s: status.update(f"timing {s}"))
     cpu, flagged, rows = {}, _whole(watch), []
     for line in lines:
@@ -98,7 +98,7 @@ def cpu_vs_gpu(args, console) -> dict:
             cpu[line.case] = synced
         elif line.case in cpu:
             versus = f"{cpu[line.case] / synced:.1f}x / {cpu[line.case] / naive:.1f}x"
-        rows.append([escape(line.case), escape(line.device), noise.mark(_ms(line.synced), bool(flags)),
+        rows.append([escape(line.case), escape(line.device), implausible.mark(_ms(line.synced), bool(flags)),
                      f"{naive:.3f}", f"{naive / synced:.2f}", versus])
     console.print(_table(f"CPU vs GPU, median ms of {args.repeats} (range), after 2 warm-up runs",
                          ["case", "device", "synchronized", "naive (no sync)", "naive / synced",
@@ -125,9 +125,9 @@ def _table(title: str, headers: list[str], rows: list[list[str]], left: int, kee
     return t
 
 
-def _whole(watch: noise.Watch) -> dict[str, str]:
+def _whole(watch: implausible.Watch) -> dict[str, str]:
     """{"every figure": why} when other processes were busy over the whole bench, else {}."""
-    why = noise.busy(watch.stop())
+    why = implausible.busy(watch.stop())
     return {"every figure": why} if why else {}
 
 
@@ -153,14 +153,14 @@ def streams(args, console) -> dict:
 
 
 def memory_flags(results: list[savers.Result]) -> dict[str, list[str]]:
-    """{mode: why its step time cannot be right as measured} (noise.py), for the modes with a reason."""
+    """{mode: why its step time cannot be right as measured} (implausible.py), for the modes with a reason."""
     by = {r.mode: r for r in results}
     p50 = {mode: r.step_ms["p50_ms"] for mode, r in by.items()}
-    flags = {mode: [noise.spread(r.step_ms), noise.busy(r.others_cpu)] for mode, r in by.items()}
+    flags = {mode: [implausible.spread(r.step_ms), implausible.busy(r.others_cpu)] for mode, r in by.items()}
     recompute = "checkpointing recomputes the forward pass in backward, so its step does more work"
     for mode, than in (("checkpointing", "fp32"), ("both", "autocast")):  # "both": autocast + checkpointing
         if mode in by and than in by:
-            flags[mode].append(noise.cannot_be_faster(p50[mode], p50[than], than, recompute))
+            flags[mode].append(implausible.cannot_be_faster(p50[mode], p50[than], than, recompute))
     return {mode: [f for f in fs if f] for mode, fs in flags.items() if any(fs)}
 
 
@@ -168,14 +168,14 @@ def memory(args, console) -> dict:
     device = args.device
     budget = int(args.budget_mb * MiB) or None
     with console.status("measuring") as status:
-        watch = noise.Watch()
+        watch = implausible.Watch()
         results = savers.run(args.workload, device, args.batch_size, budget, progress=status.update)
     base = results[0]
     flagged = memory_flags(results)
     rows = []
     for r in results:
         largest = "-" if r.largest_batch is None else f"{r.largest_batch:,}"
-        speed = noise.mark(f"{base.step_ms['p50_ms'] / r.step_ms['p50_ms']:.2f}x", r.mode in flagged)
+        speed = implausible.mark(f"{base.step_ms['p50_ms'] / r.step_ms['p50_ms']:.2f}x", r.mode in flagged)
         rows.append([r.mode, r.dtype, _ms(r.step_ms), speed, f"{r.memory_bytes / MiB:.1f}",
                      f"{r.memory_bytes / base.memory_bytes:.2f}x", f"{r.loss_after:.5f}", largest])
     console.print(_table(f"memory savers: {args.workload}, batch {args.batch_size}, {device}",

@@ -28,7 +28,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint_sequential
 
-from parallel.basics import noise
+from parallel.basics import implausible
 from parallel.data import SyntheticData
 from parallel.devices import activate, empty_cache, peak_memory, reset_peak_memory, synchronizer
 from parallel.errors import ConfigError
@@ -157,7 +157,7 @@ def run(workload: str, device: torch.device, batch: int, budget: int | None, ste
         for s in range(steps):
             loss = trainer.step(*(t.to(device) for t in data.batch(s)))
         x, y = (t.to(device) for t in data.batch(steps))
-        timer, times, watch = StepTimer(synchronizer(device)), [], noise.Watch()
+        timer, times, watch = StepTimer(synchronizer(device)), [], implausible.Watch()
         for _ in range(repeats):
             with timer:
                 trainer.step(x, y)
