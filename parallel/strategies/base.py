@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from parallel import checkpoint
+from parallel.errors import ConfigError
 from parallel.kit.collectives import every_rank
 from parallel.kit.tensors import gathered_on_cpu, state_bytes
 from parallel.layout import ParallelDims
@@ -205,6 +206,17 @@ def options_of(options_cls, config):
     """A strategy's typed Options from config.options, ignoring other strategies' flags."""
     names = {f.name for f in dataclasses.fields(options_cls)}
     return options_cls(**{k: v for k, v in config.options.items() if k in names})
+
+
+def check_beside_dp(config, flag: str, size: int, alone: str) -> int:
+    """A 2-D layout's second dimension (`--{flag} size`) beside data parallelism: it must divide the devices
+    into data-parallel groups of at least 2, each of which the global batch divides into. Returns dp."""
+    n = config.world_size
+    if n % size or size == n:
+        raise ConfigError(f"--{flag} {size} must divide the {n} devices into data-parallel groups of at least 2 "
+                          f"({flag} x dp = {n}; {flag} alone is `{alone}`)")
+    config.check_divisible(n // size, "data-parallel size")
+    return n // size
 
 
 @dataclass(frozen=True)

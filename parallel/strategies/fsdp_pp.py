@@ -31,7 +31,15 @@ from parallel.errors import ConfigError
 from parallel.layout import ParallelDims
 from parallel.measure import pipelines
 from parallel.strategies import fsdp, pipeline_dist
-from parallel.strategies.base import Hooks, Mutant, Trainable, injected, model_state_every_rank, options_of
+from parallel.strategies.base import (
+    Hooks,
+    Mutant,
+    Trainable,
+    check_beside_dp,
+    injected,
+    model_state_every_rank,
+    options_of,
+)
 
 NAME = "fsdp_pp"
 LAUNCH = "torchrun"
@@ -86,12 +94,9 @@ class Options(pipeline_dist.Options):
 
 
 def check(config) -> None:
-    pp, n = options_of(Options, config).pp, config.world_size
-    if n % pp or pp == n:
-        raise ConfigError(f"--pp {pp} must divide the {n} devices into data-parallel groups of at least 2 "
-                          f"(pp x dp = {n}; pp alone is `pipeline_dist`)")
-    config.check_divisible(n // pp, "data-parallel size")
-    pipeline_dist.check_pipeline(config, pp, config.batch_size // (n // pp))
+    pp = options_of(Options, config).pp
+    dp = check_beside_dp(config, "pp", pp, "pipeline_dist")
+    pipeline_dist.check_pipeline(config, pp, config.batch_size // dp)
     if injected(config, DDP_STATIC) and torch.__version__ < (2, 13):
         raise ConfigError(f"{DDP_STATIC.name} cannot run on torch {torch.__version__}: there DDP's reducer fails "
                           "its internal assert (expect_autograd_hooks_) even with static_graph=True (measured on "

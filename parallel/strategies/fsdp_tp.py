@@ -28,6 +28,7 @@ from parallel.strategies.base import (
     Hooks,
     Mutant,
     Trainable,
+    check_beside_dp,
     full_state_dict,
     injected,
     model_state_every_rank,
@@ -67,11 +68,8 @@ class Options:
 
 
 def check(config) -> None:
-    tp, n = options_of(Options, config).tp, config.world_size
-    if n % tp or tp == n:
-        raise ConfigError(f"--tp {tp} must divide the {n} devices into data-parallel groups of tp ranks, at "
-                          f"least 2 of them (dp x tp = {n}; tp alone is `tensor_parallel`)")
-    config.check_divisible(n // tp, "data-parallel size")
+    tp = options_of(Options, config).tp
+    check_beside_dp(config, "tp", tp, "tensor_parallel")
     model = shape_model(config)
     if why := manual_tp.plan_problems(model, tp, copies=False):
         raise ConfigError(f"cannot split the {config.workload} over {tp} tensor-parallel ranks: {why}")
