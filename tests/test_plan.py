@@ -12,7 +12,7 @@ from torch.nn.attention import SDPBackend
 
 from parallel import cli, formulas, strategies
 from parallel.config import ConfigError, RunConfig
-from parallel.plan import cost, models, search, validate
+from parallel.plan import cost, models, search, stages, validate
 from parallel.plan import memory as pm
 from parallel.plan.hardware import Cluster, Efficiency, Gpu, cluster
 from parallel.plan.layouts import Layout, Training
@@ -118,10 +118,10 @@ def test_zero_2_reduce_scatters_every_micro_batch():
 
 
 def test_held_micro_batches_follow_each_schedule():
-    assert pm.in_flight(Layout(pp=4), m=16) == 4
-    assert pm.in_flight(Layout(pp=4, schedule="gpipe"), m=16) == 16
-    assert pm.in_flight(Layout(pp=4, stages_per_rank=2), m=16) == pytest.approx(4 * (1 + 3 / 8))
-    assert pm.in_flight(Layout(pp=1), m=16) == 1
+    assert stages.in_flight(Layout(pp=4), m=16) == 4
+    assert stages.in_flight(Layout(pp=4, schedule="gpipe"), m=16) == 16
+    assert stages.in_flight(Layout(pp=4, stages_per_rank=2), m=16) == pytest.approx(4 * (1 + 3 / 8))
+    assert stages.in_flight(Layout(pp=1), m=16) == 1
 
 
 # a GPU with round numbers and no latency: 1 TB/s NVLink, 100 GB/s network, efficiencies 1

@@ -167,8 +167,8 @@ def test_a_cost_split_pipeline_is_its_slowest_rank_m_times_plus_the_others_once(
     model, lay, cl = pb.MODELS["1B"], Layout(pp=8), cluster(8, "h100")
     train = Training(256, "bf16", **STACKS["nanotron"])
     lt = cost.layer_time(model, lay, train, cl)
-    pipe = cost.pipeline(model, lay, train, cl, lt, 256)
     ranks = stages.by_cost(model, lay, 256)
+    pipe = cost.pipeline(model, lay, train, cl, lt, ranks)
     times = []
     for st in ranks:
         head, _ = cost.head_time(model, lay, train, cl, st.head, st.loss)

@@ -185,9 +185,9 @@ def main(args, console) -> int:
         results = results[:1]  # a fixed configuration: the best of what was left open
     if args.json:
         extra = {"calibration": calibrated} if calibrated else {}
-        close = {id(r) for r in search.tied(results)} | {id(results[0])} if len(results) > 1 else set()
-        print(json.dumps([_public(r) | extra | {"not_told_apart_from_first": id(r) in close and i > 0}
-                          for i, r in enumerate(results[:args.top])], indent=1))
+        close = {id(r) for r in search.tied(results)}
+        print(json.dumps([_public(r) | extra | {"not_told_apart_from_first": id(r) in close}
+                          for r in results[:args.top]], indent=1))
         return 0
     from parallel.plan import report
 

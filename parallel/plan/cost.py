@@ -190,7 +190,7 @@ def schedule_of(lay: Layout) -> str:
     return "interleaved1f1b" if lay.stages_per_rank > 1 and lay.schedule == "1f1b" else lay.schedule
 
 
-def pipeline(model: ModelSpec, lay: Layout, train: Training, cl: Cluster, lt: Parts, m: int) -> dict:
+def pipeline(model: ModelSpec, lay: Layout, train: Training, cl: Cluster, lt: Parts, ranks: list) -> dict:
     """One micro-batch through the busiest rank, and the bubble. Even split: that rank is the last (its
     layers and the head), the bubble the schedule's closed form on its layers, and the hand-offs exposed
     apart (Narayanan's scatter/gather). Cost split (nanotron): every rank's layers, its ends, and its
@@ -209,7 +209,6 @@ def pipeline(model: ModelSpec, lay: Layout, train: Training, cl: Cluster, lt: Pa
         return {"stage": layers * (lt.forward + lt.backward) + head, "layers": layers, "head": head,
                 "head_over": head_over, "bubble": bubble, "handoff": handoff, "handoff_in_stage": False}
     span = lay.tp * lay.cp * lay.dp + 1  # pipeline neighbours sit a data-parallel group apart
-    ranks = stages(model, lay, train, m)
     logits = lay.tokens(model.seq) * model.vocab / lay.tp * elem
     sizes = [logits if st.head and not st.loss else act / (lay.tp if lay.sequence_parallel else 1) for st in ranks]
     times = []
@@ -230,13 +229,13 @@ def predict(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> dict
     e = cl.gpu.efficiency
     m = micro_batches(lay, train)
     lt = layer_time(model, lay, train, cl)
-    pipe = pipeline(model, lay, train, cl, lt, m)
+    ranks = stages(model, lay, train, m)  # the ranks whose time or memory can be the largest (stages.py)
+    pipe = pipeline(model, lay, train, cl, lt, ranks)
     layers, head, head_over, bubble = pipe["layers"], pipe["head"], pipe["head_over"], pipe["bubble"]
     parts = {"compute": m * (layers * lt.compute + head - head_over), "bubble": bubble}
     comm = {dim: m * layers * s for dim, s in lt.comm.items()}
     if lay.pp > 1:  # each micro-batch's hand-offs, forward and back, once per chunk a rank holds
         comm["pp"] = m * pipe["handoff"]
-    ranks = stages(model, lay, train, m)
     dense, experts = max(stage_params(model, lay, st) for st in ranks)
     (shards, expert_shards), span = lay.shards(), lay.dp * lay.cp * lay.tp
     # ZeRO-1/2's all-gather of the updated parameters comes after the step: nothing of backward is left to

@@ -34,10 +34,6 @@ CAP = math.log(2)  # a row's |log error| counts at most this much: one run far o
 #                   8B pp2 dp4 ran at 16.6% MFU beside 41-45%) must not steer every constant
 
 
-def _predict(runs: list[pb.Run], stack: dict) -> list[tuple[pb.Run, dict]]:
-    return pb.predict_all(runs, stack)
-
-
 def time_error(pairs) -> float:
     """Mean |log(predicted / measured)| tokens/s over the rows that ran, each capped at CAP."""
     return statistics.fmean(min(CAP, abs(math.log(p["tokens_per_s_per_gpu"] / r.tok_s_gpu))) for r, p in pairs if r.ran)
@@ -51,7 +47,7 @@ def _grid(runs, base: dict, names: tuple[str, ...], axes: list[list[float]], err
     best = None
     for values in itertools.product(*axes):
         stack = base | dict(zip(names, values, strict=True))
-        e = error(_predict([r for r in runs if r.ran], stack))
+        e = error(pb.predict_all([r for r in runs if r.ran], stack))
         if best is None or e < best[0]:
             best = (e, values)
     return dict(zip(names, best[1], strict=True))
@@ -73,18 +69,16 @@ def fit_nanotron(runs: list[pb.Run]) -> dict:
     base |= _refine(runs, base, TIME, coarse, {"elementwise": 0.1, "host": 0.05}, time_error)
     coarse = _grid(runs, base, MEMORY, [[1 + x / 10 for x in range(0, 11)]], memory_error)
     base |= _refine(runs, base, MEMORY, coarse, {"activation_scale": 0.02}, memory_error)
-    return {k: base[k] for k in (*TIME, *MEMORY)} | {"memory_usable": fit_usable(_predict(runs, base))}
+    return {k: base[k] for k in (*TIME, *MEMORY)} | {"memory_usable": fit_usable(pb.predict_all(runs, base), base)}
 
 
-def fit_usable(pairs) -> float:
+def fit_usable(pairs, stack: dict) -> float:
     """The share of a GPU's memory a layout may be predicted to need and be called fitting: the one whose
     picks lose least (the choice is what a user came for); of those, the one with the fewest rows
     misclassified (the share of crashed rows called fitting plus the share of rows that ran called out of
-    memory); of those, the middle one."""
-    fixed = STACKS["nanotron"].get("memory_fixed_gib", 0.0)
-
+    memory); of those, the middle one. `stack`: the stack being fitted (the memory no tensor holds is its)."""
     def score(u):
-        limit = usable_gib(H100.gpu.memory_gib, Training(1, memory_fixed_gib=fixed, memory_usable=u))
+        limit = usable_gib(H100.gpu.memory_gib, Training(1, **(stack | {"memory_usable": u})))
         s = pb.score([(r, p | {"fits": p["memory_gib"]["total"] <= limit and "refused" not in p})
                       for r, p in pairs])["summary"]
         return (round(s["pick_loss_mean"] or 0.0, 6),
@@ -100,7 +94,7 @@ def leave_one_model_out(runs: list[pb.Run]) -> dict:
     out = {}
     for model in dict.fromkeys(r.model for r in runs if r.ran):
         fitted = fit_nanotron([r for r in runs if r.model != model])
-        pairs = _predict([r for r in runs if r.model == model], STACKS["nanotron"] | fitted)
+        pairs = pb.predict_all([r for r in runs if r.model == model], STACKS["nanotron"] | fitted)
         out[model] = {"constants": fitted, "score": pb.score(pairs)["summary"]}
     return out
 

@@ -20,8 +20,9 @@ from torch import nn
 from parallel.formulas import element_bytes, model_state
 from parallel.layout import ParallelDims
 from parallel.plan.layouts import Layout, Training
-from parallel.plan.memory import in_flight, layer_activations, params_per_gpu
+from parallel.plan.memory import layer_activations, params_per_gpu
 from parallel.plan.models import ModelSpec
+from parallel.plan.stages import in_flight
 from parallel.strategies.base import MemoryLayout
 from parallel.usermodel import workload_of
 

@@ -9,7 +9,7 @@ from parallel.formulas import model_state
 from parallel.plan.hardware import GiB
 from parallel.plan.layouts import ELEM, OPTIMIZERS, Layout, Training, micro_batches
 from parallel.plan.models import ModelSpec
-from parallel.plan.stages import Stage, in_flight, stages  # noqa: F401 (in_flight: memory.in_flight)
+from parallel.plan.stages import Stage, stages
 
 
 def params_per_gpu(model: ModelSpec, lay: Layout, stage: str = "first") -> tuple[float, float]:

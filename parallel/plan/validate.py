@@ -128,16 +128,17 @@ def single_h100(efficiency=None) -> list[dict]:
     return rows
 
 
-def compare_single_h100() -> list[dict]:
+def compare_single_h100(bare_loop: list[dict] | None = None) -> list[dict]:
     """compare's own single step on one H100 (published.H100_COMPARE_SINGLE), held out: predicted as compare
     trained it (SGD with momentum over fp32 weights, bf16 autocast, GPT-2 small untied), uncalibrated, and with
-    the bare loop's calibration (single_h100's), a run on the same kind of machine."""
+    the bare loop's calibration (single_h100's rows, `bare_loop` where the caller has them), a run on the same
+    kind of machine."""
     from parallel.plan import calibration
 
     batch, measured = pub.H100_COMPARE_SINGLE
     spec = dataclasses.replace(PRESETS["gpt2-small"], tied=False)
     train = calibration.compare_training({"precision": "bf16", "momentum": 0.9}, batch)
-    scales = single_h100()[0]["calibration"]
+    scales = (bare_loop or single_h100())[0]["calibration"]
     rows = []
     for label, c, o in (("uncalibrated", 1.0, 1.0), ("the bare loop's calibration", scales["compute"],
                                                      scales["overhead"])):
