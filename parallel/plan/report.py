@@ -92,18 +92,16 @@ def _playbook(console, scored: dict, loo: dict | None, role: str, source: str) -
         t = _table("Leave one model out: fitted on the other models' rows, scored on this one's",
                    [("left out", "left"), ("pick loss", "right"), ("crashed fits", "right"), ("ran OOM", "right"),
                     ("tok/s err", "right"), ("MFU>=20", "right"), ("memory err", "right")])
-        for model, r in loo.items():
-            x = r["score"]
-            t.add_row(model, _pct(x["pick_loss_mean"]), _pct(x["crashed_called_fits"]), _pct(x["ran_called_oom"]),
-                      _pct(x["median_error"]), _pct(x["median_error_mfu20"]), _pct(x["median_mem_error"]))
-        t.add_row("all (the fit)", _pct(s["pick_loss_mean"]), _pct(s["crashed_called_fits"]), _pct(s["ran_called_oom"]),
-                  _pct(s["median_error"]), _pct(s["median_error_mfu20"]), _pct(s["median_mem_error"]))
+        keys = ("pick_loss_mean", "crashed_called_fits", "ran_called_oom", "median_error", "median_error_mfu20",
+                "median_mem_error")
+        for model, x in [(m, r["score"]) for m, r in loo.items()] + [("all (the fit)", s)]:
+            t.add_row(model, *(_pct(x[k]) for k in keys))
         t.caption = "medians of |error| per row; pick loss: the mean over the model's cells"
         console.print(t)
 
 
 def validate(args, console) -> int:
-    sweep = getattr(args, "sweep", None)
+    sweep = args.sweep
     if sweep:
         if not Path(sweep).is_file():
             raise ConfigError(f"--sweep {sweep}: no such file")
