@@ -48,7 +48,7 @@ class Trained:
     reserved: list
     extra: dict
     predicted: float | None
-    threads: int
+    threads_per_device: int
     phases: dict
     loss_names: tuple = ()
 
@@ -140,7 +140,7 @@ def build_row(strategy, config: RunConfig, dist: Dist, trained: Trained) -> Row:
         comm_bytes_per_step=result.wire.total / (result.wire.counted or ran) if ran and strategy.SENDS_SEEN else None,
         comm_bytes_predicted=predicted,
         final_loss=result.losses[-1] if ran else None,
-        threads_per_device=trained.threads,
+        threads_per_device=trained.threads_per_device,
         losses=result.losses,
         loss_parts=dict(zip(trained.loss_names, map(list, zip(*result.loss_parts, strict=True)), strict=True))
         if result.loss_parts else {},
