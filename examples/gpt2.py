@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.workloads import TPPlan
+from parallel.models.workloads import TPPlan
 
 
 class Embeddings(nn.Module):

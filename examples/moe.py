@@ -2,7 +2,7 @@
 
     ./launch.sh compare --model examples/moe.py:moe --vocab 128 --seq-len 32 --batch-size 64
 
-Build the routed layers from `parallel.moe.MoE` (a router, E experts, top-k gates) and expert_parallel
+Build the routed layers from `parallel.models.moe.MoE` (a router, E experts, top-k gates) and expert_parallel
 can split them: it finds every MoE in the model (or the model's own `moe_layers()`, which says which and
 in what order), keeps each rank's share of every layer's experts and replaces the layer's `dispatch`
 with its all-to-all. Anything else between the layers is yours. A model whose experts are some other
@@ -17,7 +17,7 @@ load-balancing loss (then only `single` and expert_parallel train it: its counts
 
 from torch import nn
 
-from parallel.moe import MoE
+from parallel.models.moe import MoE
 
 
 class Block(nn.Module):

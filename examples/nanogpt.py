@@ -8,7 +8,7 @@ takes the targets and returns `(logits, loss)`, and the harness trains it as it 
 forward(idx, targets): every position's logits and their mean cross-entropy. forward(idx) alone: the last
 position's logits only, (B, 1, V), and no loss: all that `generate` needs to draw the next token. The
 harness sees `targets` in forward's signature, calls it with each batch's targets, and trains on the loss
-it returns (parallel/outputs.py); the pipelines, which run its layers and not its forward, take the same
+it returns (parallel/models/outputs.py); the pipelines, which run its layers and not its forward, take the same
 cross-entropy over the last stage's logits.
 
 GPT-2's shape (Radford et al. 2019): token + position embeddings, pre-norm blocks (causal self-attention,
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.workloads import TPPlan
+from parallel.models.workloads import TPPlan
 
 
 @dataclass

@@ -23,20 +23,24 @@ from pathlib import Path
 from rich.markup import escape
 from rich.table import Table
 
-from parallel import envinfo, machine, preflight, profiling, strategies, sweep, usermodel
+from parallel import envinfo, preflight, strategies, sweep
 from parallel.basics import cli as basics_cli
 from parallel.basics.cli import show_memory
-from parallel.checkpoint import atomic_save
 from parallel.cliargs import Parser, add_run_options, add_strategy_options, config_from_args, readable_metavars, refuse
+from parallel.compare import BASELINE, run_strategies, select_runs
 from parallel.config import ConfigError, RunConfig, nearest_multiple
-from parallel.dist import Dist, script_devices
-from parallel.harness import costmodel, hangs, memcheck, mutants, notes, overview, page, report, scaling
-from parallel.harness.report import make_console
-from parallel.harness.runner import BASELINE, run_strategies, select_runs
+from parallel.judge import hangs, mutants
+from parallel.loop import profiling
+from parallel.loop.checkpoint import atomic_save
+from parallel.loop.results import Equivalence, Row, atomic_write, prepare_out, write_results
+from parallel.models import usermodel
+from parallel.models.usermodel import workload_of
 from parallel.plan import cli as plan_cli
-from parallel.results import Equivalence, Row, atomic_write, prepare_out, write_results
-from parallel.usermodel import workload_of
+from parallel.report import costmodel, memcheck, notes, overview, page, report, scaling
+from parallel.report.report import make_console
 from parallel.worker import leave, run_here
+from parallel.world import machine
+from parallel.world.dist import Dist, script_devices
 
 # The commands (this docstring is `--help`'s text); their arguments, and the RunConfig made of them: cliargs.py.
 

@@ -15,11 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-from parallel import usermodel
 from parallel.config import RunConfig
-from parallel.devicespec import parse_devices
+from parallel.models import usermodel
+from parallel.models.transformer import SHAPE
 from parallel.plan import models as plan_models
-from parallel.transformer import SHAPE
+from parallel.world.devicespec import parse_devices
 
 
 class Parser(argparse.ArgumentParser):

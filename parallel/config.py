@@ -9,11 +9,11 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from parallel import userdata, userload, usermodel
-from parallel.devicespec import DeviceSpec, parse_devices
-from parallel.errors import ConfigError
-from parallel.transformer import SHAPE
-from parallel.workloads import WORKLOADS
+from parallel.models import userdata, userload, usermodel
+from parallel.models.transformer import SHAPE
+from parallel.models.workloads import WORKLOADS
+from parallel.world.devicespec import DeviceSpec, parse_devices
+from parallel.world.errors import ConfigError
 
 __all__ = ["ConfigError", "RunConfig"]
 
@@ -28,7 +28,7 @@ def nearest_multiple(value: int, of: int) -> int:
 @dataclass
 class RunConfig:
     workload: str = "cnn"  # a built-in one; with `model`, the model's label (set by validate)
-    # Your own model (parallel/usermodel.py): FILE.py:FACTORY or module:FACTORY, and its data: input_shape
+    # Your own model (parallel/models/usermodel.py): FILE.py:FACTORY or module:FACTORY, and its data: input_shape
     # ("3,32,32") and classes, vocab and seq_len (tokens), or data (a .pt or .npz file of x and y).
     model: str = ""
     input_shape: str = ""
@@ -88,7 +88,7 @@ class RunConfig:
     cuts: dict = field(default_factory=dict)
     # > 0: train the shallow twin of the model, this many blocks (same widths, vocabulary and options), not
     # the model itself: what `single` and each strategy's verdict run on when `single` does not fit one
-    # device (harness/twin.py); set by the planner, never a flag
+    # device (judge/twin.py); set by the planner, never a flag
     twin_blocks: int = 0
 
     def validate(self) -> RunConfig:
@@ -99,7 +99,7 @@ class RunConfig:
             raise ConfigError(f"--data {self.data}: no such file")
         if self.model and self.aux_loss:
             raise ConfigError("--aux-loss weights the built-in moe workload's load-balancing loss; your model's "
-                              "parallel.moe.MoE layers carry their own (MoE(..., aux_weight=w))")
+                              "parallel.models.moe.MoE layers carry their own (MoE(..., aux_weight=w))")
         if self.model:  # imported, built twice, one forward on a sample: every mistake found here
             user = {"model": userload.resolve_spec(self.model),
                     "data": str(Path(self.data).expanduser().resolve()) if self.data else ""}

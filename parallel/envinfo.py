@@ -12,7 +12,7 @@ prints one), then the hardware, and what `compare` would run here with its defau
     ```
 
 What `compare` would run is not worked out here: the config is built by `compare`'s own parser from no
-arguments (cliargs.config_from_args), and `runner.select_runs` chooses on it, the one selection every command uses, so
+arguments (cliargs.config_from_args), and `compare.select_runs` chooses on it, the one selection every command uses, so
 the two commands cannot disagree about a strategy.
 """
 
@@ -29,10 +29,10 @@ from rich.table import Table
 from rich.text import Text
 
 import parallel
-from parallel import machine
+from parallel.compare import select_runs
 from parallel.config import RunConfig
-from parallel.harness import notes
-from parallel.harness.runner import select_runs
+from parallel.report import notes
+from parallel.world import machine
 
 PLAIN = {"markup": False, "highlight": False, "soft_wrap": True}  # values as they are: no [..] taken as markup,
 #                                                                   no colours, no folding at the console width

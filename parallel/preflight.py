@@ -28,14 +28,15 @@ from pathlib import Path
 from rich.markup import escape
 from rich.table import Table
 
-from parallel import strategies, usermodel
+from parallel import strategies
+from parallel.compare import run_strategies, select_runs
 from parallel.config import RunConfig, nearest_multiple
-from parallel.devices import gpu_count
-from parallel.harness import launch
-from parallel.harness.report import make_progress
-from parallel.harness.runner import run_strategies, select_runs
-from parallel.machine import unusable_gpus
-from parallel.results import atomic_write, prepare_out
+from parallel.launch import child as launch
+from parallel.loop.results import atomic_write, prepare_out
+from parallel.models import usermodel
+from parallel.report.report import make_progress
+from parallel.world.devices import gpu_count
+from parallel.world.machine import unusable_gpus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -132,7 +133,7 @@ def elsewhere_checks(config: RunConfig, found: dict[str, list[str]], checks: lis
 
 def _child(name: str, proves: str, argv: list[str], config: RunConfig, env: dict | None = None) -> Check:
     log = Path(config.out) / "logs" / f"preflight-{re.sub(r'[^a-z0-9]+', '-', name.lower()).strip('-')}.log"
-    # forked from the zygote (harness/zygote.py; launch.may_fork); torchrun's workers here are scripts
+    # forked from the zygote (launch/zygote.py; launch.may_fork); torchrun's workers here are scripts
     outcome = launch.run_child([sys.executable, *argv], config.timeout, log, env=env,
                                fork=launch.may_fork(gpu_count() > 0))
     if outcome.returncode == 0 and not outcome.timed_out:
@@ -148,9 +149,9 @@ def restart_check(config: RunConfig) -> Check:
     devices = str(config.spec.first(n))
     out = Path(config.out) / "restart"
     store = launch.LoopbackStore(0, config.timeout)
-    # Each worker is forked from the zygote through a stand-in (harness/forked.py), as the harness's own
+    # Each worker is forked from the zygote through a stand-in (launch/forked.py), as the harness's own
     # launches are (launch.may_fork): torchrun, its rendezvous and its restart are the same
-    stand_in = ["-m", "parallel.harness.forked"] if launch.may_fork(gpu_count() > 0) else []
+    stand_in = ["-m", "parallel.launch.forked"] if launch.may_fork(gpu_count() > 0) else []
     argv = ["-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={n}", "--max-restarts=1",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{store.port}", "--rdzv-conf=is_host=false",
             "--local-addr=127.0.0.1", *stand_in, str(ROOT / "scripts" / "ddp.py"), *usermodel.argv(config),

@@ -4,7 +4,7 @@ training run each, each logged to TensorBoard (scalars and hparams), one table a
     python -m parallel sweep --lr 0.01,0.001 --batch-size 1000,10000 --num-workers 0,1 --device cpu,cuda
                              [--workload cnn] [--steps 20] [--warmup 3] [--seed 0] [--out DIR]
 
-Each run is `single` through THE training loop (parallel/train.py), fed by a torch DataLoader with
+Each run is `single` through THE training loop (parallel/loop/train.py), fed by a torch DataLoader with
 `--num-workers` loader processes over the same synthetic data and the same batches as every other command.
 A device that is not here (cuda on a machine without one) is skipped with a note. Writes
 OUT/sweep.json and OUT/sweep.csv (rewritten after every run) and OUT/tb/<run>/ for TensorBoard.
@@ -25,14 +25,14 @@ from torch.utils.data import DataLoader, Dataset
 from parallel import strategies
 from parallel.basics import implausible
 from parallel.config import RunConfig
-from parallel.data import SyntheticData
-from parallel.devices import gpu_count
-from parallel.dist import Dist
-from parallel.errors import ConfigError
-from parallel.harness.report import make_progress
-from parallel.results import atomic_write, prepare_out
+from parallel.loop.results import atomic_write, prepare_out
+from parallel.models.data import SyntheticData
+from parallel.models.workloads import WORKLOADS, accuracy, eval_loss
+from parallel.report.report import make_progress
 from parallel.worker import execute
-from parallel.workloads import WORKLOADS, accuracy, eval_loss
+from parallel.world.devices import gpu_count
+from parallel.world.dist import Dist
+from parallel.world.errors import ConfigError
 
 GRID = OrderedDict(lr=float, batch_size=int, num_workers=int, device=str)  # the swept knobs, in table order
 

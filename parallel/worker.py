@@ -23,17 +23,19 @@ import torch
 import torch.distributed as td
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from parallel import activations, recorder, strategies
+from parallel import strategies
 from parallel.config import RunConfig
-from parallel.devices import activate, cap_memory, exact_fp32, peak_memory, peak_reserved, reset_peak_memory
-from parallel.dist import Dist
-from parallel.errors import ConfigError
 from parallel.kit.collectives import every_rank
-from parallel.profiling import make_profiler
-from parallel.results import Measured, Row, atomic_write
-from parallel.timing import LAUNCHED_AT, summarize
-from parallel.train import default_dtype, make_optimizer, precision, step_lines
-from parallel.usermodel import workload_of
+from parallel.loop import recorder
+from parallel.loop.profiling import make_profiler
+from parallel.loop.results import Measured, Row, atomic_write
+from parallel.loop.timing import LAUNCHED_AT, summarize
+from parallel.loop.train import default_dtype, make_optimizer, precision, step_lines
+from parallel.measure import activations
+from parallel.models.usermodel import workload_of
+from parallel.world.devices import activate, cap_memory, exact_fp32, peak_memory, peak_reserved, reset_peak_memory
+from parallel.world.dist import Dist
+from parallel.world.errors import ConfigError
 
 
 @dataclasses.dataclass
@@ -184,7 +186,7 @@ def run_here(strategy, config: RunConfig, dist: Dist | None = None, run: str = "
             td.set_debug_level(td.DebugLevel.DETAIL)  # torch.distributed is imported by now (the zygote's)
         dist.init(config.pg_timeout)
     folder = hang_folder(strategy, config)
-    try:  # this rank's last collectives, written on an error for the parent's diagnosis (harness/hangs.py)
+    try:  # this rank's last collectives, written on an error for the parent's diagnosis (judge/hangs.py)
         with recorder.recording(folder, dist.rank, config.pg_timeout) if needs_group else contextlib.nullcontext():
             row, state = execute(strategy, config, dist, run=run)
     except BaseException:

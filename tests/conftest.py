@@ -11,8 +11,8 @@ import torch
 
 from parallel import strategies
 from parallel.config import RunConfig
-from parallel.dist import Dist
-from parallel.harness import equivalence
+from parallel.judge import equivalence
+from parallel.world.dist import Dist
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -116,9 +116,9 @@ def refused(tmp_path, capsys):
 
 @pytest.fixture
 def strict_cuda(monkeypatch):
-    """A machine with two GPUs, as far as the package can tell: parallel.devices.CUDA replaced by a strict
+    """A machine with two GPUs, as far as the package can tell: parallel.world.devices.CUDA replaced by a strict
     stand-in that enforces CUDA's rules and logs every call (tests/strict_cuda.py)."""
-    from parallel import devices
+    from parallel.world import devices
     from tests.strict_cuda import StrictCuda
 
     fake = StrictCuda(count=2)
@@ -129,8 +129,8 @@ def strict_cuda(monkeypatch):
 @pytest.fixture
 def no_cuda(monkeypatch):
     """A machine with no GPU, as far as the package can tell, whatever this one has: for the tests of what
-    `auto` means without GPUs (the package asks parallel.devices.CUDA, never torch.cuda, for its devices)."""
-    from parallel import devices
+    `auto` means without GPUs (the package asks parallel.world.devices.CUDA, never torch.cuda, for its devices)."""
+    from parallel.world import devices
     from tests.strict_cuda import StrictCuda
 
     monkeypatch.setattr(devices, "CUDA", StrictCuda(count=0))
@@ -145,7 +145,7 @@ def _as_if_gpus():
     if not count:
         yield
         return
-    from parallel import devices
+    from parallel.world import devices
     from tests.strict_cuda import StrictCuda
 
     with pytest.MonkeyPatch.context() as patch:

@@ -1,13 +1,13 @@
-"""Spawned gloo ranks inside pytest: the package's own runner (parallel/harness/ranks.py), and the parity
+"""Spawned gloo ranks inside pytest: the package's own runner (parallel/launch/ranks.py), and the parity
 check the collective strategies' tests share."""
 
 import dataclasses
 
 from parallel import strategies
-from parallel.dist import Dist
-from parallel.harness import equivalence
-from parallel.harness.ranks import RankError, run_ranks
-from parallel.usermodel import workload_of
+from parallel.judge import equivalence
+from parallel.launch.ranks import RankError, run_ranks
+from parallel.models.usermodel import workload_of
+from parallel.world.dist import Dist
 
 __all__ = ["FP64_MARGIN", "BF16_MARGIN", "RankError", "faulted_and_resumed", "judged_on_ranks", "run_ranks",
            "uninterrupted"]
@@ -81,7 +81,7 @@ def faulted_and_resumed(rank: int, world: int, name: str, folder: str, **fields)
     (FOLDER/faulted); re-run from that checkpoint. {run: rank 0's final state (None on the others), or the
     fault's message}; `fields`: the run's own RunConfig fields (workload, options, ...)."""
     from parallel.config import RunConfig
-    from parallel.faults import InjectedFault
+    from parallel.loop.faults import InjectedFault
 
     out = {}
     for run, fail, resume in (("whole", False, False), ("interrupted", True, False), ("resumed", False, True)):

@@ -1,6 +1,6 @@
 """A strict stand-in for CUDA, so the CUDA paths' logic is tested on a machine with no GPU.
 
-`StrictCuda` takes the place of `parallel.devices.CUDA` (the one object every CUDA call of the package goes
+`StrictCuda` takes the place of `parallel.world.devices.CUDA` (the one object every CUDA call of the package goes
 through) and enforces the rules of CUDA's that the project relies on, as torch 2.13 states them:
 
 - memory statistics need CUDA initialised: `reset_peak_memory_stats(i)` with an explicit index skips
@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from parallel.devices import Cuda
+from parallel.world.devices import Cuda
 from tests.strict_on_cpu import on_cpu
 
 __all__ = ["Clock", "StrictCuda", "StrictEvent", "on_cpu", "synced_before_every_clock"]

@@ -1,4 +1,4 @@
-"""One transformer layer's activations (parallel/activations.py): the adapted Korthikanti et al. formula
+"""One transformer layer's activations (parallel/measure/activations.py): the adapted Korthikanti et al. formula
 against what autograd keeps, each storage once, for both attention kernels, both recomputations and a
 real `single` run. (Tensor, sequence and context parallelism: test_tensor_parallel.py and
 test_context_parallel.py check their rows against the same formula.)"""
@@ -7,12 +7,13 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from parallel import activations, strategies
+from parallel import strategies
 from parallel.basics.cli import layer_recompute
 from parallel.config import RunConfig
-from parallel.dist import Dist
-from parallel.transformer import Block
+from parallel.measure import activations
+from parallel.models.transformer import Block
 from parallel.worker import execute
+from parallel.world.dist import Dist
 
 
 def measured(b: int, s: int, h: int, a: int, backend=None, recompute: str = "none") -> dict:
@@ -57,6 +58,6 @@ def test_a_single_run_reports_its_layer_and_the_moe_block_is_left_out():
     assert d["layer_activation_bytes"] == d["layer_activation_predicted"] > 0
     assert d["layer_activation_layout"] | {"kernel": "-"} == {"s": 32, "b": 8, "h": 128, "a": 4, "t": 1, "sp": False,
                                                                "cp": 1, "kernel": "-", "recompute": "none"}
-    from parallel.workloads import WORKLOADS
+    from parallel.models.workloads import WORKLOADS
 
     assert activations.block_of(WORKLOADS["moe"].build_model(0)) is None  # its MLP is routed: not the formula's

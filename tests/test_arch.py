@@ -1,4 +1,4 @@
-"""The built-in transformer at the planner's shapes (parallel/transformer.py): GPT and Llama (RMSNorm, SwiGLU,
+"""The built-in transformer at the planner's shapes (parallel/models/transformer.py): GPT and Llama (RMSNorm, SwiGLU,
 RoPE, grouped-query attention), from flags or a preset, counted as the planner counts them, and trained by
 the strategies that split it (tensor parallel, pipelines, FSDP, context parallel) to `single`'s result."""
 
@@ -11,13 +11,13 @@ from parallel import strategies
 from parallel.cli import build_parser
 from parallel.cliargs import config_from_args
 from parallel.config import ConfigError, RunConfig
-from parallel.dist import Dist
-from parallel.harness import equivalence
+from parallel.judge import equivalence
 from parallel.kit import kv_copies
+from parallel.models.transformer import Transformer, rotate
+from parallel.models.usermodel import shape_model, workload_of
+from parallel.models.workloads import WORKLOADS
 from parallel.plan.models import ModelSpec
-from parallel.transformer import Transformer, rotate
-from parallel.usermodel import shape_model, workload_of
-from parallel.workloads import WORKLOADS
+from parallel.world.dist import Dist
 from tests.multirank import FP64_MARGIN, _execute, _sharp, _train, run_ranks
 
 LLAMA = {"arch": "llama", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 96, "vocab": 512, "seq_len": 16}
@@ -125,7 +125,7 @@ def test_llama_matches_single_under_the_other_splitting_strategies():
 
 
 def test_tensor_parallel_copies_kv_heads_fewer_than_its_ranks_and_refuses_what_it_cannot_split():
-    from parallel.strategies import manual_tp
+    from parallel.strategies.model import manual_tp
 
     model = workload_of(RunConfig(workload="transformer", **LLAMA)).build_model(0)
     assert manual_tp.plan_problems(model, 2) is None and manual_tp.plan_problems(model, 4) is None  # 2 kv: copied

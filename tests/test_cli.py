@@ -9,8 +9,8 @@ import time
 import pytest
 
 from parallel import cli, strategies
-from parallel.harness import launch
-from parallel.results import Measured, Row
+from parallel.launch import child as launch
+from parallel.loop.results import Measured, Row
 from tests.conftest import ROOT, in_process
 
 ROW_FIELDS = {f.name for f in dataclasses.fields(Row)}
@@ -85,8 +85,8 @@ def assert_one_timeline(path, tracks: set[str]) -> dict:
 
 
 def test_paired_rounds_cancel_drift_that_hits_every_strategy_of_a_round():
-    from parallel.harness.runner import pair_rounds
-    from parallel.results import Row
+    from parallel.compare import pair_rounds
+    from parallel.loop.results import Row
 
     rows = [Row(n, "", "x", "cpu:2", "virtual", w, 64, step_ms_p50=1.0) for n, w in (("single", 1), ("ddp", 2))]
     # the machine runs twice as slow in round 2, for both: the paired speedup stays 1.5 every round
@@ -98,8 +98,8 @@ def test_paired_rounds_cancel_drift_that_hits_every_strategy_of_a_round():
 
 
 def test_what_cannot_be_right_is_flagged_with_what_to_do():
-    from parallel.harness.runner import flag
-    from parallel.results import Row
+    from parallel.compare import flag
+    from parallel.loop.results import Row
 
     def row(name, world, speedups, foreign=0.0, ms=(10.0,)):
         r = Row(name, "", "x", "cpu:2", "virtual", world, 64, speedup=speedups[0], efficiency=speedups[0] / world,
@@ -189,8 +189,8 @@ def test_a_crash_surfaces_its_error_line(tmp_path):
 
 
 def test_which_strategy_advice_follows_the_measured_numbers():
-    from parallel.harness.notes import advice
-    from parallel.results import Equivalence
+    from parallel.loop.results import Equivalence
+    from parallel.report.notes import advice
 
     def row(name, speedup, verdict, world=2, **measured):
         return Row(name, "", "x", "cpu:2", "virtual", world, 64, samples_per_s=speedup * 100, speedup=speedup,
@@ -234,7 +234,7 @@ def test_bad_world_sizes_are_refused(sizes, message, refused):
 
 
 def test_a_sweep_flags_a_baseline_that_ran_slow_and_keeps_the_rounds_spread(tmp_path):
-    from parallel.harness import scaling
+    from parallel.report import scaling
 
     def single(sps):
         return Row("single", "", "x", "cpu:1", "virtual", 1, 64, samples_per_s=sps, speedup=1.0, efficiency=1.0)
@@ -254,7 +254,7 @@ def test_a_sweep_flags_a_baseline_that_ran_slow_and_keeps_the_rounds_spread(tmp_
 
 @pytest.mark.slow
 def test_the_overhead_tool_times_each_strategy_against_its_own_bare_loop(capsys):
-    from parallel.harness import overhead
+    from parallel.tools import overhead
 
     assert overhead.main(["--strategy", "single,ddp", "--workload", "mlp", "--batch-size", "64", "--steps", "3",
                           "--rounds", "1"]) == 0

@@ -8,8 +8,8 @@ import pytest
 from rich.console import Console
 
 from parallel import cli, preflight, strategies
-from parallel.harness import mutants
-from parallel.results import Equivalence
+from parallel.judge import mutants
+from parallel.loop.results import Equivalence
 
 
 def rendered(print_to) -> str:

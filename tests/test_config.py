@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from parallel.config import ConfigError, RunConfig
-from parallel.devices import synchronizer
-from parallel.devicespec import DeviceSpec, parse_devices
-from parallel.dist import Dist, backend_for
+from parallel.world.devices import synchronizer
+from parallel.world.devicespec import DeviceSpec, parse_devices
+from parallel.world.dist import Dist, backend_for
 
 
 @pytest.mark.parametrize(
@@ -50,7 +50,7 @@ def test_validate_resolves_devices_and_world_size():
 
 @pytest.mark.parametrize("gpus, devices, world", [(0, "cpu:2", 2), (1, "cuda:0x2", 2), (4, "cuda:0,1,2,3", 4)])
 def test_auto_is_every_gpu_here_one_shared_by_two_or_two_cpu_devices(monkeypatch, gpus, devices, world):
-    from parallel import devices as dev
+    from parallel.world import devices as dev
     from tests.strict_cuda import StrictCuda
 
     monkeypatch.setattr(dev, "CUDA", StrictCuda(count=gpus))  # what the package sees, whatever this machine has
@@ -81,7 +81,7 @@ def test_divisibility_message_names_both_numbers(small):
 
 
 def test_virtual_devices_split_the_cores(monkeypatch):
-    monkeypatch.setattr("parallel.devices.cpu_cores", lambda: 8)
+    monkeypatch.setattr("parallel.world.devices.cpu_cores", lambda: 8)
     assert DeviceSpec("cpu", (0, 1)).threads_per_device() == 4
     assert DeviceSpec("cpu", (0, 1, 2)).threads_per_device() == 2
     assert DeviceSpec("cpu", tuple(range(16))).threads_per_device() == 1  # oversubscribed, never 0

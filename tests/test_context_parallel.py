@@ -10,10 +10,10 @@ import torch.nn.functional as F
 
 from parallel import strategies
 from parallel.config import RunConfig
-from parallel.errors import ConfigError
 from parallel.kit.ring_attention import Layout, Ring
-from parallel.strategies import context_parallel
-from parallel.usermodel import workload_of
+from parallel.models.usermodel import workload_of
+from parallel.strategies.model import context_parallel
+from parallel.world.errors import ConfigError
 from tests.multirank import judged_on_ranks, run_ranks
 
 pytestmark = pytest.mark.timeout(240)
@@ -159,7 +159,7 @@ def test_torch_context_parallel_is_refused_on_cpu_with_its_reason(refused):
 
 def test_preflight_on_gpus_plans_the_sequence_strategies_on_the_transformer(strict_cuda):
     from parallel import preflight
-    from parallel.harness.runner import select_runs
+    from parallel.compare import select_runs
 
     strict_cuda.count = 2
     config = RunConfig(devices="cuda:0,1").validate()  # the preflight's own workload, cnn: no attention

@@ -6,8 +6,8 @@ import time
 import pytest
 
 from parallel.config import RunConfig
-from parallel.harness import costmodel
-from parallel.timing import median_time
+from parallel.loop.timing import median_time
+from parallel.report import costmodel
 
 
 def test_alpha_beta_fit_inverts_the_ring_formula():
@@ -37,8 +37,8 @@ def test_projection_follows_the_bus_bandwidth_formula():
 ])
 def test_model_state_per_device_counts_parameters_gradients_and_momentum(name, expected):
     from parallel import strategies
-    from parallel.dist import Dist
     from parallel.worker import execute
+    from parallel.world.dist import Dist
 
     p = 32_998 * 4  # the CNN's parameters in bytes; SGD with momentum keeps one buffer per parameter
     strategy = "data_parallel" if name == "ddp_like_data_parallel" else name
@@ -49,8 +49,8 @@ def test_model_state_per_device_counts_parameters_gradients_and_momentum(name, e
 
 def test_model_state_of_stages_adds_up_to_the_whole_model():
     from parallel import strategies
-    from parallel.dist import Dist
     from parallel.worker import execute
+    from parallel.world.dist import Dist
 
     config = RunConfig(workload="cnn", devices="cpu:2", batch_size=32, steps=2, warmup=0).validate()
     row, _ = execute(strategies.get("pipeline"), config, Dist())
@@ -59,7 +59,7 @@ def test_model_state_of_stages_adds_up_to_the_whole_model():
 
 
 def test_memory_projection_follows_the_zero_paper_and_says_from_how_many_gpus_each_stage_fits():
-    from parallel.harness.notes import memory_lines
+    from parallel.report.notes import memory_lines
 
     gib = 2**30
     small, large = costmodel.memory_projection(7e9), costmodel.memory_projection(70e9)

@@ -13,11 +13,11 @@ from torch import nn
 
 from parallel import strategies
 from parallel.config import RunConfig
-from parallel.dist import Dist
 from parallel.kit.primitives import DeviceThreads, gather, parallel_apply, replicate, scatter
 from parallel.measure import sharded
+from parallel.models.workloads import WORKLOADS
 from parallel.worker import execute
-from parallel.workloads import WORKLOADS
+from parallel.world.dist import Dist
 from tests.conftest import judged
 from tests.multirank import FP64_MARGIN
 
@@ -30,7 +30,7 @@ CPU3 = [torch.device("cpu")] * 3
 def test_manual_dp_matches_single(devices, workload):
     # 6 optimiser steps on a global batch of 32 (cpu:3 splits it 11/11/10), in float64 (tests/multirank.py:
     # FP64_MARGIN). The replicas' gradients are summed in another order than one device sums them, so only
-    # rounding may differ, far below the oracle's fp64 rule (harness/equivalence.py).
+    # rounding may differ, far below the oracle's fp64 rule (judge/equivalence.py).
     config = RunConfig(workload=workload, devices=devices, batch_size=32, steps=5, warmup=1,
                        precision="fp64").validate()
     row, verdict = judged("manual_dp", config)
@@ -87,7 +87,7 @@ def test_data_parallel_replicas_compute_in_the_callers_autocast_dtype(monkeypatc
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_data_parallel_replicas_compute_in_bf16_on_cuda():
-    from parallel.strategies import data_parallel
+    from parallel.strategies.data import data_parallel
 
     dp = data_parallel.in_callers_autocast(nn.DataParallel(nn.Linear(4, 4).cuda(0), device_ids=[0, 1]))
     with torch.autocast("cuda", dtype=torch.bfloat16):

@@ -8,7 +8,8 @@ import pytest
 import torch
 from rich.console import Console
 
-from parallel import cli, envinfo, machine
+from parallel import cli, envinfo
+from parallel.world import machine
 
 KEYS = ["parallel", "git commit", "Python", "platform", "torch", "torch CUDA", "NCCL", "GPU driver",
         "CUDA_VISIBLE_DEVICES", "CPU", "--devices auto", "default backend", "compare runs", "compare skips"]

@@ -1,4 +1,4 @@
-"""--check-replicas (parallel/divergence.py): exact checksums, which ranks must agree, the first step, tensor and
+"""--check-replicas (parallel/loop/divergence.py): exact checksums, which ranks must agree, the first step, tensor and
 ranks that part, on two spawned gloo ranks with a data-parallel step written here; the flag through RunConfig and
 the command line, and its note in the report."""
 
@@ -9,15 +9,15 @@ import torch
 import torch.distributed as td
 from torch import nn
 
-from parallel import divergence
 from parallel.cli import build_parser
 from parallel.cliargs import config_from_args
 from parallel.config import RunConfig
-from parallel.dist import Dist
-from parallel.harness.notes import replica_lines
-from parallel.layout import ParallelDims
-from parallel.results import Row
+from parallel.loop import divergence
+from parallel.loop.results import Row
+from parallel.report.notes import replica_lines
 from parallel.strategies.base import Trainable
+from parallel.world.dims import ParallelDims
+from parallel.world.dist import Dist
 from tests.multirank import run_ranks
 
 pytestmark = pytest.mark.timeout(120)

@@ -10,11 +10,11 @@ import torch.nn.functional as F
 
 from parallel import cli, strategies
 from parallel.config import RunConfig
-from parallel.dist import Dist
-from parallel.errors import ConfigError
-from parallel.harness import equivalence
-from parallel.moe import MoE
-from parallel.usermodel import workload_of
+from parallel.judge import equivalence
+from parallel.models.moe import MoE
+from parallel.models.usermodel import workload_of
+from parallel.world.dist import Dist
+from parallel.world.errors import ConfigError
 from tests.conftest import ROOT
 from tests.multirank import FP64_MARGIN, _execute, faulted_and_resumed, judged_on_ranks, run_ranks
 
@@ -167,7 +167,7 @@ def test_what_expert_parallelism_and_the_load_balancing_loss_need_is_refused_in_
         RunConfig(workload="cnn", aux_loss=0.01).validate()
     with pytest.raises(ConfigError, match="must be 0 .off. or a positive weight"):
         RunConfig(workload="moe", aux_loss=-1).validate()
-    with pytest.raises(ConfigError, match="your model's parallel.moe.MoE layers carry their own"):
+    with pytest.raises(ConfigError, match="your model's parallel.models.moe.MoE layers carry their own"):
         RunConfig(model=str(ROOT / "examples/moe.py:moe"), vocab=128, seq_len=32, aux_loss=0.01).validate()
     aux = workload_of(RunConfig(workload="moe", aux_loss=0.01).validate())
     assert strategies.get("ddp").unsupported(aux).startswith("--aux-loss needs each router's counts summed")
@@ -186,13 +186,13 @@ def test_a_users_model_built_of_moe_layers_is_split_and_one_without_is_skipped_w
     (tmp_path / "dense.py").write_text("from torch import nn\n\ndef dense():\n"
                                        "    return nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16))\n")
     dense = workload_of(RunConfig(model=str(tmp_path / "dense.py:dense"), vocab=16, seq_len=4).validate())
-    assert ep.unsupported(dense) == "it has no routed experts to split: it has no parallel.moe.MoE layers " \
+    assert ep.unsupported(dense) == "it has no routed experts to split: it has no parallel.models.moe.MoE layers " \
                                     "(docs/experts.md)"
 
 
 def test_preflight_on_gpus_checks_expert_parallel_on_the_moe(strict_cuda):
     from parallel import preflight
-    from parallel.harness.runner import select_runs
+    from parallel.compare import select_runs
 
     strict_cuda.count = 2
     found = preflight.elsewhere_names(RunConfig(devices="cuda:0,1").validate(), ["all"])

@@ -1,5 +1,5 @@
 """The CUDA paths' logic, on a machine with no GPU: each finding of the GPU-readiness review (#13) as a
-test that failed on the code before the fix. The `strict_cuda` fixture replaces parallel.devices.CUDA
+test that failed on the code before the fix. The `strict_cuda` fixture replaces parallel.world.devices.CUDA
 with a stand-in that enforces CUDA's rules and logs every call (tests/strict_cuda.py); `on_cpu` lets
 whole strategies run with cuda:i device objects, their tensors on the CPU."""
 
@@ -12,15 +12,16 @@ import pytest
 import torch
 from torch import nn
 
-from parallel import cli, strategies, timing
+from parallel import cli, strategies
 from parallel.config import ConfigError, RunConfig
-from parallel.data import SyntheticData
-from parallel.dist import Dist, script_devices
-from parallel.harness import costmodel
 from parallel.kit import stages
+from parallel.loop import timing
+from parallel.loop.timing import StepTimer
 from parallel.measure import pipelines, stage_time
-from parallel.timing import StepTimer
-from parallel.workloads import WORKLOADS
+from parallel.models.data import SyntheticData
+from parallel.models.workloads import WORKLOADS
+from parallel.report import costmodel
+from parallel.world.dist import Dist, script_devices
 from tests.strict_cuda import Clock, on_cpu, synced_before_every_clock
 
 pytestmark = pytest.mark.timeout(120)
@@ -33,7 +34,8 @@ def _config(devices: str, **kw) -> RunConfig:
 
 def _execute(name: str, config: RunConfig, fake, monkeypatch):
     """worker.execute with the loop's clock logged into the stand-in's log."""
-    from parallel import train, worker
+    from parallel import worker
+    from parallel.loop import train
 
     monkeypatch.setattr(train, "StepTimer", lambda sync: train_timer(sync, fake))
     with on_cpu(fake):
@@ -140,7 +142,7 @@ def test_data_parallel_on_cpu_devices_leaves_the_gpus_alone(strict_cuda, monkeyp
 
 
 def test_data_parallel_on_gpus_names_them(strict_cuda, monkeypatch):
-    from parallel.strategies import data_parallel
+    from parallel.strategies.data import data_parallel
 
     made = {}
 
@@ -161,7 +163,7 @@ def test_data_parallel_on_gpus_names_them(strict_cuda, monkeypatch):
 
 
 def test_the_environment_record_reads_gpus_without_a_cuda_context(strict_cuda, monkeypatch):
-    from parallel import devicespec, machine
+    from parallel.world import devicespec, machine
 
     class Memory:
         total, free = 80 << 30, 79 << 30
@@ -178,7 +180,7 @@ def test_the_environment_record_reads_gpus_without_a_cuda_context(strict_cuda, m
 
 
 def test_without_nvml_a_short_lived_child_asks_cuda(strict_cuda, monkeypatch):
-    from parallel import machine
+    from parallel.world import machine
 
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails
     asked = []
@@ -260,7 +262,7 @@ def test_cpu_runs_are_unchanged_by_the_clock(small):
 
 
 def test_devices_command_initialises_cuda_before_reading_memory(strict_cuda, monkeypatch, capsys):
-    from parallel import machine
+    from parallel.world import machine
 
     monkeypatch.setattr(machine, "_nvml_info", lambda: None)
     monkeypatch.setattr(machine, "_child_cuda_info", lambda: [])
@@ -275,7 +277,7 @@ def test_devices_command_initialises_cuda_before_reading_memory(strict_cuda, mon
 
 
 def test_harness_launches_keep_nccl_on_loopback_unless_told_otherwise(monkeypatch):
-    from parallel.harness import launch
+    from parallel.launch import child as launch
 
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
     assert launch.torchrun_env() == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "NCCL_SOCKET_IFNAME": "lo"}
@@ -289,8 +291,7 @@ def test_other_processes_on_the_runs_gpus_are_found_through_nvml_and_ours_left_o
     import sys
     import types
 
-    from parallel import devices, machine
-    from parallel.harness import load
+    from parallel.world import devices, load, machine
 
     procs = {0: [999999, os.getpid()], 1: []}
     fake = types.SimpleNamespace(
@@ -308,7 +309,8 @@ def test_other_processes_on_the_runs_gpus_are_found_through_nvml_and_ours_left_o
 def test_gpus_that_this_torch_cannot_use_are_named_not_hidden(monkeypatch):
     # Before: with a driver too old for the wheel (or a CPU-only torch), `auto` quietly became cpu:2 and
     # preflight said "no CUDA device here". Now the reason is stated, in the report and in preflight.
-    from parallel import devices, devicespec, machine, preflight
+    from parallel import preflight
+    from parallel.world import devices, devicespec, machine
 
     monkeypatch.setattr(devices, "gpu_count", lambda: 0)
     monkeypatch.setattr(machine, "_nvidia_present", lambda: (8, "12.2"))

@@ -1,5 +1,5 @@
-"""A hang named: each rank's record of collectives (parallel/recorder.py, torch's Flight Recorder) and the
-parent's one-line diagnosis (parallel/harness/hangs.py), on records made up here and on real gloo ranks."""
+"""A hang named: each rank's record of collectives (parallel/loop/recorder.py, torch's Flight Recorder) and the
+parent's one-line diagnosis (parallel/judge/hangs.py), on records made up here and on real gloo ranks."""
 
 import time
 from pathlib import Path
@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from parallel import recorder
-from parallel.harness import hangs
+from parallel.judge import hangs
+from parallel.loop import recorder
 from tests.multirank import RankError, run_ranks
 
 pytestmark = pytest.mark.timeout(120)

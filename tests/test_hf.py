@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from parallel.config import RunConfig
-from parallel.harness import mutants
-from parallel.strategies import manual_tp
-from parallel.userchecks import cannot_match
-from parallel.workloads import TPPlan, logits_of, tp_plan_of
+from parallel.judge import mutants
+from parallel.models.userchecks import cannot_match
+from parallel.models.workloads import TPPlan, logits_of, tp_plan_of
+from parallel.strategies.model import manual_tp
 from tests.conftest import ROOT
 from tests.multirank import FP64_MARGIN
 
@@ -68,7 +68,7 @@ def test_a_model_output_with_its_own_loss_is_trained_on_it_and_transformers_labe
     """A module of the user's returning a ModelOutput with .loss, given `labels`, is called with them: its
     logits are whole, and it matches `single` where the loss is taken over gathered logits (manual_dp)
     and the last stage's (pipeline). transformers' own models shift labels inside: called without."""
-    from parallel.usermodel import workload_of
+    from parallel.models.usermodel import workload_of
     from tests.conftest import judged
 
     (tmp_path / "own_loss_output.py").write_text(OWN_LOSS_MODEL)
@@ -92,7 +92,7 @@ def test_transformers_plan_is_read_and_its_dict_attribute_never_taken_for_ours()
     assert tp_plan_of(gpt2) is None  # GPT-2's own plan is empty
     assert manual_tp.plan_problems(llama, 2) is None
     assert manual_tp.plan_problems(llama, 4) == "tp 4 does not divide model.layers.0.self_attn.k_proj's 2 heads"
-    from parallel.usermodel import workload_of
+    from parallel.models.usermodel import workload_of
 
     gpt2_run = RunConfig(model=f"{EXAMPLES / 'hf_gpt2.py'}:gpt2", devices="cpu:2", **TOKENS).validate()
     assert workload_of(gpt2_run).no_tp_plan.startswith("transformers' own plan for GPT2LMHeadModel splits no")
@@ -121,8 +121,8 @@ BN_MODEL = textwrap.dedent('''
 
 def test_a_mismatch_names_the_cause_the_model_carries():
     from parallel import strategies
-    from parallel.harness.equivalence import explain
-    from parallel.results import Equivalence
+    from parallel.judge.equivalence import explain
+    from parallel.loop.results import Equivalence
 
     causes = {"batchnorm": "BatchNorm (1 layer(s)) normalises ...", "dropout": "dropout is on (...)"}
     for strategy, expected in (("manual_ddp", "BatchNorm (1 layer(s)) normalises ...; dropout is on (...) (x off)"),
@@ -139,7 +139,7 @@ LLAMA_REGIONS = textwrap.dedent('''
     import sys
     sys.path.insert(0, EXAMPLES)
     import hf_llama
-    from parallel.workloads import TPPlan, tp_plan_of
+    from parallel.models.workloads import TPPlan, tp_plan_of
 
     def build():
         m = hf_llama.llama()
@@ -152,7 +152,7 @@ LLAMA_REGIONS = textwrap.dedent('''
 @pytest.mark.slow
 def test_hugging_face_models_returned_as_they_are_match_one_device(tmp_path):
     """One set of spawned ranks for every run: GPT-2 (tied head) under manual_dp (a ModelOutput through
-    its gather) and pipeline_dist (cut by parallel.hf, the head's and the embedding's copies summed);
+    its gather) and pipeline_dist (cut by parallel.models.hf, the head's and the embedding's copies summed);
     Llama (no biases, grouped-query attention called with keyword arguments) under manual_tp from
     transformers' own plan and under tensor_parallel with each attention a region (its input given by
     keyword); a BatchNorm model under ddp, which synchronises it and matches. Llama's pipeline layers are
@@ -172,10 +172,10 @@ def test_hugging_face_models_returned_as_they_are_match_one_device(tmp_path):
 
 
 def test_a_decoder_is_cut_into_layers_that_give_its_own_logits():
-    """parallel.hf: embeddings, each block with the extra inputs the model's forward gives it (recorded as
+    """parallel.models.hf: embeddings, each block with the extra inputs the model's forward gives it (recorded as
     buffers outside the state dict; GPT-2's KV cache dropped), the final norm, the head; run one after
     another they give the model's logits bitwise (the same operations in the same order)."""
-    from parallel import hf
+    from parallel.models import hf
 
     for model in (example("hf_gpt2").gpt2(), example("hf_llama").llama()):
         keys = list(model.state_dict())
@@ -194,11 +194,11 @@ def test_a_decoder_is_cut_into_layers_that_give_its_own_logits():
 
 
 def test_the_shallow_twin_of_a_hugging_face_model_is_rebuilt_from_its_config_with_fewer_blocks():
-    """harness/twin.py: a factory with no depth argument whose model has num_hidden_layers (GPT-2's n_layer,
+    """judge/twin.py: a factory with no depth argument whose model has num_hidden_layers (GPT-2's n_layer,
     through its config's attribute map) is rebuilt by its own class with 1 block, seeded like the model."""
     import dataclasses
 
-    from parallel.usermodel import workload_of
+    from parallel.models.usermodel import workload_of
 
     for name, factory in (("hf_llama", "llama"), ("hf_gpt2", "gpt2")):
         whole = RunConfig(model=f"{EXAMPLES / name}.py:{factory}", vocab=64, seq_len=16, batch_size=4).validate()
@@ -212,7 +212,7 @@ def test_the_shallow_twin_of_a_hugging_face_model_is_rebuilt_from_its_config_wit
 
 def test_gpt2s_tied_head_and_layers_that_leave_a_module_out_are_found_before_the_run(tmp_path):
     from parallel import strategies
-    from parallel.usermodel import workload_of
+    from parallel.models.usermodel import workload_of
 
     run = RunConfig(model=f"{EXAMPLES / 'hf_gpt2.py'}:gpt2", devices="cpu:4", **TOKENS).validate()
     w = workload_of(run)

@@ -7,10 +7,10 @@ import torch
 
 from parallel import strategies
 from parallel.config import ConfigError, RunConfig
-from parallel.devicespec import DeviceSpec
-from parallel.dist import Dist
+from parallel.models.workloads import WORKLOADS, eval_loss
 from parallel.worker import execute
-from parallel.workloads import WORKLOADS, eval_loss
+from parallel.world.devicespec import DeviceSpec
+from parallel.world.dist import Dist
 
 pytestmark = pytest.mark.timeout(240)
 HOGWILD = strategies.get("hogwild")

@@ -1,11 +1,9 @@
-"""Imports flow one way, between the package's rooms and inside them:
-
-    cli, sweep, preflight, basics -> harness -> worker, plan -> strategies -> measure -> kit
-        -> the loop and its tools (train, wire, timing, ...) -> core (config, dist, devices, workloads, ...)
+"""Imports flow one way, between the package's folders and inside them: each folder is one layer, and a
+module may import its own layer or any lower one (LAYERS, lowest last; DESIGN.md's table says the same).
 
 Read from the source, every import counted, at module level or inside a function: an import hidden in a
-function ties two modules together all the same. Inside a room (a folder), no module may reach itself
-through others either: the module graph of the whole package has no circle."""
+function ties two modules together all the same. Inside a folder, no module may reach itself through
+others either: the module graph of the whole package has no circle."""
 
 import ast
 import re
@@ -14,24 +12,26 @@ from pathlib import Path
 from tests.conftest import ROOT
 
 PACKAGE = ROOT / "parallel"
-# Each module (or sub-package) and its layer; a module may import its own layer or any lower one.
+# One line per folder (and per module at the top, where a reader enters), from the commands down.
 LAYERS = {
-    "cli": 7, "cliargs": 7, "__main__": 7, "sweep": 7, "preflight": 7, "basics": 7, "envinfo": 7,
-    "harness": 6,
-    "worker": 5, "plan": 5,
-    "strategies": 4,  # only strategies, and the interface they share (base)
-    "measure": 3,  # one home per measurement family: what is measured, predicted, shown; never a strategy
-    "kit": 2,  # the building blocks strategies share: collectives by hand, stages, schedules, ring attention
-    "train": 1, "timing": 1, "profiling": 1, "checkpoint": 1, "results": 1, "activations": 1, "formulas": 1,
-    "tables": 1, "wire": 1, "charts": 1, "recorder": 1, "faults": 1, "divergence": 1,
-    "config": 0, "dist": 0, "devices": 0, "workloads": 0, "data": 0, "transformer": 0, "tpplan": 0, "moe": 0,
-    "errors": 0, "layout": 0, "usermodel": 0, "hf": 0, "outputs": 0,
-    "devicespec": 0, "machine": 0, "nets": 0, "userload": 0, "userdata": 0, "userchecks": 0,
+    "cli": 10, "cliargs": 10, "__main__": 10, "sweep": 10, "preflight": 10, "envinfo": 10, "basics": 10,  # commands
+    "compare": 9, "tools": 9,  # every strategy in its own child, judged and reported; standalone timing tools
+    "report": 8,  # the terminal screen, details.txt, report.html, notes, verdict, cost model: one door, write()
+    "judge": 7,  # the oracle against single, honest noise, injected bugs, the shallow twin, hangs named
+    "worker": 6, "plan": 6,  # one strategy's run in one process; the planner
+    "strategies": 5, "config": 5,  # only strategies and the interface they share (base); the run's options
+    "measure": 4,  # one home per measurement family: what is measured, predicted, shown; never a strategy
+    "kit": 3, "launch": 3,  # blocks strategies share (collectives by hand, stages, schedules); child processes
+    "loop": 2, "style": 2,  # THE loop and its tools (timing, wire, recorder, faults, checkpoint), the row; the look
+    "models": 1,  # workloads, built-in models, data, Hugging Face decoders, a user's model and data
+    "world": 0,  # devices, the --devices grammar, machine, dist, the parallel dims, the one error type
 }
+TOP = 12  # modules at the top of parallel/, at most
+PER_FOLDER = 15  # files in one folder, at most
 
 
 def room(module: str) -> str:
-    """parallel.harness.runner -> harness; parallel.train -> train."""
+    """parallel.compare -> harness; parallel.loop.train -> train."""
     return module.split(".")[1] if module.count(".") else "parallel"
 
 
@@ -72,7 +72,7 @@ def test_every_module_has_a_layer():
 def test_the_scan_sees_imports_at_module_level_and_inside_functions():
     found = {(m, t) for m, t, _ in imports()}
     assert ("parallel.worker", "parallel.strategies") in found  # module level
-    assert ("parallel.cli", "parallel.harness.runner") in found  # inside a function
+    assert ("parallel.cli", "parallel.compare") in found  # inside a function
     assert ("parallel.measure.replay", "parallel.kit.schedules") in found  # inside a folder
 
 
@@ -134,12 +134,21 @@ def test_the_circle_finder_finds_a_planted_circle():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def test_strategies_holds_only_strategies():
-    from parallel.strategies import NAMES
+def test_strategies_holds_only_strategies_each_in_its_folder():
+    from parallel.strategies import MODULES, NAMES
 
-    files = {f.stem for f in (PACKAGE / "strategies").glob("*.py")}
-    assert files - {"base", "__init__"} == set(NAMES)
+    files = {".".join(f.relative_to(ROOT).with_suffix("").parts): f.stem
+             for f in (PACKAGE / "strategies").rglob("*.py") if f.stem not in ("base", "__init__")}
+    assert sorted(files.values()) == sorted(NAMES)
+    assert {files[m]: m for m in files} == MODULES
 
+
+def test_the_top_says_where_to_enter_and_no_folder_is_crowded():
+    top = sorted(f.stem for f in PACKAGE.glob("*.py"))
+    assert len(top) <= TOP, top
+    crowded = {str(d.relative_to(ROOT)): n for d in PACKAGE.rglob("*") if d.is_dir() and d.name != "__pycache__"
+               and (n := len([f for f in d.iterdir() if f.is_file()])) > PER_FOLDER}
+    assert crowded == {}
 
 
 LESSON = ("setup", "train_step", "Options", "MUTANTS", "HOOKS")  # the order a strategy's file reads in
@@ -159,7 +168,7 @@ def lesson_order(source: str) -> list[str]:
 def test_every_strategy_opens_on_its_algorithm():
     """Docstring, identity, then setup and train_step; the Options and checks after them; the injected bugs
     and the hooks last (DESIGN.md, "How to add")."""
-    for f in sorted((PACKAGE / "strategies").glob("*.py")):
+    for f in sorted((PACKAGE / "strategies").rglob("*.py")):
         if f.stem in ("base", "__init__"):
             continue
         order = lesson_order(f.read_text())
@@ -184,7 +193,7 @@ COUNTS_ITS_OWN = re.compile(r"wire\.Counter\(|\bcounter\.step\(\)|wire\.moved\(|
 def test_no_strategy_counts_its_own_bytes():
     """The loop counts the bytes around every step (train.py, wire.Counter); the building blocks report the
     copies they make (wire.moved). A strategy that counted its own would count twice, or alone."""
-    found = [f"{f.name}:{i}: {line.strip()}" for f in (PACKAGE / "strategies").glob("*.py")
+    found = [f"{f.name}:{i}: {line.strip()}" for f in (PACKAGE / "strategies").rglob("*.py")
              for i, line in enumerate(f.read_text().splitlines(), 1) if COUNTS_ITS_OWN.search(line)]
     assert found == []
 

@@ -1,4 +1,4 @@
-"""The parallel layout (parallel/layout.py) and what the loop asks of it, with gloo ranks inside pytest
+"""The parallel layout (parallel/world/dims.py) and what the loop asks of it, with gloo ranks inside pytest
 where it takes a process group: the DeviceMesh, the loss averaged over the ranks that hold one, the
 bytes a device holds of a sharded DTensor."""
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from parallel.config import ConfigError
-from parallel.dist import Dist
 from parallel.kit.tensors import param_bytes, state_bytes, tensor_bytes
-from parallel.layout import ParallelDims
+from parallel.world.dims import ParallelDims
+from parallel.world.dist import Dist
 from tests.multirank import run_ranks
 
 pytestmark = pytest.mark.timeout(120)

@@ -8,11 +8,11 @@ import torch
 
 from parallel import strategies
 from parallel.config import RunConfig
-from parallel.dist import Dist
-from parallel.harness import equivalence
+from parallel.judge import equivalence
 from parallel.measure import sharded
+from parallel.models.workloads import WORKLOADS
 from parallel.worker import execute
-from parallel.workloads import WORKLOADS
+from parallel.world.dist import Dist
 from tests.multirank import FP64_MARGIN, run_ranks
 
 pytestmark = pytest.mark.timeout(180)

@@ -1,4 +1,4 @@
-"""The planner's memory beside each row (harness/memcheck.py, plan/local.need), on a real H100 run's rows
+"""The planner's memory beside each row (report/memcheck.py, plan/local.need), on a real H100 run's rows
 (tests/data: GPT-2 small in bf16 on cuda:0x2, 2026-11-26) and on layouts of every strategy family."""
 
 import dataclasses
@@ -9,17 +9,17 @@ import pytest
 from rich.console import Console
 
 from parallel.config import RunConfig
-from parallel.harness import memcheck
+from parallel.loop.results import Row
+from parallel.models.usermodel import shape_model
 from parallel.plan import local
-from parallel.results import Row
-from parallel.usermodel import shape_model
+from parallel.report import memcheck
 
 H100 = Path(__file__).parent / "data" / "h100_gpt2_small_results.json"
 
 
 @pytest.fixture
 def one_gpu(monkeypatch):
-    from parallel import devices
+    from parallel.world import devices
     from tests.strict_cuda import StrictCuda
 
     monkeypatch.setattr(devices, "CUDA", StrictCuda(count=1))  # the H100 run's cuda:0x2 parses here

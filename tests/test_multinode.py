@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from parallel.config import RunConfig
-from parallel.harness.launch import LoopbackStore
-from parallel.workloads import WORKLOADS
+from parallel.launch.child import LoopbackStore
+from parallel.models.workloads import WORKLOADS
 from tests.conftest import ROOT, session_alive
 from tests.multirank import uninterrupted
 

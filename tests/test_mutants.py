@@ -12,7 +12,7 @@ import torch
 
 from parallel import cli, strategies
 from parallel.config import RunConfig
-from parallel.harness import mutants, named
+from parallel.judge import mutants, named
 from tests.test_oracle import PARITY_RUN, _cheapest
 
 pytestmark = pytest.mark.timeout(300)
@@ -70,7 +70,7 @@ def test_the_oracle_catches_the_injected_bug(mutant_results, name):
 
 
 def _caught(name: str, verdict: str, reason: str, ratio: float | None, line: str) -> None:
-    """What must catch the bug `name` did (harness/named.py): the oracle's mismatch; a hang's one-line
+    """What must catch the bug `name` did (judge/named.py): the oracle's mismatch; a hang's one-line
     diagnosis naming a collective, its step and the rank the bug sits on (its strategy module's BUG_RANK);
     --check-replicas' line."""
     shows = named.shows(name)
@@ -132,7 +132,7 @@ def _bf16_jobs() -> list:
 def test_bf16_runs_are_judged_by_a_rule_that_says_so_and_still_catch_a_missing_average(bug_runs):
     # --precision bf16: `single` under the same autocast, the bf16 rule (20% of each tensor's movement),
     # looser than fp32's because a split batch rounds its products to bf16 before summing. ddp --compress
-    # bf16: fp32 training whose gradients travel in bf16, judged by ddp's own stated rule (harness/
+    # bf16: fp32 training whose gradients travel in bf16, judged by ddp's own stated rule (judge/
     # equivalence.py, ddp.tolerance). Honest runs match under both; the bugs are still caught.
     *autocast, compress, bug_bf16, bug_compressed = bug_runs[1]["bf16"]  # _bf16_jobs
     assert autocast and all(o.equivalence.verdict == "match" and o.equivalence.basis.startswith("bf16 autocast")

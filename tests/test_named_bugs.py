@@ -1,4 +1,4 @@
-"""The injected bugs a diagnosis must name (harness/named.py: a hang's, --check-replicas'), and the
+"""The injected bugs a diagnosis must name (judge/named.py: a hang's, --check-replicas'), and the
 vocabulary split the oracle names, on cpu:4 too: which rank gloo aborts, which receives the collective a
 rank left out, and a vocabulary that 4 ranks split with a remainder of 3, not 1, depend on the ranks.
 (On cpu:2 they run in the catalogue: test_mutants.py. A module of their own, so that `--dist loadfile`
@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from parallel import strategies
-from parallel.harness import mutants
+from parallel.judge import mutants
 from tests.test_mutants import _caught
 
 pytestmark = pytest.mark.timeout(300)

@@ -1,4 +1,4 @@
-"""The oracle (harness/equivalence.py): per-tensor and per-step verdicts, and every synchronous strategy of
+"""The oracle (judge/equivalence.py): per-tensor and per-step verdicts, and every synchronous strategy of
 the registry against `single` on every workload it trains. The injected bugs it must catch:
 test_mutants.py (a module of its own, so that the suite's two workers share the two halves)."""
 
@@ -10,9 +10,9 @@ import torch
 
 from parallel import strategies
 from parallel.config import RunConfig
-from parallel.errors import ConfigError
-from parallel.harness import equivalence, mutants
-from parallel.workloads import WORKLOADS
+from parallel.judge import equivalence, mutants
+from parallel.models.workloads import WORKLOADS
+from parallel.world.errors import ConfigError
 from tests.multirank import FP64_MARGIN
 
 pytestmark = pytest.mark.timeout(300)

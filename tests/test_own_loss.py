@@ -11,11 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parallel import strategies, usermodel
+from parallel import strategies
 from parallel.config import RunConfig
-from parallel.dist import Dist
-from parallel.outputs import call, logits_of, loss_in
+from parallel.models import usermodel
+from parallel.models.outputs import call, logits_of, loss_in
 from parallel.worker import execute
+from parallel.world.dist import Dist
 from tests.conftest import ROOT, in_process, judged
 from tests.multirank import FP64_MARGIN, judged_on_ranks
 

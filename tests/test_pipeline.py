@@ -8,12 +8,12 @@ import torch
 
 from parallel import strategies
 from parallel.config import RunConfig
-from parallel.dist import Dist
 from parallel.kit import schedules, stages, tied
 from parallel.measure import pipelines, stage_time
-from parallel.strategies import pipeline
+from parallel.models.workloads import WORKLOADS
+from parallel.strategies.model import pipeline
 from parallel.worker import execute
-from parallel.workloads import WORKLOADS
+from parallel.world.dist import Dist
 from tests.conftest import judged
 from tests.multirank import FP64_MARGIN
 

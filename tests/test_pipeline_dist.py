@@ -12,7 +12,7 @@ from parallel import strategies
 from parallel.config import ConfigError, RunConfig
 from parallel.kit import schedules
 from parallel.measure import pipelines
-from parallel.strategies import pipeline_dist
+from parallel.strategies.model import pipeline_dist
 from tests.multirank import judged_on_ranks
 
 pytestmark = pytest.mark.timeout(300)
@@ -97,7 +97,7 @@ def test_refusals_name_the_numbers(refused, argv, message):
 
 
 def test_the_report_explains_a_bubble_well_over_its_theory_and_shows_every_pipeline_row():
-    from parallel.results import Measured, Row
+    from parallel.loop.results import Measured, Row
 
     def row(name, idle, busy):
         result = pipelines.Result("params", "0-2 | 3-11", [0, 3, 12], "1f1b", 4, busy_ms=busy,
@@ -146,10 +146,10 @@ def _bounds_by_time(rank, world):
     import torch
     import torch.distributed as td
 
-    from parallel.dist import Dist
     from parallel.kit import stages
+    from parallel.models.usermodel import workload_of
     from parallel.strategies.base import options_of
-    from parallel.usermodel import workload_of
+    from parallel.world.dist import Dist
 
     sent, send = [], td.send
 
@@ -173,7 +173,7 @@ def test_the_cut_by_time_prices_the_hop_as_a_send_between_ranks():
     import torch
 
     from parallel.kit.stages import layers_of
-    from parallel.usermodel import workload_of
+    from parallel.models.usermodel import workload_of
     from tests.multirank import run_ranks
 
     (bounds, sent0), (same, sent1) = run_ranks(_bounds_by_time, 2, timeout=60)

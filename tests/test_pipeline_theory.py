@@ -20,7 +20,7 @@ from parallel.measure.replay import (
     torch_orders,
 )
 from parallel.measure.stage_time import simulate
-from parallel.strategies import pipeline_dist
+from parallel.strategies.model import pipeline_dist
 
 
 def orders(schedule: str, p: int, m: int, groups: bool = False):

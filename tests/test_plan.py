@@ -10,13 +10,15 @@ import shutil
 import pytest
 from torch.nn.attention import SDPBackend
 
-from parallel import cli, formulas, strategies
+from parallel import cli, strategies
 from parallel.config import ConfigError, RunConfig
-from parallel.plan import cost, models, search, stages, validate
+from parallel.measure import formulas
+from parallel.models.workloads import WORKLOADS
+from parallel.plan import cost, models, search, stages
 from parallel.plan import memory as pm
+from parallel.plan.evidence import validate
 from parallel.plan.hardware import Cluster, Efficiency, Gpu, cluster
 from parallel.plan.layouts import Layout, Training
-from parallel.workloads import WORKLOADS
 from tests.conftest import ROOT
 from tests.test_activations import measured
 
@@ -314,7 +316,7 @@ def _cap_config(**kw) -> RunConfig:
 
 
 def test_a_strategy_the_planner_puts_over_the_cap_is_refused_or_left_out():
-    from parallel.harness.runner import select_runs as run_plan
+    from parallel.compare import select_runs as run_plan
 
     config = _cap_config(memory_cap_mb=CAP_MB)
     with pytest.raises(ConfigError, match=r"^ddp: the planner puts it at 5\.\d MiB a device \(model state 4\.8, "
@@ -332,8 +334,8 @@ def test_a_strategy_the_planner_puts_over_the_cap_is_refused_or_left_out():
 
 
 def _run_two(rank, world):
-    from parallel.dist import Dist
     from parallel.worker import execute
+    from parallel.world.dist import Dist
 
     dist = Dist(rank=rank, local_rank=rank, world_size=world, local_world_size=world)
     out = {}

@@ -11,12 +11,13 @@ import pytest
 
 from parallel import cli
 from parallel.config import RunConfig
-from parallel.harness import costmodel, notes
-from parallel.plan import calibration, cost, validate
+from parallel.models.transformer import Transformer
+from parallel.plan import calibration, cost
+from parallel.plan.evidence import validate
 from parallel.plan.hardware import GPUS, Cluster
 from parallel.plan.layouts import Layout, Training
 from parallel.plan.models import ModelSpec
-from parallel.transformer import Transformer
+from parallel.report import costmodel, notes
 
 pytestmark = pytest.mark.timeout(120)
 H100 = json.loads(open("tests/data/h100_gpt2_small_results.json").read())  # a real H100 run, stopped: no cost_model

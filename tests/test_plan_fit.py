@@ -1,6 +1,6 @@
 """The planner held against the Ultra-Scale Playbook's one-node H100 rows (parallel/plan/data): the scores a
 user would judge it by, nanotron's stack as read in its code, every fitted constant fitted again from the rows
-it names (python -m parallel.plan.fit), leave one model out, the roles of the validation sets, and ties.
+it names (python -m parallel.plan.evidence.fit), leave one model out, the roles of the validation sets, and ties.
 In-process: nothing trains here."""
 
 import json
@@ -8,8 +8,9 @@ import json
 import pytest
 
 from parallel import cli
-from parallel.plan import fit, search, stages, validate
-from parallel.plan import playbook as pb
+from parallel.plan import search, stages
+from parallel.plan.evidence import fit, validate
+from parallel.plan.evidence import playbook as pb
 from parallel.plan.layouts import Layout, Training
 from parallel.plan.stacks import STACKS
 
@@ -104,7 +105,7 @@ def test_the_scores_can_fail_torchs_stack_on_nanotrons_runs_loses_a_fifth():
 
 @pytest.mark.slow  # fits the constants again (4-8 s each)
 def test_the_fit_gives_the_constants_in_the_code(capsys):
-    """python -m parallel.plan.fit --check: nanotron's four from the Playbook rows, the H100's launch_s from
+    """python -m parallel.plan.evidence.fit --check: nanotron's four from the Playbook rows, the H100's launch_s from
     the bare loop, the A100's efficiencies within 0.2 points of Table 5's best."""
     assert fit.main(["--check", "--no-loo"]) == 0
     report = json.loads(capsys.readouterr().out)

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from parallel import cli
-from parallel.plan import cost, models, validate
+from parallel.plan import cost, models
+from parallel.plan.evidence import validate
 from parallel.plan.hardware import GPUS, Cluster, Efficiency
 from parallel.plan.layouts import Layout, Training
 from parallel.plan.stacks import STACKS

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from parallel import cli, cliargs, strategies
+from parallel.compare import select_runs
 from parallel.config import ConfigError, RunConfig
-from parallel.devicespec import DeviceSpec, parse_devices
-from parallel.dist import Dist, script_devices
-from parallel.harness import scaling
-from parallel.harness.runner import select_runs
+from parallel.report import scaling
+from parallel.world.devicespec import DeviceSpec, parse_devices
+from parallel.world.dist import Dist, script_devices
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.timeout(120)
@@ -60,7 +60,7 @@ def test_preflights_batch_is_a_multiple_of_the_world(n, tmp_path):
 
 
 def test_the_interleaved_schedules_get_whole_rounds_of_micro_batches():
-    from parallel.strategies import pipeline_dist
+    from parallel.strategies.model import pipeline_dist
 
     config = RunConfig(devices="cpu:3", batch_auto=True, options={"schedule": "interleaved1f1b"}).validate()
     assert pipeline_dist.fit_microbatches(config, 3, 513) == {"microbatches": 9}  # 6 does not divide 513
@@ -145,7 +145,7 @@ def test_one_device_rows_say_nothing_runs_in_parallel():
 
 
 def test_runs_on_gpus_have_tf32_off_and_say_so(strict_cuda, monkeypatch):
-    from parallel import machine
+    from parallel.world import machine
     from tests.test_gpu_paths import _config, _execute
 
     _execute("single", _config("cuda:0"), strict_cuda, monkeypatch)
@@ -156,7 +156,7 @@ def test_runs_on_gpus_have_tf32_off_and_say_so(strict_cuda, monkeypatch):
 
 
 def test_cudas_fp32_is_exact_after_exact_fp32():
-    from parallel.devices import Cuda
+    from parallel.world.devices import Cuda
 
     cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
     before = (cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision, matmul.fp32_precision)

@@ -46,7 +46,7 @@ def test_a_stopped_preflight_prints_one_line_and_keeps_its_finished_checks(tmp_p
     # SIGTERM (a scheduler, `timeout`) is turned into Ctrl-C's KeyboardInterrupt (cli._interrupt); before, a
     # stopped preflight printed a 20-line traceback and kept nothing (H100, 2026-11-25)
     from parallel import preflight
-    from parallel.results import Equivalence, Row
+    from parallel.loop.results import Equivalence, Row
 
     def stopped_after_one_row(config, chosen, on_row):
         row = Row("single", "", "inprocess", config.devices, "serial", 1, config.batch_size)
@@ -66,8 +66,8 @@ def test_a_stopped_preflight_prints_one_line_and_keeps_its_finished_checks(tmp_p
 
 def test_a_comparison_stopped_after_its_rows_prints_one_line(tmp_path, monkeypatch, capsys, signals_restored):
     # Stopped in the cost model's timing, after every row was saved: the traceback an H100 run printed
-    from parallel.harness import costmodel
-    from parallel.results import Equivalence, Row
+    from parallel.loop.results import Equivalence, Row
+    from parallel.report import costmodel
 
     def finished(config, chosen, baseline, on_row):  # `single`'s row, as a child would have written it
         row = Row("single", "", "inprocess", config.devices, "virtual", 1, config.batch_size, step_ms_p50=1.0)

@@ -15,7 +15,7 @@ The files mimic what torch.profiler (Kineto) writes with ProfilerActivity.CUDA, 
 
 import json
 
-from parallel.profiling import merge
+from parallel.loop.profiling import merge
 from tests.test_cli import assert_one_timeline
 
 BASE_NS = 1_790_000_000_000_000_000

@@ -17,14 +17,15 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from parallel import checkpoint, cli, strategies
+from parallel import cli, strategies
 from parallel.config import ConfigError, RunConfig
-from parallel.dist import Dist
-from parallel.harness import launch
+from parallel.launch import child as launch
+from parallel.loop import checkpoint
+from parallel.loop.train import NonFiniteLoss, make_optimizer
+from parallel.models.workloads import WORKLOADS
 from parallel.strategies.base import Trainable
-from parallel.train import NonFiniteLoss, make_optimizer
 from parallel.worker import execute
-from parallel.workloads import WORKLOADS
+from parallel.world.dist import Dist
 from tests.conftest import ROOT, in_process
 from tests.multirank import uninterrupted
 
@@ -238,7 +239,7 @@ def test_ctrl_c_keeps_finished_rows_and_leaves_no_child_and_every_store_listened
     while time.monotonic() < deadline and not (tmp_path / "logs" / "ddp.log").exists():
         time.sleep(0.2)
     # Meanwhile: torch's TCPStore listens on every interface and `torchrun --standalone` hosts two of them
-    # (pytorch#173909); the harness's launch keeps every listening socket on 127.0.0.1 (harness/launch.py).
+    # (pytorch#173909); the harness's launch keeps every listening socket on 127.0.0.1 (launch/child.py).
     start, seen = time.monotonic(), []
     while time.monotonic() < start + 20 and (len(seen) < 3 or time.monotonic() < start + 3):
         time.sleep(0.5)  # the harness's store, rank 0's store, gloo's
@@ -278,8 +279,8 @@ def _watchdog_as_under_nccl(rank, world):
     rank 1 stops responding, rank 0 must name it."""
     import torch.distributed as td
 
-    from parallel import dist as dist_module
-    from parallel import train
+    from parallel.loop import train
+    from parallel.world import dist as dist_module
 
     real = td.get_backend
     td.get_backend = lambda group=None: "nccl" if group is None else real(group)  # the default group's alone

@@ -13,9 +13,9 @@ import sys
 import pytest
 from rich.console import Console
 
-from parallel import cli
-from parallel.harness import notes, overview, page, report, runner
-from parallel.results import Equivalence, Measured, Row
+from parallel import cli, compare
+from parallel.loop.results import Equivalence, Measured, Row
+from parallel.report import notes, overview, page, report
 from tests.conftest import ROOT
 
 FIXTURE = ROOT / "tests" / "data" / "compare_cpu2.json"
@@ -79,7 +79,7 @@ def test_notes_fold_to_about_ten_lines_and_repeats_into_one():
     assert len(lines) <= 10
     assert sum(line.startswith("- skipped:") for line in lines) == 1
     rows, env, skipped, _ = load(quiet=False)  # the fixture as measured: most rows under load
-    runner.flag(rows)
+    compare.flag(rows)
     text = render(100, rows, env, skipped)
     noisy = [line for line in text.splitlines() if "noisy" in line and line.startswith("- ")]
     assert len(noisy) == 1 and "of the CPU" in noisy[0] and "--repeat" in noisy[0]
@@ -124,7 +124,7 @@ def test_the_verdict_says_what_backs_it_and_what_it_cannot_tell_apart():
 def test_impossible_measurements_are_flagged():
     r = row("ddp", 1.5)
     r.measured = Measured(exposed_comm_ms=-48.8, exposed_over_allreduce=-3.0)
-    runner.flag([row("single", 1.0, "baseline", world=1), r])
+    compare.flag([row("single", 1.0, "baseline", world=1), r])
     assert any("exposed communication measured -48.8 ms" in f for f in r.flags)
     assert overview.status(r) == "flag" and not any("communication not hidden" in a for a in notes.advice([r]))
 
@@ -162,7 +162,7 @@ def test_report_of_a_folder_without_results_is_one_line(tmp_path, capfd):
 def test_a_row_with_paired_rounds_is_not_told_to_repeat():
     r = row("ddp", 1.5, rounds=[1.4, 1.5, 1.6])
     r.foreign_cpu = 0.6
-    runner.flag([row("single", 1.0, "baseline", world=1), r])
+    compare.flag([row("single", 1.0, "baseline", world=1), r])
     assert r.flags and all("--repeat" not in f for f in r.flags)
 
 

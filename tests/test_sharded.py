@@ -9,11 +9,11 @@ import torch
 
 from parallel import strategies
 from parallel.config import RunConfig
-from parallel.dist import Dist
-from parallel.harness import equivalence, mutants
+from parallel.judge import equivalence, mutants
 from parallel.measure import sharded
+from parallel.models.workloads import WORKLOADS
 from parallel.worker import execute
-from parallel.workloads import WORKLOADS
+from parallel.world.dist import Dist
 from tests.multirank import FP64_MARGIN, faulted_and_resumed, run_ranks
 
 pytestmark = pytest.mark.timeout(240)
@@ -87,7 +87,7 @@ def test_sharded_strategies_match_single_and_shard_what_the_paper_says(world, wo
         key = (workload, config.precision)
         if key not in refs:  # `single` on the same run (the strategies' options are not its)
             refs[key] = equivalence.reference_of(config, *execute(strategies.get("single"), config, Dist()))
-        # The oracle's fp64 rule (harness/equivalence.py): the ranks' sums differ from one device's in order
+        # The oracle's fp64 rule (judge/equivalence.py): the ranks' sums differ from one device's in order
         # only, rounding far below it (FP64_MARGIN); bf16 mixed precision by fsdp's own stated rule (20%).
         verdict = equivalence.judge(strategies.get(name), config, refs[key], row, state)
         label = (name, options, mutant, workload, verdict)

@@ -15,11 +15,11 @@ from torch import nn
 
 from parallel import strategies
 from parallel.config import RunConfig
-from parallel.data import SyntheticData
-from parallel.dist import Dist
 from parallel.kit.ring_attention import Layout
-from parallel.strategies import context_parallel
-from parallel.workloads import WORKLOADS
+from parallel.models.data import SyntheticData
+from parallel.models.workloads import WORKLOADS
+from parallel.strategies.model import context_parallel
+from parallel.world.dist import Dist
 from tests.multirank import run_ranks
 from tests.strict_cuda import StrictCuda, on_cpu
 
@@ -169,8 +169,8 @@ def _steps(rank, world, runs, before_the_fix: bool):
     was before 8140831."""
     import torch.distributed as td
 
-    from parallel import devices
     from parallel.worker import execute
+    from parallel.world import devices
 
     cuda = StrictCuda(world)
     devices.CUDA = cuda  # this rank is a process of its own: nothing to put back

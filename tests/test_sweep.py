@@ -7,8 +7,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from parallel import cli, sweep
-from parallel.data import SyntheticData
-from parallel.workloads import WORKLOADS
+from parallel.models.data import SyntheticData
+from parallel.models.workloads import WORKLOADS
 
 pytestmark = pytest.mark.timeout(180)
 

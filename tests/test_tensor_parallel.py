@@ -10,7 +10,7 @@ import torch
 
 from parallel.config import RunConfig
 from parallel.measure import layers, result_of
-from parallel.workloads import WORKLOADS
+from parallel.models.workloads import WORKLOADS
 from tests.multirank import faulted_and_resumed, judged_on_ranks, run_ranks
 
 pytestmark = pytest.mark.timeout(240)

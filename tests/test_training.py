@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from parallel import strategies
-from parallel.data import SyntheticData
-from parallel.dist import Dist
-from parallel.layout import ParallelDims
-from parallel.nets import MLP
-from parallel.timing import StepTimer, summarize
-from parallel.train import NonFiniteLoss, step_lines, train
+from parallel.loop.timing import StepTimer, summarize
+from parallel.loop.train import NonFiniteLoss, step_lines, train
+from parallel.models.data import SyntheticData
+from parallel.models.nets import MLP
+from parallel.models.workloads import WORKLOADS
 from parallel.worker import execute
-from parallel.workloads import WORKLOADS
+from parallel.world.dims import ParallelDims
+from parallel.world.dist import Dist
 
 REPLICAS = lambda config, dist: ParallelDims.data_parallel(dist.world_size)  # noqa: E731 - what the loop asks a strategy
 
@@ -47,9 +47,9 @@ def test_warmup_steps_are_trained_but_not_timed(small, monkeypatch):
         calls.append(batch[0].shape[0])
         return torch.tensor(1.0)
 
-    import parallel.train
+    import parallel.loop.train
 
-    monkeypatch.setattr(parallel.train, "StepTimer", lambda sync: StepTimer(sync, clock=lambda: now[0]))
+    monkeypatch.setattr(parallel.loop.train, "StepTimer", lambda sync: StepTimer(sync, clock=lambda: now[0]))
     fake = SimpleNamespace(name="fake", train_step=train_step, dims=REPLICAS)
     data = SyntheticData(WORKLOADS["cnn"], 0, config.batch_size)
     result = train(fake, None, data, config, Dist())
@@ -152,7 +152,7 @@ def test_the_worker_logs_a_line_a_step_and_names_the_run(small, tmp_path, capsys
 
 @pytest.mark.slow
 def test_torchrun_logs_its_steps_once_from_rank_0(small, tmp_path):
-    from parallel.harness.runner import run_one
+    from parallel.compare import run_one
 
     logs = tmp_path / "logs"
     logs.mkdir()

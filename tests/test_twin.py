@@ -1,5 +1,5 @@
 """Too big for one device (#44): when the planner puts `single` over --memory-cap, the strategies that fit
-still run, each judged against `single` on the shallow twin (harness/twin.py), and the speedups are over
+still run, each judged against `single` on the shallow twin (judge/twin.py), and the speedups are over
 the fastest that matched. The plan, the twin's depth, the speedups and the report are checked in this
 process; one end-to-end pair of runs (slow) shows the run passing, and an injected bug still caught. (A
 Hugging Face model's twin: tests/test_hf.py.)"""
@@ -11,12 +11,13 @@ import pytest
 from rich.console import Console
 
 from parallel import strategies
+from parallel.compare import select_runs
 from parallel.config import ConfigError, RunConfig
-from parallel.harness import equivalence, report, twin
-from parallel.harness.runner import select_runs
+from parallel.judge import equivalence, twin
+from parallel.loop.results import Equivalence, Row
+from parallel.models.usermodel import shape_model, workload_of
 from parallel.plan import local
-from parallel.results import Equivalence, Row
-from parallel.usermodel import shape_model, workload_of
+from parallel.report import report
 from tests.conftest import ROOT, in_process
 
 pytestmark = pytest.mark.timeout(120)
@@ -56,7 +57,7 @@ def test_single_over_the_cap_trains_the_twin_and_the_strategies_that_fit_run_who
 def deep(tmp_path):
     """A user's factory with a depth argument: the built-in transformer's blocks (narrow), 6 by default."""
     path = tmp_path / "deep.py"
-    path.write_text("from parallel.transformer import Transformer\n\n"
+    path.write_text("from parallel.models.transformer import Transformer\n\n"
                     "def build(seed, vocab=16, seq_len=8, layers=6):\n"
                     "    return Transformer(vocab, seq_len, 32, layers, 2)\n")
     return lambda cap: _config(model=f"{path}:build", vocab=16, seq_len=8, workload="", memory_cap_mb=cap)

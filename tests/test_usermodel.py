@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from parallel import strategies, userchecks, userload, usermodel
+from parallel import strategies
 from parallel.config import ConfigError, RunConfig
-from parallel.dist import Dist
 from parallel.measure import sharded
+from parallel.models import userchecks, userload, usermodel
+from parallel.models.workloads import WORKLOADS
 from parallel.worker import execute
-from parallel.workloads import WORKLOADS
+from parallel.world.dist import Dist
 from tests.conftest import ROOT, in_process, judged
 from tests.multirank import judged_on_ranks
 
@@ -220,7 +221,7 @@ def test_the_built_in_workloads_are_unchanged():
 
 
 def test_the_oracle_catches_a_bug_in_a_users_model_and_widens_only_for_measured_noise(model_file):
-    from parallel.harness import equivalence, noise
+    from parallel.judge import equivalence, noise
 
     c = config(model_file)
     _, verdict = judged("manual_dp", dataclasses.replace(c, mutant="manual_dp:stale-replica"))
@@ -240,7 +241,7 @@ def test_the_noise_of_a_users_model_is_measured_on_its_own_gpu_never_on_the_cpu(
     # #44: on GPUs the noise run was `single` on the CPU (minutes at a real size). Now it is the batch in two
     # accumulated halves, a ddp child on the run's own GPU (`rerun`, the runner's run_one); this process
     # opens no CUDA context. Here the child is stood in for by the CPU's `single` on the same config.
-    from parallel.harness import equivalence, noise
+    from parallel.judge import equivalence, noise
 
     c = dataclasses.replace(config(model_file), devices="cuda:0,1").validate()
     assert c.spec.real

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.distributed as td
 
-from parallel import wire
 from parallel.kit import collectives
+from parallel.loop import wire
 from tests.multirank import run_ranks
 
 pytestmark = pytest.mark.timeout(120)

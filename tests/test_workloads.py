@@ -10,13 +10,13 @@ from torch import nn
 
 from parallel import strategies
 from parallel.config import RunConfig
-from parallel.data import SyntheticData
-from parallel.dist import Dist
-from parallel.errors import ConfigError
 from parallel.kit.sync_batchnorm import AllReduceBatchNorm1d, AllReduceBatchNorm2d
+from parallel.models.data import SyntheticData
+from parallel.models.workloads import WORKLOADS, in_chunks
 from parallel.strategies.base import OptimizerGroup, make_optimizers
 from parallel.worker import execute
-from parallel.workloads import WORKLOADS, in_chunks
+from parallel.world.dist import Dist
+from parallel.world.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -156,7 +156,7 @@ def test_token_data_at_a_real_vocabulary_holds_the_chain_and_one_batch_only():
 
 @pytest.mark.slow
 def test_the_data_cost_benchmark_measures_a_batch_in_a_fresh_process():
-    from parallel.harness import data_cost
+    from parallel.tools import data_cost
 
     (run,) = data_cost.measure(vocab=64, seq_len=32, batch=8, runs=1)
     assert run["chain_bytes"] == 64 * 4 * 8 and run["batch_bytes"] == 2 * 8 * 32 * 8 and run["peak_rise_bytes"] >= 0

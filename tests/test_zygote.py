@@ -1,6 +1,6 @@
-"""harness/zygote.py: a child forked from the zygote is what launch.run_child's Popen made, only sooner: its
+"""launch/zygote.py: a child forked from the zygote is what launch.run_child's Popen made, only sooner: its
 own session, the environment and arguments given, its output in the log, its exit code, and ended with
-whatever it started by a kill of its group (launch._kill_group), a timeout included. harness/forked.py:
+whatever it started by a kill of its group (launch._kill_group), a timeout included. launch/forked.py:
 the stand-in torchrun starts for a worker passes on its output, exit code and signals, and its death."""
 
 import os
@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from parallel.harness import launch, zygote
+from parallel.launch import child as launch
+from parallel.launch import zygote
 
 pytestmark = pytest.mark.timeout(120)
 SCRIPT = """import os, sys, time
@@ -70,7 +71,7 @@ def _gone(pid: int, within: float = 10.0) -> bool:
 def _stand_in(module, *args, env=None):
     """What torchrun's agent does for a worker: Popen the stand-in in a session of its own."""
     env = {**os.environ, **(env or {})}
-    proc = subprocess.Popen([sys.executable, "-m", "parallel.harness.forked", module, *args], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "parallel.launch.forked", module, *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     first, second = proc.stdout.readline(), proc.stdout.readline()  # the worker's lines, through the stand-in
     pid, parent = map(int, second.split()[1::2])

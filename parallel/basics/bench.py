@@ -28,10 +28,10 @@ import torch
 from torch import nn
 
 from parallel.basics import implausible
-from parallel.data import SyntheticData
-from parallel.devices import gpu_count, synchronizer
-from parallel.timing import StepTimer, summarize
-from parallel.workloads import WORKLOADS
+from parallel.loop.timing import StepTimer, summarize
+from parallel.models.data import SyntheticData
+from parallel.models.workloads import WORKLOADS
+from parallel.world.devices import gpu_count, synchronizer
 
 
 def time_synced(fn: Callable[[], object], synchronize: Callable[[], None], repeats: int, warmup: int = 2) -> dict:
@@ -126,7 +126,7 @@ class Line:
     device: str
     synced: dict  # summarize(): p50_ms, min_ms, max_ms, ...
     naive: dict
-    others_cpu: float | None = None  # share of the CPU other processes used meanwhile (harness/load.py)
+    others_cpu: float | None = None  # share of the CPU other processes used meanwhile (world/load.py)
 
 
 def run(scale: float = 1.0, repeats: int = 10, devices: list[torch.device] | None = None,

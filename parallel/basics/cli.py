@@ -14,10 +14,10 @@ from rich.table import Table
 from parallel.basics import bench, implausible, savers
 from parallel.basics import memory as mem
 from parallel.basics import streams as st
-from parallel.devices import activate, gpu_count
-from parallel.devicespec import parse_devices
-from parallel.errors import ConfigError
-from parallel.results import atomic_write, prepare_out
+from parallel.loop.results import atomic_write, prepare_out
+from parallel.world.devices import activate, gpu_count
+from parallel.world.devicespec import parse_devices
+from parallel.world.errors import ConfigError
 
 MiB = 2**20
 
@@ -206,8 +206,8 @@ def layer_recompute(workload: str, device: torch.device, batch: int) -> dict[str
     """One block of a token workload, on one batch, without recomputation, with its attention core
     recomputed ("selective") and with all of it ("full"): measured beside activations.formula ({} for
     the workloads without transformer blocks)."""
-    from parallel import activations
-    from parallel.workloads import WORKLOADS
+    from parallel.measure import activations
+    from parallel.models.workloads import WORKLOADS
 
     w = WORKLOADS[workload]
     block = activations.block_of(w.build_model(0)) if w.data == "tokens" else None

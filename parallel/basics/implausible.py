@@ -6,7 +6,7 @@ A figure is flagged "noisy" when
     very different speeds, a step with its loading shorter than the step alone;
   - its repeats disagree so much that the median says nothing: the median is SPREAD x the fastest repeat
     or more, so most repeats were slowed by something other than the work;
-  - other processes used more than load.NOISY of the machine's CPU while it was measured (harness/load.py).
+  - other processes used more than load.NOISY of the machine's CPU while it was measured (world/load.py).
 
 Each flag is one line: what is wrong, why it cannot be, and what to do. `bench` and `sweep` mark the
 flagged cells in their tables and print the lines under them; the JSON they write carries them too.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 
-from parallel.harness.load import NOISY, ForeignLoad
+from parallel.world.load import NOISY, ForeignLoad
 
 SPREAD = 1.5  # median / fastest repeat at or over this: most repeats were disturbed
 FASTER = 1.10  # "cannot be faster" allows this much: two medians of a few repeats each differ by a few %

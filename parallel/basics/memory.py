@@ -14,7 +14,7 @@ import resource
 
 import torch
 
-from parallel.devices import cuda_memory, empty_cache
+from parallel.world.devices import cuda_memory, empty_cache
 
 MiB = 2**20
 

@@ -29,12 +29,12 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint_sequential
 
 from parallel.basics import implausible
-from parallel.data import SyntheticData
-from parallel.devices import activate, empty_cache, peak_memory, reset_peak_memory, synchronizer
-from parallel.errors import ConfigError
 from parallel.kit.tensors import state_bytes
-from parallel.timing import StepTimer, summarize
-from parallel.workloads import WORKLOADS
+from parallel.loop.timing import StepTimer, summarize
+from parallel.models.data import SyntheticData
+from parallel.models.workloads import WORKLOADS
+from parallel.world.devices import activate, empty_cache, peak_memory, reset_peak_memory, synchronizer
+from parallel.world.errors import ConfigError
 
 MODES = {"fp32": (False, False), "autocast": (True, False), "checkpointing": (False, True), "both": (True, True)}
 SEGMENTS = 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as td
 
-from parallel.dist import local
+from parallel.world.dist import local
 
 # gloo has reduce_scatter_single / all_gather_single in torch 2.13; torch 2.11 (the oldest the suite ran on)
 # has only reduce_scatter_tensor / all_gather_into_tensor (deprecated names in 2.13).

@@ -1,5 +1,5 @@
 """The all-to-all of expert parallelism (by hand): a routed layer's rows to the ranks holding their experts,
-through those experts, and back (strategies/expert_parallel.py puts a `Dispatch` in every MoE layer).
+through those experts, and back (strategies/model/expert_parallel.py puts a `Dispatch` in every MoE layer).
 
     rows sorted by expert ----- counts: all-to-all (E per rank) ----->  how many rows come from whom
     rows --------- all-to-all, splits = rows per destination rank ---->  the rank's experts on them
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as td
 
-from parallel.moe import MoE, Routing, combine, run_experts
+from parallel.models.moe import MoE, Routing, combine, run_experts
 
 
 class _AllToAll(torch.autograd.Function):

@@ -25,7 +25,7 @@ import torch.distributed as td
 from torch import nn
 
 from parallel.kit.collectives import sum_gradients
-from parallel.transformer import Attention
+from parallel.models.transformer import Attention
 
 
 @dataclass

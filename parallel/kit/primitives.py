@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from parallel import wire
-from parallel.devices import device_context
+from parallel.loop import wire
+from parallel.world.devices import device_context
 
 
 def device_label(device: torch.device, i: int) -> str:
@@ -114,7 +114,7 @@ class DeviceThreads:
 
 
 def _serve(inbox: queue.SimpleQueue, done: queue.SimpleQueue, threads_per_device: int, name: str) -> None:
-    from parallel.profiling import name_this_thread
+    from parallel.loop.profiling import name_this_thread
 
     name_this_thread(name)  # its track in a profile: "device cpu:0", not "python"
     torch.set_num_threads(threads_per_device)

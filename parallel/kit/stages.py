@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from parallel import wire
-from parallel.devices import synchronizer_all
-from parallel.errors import ConfigError
 from parallel.kit.saved import ActivationMeter
 from parallel.kit.tensors import param_bytes
 from parallel.kit.tied import sum_tied, untie
-from parallel.timing import median_time
-from parallel.usermodel import shape_model
+from parallel.loop import wire
+from parallel.loop.timing import median_time
+from parallel.models.usermodel import shape_model
+from parallel.world.devices import synchronizer_all
+from parallel.world.errors import ConfigError
 
 PIECE_BUDGET_S = 1.0  # seconds one layer's or stage's timing may take: all `reps` on toy models, fewer at real sizes
 
@@ -197,7 +197,7 @@ def agreed_cut(layers: list[nn.Module], k: int, balance: str, config, dist, micr
     cut an earlier row of the run decided (config.cuts) is taken as it is, on every rank alike."""
     import torch.distributed as td
 
-    from parallel.usermodel import workload_of
+    from parallel.models.usermodel import workload_of
 
     if given := given_cut(config, balance, k, layers):
         return given

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from parallel.dist import local
+from parallel.world.dist import local
 
 
 def tensor_bytes(t: torch.Tensor, allocated: bool = False) -> int:

@@ -25,7 +25,7 @@ class Family:
         return {}
 
     def predict_step_ms(self, cal, config, row) -> float | None:
-        """The cost model's step time for this strategy (harness/costmodel.py); None: no formula."""
+        """The cost model's step time for this strategy (report/costmodel.py); None: no formula."""
         return None
 
     def comm_bytes_predicted(self, model, config) -> float | None:

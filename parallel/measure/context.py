@@ -21,17 +21,18 @@ import torch
 from rich.table import Table
 from torch import nn
 
-from parallel import charts, measure, tables
-from parallel.devices import synchronizer
-from parallel.dist import local
-from parallel.formulas import element_bytes
+from parallel import measure
 from parallel.kit.collectives import every_rank
 from parallel.kit.ring_attention import Ring, work_alone
 from parallel.kit.tensors import param_bytes
+from parallel.loop.results import Row
+from parallel.measure.formulas import element_bytes
 from parallel.measure.sharded_cost import allreduce_every_gradient
-from parallel.results import Row
-from parallel.tables import count, largest, size
-from parallel.usermodel import workload_of
+from parallel.models.usermodel import workload_of
+from parallel.style import charts, tables
+from parallel.style.tables import count, largest, size
+from parallel.world.devices import synchronizer
+from parallel.world.dist import local
 
 
 @dataclass
@@ -178,7 +179,7 @@ def saved_bytes(model: nn.Module, run) -> tuple[int, int]:
 
 def single_saved_bytes(model: nn.Module, loss_fn, batch) -> tuple[int, int]:
     """saved_bytes of the whole sequence on one device: the same model, torch's attention, this process."""
-    from parallel.transformer import causal
+    from parallel.models.transformer import causal
 
     x, y = batch
     with attending(model, lambda _: causal):

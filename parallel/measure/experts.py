@@ -17,16 +17,18 @@ from typing import ClassVar
 import torch.distributed as td
 from torch import nn
 
-from parallel import charts, measure, tables, wire
-from parallel.devices import synchronizer
-from parallel.formulas import element_bytes
+from parallel import measure
 from parallel.kit.collectives import every_rank
 from parallel.kit.tensors import param_bytes
+from parallel.loop import wire
+from parallel.loop.results import Row
 from parallel.measure.context import by_rank, ms, per_rank_figure, sent
+from parallel.measure.formulas import element_bytes
 from parallel.measure.sharded_cost import ring_allreduce_bytes
-from parallel.results import Row
-from parallel.tables import largest, num, size
-from parallel.usermodel import workload_of
+from parallel.models.usermodel import workload_of
+from parallel.style import charts, tables
+from parallel.style.tables import largest, num, size
+from parallel.world.devices import synchronizer
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The layers family's measurement (manual_tp, tensor_parallel, fsdp_tp: the layers split over the ranks):
 the collectives per transformer block beside Megatron's count, the activations one forward saves, Megatron's
 textbook bytes and the cost model's step; and the report's table of one transformer layer's activations
-measured beside the formula (parallel/activations.py: the worker's LayerMeter, for every strategy that
+measured beside the formula (parallel/measure/activations.py: the worker's LayerMeter, for every strategy that
 declares LAYER_ACTIVATIONS: single and the context-parallel ones too).
 
     MEASURE = layers.Megatron()                          # manual_tp
@@ -20,15 +20,15 @@ from rich.table import Table
 from torch import nn
 
 from parallel import measure
-from parallel.formulas import element_bytes
 from parallel.kit import kv_copies
 from parallel.kit.saved import ActivationMeter
+from parallel.loop.results import Row
+from parallel.measure.formulas import element_bytes
 from parallel.measure.sharded_cost import ring_allreduce_bytes
-from parallel.outputs import call
-from parallel.results import Row
-from parallel.tables import size, table
-from parallel.usermodel import shape_model, workload_of
-from parallel.workloads import tp_plan_of
+from parallel.models.outputs import call
+from parallel.models.usermodel import shape_model, workload_of
+from parallel.models.workloads import tp_plan_of
+from parallel.style.tables import size, table
 
 
 @dataclass
@@ -141,7 +141,7 @@ def _layout(d: dict) -> str:
 
 def layer_table(rows: list[Row]) -> Table | None:
     """One transformer layer's activations on one rank, measured (each storage once) beside the formula
-    (parallel/activations.py) and its named terms: what tensor, sequence and context parallelism split."""
+    (parallel/measure/activations.py) and its named terms: what tensor, sequence and context parallelism split."""
     chosen = layer_rows(rows)
     if not chosen:
         return None

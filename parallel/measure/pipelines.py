@@ -11,13 +11,14 @@ import statistics
 from dataclasses import dataclass
 from typing import ClassVar
 
-from parallel import charts, measure, tables
+from parallel import measure
 from parallel.kit.collectives import every_rank
 from parallel.kit.schedules import SCHEDULES
 from parallel.kit.stages import describe
+from parallel.loop.results import Measured
 from parallel.measure.replay import closed_form_idle, hop_ms, pipeline_theory, torch_groups, torch_orders
 from parallel.measure.stage_time import gantt, simulate
-from parallel.results import Measured
+from parallel.style import charts, tables
 
 FAMILY = "pipelines"
 

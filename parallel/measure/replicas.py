@@ -12,7 +12,8 @@ import torch
 import torch.distributed as td
 
 from parallel import measure
-from parallel.formulas import element_bytes
+from parallel.loop.results import Measured
+from parallel.measure.formulas import element_bytes
 from parallel.measure.sharded import FAMILY, Result, _model_state, held
 from parallel.measure.sharded_cost import (
     allreduce_every_gradient,
@@ -20,8 +21,7 @@ from parallel.measure.sharded_cost import (
     predict_data_parallel_ms,
     timed_rounds,
 )
-from parallel.results import Measured
-from parallel.usermodel import workload_of
+from parallel.models.usermodel import workload_of
 
 EXTRAS_BUDGET_S = 10.0  # seconds ddp's interleaved rounds may take: all 10 on small models, 1 at real sizes
 

@@ -19,11 +19,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from parallel import measure
-from parallel.formulas import element_bytes, sgd_state, wire_bytes
 from parallel.kit.collectives import every_rank
 from parallel.kit.tensors import optimizer_state_bytes, param_bytes, tensor_bytes
+from parallel.measure.formulas import element_bytes, sgd_state, wire_bytes
 from parallel.measure.sharded_cost import measured_collectives, predict_data_parallel_ms, predict_sharded_ms
-from parallel.outputs import call
+from parallel.models.outputs import call
 
 FAMILY = "sharded"
 

@@ -9,12 +9,12 @@ import torch
 import torch.distributed as td
 from torch import nn
 
-from parallel.devices import synchronizer
-from parallel.formulas import wire_bytes
 from parallel.kit.collectives import all_gather, rank0_says, reduce_scatter
 from parallel.kit.tensors import param_bytes
-from parallel.results import Measured
-from parallel.timing import StepTimer, summarize
+from parallel.loop.results import Measured
+from parallel.loop.timing import StepTimer, summarize
+from parallel.measure.formulas import wire_bytes
+from parallel.world.devices import synchronizer
 
 
 def ring_allreduce_bytes(payload_bytes: float, world: int) -> float:

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from parallel import charts
 from parallel.measure.sharded import result
-from parallel.tables import largest, size, table
+from parallel.style import charts
+from parallel.style.tables import largest, size, table
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "send")
 

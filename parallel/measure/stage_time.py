@@ -15,10 +15,11 @@ import statistics
 import torch
 from torch.autograd.profiler import record_function
 
-from parallel import charts, wire
-from parallel.devices import IntervalClock
 from parallel.kit.saved import ActivationMeter
+from parallel.loop import wire
 from parallel.measure.replay import replay
+from parallel.style import charts
+from parallel.world.devices import IntervalClock
 
 PIECE = re.compile(r"(?:stage (\d+) )?([FBIWL])(\d+)$")  # a Busy label: "F3" (stage = its lane), "stage 2 W0"
 PIECE_COLOR = {"F": "#4c72b0", "B": "#dd8452", "I": "#dd8452", "W": "#8172b3", "L": "#55a868"}

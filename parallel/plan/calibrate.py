@@ -7,11 +7,11 @@ import json
 import math
 from pathlib import Path
 
-from parallel.errors import ConfigError
+from parallel.loop.results import atomic_write
 from parallel.plan import calibration
 from parallel.plan.hardware import GPUS, Efficiency
-from parallel.results import atomic_write
-from parallel.tables import table
+from parallel.style.tables import table
+from parallel.world.errors import ConfigError
 
 PARTS = ("compute", "optimizer", "overhead")
 

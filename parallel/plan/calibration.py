@@ -4,7 +4,7 @@ at other batch sizes) predicted with compare's own training, and Efficiency.scal
     measured(b)  =  predict(the run's model, one GPU, micro-batch b, compare's training; the kind's
                     efficiencies scaled: device work x c, per-kernel costs x o)
 
-One calibration, not two: harness/costmodel.py times `single` per batch size for the report's "pred."
+One calibration, not two: report/costmodel.py times `single` per batch size for the report's "pred."
 column; `plan --calibrate OUT` (plan/calibrate.py) and the report's planner note (costmodel.apply) both read
 those timings and single's row through `of_comparison` here, and neither times anything of its own.
 docs/planner.md, "Calibrating on your own GPU".
@@ -18,12 +18,12 @@ import re
 import statistics
 from collections.abc import Callable
 
-from parallel.errors import ConfigError
 from parallel.plan.cost import predict
 from parallel.plan.hardware import GPUS, Cluster, Gpu
 from parallel.plan.layouts import Layout, Training
 from parallel.plan.models import ModelSpec
 from parallel.plan.stacks import STACKS
+from parallel.world.errors import ConfigError
 
 # What the planner assumes a run trains with (layouts.Training's defaults), and what compare trains with
 # (train.make_optimizer, train.precision), in words for the output and calibration.json.

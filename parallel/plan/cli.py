@@ -6,11 +6,11 @@ import dataclasses
 import json
 import math
 
-from parallel.errors import ConfigError
 from parallel.plan import models, search
 from parallel.plan.hardware import GPUS, cluster
 from parallel.plan.layouts import ELEM, Training
 from parallel.plan.stacks import STACKS
+from parallel.world.errors import ConfigError
 
 # Context parallelism came to Megatron-LM in 2024; the Playbook's nanotron sweep ran none (no cp in its rows)
 NO_CONTEXT_PARALLEL = {"megatron-2022", "nanotron"}

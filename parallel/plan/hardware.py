@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from parallel.formulas import ring_seconds
+from parallel.measure.formulas import ring_seconds
 
 GiB = 2**30
 

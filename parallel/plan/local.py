@@ -17,20 +17,20 @@ import dataclasses
 
 from torch import nn
 
-from parallel.formulas import element_bytes, model_state
-from parallel.layout import ParallelDims
+from parallel.measure.formulas import element_bytes, model_state
+from parallel.models.usermodel import workload_of
 from parallel.plan.layouts import Layout, Training
 from parallel.plan.memory import layer_activations, params_per_gpu
 from parallel.plan.models import ModelSpec
 from parallel.plan.stages import in_flight
 from parallel.strategies.base import MemoryLayout
-from parallel.usermodel import workload_of
+from parallel.world.dims import ParallelDims
 
 
 def spec_of(model: nn.Module, seq: int = 0) -> ModelSpec | None:
     """The project's transformer (transformer.Transformer: embed, blocks of Block, head) as a ModelSpec,
     gpt or llama; `seq` the run's sequence length (a rotary model has no position table to read it from)."""
-    from parallel.transformer import Block, SwiGLU
+    from parallel.models.transformer import Block, SwiGLU
 
     dense = (nn.Sequential, SwiGLU)  # the MLPs the formula counts (an MoE block's is not)
     blocks = [m for m in getattr(model, "blocks", []) if isinstance(m, Block) and isinstance(m.mlp, dense)]
@@ -49,7 +49,7 @@ def declared(name: str, config) -> MemoryLayout | None:
     """How `name` lays out the model on `config`, as it declares it (its memory_layout hook, given the
     default of its processes' dims); None for a strategy the planner has nothing to say of (Hogwild)."""
     from parallel import strategies
-    from parallel.dist import Dist
+    from parallel.world.dist import Dist
 
     s = strategies.get(name)
     world = s.world_size(config)

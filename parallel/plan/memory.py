@@ -4,8 +4,8 @@ and the buffers."""
 
 from __future__ import annotations
 
-from parallel import activations
-from parallel.formulas import model_state
+from parallel.measure import activations
+from parallel.measure.formulas import model_state
 from parallel.plan.hardware import GiB
 from parallel.plan.layouts import ELEM, OPTIMIZERS, Layout, Training, micro_batches
 from parallel.plan.models import ModelSpec

@@ -155,7 +155,7 @@ def from_module(spec: str) -> dict:
     rest."""
     import torch
 
-    from parallel.userload import call_factory, load_factory, resolve_spec
+    from parallel.models.userload import call_factory, load_factory, resolve_spec
 
     spec = resolve_spec(spec)
     with torch.device("meta"):

@@ -6,11 +6,11 @@ import csv
 import json
 from pathlib import Path
 
-from parallel.errors import ConfigError
 from parallel.plan import search
-from parallel.plan import validate as v
-from parallel.tables import num
-from parallel.tables import table as _table
+from parallel.plan.evidence import validate as v
+from parallel.style.tables import num
+from parallel.style.tables import table as _table
+from parallel.world.errors import ConfigError
 
 
 def show(console, model, cl, train, results: list[dict], tried: int, top: int) -> None:
@@ -118,8 +118,8 @@ def validate(args, console) -> int:
     tables = {"narayanan_table1": v.table1(), "narayanan_table2": v.table2(),
               "korthikanti_table5": v.table5(), "single_h100": v.single_h100(), "korthikanti_figure1": v.figure1()}
     tables["h100_compare_single"] = v.compare_single_h100(tables["single_h100"])
-    from parallel.plan import fit
-    from parallel.plan import playbook as pb
+    from parallel.plan.evidence import fit
+    from parallel.plan.evidence import playbook as pb
 
     scored, loo = v.playbook(), fit.leave_one_model_out(pb.runs()[0])
     loo_t5, loo_h100 = fit.fit_a100()["leave_one_out"], fit.fit_h100_host()["leave_one_out"]
@@ -157,8 +157,9 @@ def validate(args, console) -> int:
     console.print(t)
     console.print(_errors("Korthikanti et al. 2022, Figure 1: GiB per GPU", tables["korthikanti_figure1"], "GiB",
                           role="identity"))
-    console.print("Roles: held out, nothing fitted on it; fit, constants fitted on it (python -m parallel.plan.fit "
-                  "fits them again); identity, the source's own formula recomputed.", highlight=False)
+    console.print("Roles: held out, nothing fitted on it; fit, constants fitted on it (python -m "
+                  "parallel.plan.evidence.fit fits them again); identity, the source's own formula recomputed.",
+                  highlight=False)
     if machine:
         t = _table(f"This machine's comparison ({machine['folder']}): the same ring and ZeRO formulas, calibrated "
                    "in the run", [("strategy", "left"), ("step ms", "right"), ("pred.", "right"), ("ratio", "right"),

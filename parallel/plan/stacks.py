@@ -1,7 +1,7 @@
 """Software stacks: what a plan assumes of the code that trains, beside the GPU's own efficiencies.
 
 A stack is a profile of `layouts.Training` fields, each with where it came from: read in the stack's source,
-measured, or fitted (and then on which rows, by `python -m parallel.plan.fit`, which writes these numbers
+measured, or fitted (and then on which rows, by `python -m parallel.plan.evidence.fit`, which writes these numbers
 again from those rows). The GPU kinds stay apart (hardware.py): a stack says what its software does on
 any of them.
 """

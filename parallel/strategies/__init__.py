@@ -21,18 +21,26 @@ import importlib
 import itertools
 from types import ModuleType
 
-from parallel import train
-from parallel.errors import ConfigError
+from parallel.loop import train
+from parallel.models.usermodel import workload_of
+from parallel.models.workloads import Workload
 from parallel.strategies import base
 from parallel.strategies.base import options_of
-from parallel.usermodel import workload_of
-from parallel.workloads import Workload
+from parallel.world.errors import ConfigError
 
 # The report lists strategies in this order; `single` is the baseline and always first.
 BASELINE = "single"  # a role: one device, the reference every other strategy is checked against
 NAMES = ["single", "manual_dp", "data_parallel", "manual_ddp", "ddp", "zero", "zero_optimizer", "fsdp", "manual_tp",
          "tensor_parallel", "fsdp_tp", "hogwild", "model_parallel", "pipeline", "pipeline_dist", "fsdp_pp",
          "context_parallel", "fsdp_cp", "torch_cp", "expert_parallel"]
+# Each strategy's folder: data parallelism splits the batch, model parallelism splits one batch's work, and
+# composed runs two of them on a 2-D mesh. `single`, the reference, stands beside them.
+FOLDERS = {"data": ("manual_dp", "data_parallel", "manual_ddp", "ddp", "hogwild", "zero_optimizer", "zero", "fsdp"),
+           "model": ("manual_tp", "tensor_parallel", "model_parallel", "pipeline", "pipeline_dist",
+                     "context_parallel", "torch_cp", "expert_parallel"),
+           "composed": ("fsdp_tp", "fsdp_pp", "fsdp_cp")}
+MODULES = {"single": "parallel.strategies.single"} | {
+    name: f"parallel.strategies.{folder}.{name}" for folder, names in FOLDERS.items() for name in names}
 
 
 # The constants a strategy module may set, with their defaults. Its functions beyond setup and
@@ -45,10 +53,10 @@ CONSTANTS = {"Options": None, "NOT_EXPECTED_REASON": None, "CHECKPOINTS": True, 
              "ROUTING": False,  # ROUTING: its routers count over the whole batch (trains with --aux-loss)
              "SYNCS_BATCHNORM": False,  # SYNCS_BATCHNORM: its BatchNorm normalises by the whole batch's statistics
              "LOGITS_LOSS": False,  # LOGITS_LOSS: it takes cross-entropy over the logits it gathers (LAYERED: its
-             #   last stage's), not the loss a model computes itself (parallel/outputs.py)
+             #   last stage's), not the loss a model computes itself (parallel/models/outputs.py)
              "LAYER_ACTIVATIONS": False,  # one transformer layer's activations measured beside the formula
              "HALVES": None,  # the options under which one device runs its batch in two accumulated halves: a
-             #   data-parallel reference for a model's own rounding noise (harness/noise.py)
+             #   data-parallel reference for a model's own rounding noise (judge/noise.py)
              "SENDS_SEEN": True}  # False: what it moves between devices happens inside torch, unseen by the loop's
 #                                   counter (nn.DataParallel's copies): the row shows no bytes
 
@@ -185,7 +193,7 @@ def get(name: str) -> Strategy:
         close = difflib.get_close_matches(name.lower(), NAMES, n=1)
         meant = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(f"unknown strategy {name!r}{meant}; valid strategies: {', '.join(NAMES)}")
-    return Strategy(importlib.import_module(f"parallel.strategies.{name}"))
+    return Strategy(importlib.import_module(MODULES[name]))
 
 
 def all_strategies() -> list[Strategy]:

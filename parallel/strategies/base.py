@@ -11,12 +11,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallel import checkpoint
-from parallel.errors import ConfigError
 from parallel.kit.collectives import every_rank
 from parallel.kit.tensors import gathered_on_cpu, state_bytes
-from parallel.layout import ParallelDims
-from parallel.results import Rule
+from parallel.loop import checkpoint
+from parallel.loop.results import Rule
+from parallel.world.dims import ParallelDims
+from parallel.world.errors import ConfigError
 
 
 @dataclass
@@ -79,7 +79,7 @@ class Mutant:
     bug: str  # what is wrong, in one line
     run: dict = field(default_factory=dict, hash=False)  # the run it shows in: RunConfig fields, "options"
     shows: str = "oracle"  # what must name it: the oracle's verdict; "hang", the diagnosis of a hang
-    #   (harness/hangs.py); "replicas", --check-replicas (divergence.py). harness/named.py says what counts.
+    #   (judge/hangs.py); "replicas", --check-replicas (divergence.py). judge/named.py says what counts.
 
 
 def injected(holder, mutant: Mutant) -> bool:
@@ -191,7 +191,7 @@ def tolerance(config) -> Rule | None:
 
 
 def predict_step_ms(cal, config, row) -> float | None:
-    """The cost model's step time for this strategy (harness/costmodel.py); None: no formula."""
+    """The cost model's step time for this strategy (report/costmodel.py); None: no formula."""
     return None
 
 
@@ -239,7 +239,7 @@ class Hooks:
     checkpoint_state: Callable = checkpoint.state  # what a checkpoint holds (model, optimisers, step) ...
     restore_checkpoint: Callable = checkpoint.restore  # ... and how it goes back in after a load
     model_state_bytes: Callable = model_state_bytes
-    train: Callable | None = None  # None: THE loop (parallel.train.train); Hogwild brings its own
+    train: Callable | None = None  # None: THE loop (parallel.loop.train.train); Hogwild brings its own
     memory_layout: Callable = memory_layout
 
 

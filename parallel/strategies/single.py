@@ -7,7 +7,7 @@ against one device of the same list. Every other strategy reads as a small diff 
 from __future__ import annotations
 
 from parallel.measure import replicas
-from parallel.outputs import call
+from parallel.models.outputs import call
 from parallel.strategies.base import Hooks, Trainable, make_optimizers
 
 NAME = "single"

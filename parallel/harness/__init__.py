@@ -1,1 +1,0 @@
-"""The measurement harness: clocks, profiler, child-process launch, equivalence check, report."""

@@ -1,0 +1,48 @@
+"""The formulas the planner and each run's report share: what a ring collective moves and costs, and
+what model state a GPU holds under each ZeRO stage. A leaf module (the strategies import it)."""
+
+from __future__ import annotations
+
+SHARE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+         "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "send": lambda n: 1.0}
+STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1, "reduce_scatter": lambda n: n - 1,
+         "all_to_all": lambda n: n - 1, "send": lambda n: 1}
+
+
+def element_bytes(precision: str) -> int:
+    """Bytes of a parameter, a gradient or an activation element of a run: fp32's 4, or 8 under --precision
+    fp64 (bf16 autocast keeps parameters and gradients in fp32; what it casts, its callers say)."""
+    return 8 if precision == "fp64" else 4
+
+
+def ring_seconds(kind: str, nbytes: float, n: int, alpha: float, beta: float) -> float:
+    """The ring model both the planner and the report's "pred." column use: steps x alpha + the bytes each
+    rank sends x beta (Thakur et al. 2005; NCCL's bus bandwidth is nbytes x share / time). The report
+    fits alpha and beta to this run's gloo all-reduces (report/costmodel.py); the planner takes them
+    from the GPU kind."""
+    if n <= 1:
+        return 0.0
+    return STEPS[kind](n) * alpha + SHARE[kind](n) * nbytes * beta
+
+
+def wire_bytes(kind: str, nbytes: float, n: int) -> float:
+    """Bytes each rank sends in one ring collective of an `nbytes` tensor over n ranks."""
+    return SHARE[kind](n) * nbytes if n > 1 else 0.0
+
+
+def model_state(psi: float, zero_stage: int, shards: int, param_bytes: int = 2, grad_bytes: int = 2,
+                optimizer_bytes: int = 12) -> dict[str, float]:
+    """Bytes per GPU of parameters, gradients and optimizer state for psi parameters under ZeRO stage 0-3
+    over `shards` ranks (Rajbhandari et al. 2020, section 5; their Psi = 2 + 2 + K=12). Stage 1 shards the
+    optimizer, 2 the gradients too, 3 the parameters too."""
+    def part(nbytes, from_stage):
+        return psi * nbytes / (shards if zero_stage >= from_stage else 1)
+    return {"parameters": part(param_bytes, 3), "gradients": part(grad_bytes, 2),
+            "optimizer": part(optimizer_bytes, 1)}
+
+
+def sgd_state(params: int, zero_stage: int, shards: int, element: int = 4) -> float:
+    """Model state bytes per rank of an fp32 model (`element` 8: fp64) under SGD with momentum (K = one
+    element), as this project's sharded strategies train it: what their runs measure per rank against
+    (tests/test_sharded.py)."""
+    return sum(model_state(params, zero_stage, shards, element, element, element).values())

@@ -1,0 +1,144 @@
+"""The synthetic data every strategy trains on, made from the seed in every process: nothing is
+downloaded, and each rank of each strategy takes its share of the same global batches.
+
+Per `workload.data`:
+  teacher  x = SIGNAL x one of 10 random prototypes + unit noise, y = the nearest prototype
+           (classification); `dataset_size` samples drawn once and held (16 MB for the MLP)
+  images   the GAN's two inputs: real images, sigmoid(4 x SIGNAL x a smooth prototype + noise/2), and
+           latent vectors z; held likewise
+  tokens   a fixed random Markov chain, of which only the V x LIKELY table of likely successors is held;
+           global batch `step` is drawn when asked, from a generator seeded by (seed, step): time and
+           memory ~ the batch, at any vocabulary (x = tokens 0..T-1, y = tokens 1..T)
+
+Why a teacher: pure noise labelled by a random linear map did not move in 60 steps; prototypes do (2.30 ->
+about 2.2 after 23 default steps, near 0 after 80). The token chain's loss falls towards its entropy.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+LIKELY = 4  # token data: each token has 4 likely successors (0.2 each), and 0.2 for any token at all
+CHAIN = 64  # token data: chains this long, side by side (a vectorised draw a position, whatever T)
+SIGNAL = 0.5  # prototype norm over noise norm: learnable in tens of steps at lr 0.02, not in one
+TRAIN, HELDOUT = 0, 1  # token data: the two kinds of stream, (seed, TRAIN, step) and (seed, HELDOUT, 0)
+
+
+class SyntheticData:
+    """`batch(step, rank, world_size)` is the same tensor in every process and strategy; `heldout()` is
+    never trained on. `workload` is a parallel.models.workloads.Workload (its data, input_shape, classes)."""
+
+    def __init__(self, workload, seed: int, batch_size: int):
+        self.workload, self.seed, self.batch_size = workload, seed, batch_size
+        if workload.data == "tokens":  # the chain alone: batches are drawn per step
+            self.teacher = _chain(workload.classes, seed)
+        else:
+            n = max(workload.dataset_size, batch_size)
+            self.teacher, self.x, self.y = _generated(workload, seed, n, torch.get_default_dtype())
+
+    def heldout(self, n: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """n samples never trained on, from the same teacher: for comparing where strategies ended up. By
+        default 2048, or for sequences longer than 32 tokens as many tokens as 2048 x 32 (at least 64
+        sequences): a held-out pass over 2048 sequences of 512 tokens took longer than the training. At a
+        real vocabulary, at most 2^26 logits in all (at least 4 sequences): the parent evaluates every row,
+        and 65,536 tokens over GPT-2's 50,304 took 23 s on this CPU; 20 sequences of 256 (2^28) still took
+        7 s a row, where 5 take under 2 s (a row's step is 10 s)."""
+        tokens = self.workload.data == "tokens"
+        if not n:
+            t = self.workload.input_shape[0] if tokens else 32
+            n = max(64, 2048 * 32 // max(32, t))
+            if tokens:
+                n = min(n, max(4, 2**26 // (t * self.workload.classes)))
+        if tokens:
+            seq = _sequences(self.teacher, n, self.workload.input_shape[0], _stream(self.seed, HELDOUT, 0))
+            return seq[:, :-1], seq[:, 1:]
+        return _samples(self.workload, self.teacher, n, torch.Generator().manual_seed(20_000 + self.seed))
+
+    def batch(self, step: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank `rank`'s contiguous share of global batch `step` (the whole batch when world_size == 1).
+        Shares are equal: callers check that the batch divides (RunConfig.check_divisible).
+
+        Held data: samples step*B .. step*B+B-1, wrapping around the data set like epochs. Tokens: every
+        rank draws the whole global batch from (seed, step), whatever the world size, and keeps its rows;
+        no epochs, since a step's draw costs the same at any step and repeating them would buy nothing."""
+        share = self.batch_size // world_size
+        first = rank * share
+        if self.workload.data == "tokens":
+            seq = _sequences(self.teacher, self.batch_size, self.workload.input_shape[0],
+                             _stream(self.seed, TRAIN, step))  # (B, T + 1)
+            mine = seq[first:first + share]
+            return mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
+        idx = torch.arange(step * self.batch_size + first, step * self.batch_size + first + share) % self.x.shape[0]
+        return self.x[idx], self.y[idx]
+
+
+def _stream(seed: int, kind: int, index: int) -> np.random.Generator:
+    """The token draws' generator for (seed, kind, index): numpy's PCG64 through SeedSequence, which takes
+    the three words as they are. torch's CPU generator keeps only a seed's low 32 bits (manual_seed(7) and
+    manual_seed(7 + 2**32) draw the same, torch 2.13), so (seed, step) would have to be squeezed into one
+    word, and two steps could share their batch."""
+    return np.random.default_rng([seed, kind, index])
+
+
+@functools.lru_cache(maxsize=4)
+def _chain(vocab: int, seed: int) -> torch.Tensor:
+    """(V, LIKELY): each token's likely successors, V x 4 integers (4 MB at 128,256), never the V x V
+    matrix of transition probabilities. Built once a process; nobody writes to it."""
+    g = torch.Generator().manual_seed(10_000 + seed)  # independent of the model's init stream
+    return torch.randint(0, vocab, (vocab, LIKELY), generator=g)
+
+
+def _sequences(successors: torch.Tensor, n: int, t: int, rng: np.random.Generator) -> torch.Tensor:
+    """(n, t + 1) tokens of the chain. The next token is one of the current token's likely successors
+    with probability 0.8 (each 0.2), else any token. All draws at once, then one gather a position, in
+    chains of at most CHAIN tokens side by side (a long sequence restarts from any token every CHAIN):
+    time and memory ~ n x t, whatever the vocabulary."""
+    chain = min(t + 1, CHAIN)
+    chains = n * -(-(t + 1) // chain)
+    seq = torch.from_numpy(rng.integers(0, successors.shape[0], (chain, chains)))  # starts and "any token"s
+    pick = torch.from_numpy(rng.integers(0, LIKELY, (chain - 1, chains)))
+    likely = torch.from_numpy(rng.random((chain - 1, chains), dtype=np.float32) < 0.8)
+    flat = successors.view(-1)
+    for i in range(chain - 1):  # position-major: each step reads and writes contiguous rows
+        seq[i + 1] = torch.where(likely[i], flat[seq[i] * LIKELY + pick[i]], seq[i + 1])
+    return seq.T.reshape(n, -1)[:, : t + 1]
+
+
+def _prototypes(shape: tuple[int, ...], classes: int, g: torch.Generator) -> torch.Tensor:
+    """(classes, prod(shape)) random patterns with norm sqrt(d), like the noise; smooth if images."""
+    d = math.prod(shape)
+    if len(shape) == 3:  # (C, H, W): low-frequency patterns, so convolution and pooling keep them
+        coarse = torch.randn((classes, shape[0], 7, 7), generator=g)
+        p = F.interpolate(coarse, size=shape[1:], mode="bilinear", align_corners=False).reshape(classes, d)
+    else:
+        p = torch.randn((classes, d), generator=g)
+    return p / p.norm(dim=1, keepdim=True) * math.sqrt(d)
+
+
+@functools.lru_cache(maxsize=2)
+def _generated(workload, seed: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """The teacher and n samples of a teacher or images workload for `seed`, in `dtype` (--precision fp64
+    builds them in float64): built once a process, since every run in it (the strategies of one set of
+    ranks, `single` for the oracle, the cost model) reads the same ones. Nobody writes to them: batches
+    are copies."""
+    g = torch.Generator().manual_seed(10_000 + seed)  # independent of the model's init stream
+    # (classes, d); the GAN's images come from 10 prototypes whatever its 1 "class"
+    protos = workload.classes if workload.data == "teacher" else max(workload.classes, 10)
+    teacher = _prototypes(workload.input_shape, protos, g)
+    return teacher, *_samples(workload, teacher, n, g)
+
+
+def _samples(workload, teacher: torch.Tensor, n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    source = torch.randint(0, teacher.shape[0], (n,), generator=g)
+    if workload.data == "images":  # y: the generator's input, of the shape its model declares
+        noise = torch.randn((n, teacher.shape[1]), generator=g)
+        x = torch.sigmoid(4 * SIGNAL * teacher[source] + 0.5 * noise)  # in (0, 1), like the generator's
+        return x.reshape(n, *workload.input_shape), torch.randn((n, *workload.make_module.LATENT), generator=g)
+    x = SIGNAL * teacher[source] + torch.randn((n, teacher.shape[1]), generator=g)  # (n, d)
+    y = (x @ teacher.T).argmax(dim=1)  # the teacher's label, (n,)
+    return x.reshape(n, *workload.input_shape), y

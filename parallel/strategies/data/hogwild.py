@@ -1,0 +1,207 @@
+"""hogwild: lock-free asynchronous SGD on parameters in shared memory (Niu, Recht, Re, Wright 2011).
+
+    python scripts/hogwild.py --workers 2 [--workload cnn] [--steps 20] [--out DIR]
+
+    parent:  model.share_memory()  ->  spawn W workers  ->  join  ->  evaluate
+    worker r: its own optimiser (momentum kept privately) over the SHARED parameters; at step s it
+              takes share r of global batch s, computes a gradient from whatever the parameters are
+              at that moment, and writes its update with no lock, while the others do the same.
+
+The diff from `single`: no synchronisation at all. Workers read parameters other workers are halfway
+through updating, so the result is not `single`'s (the equivalence verdict is "not-expected"); the
+report compares where it converged instead, on the same number of samples. Staleness makes the
+asynchrony visible: a shared counter of updates says how many other updates landed between a worker's
+read of the parameters and its own write. Gradients are allocated lazily in each worker, so they are
+private (pytorch/examples mnist_hogwild); only parameters are shared.
+"""
+
+from __future__ import annotations
+
+import resource
+import traceback
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from parallel.kit.tensors import param_bytes
+from parallel.loop.profiling import make_profiler
+from parallel.loop.train import TrainResult, default_dtype, make_optimizer
+from parallel.loop.train import train as the_loop
+from parallel.models.outputs import call
+from parallel.models.usermodel import workload_of
+from parallel.strategies.base import Hooks, Trainable, options_of
+from parallel.strategies.base import dims as base_dims
+from parallel.world.devices import cpu_cores
+from parallel.world.dist import Dist, fresh_processes
+from parallel.world.errors import ConfigError
+
+NAME = "hogwild"
+LAUNCH = "hogwild"
+SYNCHRONOUS = False
+
+
+def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
+    model.share_memory()  # parameters move to shared memory BEFORE the workers start
+    return Trainable(model, None, loss_fn, dist.device, state=State(world_size(config)))
+
+
+def train_step(t: Trainable, batch, dist):
+    """One worker's step: read the shared parameters (version `seen`), compute, write without a lock."""
+    counter = t.state.counter
+    seen = counter.value  # updates that had landed when this step read the parameters
+    x, y = batch  # this worker's share of the global batch, (B/W, ...)
+    t.optimizer.zero_grad(set_to_none=True)
+    loss = t.loss_fn(call(t.model, x, y), y)
+    loss.backward()
+    t.optimizer.step()  # in place on the shared storage, racing the other workers
+    with counter.get_lock():  # the counter itself is exact; the parameters are not locked
+        counter.value += 1
+        t.state.staleness.append(counter.value - seen - 1)
+    return loss.detach()
+
+
+@dataclass
+class State:
+    workers: int
+    counter: object = None  # in a worker: the shared count of updates (a multiprocessing Value)
+    staleness: list[int] = field(default_factory=list)  # in a worker: updates landed between read and write
+    summary: dict = field(default_factory=dict)  # in the parent: the workers' figures, combined
+
+
+@dataclass
+class Options:
+    workers: int = field(default=0, metadata={"help": "worker processes; 0 = one per device"})
+
+    def __post_init__(self):
+        if not 0 <= self.workers <= 64:
+            raise ConfigError(f"--workers must be 1..64 (0: one per device), got {self.workers}")
+
+
+def check(config) -> None:
+    n = world_size(config)
+    config.check_divisible(n, "--workers")
+
+
+def world_size(config) -> int:
+    return options_of(Options, config).workers or config.world_size
+
+
+def available(spec) -> str | None:
+    # CUDA tensors cross processes by IPC and must outlive every consumer; not run here, so refused.
+    return "Hogwild here shares CPU memory; CUDA is not supported" if spec.real else None
+
+
+def comm_bytes_predicted(model, config) -> int:
+    return 0  # shared memory: no messages, the workers write the same pages
+
+
+def train(strategy, t: Trainable, data, config, dist, profiler=None):
+    """Spawn the workers, each running THE loop on its shares; combine their clocks and losses."""
+    ctx = fresh_processes(shared_tensors=len(t.model.state_dict()))  # no forked thread pools or locks
+    workers = t.state.workers
+    # The barrier lines the workers up after their (staggered) start-up, so the wall time of the run is
+    # time they all trained in; its timeout means a worker that dies early cannot hang the others.
+    counter, results, start = ctx.Value("q", 0), ctx.Queue(), ctx.Barrier(workers, timeout=config.pg_timeout)
+    procs = [ctx.Process(target=_worker, args=(r, t.model, config, counter, results, start), name=f"hogwild-{r}")
+             for r in range(workers)]
+    for p in procs:
+        p.start()
+    try:
+        outs = _collect(procs, results)
+    finally:  # a crash or an interrupt leaves no worker behind
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+            p.join()
+    start, end = min(o.timed[0] for o in outs), max(o.timed[1] for o in outs)
+    staleness = np.concatenate([o.staleness for o in outs])
+    t.state.summary = {"workers": len(outs), "staleness_mean": float(staleness.mean()),
+                          "staleness_p95": float(np.percentile(staleness, 95)), "staleness_max": int(staleness.max()),
+                          "timed_wall_s": end - start, "process_peak_rss_per_worker": [o.peak_rss for o in outs]}
+    # Aggregate throughput: every timed sample of every worker over the wall time they took together.
+    samples = config.steps * config.batch_size  # W workers x steps x B/W
+    losses = np.mean([o.losses for o in outs], axis=0).tolist()  # per step, the mean over the workers' shares
+    return TrainResult(losses, [s for o in outs for s in o.step_s], (start, end), samples_per_s=samples / (end - start))
+
+
+def _worker(rank, model, config, counter, results, start) -> None:
+    """One Hogwild worker: its own seed, threads, optimiser and shares of the data; then THE loop."""
+    try:
+        workers = world_size(config)
+        torch.manual_seed(config.seed + rank)
+        torch.set_num_threads(max(1, cpu_cores() // workers))
+        workload = workload_of(config)
+        t = Trainable(model, make_optimizer(config)(model.parameters()), workload.loss, torch.device("cpu"),
+                      state=State(workers, counter))
+        me = Dist(rank=rank, local_rank=rank, world_size=workers, local_world_size=workers)
+        with default_dtype(config):  # the shared model is float64 under --precision fp64: its data too
+            data = workload.dataset(config.seed, config.batch_size)
+        start.wait()
+        with make_profiler(config.profile, config.out, NAME, rank, me.device) as prof:
+            result = the_loop(_Me, t, data, config, me, prof)
+        result.staleness = t.state.staleness
+        result.peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        results.put((rank, None, result))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
+        results.put((rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
+
+
+class _Me:
+    """What THE loop needs of the strategy inside a worker."""
+
+    name = NAME
+    train_step = staticmethod(train_step)
+    dims = staticmethod(base_dims)  # W replicas, each its share of every global batch
+
+
+def _collect(procs, results, poll_s: float = 0.5) -> list[dict]:
+    """Wait for every worker's result; a worker that fails or dies makes the run fail, naming it."""
+    import queue
+
+    outs: dict[int, dict] = {}
+    while len(outs) < len(procs):
+        try:
+            rank, error, payload = results.get(timeout=poll_s)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if r not in outs and not p.is_alive() and p.exitcode]
+            if dead:
+                code = procs[dead[0]].exitcode
+                raise RuntimeError(f"hogwild worker {dead[0]} died (exit code {code})") from None
+            continue
+        if error:
+            raise RuntimeError(f"hogwild worker {rank} failed: {error}")
+        outs[rank] = payload
+    return [outs[r] for r in range(len(procs))]
+
+
+def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in t.model.state_dict().items()}
+
+
+def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
+    return t.state.summary
+
+
+def predict_step_ms(cal, config, row) -> float:
+    return cal.compute_ms(config.batch_size // world_size(config))  # a worker's step; no communication
+
+
+def model_state_bytes(t: Trainable, config) -> list[int]:
+    """The parameters once, in shared memory (counted with worker 0); each worker's own gradients and
+    momentum (SGD: one buffer) in that worker."""
+    params = param_bytes(t.model.parameters())
+    per_worker = params * (2 if config.momentum else 1)
+    return [params + per_worker] + [per_worker] * (t.state.workers - 1)
+
+
+def memory_layout(config, layout) -> None:
+    return None  # a process a replica, all updating one shared model: no layout the planner has
+
+
+NOT_EXPECTED_REASON = "asynchronous: workers update shared parameters without locks, in no fixed order"
+CHECKPOINTS = False  # each worker's optimiser state lives and dies in that worker
+
+HOOKS = Hooks(world_size=world_size, available=available, check=check, comm_bytes_predicted=comm_bytes_predicted,
+              train=train, state_dict=state_dict, extra_measurements=extra_measurements,
+              predict_step_ms=predict_step_ms, model_state_bytes=model_state_bytes, memory_layout=memory_layout)

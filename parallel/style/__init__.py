@@ -1,0 +1,1 @@
+"""The look every table and picture of the package shares (rich tables, inline SVG)."""
