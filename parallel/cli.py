@@ -21,23 +21,21 @@ import sys
 from pathlib import Path
 
 from rich.markup import escape
-from rich.table import Table
 
-from parallel import envinfo, preflight, strategies, sweep
+from parallel import envinfo, preflight, report, strategies, sweep
 from parallel.basics import cli as basics_cli
 from parallel.basics.cli import show_memory
 from parallel.cliargs import Parser, add_run_options, add_strategy_options, config_from_args, readable_metavars, refuse
-from parallel.compare import BASELINE, run_strategies, select_runs
+from parallel.compare import run_strategies, select_runs
 from parallel.config import ConfigError, RunConfig, nearest_multiple
 from parallel.judge import hangs, mutants
-from parallel.loop import profiling
 from parallel.loop.checkpoint import atomic_save
-from parallel.loop.results import Equivalence, Row, atomic_write, prepare_out, write_results
+from parallel.loop.results import Equivalence, Row, prepare_out, write_results
 from parallel.models import usermodel
 from parallel.models.usermodel import workload_of
 from parallel.plan import cli as plan_cli
-from parallel.report import costmodel, memcheck, notes, overview, page, report, scaling
-from parallel.report.report import make_console
+from parallel.report import page, scaling
+from parallel.style.terminal import make_console
 from parallel.worker import leave, run_here
 from parallel.world import machine
 from parallel.world.dist import Dist, script_devices
@@ -80,23 +78,6 @@ def build_parser() -> argparse.ArgumentParser:
     return readable_metavars(p)
 
 
-def _finish(config: RunConfig, rows: list[Row], console, skipped: dict | None = None, env: dict | None = None,
-            cost_model: dict | None = None, wide: bool = False) -> int:
-    env = env or machine.environment(config.spec)
-    env.setdefault("run", overview.run_facts(config))
-    if config.out:
-        out = Path(config.out)
-        write_results(out, dataclasses.asdict(config), env, rows, skipped, cost_model)
-        atomic_write(out / "details.txt", report.details_text(rows, env, skipped, cost_model))
-        page.write(out / "report.html", rows, env, skipped)
-    report.show(rows, env, console, skipped, cost_model, wide=wide)
-    if config.out:
-        logs = ", logs/ (a line a step)" if (Path(config.out) / "logs").is_dir() else ""
-        console.print(f"files in {config.out}/:\n  report.html (pictures), details.txt (every row), results.json/.csv"
-                      f"{logs}", highlight=False, markup=False)
-    return 0 if rows and all(r.ok for r in rows) else 1
-
-
 def cmd_compare(args, names: list[str], baseline: bool) -> int:
     config = config_from_args(args)
     params = getattr(args, "project_params", 0)
@@ -125,17 +106,8 @@ def cmd_compare(args, names: list[str], baseline: bool) -> int:
         console.print(f"[bold red]interrupted[/]: finished rows are in {escape(config.out)}/results.json")
         return 130
 
-    memcheck.attach(rows, chosen, config)  # the planner's memory for each row's layout (counted, not run)
-    # The cost model times `single` on the whole model: not where it does not fit (the shallow twin's runs)
-    model = {} if BASELINE in skipped else costmodel.apply(rows, chosen, config, env)
-    if getattr(args, "project_params", 0):
-        model["memory_projection"] = costmodel.memory_projection(args.project_params)
-    tracks = config.profile and profiling.merge(Path(config.out) / "tb", Path(config.out) / "timeline.json")
-    code = _finish(config, rows, console, skipped, env, model, wide=getattr(args, "wide", False))
-    if tracks:
-        console.print(f"timeline: {config.out}/timeline.json, {tracks} tracks (every rank of every strategy, each "
-                      "strategy from t = 0): open it in https://ui.perfetto.dev or chrome://tracing", highlight=False)
-    return code
+    return report.write(config, rows, console, chosen=chosen, skipped=skipped, env=env, cost=True,
+                        project_params=params, wide=getattr(args, "wide", False))
 
 
 def cmd_scaling(config: RunConfig, names: list[str], sizes_text: str) -> int:
@@ -171,25 +143,7 @@ def cmd_scaling(config: RunConfig, names: list[str], sizes_text: str) -> int:
     except KeyboardInterrupt:
         console.print(f"[bold red]interrupted[/]: finished comparisons are in {escape(config.out)}/scaling/")
         return 130
-    scaling.flag_baselines(results)
-    every = [dataclasses.replace(r, variant=f"{r.variant} {mode} {n}".strip())
-             for mode, n, rows in results for r in rows]
-    for line in notes.flag_lines(every):  # folded: one line for every row measured under load
-        console.print(f"- {line}", style="yellow", highlight=False, markup=False)
-    table = scaling.summarize(results)
-    files = scaling.write(Path(config.out), table, results, virtual=not config.spec.real)
-    t = Table(title="samples/s (efficiency) against devices", title_justify="left")
-    t.add_column("strategy")
-    for mode, n, _ in results:
-        t.add_column(f"{mode} {n}", justify="right")
-    for name in dict.fromkeys(r["strategy"] for r in table):
-        cells = {(r["mode"], r["devices"]): r for r in table if r["strategy"] == name}
-        t.add_row(escape(name), *[f"{c['samples_per_s']:,.0f} ({c['efficiency']:.0%})" if (c := cells.get((m, n))) and
-                          c["samples_per_s"] and c["efficiency"] is not None else "-" for m, n, _ in results])
-    console.print(t)
-    console.print(f"scaling: {config.out}/scaling.json, scaling.csv; plots: " + ", ".join(f.name for f in files),
-                  markup=False)
-    return 0 if all(r.ok for _, _, rows in results for r in rows) else 1
+    return scaling.report(config, results, console)
 
 
 def _interrupt(signum, frame):
@@ -281,4 +235,4 @@ def _report_script(name: str, config: RunConfig, row: Row, state: dict) -> int:
     row.equivalence = Equivalence("unchecked", reason="run alone; `python -m parallel compare` checks it")
     if config.out:  # the trained parameters, for torch.load(..., weights_only=True)
         atomic_save(Path(config.out) / f"{name}_final.pt", state)
-    return _finish(config, [row], make_console())
+    return report.write(config, [row], make_console())

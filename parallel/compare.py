@@ -32,7 +32,7 @@ from parallel.measure import pipelines
 from parallel.models.userchecks import cannot_match
 from parallel.models.usermodel import checked_env, shape_model, workload_of
 from parallel.models.workloads import eval_loss
-from parallel.report.report import make_progress
+from parallel.style.terminal import make_progress
 from parallel.worker import HANG_DIR
 from parallel.world import load
 from parallel.world.errors import ConfigError

@@ -34,7 +34,7 @@ from parallel.config import RunConfig, nearest_multiple
 from parallel.launch import child as launch
 from parallel.loop.results import atomic_write, prepare_out
 from parallel.models import usermodel
-from parallel.report.report import make_progress
+from parallel.style.terminal import make_progress
 from parallel.world.devices import gpu_count
 from parallel.world.machine import unusable_gpus
 

@@ -28,7 +28,7 @@ from parallel.config import RunConfig
 from parallel.loop.results import atomic_write, prepare_out
 from parallel.models.data import SyntheticData
 from parallel.models.workloads import WORKLOADS, accuracy, eval_loss
-from parallel.report.report import make_progress
+from parallel.style.terminal import make_progress
 from parallel.worker import execute
 from parallel.world.devices import gpu_count
 from parallel.world.dist import Dist

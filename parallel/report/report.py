@@ -10,10 +10,8 @@ at 80, 100 and 120 columns and looks for a cut."""
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from parallel.loop.results import Row
 from parallel.measure import context, experts, layers, pipelines, sharded, sharded_view
@@ -22,9 +20,7 @@ from parallel.report.notes import advice, cost_lines, notes, skipped_in_full
 from parallel.report.overview import header, speedup_text, table
 from parallel.style.tables import num as _num
 from parallel.style.tables import size as _bytes
-
-WIDTH = 100  # the report's width when the output is not a terminal (a pipe, a file, CI's log)
-
+from parallel.style.terminal import make_console
 
 # The sharded and pipeline tables ------------------------------------------------------------------------
 
@@ -147,18 +143,3 @@ def show(rows: list[Row], environment: dict, console: Console | None = None, ski
         console.print("[bold]Which strategy, on this hardware (from this run):[/]")
         for line in lines:
             console.print(f"  {line}", highlight=False, markup=False)
-
-
-def make_console(wide: bool = False) -> Console:
-    """A terminal's own width (or $COLUMNS); when written to a file or a pipe, 100 columns (`--wide`: 200)."""
-    console = Console()
-    if console.is_terminal:
-        return console
-    columns = os.environ.get("COLUMNS", "")
-    return Console(width=int(columns) if columns.isdigit() and int(columns) > 0 else 2 * WIDTH if wide else WIDTH)
-
-
-def make_progress(console: Console | None = None) -> Progress:
-    """The progress bar of every long command: what runs now, done/total, time elapsed."""
-    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                    TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=console)

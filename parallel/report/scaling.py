@@ -19,6 +19,9 @@ import math
 import statistics
 from pathlib import Path
 
+from rich.markup import escape
+from rich.table import Table
+
 from parallel.config import nearest_multiple
 from parallel.loop.results import Row, atomic_write
 
@@ -154,3 +157,29 @@ def plot(out: Path, table: list[dict], results, virtual: bool) -> list[Path]:
     fig.savefig(files[-1], dpi=110)
     plt.close(fig)
     return files
+
+
+def report(config, results: list[tuple[str, int, list[Row]]], console) -> int:
+    """The sweep's end: each point's `single` flagged, the rows measured under load in one line, the table of
+    samples/s (efficiency) against devices, scaling.json/.csv and the plots. 0 when every row is ok."""
+    from parallel.report.notes import flag_lines
+
+    flag_baselines(results)
+    every = [dataclasses.replace(r, variant=f"{r.variant} {mode} {n}".strip())
+             for mode, n, rows in results for r in rows]
+    for line in flag_lines(every):  # folded: one line for every row measured under load
+        console.print(f"- {line}", style="yellow", highlight=False, markup=False)
+    table = summarize(results)
+    files = write(Path(config.out), table, results, virtual=not config.spec.real)
+    t = Table(title="samples/s (efficiency) against devices", title_justify="left")
+    t.add_column("strategy")
+    for mode, n, _ in results:
+        t.add_column(f"{mode} {n}", justify="right")
+    for name in dict.fromkeys(r["strategy"] for r in table):
+        cells = {(r["mode"], r["devices"]): r for r in table if r["strategy"] == name}
+        t.add_row(escape(name), *[f"{c['samples_per_s']:,.0f} ({c['efficiency']:.0%})" if (c := cells.get((m, n))) and
+                          c["samples_per_s"] and c["efficiency"] is not None else "-" for m, n, _ in results])
+    console.print(t)
+    console.print(f"scaling: {config.out}/scaling.json, scaling.csv; plots: " + ", ".join(f.name for f in files),
+                  markup=False)
+    return 0 if all(r.ok for _, _, rows in results for r in rows) else 1

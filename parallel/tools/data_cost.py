@@ -26,7 +26,7 @@ from rich.table import Table
 
 from parallel.models.data import SyntheticData
 from parallel.models.workloads import WORKLOADS
-from parallel.report.report import make_console
+from parallel.style.terminal import make_console
 
 MB = 2**20
 

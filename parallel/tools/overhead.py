@@ -29,7 +29,7 @@ from parallel.models.outputs import call
 from parallel.models.transformer import SHAPE
 from parallel.models.usermodel import workload_of
 from parallel.plan import models as plan_models
-from parallel.report.report import make_console
+from parallel.style.terminal import make_console
 from parallel.worker import devices_driven, execute
 from parallel.world.devices import synchronizer_all
 from parallel.world.dist import Dist

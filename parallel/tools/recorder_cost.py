@@ -30,7 +30,7 @@ from parallel.config import RunConfig
 from parallel.launch.ranks import run_ranks
 from parallel.loop import recorder
 from parallel.models.usermodel import workload_of
-from parallel.report.report import make_console
+from parallel.style.terminal import make_console
 from parallel.worker import execute
 from parallel.world.dist import Dist
 
