@@ -200,3 +200,21 @@ def test_no_strategy_counts_its_own_bytes():
 
 def test_the_byte_rule_sees_a_strategy_that_counts():
     assert COUNTS_ITS_OWN.search("    with t.state.counter.step():") and COUNTS_ITS_OWN.search("t.comm_bytes += n")
+
+
+DERIVES = re.compile(r"\b(options_of|workload_of|shape_model)\(")
+
+
+def test_options_and_workload_are_derived_once_and_handed_down():
+    """A strategy's typed options, the workload and the meta model reach strategies, kit and measure as a
+    Run (strategies/base.py): the one place that derives them from the config."""
+    found = [f"{f.relative_to(ROOT)}:{i}" for room in ("strategies", "kit", "measure")
+             for f in (PACKAGE / room).rglob("*.py")
+             for i, line in enumerate(f.read_text().splitlines(), 1)
+             if DERIVES.search(line.split("#")[0]) and not line.lstrip().startswith("def ")]
+    assert found == ["parallel/strategies/base.py:32", "parallel/strategies/base.py:33",
+                     "parallel/strategies/base.py:42"], found
+
+
+def test_the_hand_down_rule_sees_a_strategy_that_derives_its_own():
+    assert DERIVES.search("    o = options_of(Options, config)") and DERIVES.search("w = workload_of(config).x")

@@ -73,6 +73,7 @@ def test_a_hook_that_is_not_declared_is_refused():
 def test_an_imported_helper_never_becomes_a_hook():
     # pipeline imports model_parallel's functions; only what its HOOKS names is used.
     pipeline = strategies.get("pipeline")
-    assert pipeline.model_state_bytes is strategies.get("model_parallel").model_state_bytes  # declared on purpose
-    assert pipeline.world_size is strategies.base.world_size  # the default: nothing it imports takes its place
+    declared = strategies.get("model_parallel").model_state_bytes.__wrapped__  # the hook, as the module declares it
+    assert pipeline.model_state_bytes.__wrapped__ is declared
+    assert pipeline.world_size.__wrapped__ is strategies.base.world_size  # the default: nothing imported replaces it
     assert torch  # the module's own imports are not hooks either

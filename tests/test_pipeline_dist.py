@@ -148,7 +148,6 @@ def _bounds_by_time(rank, world):
 
     from parallel.kit import stages
     from parallel.models.usermodel import workload_of
-    from parallel.strategies.base import options_of
     from parallel.world.dist import Dist
 
     sent, send = [], td.send
@@ -165,8 +164,9 @@ def _bounds_by_time(rank, world):
     config = _config("cnn", world, {"balance": "time", "microbatches": 4})
     layers = stages.layers_of(workload_of(config).build_model(config.seed))
     dist = Dist(rank=rank, local_rank=rank, world_size=world, local_world_size=world)
-    o = options_of(pipeline_dist.Options, config)
-    return stages.agreed_cut(layers, world, o.balance, config, dist, -(-BATCH // o.microbatches)), sent
+    run = strategies.get("pipeline_dist").run(config)
+    o = run.options
+    return stages.agreed_cut(layers, world, o.balance, run, dist, -(-BATCH // o.microbatches)), sent
 
 
 def test_the_cut_by_time_prices_the_hop_as_a_send_between_ranks():

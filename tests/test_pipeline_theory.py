@@ -6,6 +6,7 @@ import types
 
 import pytest
 
+from parallel import strategies
 from parallel.config import ConfigError, RunConfig
 from parallel.kit import schedules
 from parallel.measure.replay import (
@@ -123,8 +124,10 @@ def test_play_is_the_replay_of_one_stage_per_device():
 
 def test_dualpipev_needs_two_micro_batches_per_rank_and_gets_them_by_default():
     config = RunConfig(devices="cpu:2", batch_size=64, options={"schedule": "dualpipev"})
+    config = strategies.get("pipeline_dist").run(config)  # what the strategy is handed: its options typed
     assert pipeline_dist.fit_microbatches(config, 4, 64) == {"microbatches": 8}  # 2p = 8 stages
     assert pipeline_dist.fit_microbatches(config, 2, 64) == {"microbatches": 4}
     with pytest.raises(ConfigError, match="needs at least as many micro-batches as its 4 stages"):
-        pipeline_dist.check_pipeline(RunConfig(workload="transformer", devices="cpu:2", batch_size=64, options={
-            "schedule": "dualpipev", "microbatches": 2, "balance": "params"}), 2, 64)
+        pipeline_dist.check_pipeline(strategies.get("pipeline_dist").run(RunConfig(
+            workload="transformer", devices="cpu:2", batch_size=64,
+            options={"schedule": "dualpipev", "microbatches": 2, "balance": "params"})), 2, 64)

@@ -179,7 +179,7 @@ def test_tensor_and_context_parallel_bytes_are_the_ones_the_runs_measure(name, l
     per_layer = sum((fwd + bwd) * formulas.wire_bytes(kind, nbytes, group)
                     for kind, nbytes, fwd, bwd in cost.layer_traffic(spec, lay, Training(1, "fp32")).values())
     theirs = strategies.get("manual_tp").comm_bytes_predicted(model, config) if name == "manual_tp" else \
-        context.attention_bytes_predicted(model, config, 2)
+        context.attention_bytes_predicted(model, strategies.get("context_parallel").run(config), 2)
     assert spec.layers * per_layer == pytest.approx(theirs, rel=1e-9) and theirs > 0
 
 

@@ -63,9 +63,10 @@ def test_the_interleaved_schedules_get_whole_rounds_of_micro_batches():
     from parallel.strategies.model import pipeline_dist
 
     config = RunConfig(devices="cpu:3", batch_auto=True, options={"schedule": "interleaved1f1b"}).validate()
-    assert pipeline_dist.fit_microbatches(config, 3, 513) == {"microbatches": 9}  # 6 does not divide 513
-    assert pipeline_dist.fit_microbatches(dataclasses.replace(config, options={}), 3, 513) == {"microbatches": 9}
-    assert pipeline_dist.fit_microbatches(dataclasses.replace(config, options={}), 2, 512) == {"microbatches": 4}
+    run = strategies.get("pipeline_dist").run  # the Run a strategy is handed: its options typed
+    assert pipeline_dist.fit_microbatches(run(config), 3, 513) == {"microbatches": 9}  # 6 does not divide 513
+    assert pipeline_dist.fit_microbatches(run(dataclasses.replace(config, options={})), 3, 513) == {"microbatches": 9}
+    assert pipeline_dist.fit_microbatches(run(dataclasses.replace(config, options={})), 2, 512) == {"microbatches": 4}
     _, runs, _ = planned("cpu:2", workload="mlp", options={"schedule": "interleaved1f1b"})
     assert runs["pipeline_dist"].options["microbatches"] == 4  # whole rounds of 2
 

@@ -21,7 +21,6 @@ from parallel.kit.tensors import param_bytes
 from parallel.kit.tied import sum_tied, untie
 from parallel.loop import wire
 from parallel.loop.timing import median_time
-from parallel.models.usermodel import shape_model
 from parallel.world.devices import synchronizer_all
 from parallel.world.errors import ConfigError
 
@@ -107,11 +106,11 @@ class SentHop:
                 td.send(buf, peer)
 
 
-def check_layers(config) -> None:
+def check_layers(run) -> None:
     """model_parallel's and pipeline's check: a stage per device needs as many layers, refused at planning
     with the reason (not at the first step), from the model's shapes alone (shape_model)."""
-    if config.world_size > (n := len(layers_of(shape_model(config)))):
-        raise ConfigError(f"{config.world_size} stages (one a device), but the {config.model or config.workload} "
+    if run.world_size > (n := len(layers_of(run.meta_model))):
+        raise ConfigError(f"{run.world_size} stages (one a device), but the {run.model or run.config.workload} "
                           f"has {n} layers to split")
 
 
@@ -171,9 +170,9 @@ def describe(bounds: list[int]) -> str:
     return " | ".join(f"{a}-{b - 1}" for a, b in zip(bounds[:-1], bounds[1:], strict=True))
 
 
-def given_cut(config, balance: str, k: int, layers: list[nn.Module]) -> list[int] | None:
+def given_cut(run, balance: str, k: int, layers: list[nn.Module]) -> list[int] | None:
     """The cut into k stages an earlier row of this run decided (RunConfig.cuts), if it fits these layers."""
-    bounds = config.cuts.get(f"{balance}:{k}")
+    bounds = run.cuts.get(f"{balance}:{k}")
     return list(bounds) if bounds and len(bounds) == k + 1 and bounds[-1] == len(layers) else None
 
 
@@ -189,7 +188,7 @@ def cut(layers: list[nn.Module], k: int, balance: str, sample: torch.Tensor, dev
     return partition([float(sum(p.numel() for p in layer.parameters())) for layer in layers], k, holds=holds)
 
 
-def agreed_cut(layers: list[nn.Module], k: int, balance: str, config, dist, micro_batch: int) -> list[int]:
+def agreed_cut(layers: list[nn.Module], k: int, balance: str, run, dist, micro_batch: int) -> list[int]:
     """`cut` where the stages are processes (pipeline_dist, fsdp_pp): decided on rank 0, by time measured at
     the micro-batch size or by parameters, and sent to every rank so that they all cut alike. By time, the
     hop between stages is priced as what those strategies do, not as a copy on rank 0's device: rank 0
@@ -197,13 +196,12 @@ def agreed_cut(layers: list[nn.Module], k: int, balance: str, config, dist, micr
     cut an earlier row of the run decided (config.cuts) is taken as it is, on every rank alike."""
     import torch.distributed as td
 
-    from parallel.models.usermodel import workload_of
 
-    if given := given_cut(config, balance, k, layers):
+    if given := given_cut(run, balance, k, layers):
         return given
     decided, timed = [None], balance == "time"
     if dist.rank == 0:
-        sample = workload_of(config).dataset(config.seed, micro_batch).batch(0)[0]
+        sample = run.workload.dataset(run.seed, micro_batch).batch(0)[0]
         hop = SentHop(1, dist.device) if timed else None
         decided = [cut(layers, k, balance, sample, [dist.device, dist.device], hop=hop)]
         if hop is not None:

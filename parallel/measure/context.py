@@ -28,7 +28,6 @@ from parallel.kit.tensors import param_bytes
 from parallel.loop.results import Row
 from parallel.measure.formulas import element_bytes
 from parallel.measure.sharded_cost import allreduce_every_gradient
-from parallel.models.usermodel import workload_of
 from parallel.style import charts, tables
 from parallel.style.tables import count, largest, size
 from parallel.world.devices import synchronizer
@@ -63,27 +62,27 @@ class Context(measure.Family):
     def __init__(self, dims, loss, fsdp_blocks=None):
         self.dims, self.loss, self.fsdp_blocks = dims, loss, fsdp_blocks
 
-    def comm_bytes_predicted(self, model, config) -> float:
+    def comm_bytes_predicted(self, model, run) -> float:
         """The K,V ring and the gradients' reduction: one all-reduce of every gradient, or FSDP2's
         collectives of the parameters, each (N-1)/N of their bytes: a reduce-scatter, and an all-gather in
         forward and again in backward, but the root's parameters (those no block holds: the embeddings)
         are gathered once, as FSDP2 keeps the root unsharded between its forward and backward."""
-        ring = attention_bytes_predicted(model, config, self.dims(config).cp)
+        ring = attention_bytes_predicted(model, run, self.dims(run).cp)
         if self.fsdp_blocks is None:
-            return ring + allreduce_every_gradient(model, config)
-        n, p = config.world_size, param_bytes(model.parameters())
+            return ring + allreduce_every_gradient(model, run)
+        n, p = run.world_size, param_bytes(model.parameters())
         in_blocks = param_bytes(q for b in self.fsdp_blocks(model) for q in b.parameters())
         return ring + (n - 1) / n * (2 * in_blocks + (p - in_blocks) + p)
 
-    def extra_measurements(self, t, data, config, dist, result) -> dict:
+    def extra_measurements(self, t, data, run, dist, result) -> dict:
         """Bytes beside the formula, each rank's causal pairs and attention time, activations per rank."""
-        lay, ring = self.dims(config, dist), t.model.attentions()[0].attend  # the kit.Ring every layer calls
+        lay, ring = self.dims(run, dist), t.model.attentions()[0].attend  # the kit.Ring every layer calls
         cp, batch = lay.cp, data.batch(0, *lay.batch_share(dist.rank))
         with counting_pairs(ring) as pairs:
             mine, mine_attention = saved_bytes(t.model, lambda: self.loss(t, batch))
         whole, whole_attention = single_saved_bytes(t.model, t.loss_fn, [b.to(t.device) for b in batch])
-        out = Result(cp, ring.layout.name, ring.comm, kv_bytes(t.model, config, cp),
-                     attention_bytes_predicted(t.model, config, cp),
+        out = Result(cp, ring.layout.name, ring.comm, kv_bytes(t.model, run, cp),
+                     attention_bytes_predicted(t.model, run, cp),
                      causal_pairs_per_rank=every_rank(pairs[0] // len(t.model.attentions())),
                      causal_pairs_formula=[ring.layout.causal_pairs(r) for r in range(cp)],
                      attention_ms_per_rank=every_rank(round(attention_ms(t.model, ring, len(batch[0]), t.device), 3)),
@@ -97,19 +96,19 @@ class Context(measure.Family):
 # What is predicted -------------------------------------------------------------------------------------
 
 
-def kv_bytes(model: nn.Module, config, cp: int) -> float:
+def kv_bytes(model: nn.Module, run, cp: int) -> float:
     """The bytes of one rank's K,V block, one attention layer: 2 x (B/dp) x (T/cp) x width x 4 (2 under
     --precision bf16: the projections' outputs are bf16 there; 8 under fp64)."""
-    width, element = model.attentions()[0].q.out_features, 2 if config.precision == "bf16" else element_bytes(
-        config.precision)
-    rows, positions = config.batch_size // (config.world_size // cp), workload_of(config).input_shape[0] // cp
+    width, element = model.attentions()[0].q.out_features, 2 if run.precision == "bf16" else element_bytes(
+        run.precision)
+    rows, positions = run.batch_size // (run.world_size // cp), run.workload.input_shape[0] // cp
     return 2 * rows * positions * width * element
 
 
-def attention_bytes_predicted(model: nn.Module, config, cp: int) -> float:
+def attention_bytes_predicted(model: nn.Module, run, cp: int) -> float:
     """K,V around the group, per rank and step: 3 (cp-1) blocks per attention layer, forward and backward
     (kit/ring_attention.py's module docstring), for either comm."""
-    return 3 * (cp - 1) * kv_bytes(model, config, cp) * len(model.attentions())
+    return 3 * (cp - 1) * kv_bytes(model, run, cp) * len(model.attentions())
 
 
 # What is measured --------------------------------------------------------------------------------------
@@ -148,7 +147,7 @@ def attending(model: nn.Module, wrap):
             a.attend = attend
 
 
-def saved_bytes(model: nn.Module, run) -> tuple[int, int]:
+def saved_bytes(model: nn.Module, result) -> tuple[int, int]:
     """(bytes of every tensor autograd saves for backward in run(), those saved inside attention),
     parameters left out (they are state, not activations), each storage counted once."""
     seen, totals, inside = set(), [0, 0], [False]
@@ -173,7 +172,7 @@ def saved_bytes(model: nn.Module, run) -> tuple[int, int]:
         return call
 
     with attending(model, flagged), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run()
+        result()
     return totals[0], totals[1]
 
 

@@ -25,7 +25,6 @@ from parallel.loop.results import Row
 from parallel.measure.context import by_rank, ms, per_rank_figure, sent
 from parallel.measure.formulas import element_bytes
 from parallel.measure.sharded_cost import ring_allreduce_bytes
-from parallel.models.usermodel import workload_of
 from parallel.style import charts, tables
 from parallel.style.tables import largest, num, size
 from parallel.world.devices import synchronizer
@@ -77,7 +76,7 @@ class Experts(measure.Family):
         and each expert computes, and the time in the experts (synchronized there only: those steps are
         not timed)."""
         dispatch = t.model.moe_layers()[0].dispatch  # one for every layer
-        seen, plan, run = Seen(), dispatch.plan, dispatch.run
+        seen, plan, result = Seen(), dispatch.plan, dispatch.run
         rank = td.get_rank(dispatch.group) if dispatch.group is not None else 0
         dispatch.seen = seen
 
@@ -92,11 +91,11 @@ class Experts(measure.Family):
 
         def timed_run(experts, rows, per_expert):
             if not wire.counting():
-                return run(experts, rows, per_expert)
+                return result(experts, rows, per_expert)
             sync = synchronizer(rows.device)
             sync()
             start = time.perf_counter()
-            out = run(experts, rows, per_expert)
+            out = result(experts, rows, per_expert)
             sync()
             seen.expert_s += time.perf_counter() - start
             seen.element = (rows.element_size(), out.element_size())
@@ -104,15 +103,15 @@ class Experts(measure.Family):
 
         dispatch.plan, dispatch.run = counted_plan, timed_run
 
-    def extra_measurements(self, t, data, config, dist, result) -> dict:
+    def extra_measurements(self, t, data, run, dist, result) -> dict:
         """Bytes beside the prediction from this run's routing; rows per expert; drops; expert state per rank."""
-        layers, ep, steps = t.model.moe_layers(), self.ep(config), max(1, result.wire.counted)
+        layers, ep, steps = t.model.moe_layers(), self.ep(run), max(1, result.wire.counted)
         d = layers[0].dispatch
         seen, held, n = d.seen, self.held(t), len(layers)
-        tokens = config.batch_size // config.world_size * workload_of(config).input_shape[0]
+        tokens = run.batch_size // run.world_size * run.workload.input_shape[0]
         width = layers[0].router.in_features
-        single_model = workload_of(config).build_model(config.seed)
-        predicted = predicted_bytes(single_model, config, ep, (seen.rows_out + seen.rows_in) / steps, seen.element)
+        single_model = run.workload.build_model(run.seed)
+        predicted = predicted_bytes(single_model, run, ep, (seen.rows_out + seen.rows_in) / steps, seen.element)
         loads = [[sum(c[j] for c in seen.load[i::n]) / steps for j in range(len(held))] for i in range(n)]
         out = Result(ep, layers[0].capacity_factor, sum(predicted.values()), predicted,
                      2 * tokens * layers[0].top_k * width * sum(seen.element) * (ep - 1) / ep * n,
@@ -133,21 +132,21 @@ def expert_bytes(model: nn.Module) -> int:
     return param_bytes(p for moe in model.moe_layers() for p in moe.experts.parameters())
 
 
-def predicted_bytes(model: nn.Module, config, ep: int, rows_moved: float, element: tuple) -> dict[str, float]:
+def predicted_bytes(model: nn.Module, run, ep: int, rows_moved: float, element: tuple) -> dict[str, float]:
     """Bytes a rank sends per step, by collective, given one device's `model`, the rows it moved per step
     (out and in, every layer) and the element sizes of a row going out and of an output coming back: each
     row crosses twice forward (there, and its output back) and twice backward (the output's gradient
     there, the row's gradient back), so 4 rows' worth per routed row that leaves; the counts (E int64 per
     layer, forward); the gradients' all-reduces."""
-    n = config.world_size
+    n = run.world_size
     layers, width = model.moe_layers(), model.moe_layers()[0].router.in_features
     experts = layers[0].num_experts
     a2a = rows_moved * width * sum(element) + (ep - 1) / ep * experts * 8 * len(layers)
     total_experts = expert_bytes(model)  # one device's: every expert
     dense = param_bytes(model.parameters()) - total_experts
     reduce = ring_allreduce_bytes(dense, n) + ring_allreduce_bytes(total_experts / ep, n // ep)
-    if workload_of(config).aux_loss:
-        reduce += ring_allreduce_bytes(experts * element_bytes(config.precision), n) * len(layers)
+    if run.workload.aux_loss:
+        reduce += ring_allreduce_bytes(experts * element_bytes(run.precision), n) * len(layers)
     return {"all_to_all": a2a, "all_reduce": reduce}
 
 

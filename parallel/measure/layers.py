@@ -26,7 +26,6 @@ from parallel.loop.results import Row
 from parallel.measure.formulas import element_bytes
 from parallel.measure.sharded_cost import ring_allreduce_bytes
 from parallel.models.outputs import call
-from parallel.models.usermodel import shape_model, workload_of
 from parallel.models.workloads import tp_plan_of
 from parallel.style.tables import size, table
 
@@ -57,38 +56,38 @@ class Megatron(measure.Family):
     def __init__(self, activations: bool = False, layout=None):
         self.activations, self.layout = activations, layout
 
-    def extra_measurements(self, t, data, config, dist, result) -> dict:
+    def extra_measurements(self, t, data, run, dist, result) -> dict:
         out = Result(**result.wire.measurements())
         if self.activations:
             out.activation_bytes_per_rank = forward_activation_bytes(t, data.batch(0))  # the whole batch
         if self.layout is not None:
-            out.mesh = str(self.layout(config))
-        out.kv_heads = kv_copies.describe(shape_model(config), self._tp_dp(config)[0])
+            out.mesh = str(self.layout(run))
+        out.kv_heads = kv_copies.describe(run.meta_model, self._tp_dp(run)[0])
         return {Result.FAMILY: out}
 
-    def _tp_dp(self, config) -> tuple[int, int]:
-        lay = self.layout(config) if self.layout is not None else None
-        return (lay.tp, lay.dp) if lay is not None else (config.world_size, 1)
+    def _tp_dp(self, run) -> tuple[int, int]:
+        lay = self.layout(run) if self.layout is not None else None
+        return (lay.tp, lay.dp) if lay is not None else (run.world_size, 1)
 
-    def comm_bytes_predicted(self, model, config) -> float | None:
+    def comm_bytes_predicted(self, model, run) -> float | None:
         """Megatron's all-reduces (payloads), 2(N-1)/N of each per rank (sequence parallel: an all-gather
         and a reduce-scatter of the same activation, (N-1)/N each: the same bytes); none for 2-D."""
         if self.layout is not None or tp_plan_of(model) is None:
             return None
-        copies = kv_copies.grad_bytes(model, config.world_size, element_bytes(config.precision))  # their gradients
-        return sum(ring_allreduce_bytes(p, config.world_size) for p in payloads(model, config)) + copies
+        copies = kv_copies.grad_bytes(model, run.world_size, element_bytes(run.precision))  # their gradients
+        return sum(ring_allreduce_bytes(p, run.world_size) for p in payloads(model, run)) + copies
 
-    def predict_step_ms(self, cal, config, row) -> float | None:
+    def predict_step_ms(self, cal, run, row) -> float | None:
         """`single`'s step on a dp share split tp ways (each rank computes 1/tp of every split layer; the
         replicated ones are small here), plus Megatron's all-reduces of that share's activations over tp,
         none hidden (each blocks the next layer); 2-D, also FSDP's two all-gathers and one reduce-scatter
         of each rank's 1/tp of the parameters over dp, none hidden (gloo's reduce-scatter costs an
         all-reduce; an all-gather half of one)."""
-        tp, dp = self._tp_dp(config)
+        tp, dp = self._tp_dp(run)
         if cal.allreduce_ms(1, tp) is None:
             return None
-        share = dataclasses.replace(config, batch_size=config.batch_size // dp, world_size=tp)
-        megatron = sum(cal.allreduce_ms(p, tp) for p in payloads(shape_model(config), share))
+        share = dataclasses.replace(run.config, batch_size=run.batch_size // dp, world_size=tp)
+        megatron = sum(cal.allreduce_ms(p, tp) for p in payloads(run.meta_model, share))
         ms = cal.compute_ms(share.batch_size) / tp + megatron
         if dp > 1:
             allreduce = cal.allreduce_ms(cal.grad_bytes / tp, dp)  # of this rank's 1/tp of the parameters
@@ -107,17 +106,17 @@ def forward_activation_bytes(t, batch) -> int:
     return meter.bytes
 
 
-def payloads(model, config) -> list[float]:
+def payloads(model, run) -> list[float]:
     """Bytes of every activation Megatron all-reduces per step: every rowwise layer's output forward (B x T
     x its outputs), and every region's (or colwise layer outside one) input gradient backward (B x T x its
     inputs); but not the gradient of the data itself, which nothing needs (the MLP's first layer)."""
-    plan, w = tp_plan_of(model), workload_of(config)
-    positions = config.batch_size * (w.input_shape[0] if w.data == "tokens" else 1)  # tokens: T per sample
+    plan, w = tp_plan_of(model), run.workload
+    positions = run.batch_size * (w.input_shape[0] if w.data == "tokens" else 1)  # tokens: T per sample
     forward = [model.get_submodule(r).out_features for r in plan.rowwise]
     first_layer = next(n for n, _ in model.named_parameters()).rpartition(".")[0]
     entries = [*plan.regions, *(c for c in plan.colwise if not any(c.startswith(r + ".") for r in plan.regions))]
     backward = [_in_features(model, e) for e in entries if e != first_layer]
-    return [positions * c * element_bytes(config.precision) for c in forward + backward]
+    return [positions * c * element_bytes(run.precision) for c in forward + backward]
 
 
 def _in_features(model: nn.Module, name: str) -> int:

@@ -70,7 +70,7 @@ class Threads(measure.Family):
     def __init__(self, one_at_a_time: bool = False):
         self.one_at_a_time = one_at_a_time
 
-    def extra_measurements(self, t, data, config, dist, run) -> dict:
+    def extra_measurements(self, t, data, run, dist, result) -> dict:
         s, sp, w = t.state, t.state.split, t.state.watch
         p, schedule, m = len(sp.stages), getattr(s, "schedule", None), getattr(s, "m", 1)
         acts = [meter.bytes // w.metered() for meter in w.meters]  # held at the end of forward
@@ -81,7 +81,7 @@ class Threads(measure.Family):
             r.peak_activation_bytes = w.peak
             r.held_measured = [round(pk / o) if o else 0 for pk, o in zip(w.peak, one, strict=True)]
         ops = getattr(s, "ops", None) or [[("F", 0), ("B", 0)]] * p
-        return {FAMILY: r, "measured": self._idle(r, w.busy, config.warmup, ops, schedule or "gpipe", run.step_s)}
+        return {FAMILY: r, "measured": self._idle(r, w.busy, run.warmup, ops, schedule or "gpipe", result.step_s)}
 
     @staticmethod
     def _idle(r: Result, busy, skip: int, ops, schedule: str, step_s: list[float]) -> Measured:
@@ -102,12 +102,12 @@ class Threads(measure.Family):
         return Measured(bubble_measured=statistics.median(busy.bubbles[skip:] or busy.bubbles), bubble_theory=closed,
                         bubble_replayed=replayed)
 
-    def predict_step_ms(self, cal, config, row) -> float | None:
+    def predict_step_ms(self, cal, run, row) -> float | None:
         """One stage at a time: the whole model's compute, plus the activations and gradients copied; a
         pipeline: its schedule played out (schedule_ms)."""
         if self.one_at_a_time:
-            return cal.compute_ms(config.batch_size) + cal.copy_ms(row.comm_bytes_per_step or 0)
-        return schedule_ms(cal, row, config.batch_size)
+            return cal.compute_ms(run.batch_size) + cal.copy_ms(row.comm_bytes_per_step or 0)
+        return schedule_ms(cal, row, run.batch_size)
 
 
 def schedule_ms(cal, row, batch: int) -> float | None:
@@ -124,21 +124,21 @@ def schedule_ms(cal, row, batch: int) -> float | None:
 
 
 class Torch(measure.Family):
-    """pipeline_dist and fsdp_pp, lending `options(config)` (schedule, microbatches, balance, v: stages per
+    """pipeline_dist and fsdp_pp, reading `run.options` (schedule, microbatches, balance, v: stages per
     rank, placement: "loop" | "v"), `layout(config, dist)` where the pipelines are data-parallel too
     (fsdp_pp's pp x dp), and t.state's `busy` (stage_time.Busy), `stages` (stage_time.timed_stage's),
     `bounds`, `p`, `rank` and `schedule` (torch's)."""
 
 
-    def __init__(self, options, layout=None):
-        self.options, self.layout = options, layout
+    def __init__(self, layout=None):
+        self.layout = layout
 
-    def extra_measurements(self, t, data, config, dist, run) -> dict:
+    def extra_measurements(self, t, data, run, dist, result) -> dict:
         """The bubble: per step, each rank idle for the part of the step's span (start to the last piece of
         work on any rank, one host's clock) it was not computing; point-to-point bytes; activations held;
         and the theory (pipeline_theory): every rank's actions replayed on the pieces' median times
         measured here and the hand-offs measured after the run (fsdp_pp's pipelines: hand-offs left out)."""
-        s, o, skip = t.state, self.options(config), config.warmup
+        s, o, skip = t.state, run.options, run.warmup
         by_stage = {key: {st.stage_index: getattr(st, attr) for st in s.stages}
                     for key, attr in (("peak", "peak"), ("one", "one"), ("out", "out_bytes"))}
         mine = {"busy": [b[0] for b in s.busy.busy_ms[skip:]], "end": s.busy.ends_ms[skip:], **by_stage,
@@ -148,13 +148,13 @@ class Torch(measure.Family):
         peaks, ones, outs, pieces = ({k: v for r in ranks for k, v in r[key].items()}
                                      for key in ("peak", "one", "out", "pieces"))
         r = Result(o.balance, describe(s.bounds), s.bounds, o.schedule, o.microbatches, o.v, "rank",
-                   str(self.layout(config, dist)) if self.layout else None,
+                   str(self.layout(run, dist)) if self.layout else None,
                    peak_activation_bytes=[peaks[i] for i in sorted(peaks)],
                    held_measured=[round(peaks[i] / ones[i]) if ones[i] else 0 for i in sorted(peaks)])
         hop = hop_ms(outs, s.p, o.placement, dist) if s.p == dist.world_size else {}
         closed = closed_form_idle(o.schedule, s.p, o.microbatches, o.v, pieces)
-        out = {FAMILY: r, **run.wire.measurements(), "measured": Measured(bubble_theory=closed)}
-        if not (mine["end"] and run.step_s):
+        out = {FAMILY: r, **result.wire.measurements(), "measured": Measured(bubble_theory=closed)}
+        if not (mine["end"] and result.step_s):
             return out
         bubbles, per_rank = [], [[] for _ in ranks]
         for step in range(len(mine["end"])):
@@ -164,7 +164,7 @@ class Torch(measure.Family):
             for i, f in enumerate(idle):
                 per_rank[i].append(f)
         theory = pipeline_theory(torch_orders(s.schedule, o.schedule, s.p, o.microbatches), pieces, hop,
-                                 s.busy.outside_ms(run.step_s), rank=s.rank,  # this rank's: its step times
+                                 s.busy.outside_ms(result.step_s), rank=s.rank,  # this rank's: its step times
                                  late=o.v == 1,  # gpipe, 1f1b: each receive posted right before its use
                                  groups=torch_groups(s.schedule, o.schedule, s.p))
         r.rank_idle_fraction = [round(statistics.median(q), 3) for q in per_rank]
@@ -175,12 +175,12 @@ class Torch(measure.Family):
         _theory(r, theory)
         return out
 
-    def predict_step_ms(self, cal, config, row) -> float | None:
+    def predict_step_ms(self, cal, run, row) -> float | None:
         """gpipe and 1f1b: the schedule played out on each stage's calibrated forward and backward times (as
         `pipeline`'s); the looped and zero-bubble schedules, and FSDP2's collectives within a stage
         (fsdp_pp), are not modelled (None)."""
         r = result(row)
-        return schedule_ms(cal, row, config.batch_size) if r and r.v == 1 and not self.layout else None
+        return schedule_ms(cal, row, run.batch_size) if r and r.v == 1 and not self.layout else None
 
 
 # The report ---------------------------------------------------------------------------------------------

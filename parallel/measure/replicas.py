@@ -21,7 +21,6 @@ from parallel.measure.sharded_cost import (
     predict_data_parallel_ms,
     timed_rounds,
 )
-from parallel.models.usermodel import workload_of
 
 EXTRAS_BUDGET_S = 10.0  # seconds ddp's interleaved rounds may take: all 10 on small models, 1 at real sizes
 
@@ -36,83 +35,84 @@ class Replicas(measure.Family):
 
 
     def __init__(self, world_size=None, phases=None, copies: bool = True):
-        self.world_size, self.phases, self.copies = world_size or (lambda config: config.world_size), phases, copies
+        self.world_size, self.phases, self.copies = world_size or (lambda run: run.world_size), phases, copies
 
-    def extra_measurements(self, t, data, config, dist, run) -> dict:
+    def extra_measurements(self, t, data, run, dist, result) -> dict:
         if self.phases is None:
             return {}
-        return {FAMILY: Result(step_phases_ms=self.phases(t).medians(skip=config.warmup))}  # the timed steps'
+        return {FAMILY: Result(step_phases_ms=self.phases(t).medians(skip=run.warmup))}  # the timed steps'
 
-    def comm_bytes_predicted(self, model, config) -> float | None:
+    def comm_bytes_predicted(self, model, run) -> float | None:
         """Bytes between the first device and the others per step: parameters out and gradients back
         (2 x params x (N-1)); inputs out, outputs back and their gradients out ((N-1)/N of each), fp32
         (fp64 under --precision fp64)."""
         if not self.copies:
             return None
-        n = self.world_size(config)
+        n = self.world_size(run)
         if n == 1:
             return 0  # one device: nothing to send
-        workload, e = workload_of(config), element_bytes(config.precision)
-        x_bytes = config.batch_size * e * math.prod(workload.input_shape)
-        out_bytes = config.batch_size * e * workload.classes
+        workload, e = run.workload, element_bytes(run.precision)
+        x_bytes = run.batch_size * e * math.prod(workload.input_shape)
+        out_bytes = run.batch_size * e * workload.classes
         return 2 * (n - 1) * grad_bytes(model) + (n - 1) / n * (x_bytes + 2 * out_bytes)
 
-    def predict_step_ms(self, cal, config, row) -> float:
+    def predict_step_ms(self, cal, run, row) -> float:
         """Replicas compute their chunks in parallel; the parameters are copied out and the gradients back."""
-        n = self.world_size(config)
+        n = self.world_size(run)
         copies = cal.copy_ms(2 * (n - 1) * cal.grad_bytes) if n > 1 else 0
-        return cal.compute_ms(-(-config.batch_size // n)) + copies
+        return cal.compute_ms(-(-run.batch_size // n)) + copies
 
 
 class AllReduce(measure.Family):
     """Every rank the whole model, every gradient all-reduced once a step (ddp, manual_ddp). Lent:
-    `buckets(t)`, each bucket's bytes; `options(config)`, the strategy's options (ddp's `accum`: micro-batches
+    `buckets(t)`, each bucket's bytes; the run's options (ddp's `accum`: micro-batches
     a step, `compress`: bf16 all-reduces); `step(t, batch, sync)`, one optimiser step, without its
     all-reduce where not `sync` (ddp): with it the row times its exposed communication (the step time minus
     the same step with no all-reduce, beside one all-reduce of every gradient) and is the sharded table's
     unsharded reference, ZeRO stage 0."""
 
 
-    def __init__(self, buckets, options=None, step=None):
-        self.buckets, self.options, self.step = buckets, options, step
+    def __init__(self, buckets, step=None):
+        self.buckets, self.step = buckets, step
 
-    def _option(self, config, name: str, default):
-        return getattr(self.options(config), name, default) if self.options else default
+    def _option(self, run, name: str, default):
+        return getattr(run.options, name, default)  # the strategy's own, where it has the option
 
-    def extra_measurements(self, t, data, config, dist, run) -> dict:
-        r = Result(bucket_bytes=self.buckets(t), all_reduces_per_step=run.wire.per_step("calls").get("all_reduce", 0.0))
+    def extra_measurements(self, t, data, run, dist, result) -> dict:
+        calls = result.wire.per_step("calls")
+        r = Result(bucket_bytes=self.buckets(t), all_reduces_per_step=calls.get("all_reduce", 0.0))
         model = getattr(t.model, "module", t.model)
         if self.step is None or hasattr(model, "parts"):  # the DCGAN's update: no single-loss step to time
             return {FAMILY: r}
         params = list(model.parameters())
         _model_state(r, held(params, t.optimizer), 0, sum(p.numel() for p in params), dist.world_size,
                      params[0].element_size())
-        ms = self._timed(t, data, config, dist)
+        ms = self._timed(t, data, run, dist)
         r.step_ms, r.no_sync_step_ms, exposed = ms["step"], ms["no_sync"], ms["step"] - ms["no_sync"]
         return {FAMILY: r, "measured": Measured(
             exposed_comm_ms=exposed, exposed_over_allreduce=exposed / ms["allreduce"],
             allreduce_all_grads_ms=ms["allreduce"], allreduce_4B_ms=ms["allreduce_4B"])}
 
-    def _timed(self, t, data, config, dist) -> dict[str, float]:
+    def _timed(self, t, data, run, dist) -> dict[str, float]:
         """Median ms of a step, the same step with no all-reduce (no_sync), one standalone all-reduce of every
         gradient at once and one of 4 bytes (the latency: the cost model's alpha), timed interleaved, round
         by round, with the loop's clock (timed_rounds, within EXTRAS_BUDGET_S: at GPT-2 small's shape on
         CPUs a round is two steps of 5 s, and one round is all); on fresh batches after the run's own."""
         flat = torch.zeros(sum(p.numel() for p in t.model.parameters()), device=t.device)  # (all grads,)
         tiny = torch.zeros(1, device=t.device)
-        first = config.warmup + config.steps
+        first = run.warmup + run.steps
         batch = functools.lru_cache(maxsize=1)(lambda i: data.batch(first + i, dist.rank, dist.world_size))  # a round's
         work = {"step": lambda i: self.step(t, batch(i)), "no_sync": lambda i: self.step(t, batch(i), sync=False),
                 "allreduce": lambda i: td.all_reduce(flat), "allreduce_4B": lambda i: td.all_reduce(tiny)}
-        return timed_rounds(work, max(10, config.steps), EXTRAS_BUDGET_S, t.device)
+        return timed_rounds(work, max(10, run.steps), EXTRAS_BUDGET_S, t.device)
 
-    def comm_bytes_predicted(self, model, config) -> float:
+    def comm_bytes_predicted(self, model, run) -> float:
         """Every gradient all-reduced once with a ring; half the bytes in bf16."""
-        full = allreduce_every_gradient(model, config)
-        return full / 2 if self._option(config, "compress", "") else full
+        full = allreduce_every_gradient(model, run)
+        return full / 2 if self._option(run, "compress", "") else full
 
-    def predict_step_ms(self, cal, config, row) -> float | None:
-        return predict_data_parallel_ms(cal, config, self._option(config, "accum", 1))
+    def predict_step_ms(self, cal, run, row) -> float | None:
+        return predict_data_parallel_ms(cal, run, self._option(run, "accum", 1))
 
 
 def ddp_bucket_bytes(wrappers) -> list[int]:

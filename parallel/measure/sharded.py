@@ -6,7 +6,7 @@ stage 3, `FullyShard`). What each rank holds by kind beside the paper's formula,
 ddp's exposed communication, the textbook bytes and the cost model's step; the report's tables, note and
 pictures of them. The strategies lend what the measurement needs (see each family's docstring):
 
-    MEASURE = sharded.FullyShard(groups, dims, options=...)      # fsdp
+    MEASURE = sharded.FullyShard(groups, dims)      # fsdp
 """
 
 from __future__ import annotations
@@ -78,43 +78,43 @@ def _model_state(r: Result, mine: tuple[int, int, int], stage: int, numel: int, 
     r.zero_stage, r.zero_formula_bytes = stage, sgd_state(numel, stage, shards, element)
 
 
-def _sent(r: Result, run, **measured) -> dict:
+def _sent(r: Result, result, **measured) -> dict:
     """A sharded row's details: its Result, and the loop's bytes by collective beside it, where the report's
     picture of them reads them for every family (ddp's are shown as one all-reduce, its whole count: its
     first step's broadcast of the rebuilt buckets' order, 24 bytes, is no collective of the algorithm)."""
-    return {FAMILY: r, "bytes_per_step_by_collective": run.wire.per_step(), **measured}
+    return {FAMILY: r, "bytes_per_step_by_collective": result.wire.per_step(), **measured}
 
 
-def _rounds(config) -> int:
-    return max(3, min(10, config.steps))
+def _rounds(run) -> int:
+    return max(3, min(10, run.steps))
 
 
 class Zero(measure.Family):
     """ZeRO-1 and -2 by hand (zero): every rank all the parameters, flat, in buckets each padded to N chunks,
     and the optimizer state (stage 2: the gradients too) of its chunk of each. Lent: `held(t)`, this rank's
-    (parameters, gradients, optimizer state) bytes; `buckets(t)`, each bucket's bytes; `options(config)`,
+    (parameters, gradients, optimizer state) bytes; `buckets(t)`, each bucket's bytes; `run.options`,
     its `zero_stage`. Each collective is timed alone on the flat parameters."""
 
 
-    def __init__(self, held, buckets, options):
-        self.held, self.buckets, self.options = held, buckets, options
+    def __init__(self, held, buckets):
+        self.held, self.buckets = held, buckets
 
-    def extra_measurements(self, t, data, config, dist, run) -> dict:
-        r, e = Result(bucket_bytes=self.buckets(t)), element_bytes(config.precision)
+    def extra_measurements(self, t, data, run, dist, result) -> dict:
+        r, e = Result(bucket_bytes=self.buckets(t)), element_bytes(run.precision)
         flat = sum(r.bucket_bytes) // e  # the parameters' elements, each bucket padded
-        _model_state(r, self.held(t), self.options(config).zero_stage, flat, dist.world_size, e)
-        return _sent(r, run, measured=measured_collectives(t.device, flat, rounds=_rounds(config)))
+        _model_state(r, self.held(t), run.options.zero_stage, flat, dist.world_size, e)
+        return _sent(r, result, measured=measured_collectives(t.device, flat, rounds=_rounds(run)))
 
-    def comm_bytes_predicted(self, model, config) -> float:
+    def comm_bytes_predicted(self, model, run) -> float:
         """Reduce-scatter and all-gather of every parameter's worth, ring: 2(N-1)/N x P bytes (2 Psi)."""
-        n = config.world_size
+        n = run.world_size
         padded = math.ceil(sum(p.numel() for p in model.parameters() if p.requires_grad) / n) * n
-        e = element_bytes(config.precision)
+        e = element_bytes(run.precision)
         return wire_bytes("reduce_scatter", padded * e, n) + wire_bytes("all_gather", padded * e, n)
 
-    def predict_step_ms(self, cal, config, row) -> float | None:
+    def predict_step_ms(self, cal, run, row) -> float | None:
         """Each rank's share of the compute, then the reduce-scatter and the all-gather."""
-        return predict_sharded_ms(cal, config, row, all_gathers=1)
+        return predict_sharded_ms(cal, run, row, all_gathers=1)
 
 
 class ZeroRedundancy(measure.Family):
@@ -126,71 +126,71 @@ class ZeroRedundancy(measure.Family):
     def __init__(self, owned):
         self.owned = owned
 
-    def extra_measurements(self, t, data, config, dist, run) -> dict:
+    def extra_measurements(self, t, data, run, dist, result) -> dict:
         params = list(t.model.parameters())
         r = Result(owned_param_bytes_per_rank=[param_bytes(self.owned(t, k)) for k in range(dist.world_size)])
-        full, e = param_bytes(params), element_bytes(config.precision)
+        full, e = param_bytes(params), element_bytes(run.precision)
         mine = (full, full, optimizer_state_bytes(self.owned(t, dist.rank), t.optimizer.optim))
         _model_state(r, mine, 1, full // e, dist.world_size, e)  # the paper's stage 1: an even share
-        return _sent(r, run)
+        return _sent(r, result)
 
-    def comm_bytes_predicted(self, model, config) -> float:
+    def comm_bytes_predicted(self, model, run) -> float:
         """DDP's all-reduce (2(N-1)/N x P) + the parameters broadcast from their owners ((N-1)/N x P)."""
-        n, p = config.world_size, sum(tensor_bytes(q) for q in model.parameters())
+        n, p = run.world_size, sum(tensor_bytes(q) for q in model.parameters())
         return wire_bytes("all_reduce", p, n) + wire_bytes("all_gather", p, n)  # a broadcast each: (N-1)/N
 
-    def predict_step_ms(self, cal, config, row) -> float | None:
+    def predict_step_ms(self, cal, run, row) -> float | None:
         """DDP's step (its all-reduce, predict_data_parallel_ms), then the broadcasts: (N-1)/N of the
         parameters, half an all-reduce's traffic, after the step (nothing to hide behind)."""
-        ddp = predict_data_parallel_ms(cal, config, accum=1)
-        return None if ddp is None else ddp + cal.allreduce_ms(cal.grad_bytes, config.world_size) / 2
+        ddp = predict_data_parallel_ms(cal, run, accum=1)
+        return None if ddp is None else ddp + cal.allreduce_ms(cal.grad_bytes, run.world_size) / 2
 
 
 class FullyShard(measure.Family):
     """FSDP2 (fsdp): every parameter, gradient and optimizer state sharded over the ranks of a replica.
     Lent: `groups(t)`, its FSDP groups, the root last; `dims(config, dist)`, its layout (the batch share
-    of this rank); `options(config)`: `reshard` (1: parameters gathered again for backward), `mixed_precision`
+    of this rank); `run.options`: `reshard` (1: parameters gathered again for backward), `mixed_precision`
     (bf16: gathered in bf16), `replicate` (HSDP: R replicas of N/R shards). After the run, one more step
     (untimed, on two samples) samples the gathered parameters held at every operation; each collective is
     timed alone."""
 
 
-    def __init__(self, groups, dims, options):
-        self.groups, self.dims, self.options = groups, dims, options
+    def __init__(self, groups, dims):
+        self.groups, self.dims = groups, dims
 
-    def extra_measurements(self, t, data, config, dist, run) -> dict:
+    def extra_measurements(self, t, data, run, dist, result) -> dict:
         mine = held(t.model.parameters(), t.optimizer)  # before the step below drops the gradients
         peak = _UnshardedPeak(_gathered_buffers(self.groups(t)))
         # two of its samples: what is gathered does not grow with the batch, and a whole share's step at
         # GPT-2 small's shape on CPUs took 5 s under the dispatch mode that watches it
-        x, y = (b[:2].to(t.device) for b in data.batch(0, *self.dims(config, dist).batch_share(dist.rank)))
+        x, y = (b[:2].to(t.device) for b in data.batch(0, *self.dims(run, dist).batch_share(dist.rank)))
         with peak:
             t.optimizer.zero_grad(set_to_none=True)
             t.loss_fn(call(t.model, x, y), y).backward()
         names = {id(m): n for n, m in t.model.named_modules()}
         r = Result(unsharded_peak_bytes_per_rank=every_rank(peak.peak),
                    fsdp_groups=[names.get(id(g)) or "(root)" for g in self.groups(t)])
-        n = dist.world_size // self.options(config).replicate  # the ranks one copy is sharded over
-        e, numel = element_bytes(config.precision), sum(math.prod(p.shape) for p in t.model.parameters())  # global
+        n = dist.world_size // run.options.replicate  # the ranks one copy is sharded over
+        e, numel = element_bytes(run.precision), sum(math.prod(p.shape) for p in t.model.parameters())  # global
         _model_state(r, mine, 3, numel, n, e)
-        return _sent(r, run, measured=measured_collectives(t.device, numel * e // 4, rounds=_rounds(config)))
+        return _sent(r, result, measured=measured_collectives(t.device, numel * e // 4, rounds=_rounds(run)))
 
-    def comm_bytes_predicted(self, model, config) -> float:
+    def comm_bytes_predicted(self, model, run) -> float:
         """All-gathers (two with reshard, one without) and one reduce-scatter, each (N-1)/N of the parameters'
         bytes; the all-gathers in bf16 under --mixed-precision bf16. (FSDP2 pads each parameter's first
         dimension to a multiple of N: a few rows more on the wire.)"""
-        o = self.options(config)
-        n, r = config.world_size // o.replicate, o.replicate  # shards per replica, replicas
-        p = sum(q.numel() for q in model.parameters()) * element_bytes(config.precision)
+        o = run.options
+        n, r = run.world_size // o.replicate, o.replicate  # shards per replica, replicas
+        p = sum(q.numel() for q in model.parameters()) * element_bytes(run.precision)
         gathered = p / 2 if o.mixed_precision else p
         gathers = (2 if o.reshard else 1) * wire_bytes("all_gather", gathered, n)
         # HSDP: each rank's reduced shard is then all-reduced across the replicas
         return gathers + wire_bytes("reduce_scatter", p, n) + wire_bytes("all_reduce", p / n, r)
 
-    def predict_step_ms(self, cal, config, row) -> float | None:
+    def predict_step_ms(self, cal, run, row) -> float | None:
         """Each rank's share of the compute, the reduce-scatter and one all-gather (two with --reshard 1)
         (fp32 collectives: bf16 all-gathers take less; no HSDP term)."""
-        return predict_sharded_ms(cal, config, row, all_gathers=1 + self.options(config).reshard)
+        return predict_sharded_ms(cal, run, row, all_gathers=1 + run.options.reshard)
 
 
 class _UnshardedPeak(TorchDispatchMode):

@@ -88,13 +88,24 @@ def workload_of(config) -> Workload:
 def shape_model(config) -> nn.Module:
     """The run's model on the meta device: its layers, shapes and parameter counts at any size, with no
     memory and no initialisation, for the checks that only look (a strategy's check(), a prediction).
-    A factory that cannot build there (it copies real tensors in) is built for real."""
-    workload = workload_of(config)
-    try:
-        with torch.device("meta"):
-            return workload.build_model(config.seed)
-    except (RuntimeError, NotImplementedError, TypeError, ValueError):
-        return workload.build_model(config.seed)
+    A factory that cannot build there (it copies real tensors in) is built for real. Built once for each
+    model a process is asked about: the same object again after that, never changed by its readers."""
+    names = ("model", "workload", "vocab", "preset", *SHAPE, "seq_len", "aux_loss", "twin_blocks", "input_shape",
+             "classes", "data", "seed")
+    key = tuple(str(getattr(config, name, 0)) for name in names)
+    if key not in _META:
+        workload = workload_of(config)
+        try:
+            with torch.device("meta"):
+                model = workload.build_model(config.seed)
+        except (RuntimeError, NotImplementedError, TypeError, ValueError):
+            model = workload.build_model(config.seed)
+        _META.clear()  # one model kept: a process asks about one run's model at a time
+        _META[key] = model
+    return _META[key]
+
+
+_META: dict[tuple, nn.Module] = {}
 
 
 @functools.lru_cache(maxsize=8)

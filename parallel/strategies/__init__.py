@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib
 import itertools
 from types import ModuleType
 
+from parallel.config import RunConfig
 from parallel.loop import train
-from parallel.models.usermodel import workload_of
 from parallel.models.workloads import Workload
 from parallel.strategies import base
-from parallel.strategies.base import options_of
 from parallel.world.errors import ConfigError
 
 # The report lists strategies in this order; `single` is the baseline and always first.
@@ -94,12 +94,29 @@ class Strategy:
         for name in MEASURED:  # the family's measurement, where the strategy declares no hook of its own
             if self.MEASURE is not None and getattr(hooks, name) is getattr(base.Hooks, name):
                 setattr(self, name, getattr(self.MEASURE, name))
-        self.train = hooks.train or train.train
-        self.setup = module.setup
+        for name in [f.name for f in dataclasses.fields(hooks)] + [*MEASURED]:  # each gets a Run, not the config
+            setattr(self, name, self._handing(getattr(self, name)))
+        self.train = self._handing(hooks.train) or train.train
+        self.setup = self._handing(module.setup)
         self.train_step = module.train_step
 
+    def run(self, config) -> base.Run:
+        """What this strategy is handed in place of `config`: its typed options and the workload beside it."""
+        return config if isinstance(config, base.Run) else base.Run(config, self.Options)
+
+    def _handing(self, fn):
+        """`fn` called with a Run wherever it was given a RunConfig."""
+        if fn is None:
+            return None
+
+        @functools.wraps(fn)
+        def handed(*args, **kwargs):
+            return fn(*(self.run(a) if isinstance(a, RunConfig) else a for a in args), **kwargs)
+
+        return handed
+
     def unsupported(self, workload: Workload) -> str | None:
-        """Why this strategy cannot train `workload` (workload_of(config)), or None."""
+        """Why this strategy cannot train `workload` (a Run's), or None."""
         if workload.multi_part and not self.MULTI_PART:
             runs = ", ".join(n for n in NAMES if get(n).MULTI_PART)
             return f"its update has two models and two optimisers (strategies that run it: {runs})"
@@ -147,7 +164,7 @@ class Strategy:
             if isinstance(config.options.get(f.name), list):
                 raise ConfigError(f"{self.name}: --{f.name.replace('_', '-')} takes one value here, "
                                   f"got {config.options[f.name]}")
-        return options_of(self.Options, config)  # its __post_init__ raises ConfigError for bad values
+        return self.run(config).options  # its __post_init__ raises ConfigError for bad values
 
     def validate(self, config) -> None:
         """Every check of this strategy against a config (one variant's): its options, checkpointing,
@@ -156,7 +173,7 @@ class Strategy:
         spec = config.spec
         if why := self.available(spec):  # here, not only in `compare`: scripts and `run` come through validate too
             raise ConfigError(f"{self.name} cannot run on {spec}: {why}")
-        if why := self.unsupported(workload_of(config)):
+        if why := self.unsupported(self.run(config).workload):
             raise ConfigError(f"{self.name} cannot train the {config.workload} workload: {why}")
         if config.mutant and config.mutant not in mutants():
             raise ConfigError(f"unknown mutant {config.mutant!r}; `python -m parallel mutants --list` lists them")

@@ -15,8 +15,37 @@ from parallel.kit.collectives import every_rank
 from parallel.kit.tensors import gathered_on_cpu, state_bytes
 from parallel.loop import checkpoint
 from parallel.loop.results import Rule
+from parallel.models.usermodel import shape_model, workload_of
 from parallel.world.dims import ParallelDims
 from parallel.world.errors import ConfigError
+
+
+class Run:
+    """What a strategy is handed wherever it is asked about a run (setup, check, every hook): the run's
+    RunConfig (each of its fields reads here too: run.batch_size, run.world_size, run.mutant), this
+    strategy's Options typed (run.options; None for a strategy without any), the workload (run.workload;
+    its name is run.config.workload), and the model on the meta device (run.meta_model, built once). The
+    one place the strategies' options and workload are derived from the config (Strategy.run makes it)."""
+
+    def __init__(self, config, options_cls=None):
+        self.config = config
+        self.options = options_of(options_cls, config) if options_cls is not None else None
+        self.workload = workload_of(config)
+
+    def __getattr__(self, name: str):  # reached only for names a Run does not have: the config's fields
+        if name.startswith("__") or name == "config":  # copy and pickle look for these before __init__ ran
+            raise AttributeError(name)
+        return getattr(self.config, name)
+
+    @property
+    def meta_model(self) -> nn.Module:
+        return shape_model(self.config)
+
+    def __reduce__(self):  # to a spawned process (Hogwild's workers): the config and the Options class
+        return Run, (self.config, type(self.options) if self.options is not None else None)
+
+    def __repr__(self) -> str:
+        return f"Run({self.config.workload}, {self.options})"
 
 
 @dataclass
@@ -203,7 +232,8 @@ def extra_measurements(trainable: Trainable, data, config, dist, result) -> dict
 
 
 def options_of(options_cls, config):
-    """A strategy's typed Options from config.options, ignoring other strategies' flags."""
+    """A strategy's typed Options from config.options, ignoring other strategies' flags (Strategy.run hands
+    them to the strategy as run.options)."""
     names = {f.name for f in dataclasses.fields(options_cls)}
     return options_cls(**{k: v for k, v in config.options.items() if k in names})
 

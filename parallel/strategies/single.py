@@ -15,7 +15,7 @@ LAUNCH = "inprocess"
 SYNCHRONOUS = True
 
 
-def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
+def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
     model = model.to(dist.device)
     return Trainable(model, make_optimizers(model, make_optimizer), loss_fn, dist.device)
 
@@ -31,7 +31,7 @@ def train_step(t: Trainable, batch, dist):
     return loss.detach()
 
 
-def world_size(config) -> int:
+def world_size(run) -> int:
     return 1
 
 

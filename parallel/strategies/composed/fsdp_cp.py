@@ -28,12 +28,12 @@ LAUNCH = "torchrun"
 SYNCHRONOUS = True
 
 
-def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
-    mesh = dims(config).mesh(dist.device.type, keep=("dp_shard", "cp"))  # made once, dp 1 included (cp = N)
+def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
+    mesh = dims(run).mesh(dist.device.type, keep=("dp_shard", "cp"))  # made once, dp 1 included (cp = N)
     model = model.to(dist.device)
-    state = context_parallel.apply(model, mesh["cp"], config, dist)
+    state = context_parallel.apply(model, mesh["cp"], run, dist)
     # torchtitan's "dp_shard_cp": every rank of the run one FSDP2 group; the bug: over the dp ranks alone
-    shard = mesh["dp_shard"] if injected(config, DP_ONLY) else mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    shard = mesh["dp_shard"] if injected(run, DP_ONLY) else mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
     fsdp.apply(model, shard, reshard=None)  # torch's default: the root kept for backward
     return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device, state=state)
 
@@ -51,8 +51,8 @@ __all__ = ["Options"]  # the same knobs as context_parallel (--cp-layout, --cp-c
 DEFAULT_CP = 2  # on 4 devices: dp 2 x cp 2
 
 
-def check(config) -> None:
-    check_cp(config, cp_of(config, DEFAULT_CP))
+def check(run) -> None:
+    check_cp(run, cp_of(run, DEFAULT_CP))
 
 
 DP_ONLY = Mutant("fsdp_cp:shard-over-dp-only", "FSDP2 over the dp ranks alone, as for plain data parallelism: "
@@ -60,13 +60,13 @@ DP_ONLY = Mutant("fsdp_cp:shard-over-dp-only", "FSDP2 over the dp ranks alone, a
 MUTANTS = (DP_ONLY,)
 
 
-def dims(config, dist=None) -> ParallelDims:
+def dims(run, dist=None) -> ParallelDims:
     """dp x cp, cp innermost: each dp coordinate a ring of cp ranks, and FSDP2 over all of them."""
-    cp = cp_of(config, DEFAULT_CP)
-    return ParallelDims(world=config.world_size, dp_shard=config.world_size // cp, cp=cp)
+    cp = cp_of(run, DEFAULT_CP)
+    return ParallelDims(world=run.world_size, dp_shard=run.world_size // cp, cp=cp)
 
 
-def memory_layout(config, layout):
+def memory_layout(run, layout):
     return layout.replace(zero_stage=3)  # FSDP2 over all dp x cp ranks (the planner's memory)
 
 

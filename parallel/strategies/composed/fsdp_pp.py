@@ -34,7 +34,6 @@ from parallel.strategies.base import (
     check_beside_dp,
     injected,
     model_state_every_rank,
-    options_of,
 )
 from parallel.strategies.data import fsdp
 from parallel.strategies.model import pipeline_dist
@@ -47,27 +46,27 @@ LAUNCH = "torchrun"
 SYNCHRONOUS = True
 
 
-def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
-    layout = _layout(config, dist)
+def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
+    layout = _layout(run, dist)
     mesh = layout.mesh(dist.device.type)  # ("pp", "dp_shard"), made once; each dimension its slice
 
     def shard(stage):  # FSDP2 over the stage's dp ranks; the bug: DDP around it
-        if injected(config, DDP_STATIC):
+        if injected(run, DDP_STATIC):
             from torch.nn.parallel import DistributedDataParallel
 
             return DistributedDataParallel(stage, process_group=mesh["dp_shard"].get_group(), static_graph=True)
         fsdp.apply(stage, mesh["dp_shard"])
 
-    return pipeline_dist.build(model, make_optimizer, loss_fn, dist, config, mesh["pp"], shard,
-                               batch=config.batch_size // layout.dp)
+    return pipeline_dist.build(model, make_optimizer, loss_fn, dist, run, mesh["pp"], shard,
+                               batch=run.batch_size // layout.dp)
 
 
 train_step = pipeline_dist.train_step
 
 
-def _layout(config, dist) -> ParallelDims:
+def _layout(run, dist) -> ParallelDims:
     """pp x dp: stages outermost, so a stage's dp ranks are neighbours; the loss where the last stage is."""
-    o = options_of(Options, config)
+    o = run.options
     return ParallelDims(world=dist.world_size, pp=o.pp, dp_shard=dist.world_size // o.pp, loss_pp=o.loss_pp)
 
 
@@ -94,11 +93,11 @@ class Options(pipeline_dist.Options):
             raise ConfigError(f"--dp-mode must be fsdp, got {self.dp_mode!r}")
 
 
-def check(config) -> None:
-    pp = options_of(Options, config).pp
-    dp = check_beside_dp(config, "pp", pp, "pipeline_dist")
-    pipeline_dist.check_pipeline(config, pp, config.batch_size // dp)
-    if injected(config, DDP_STATIC) and torch.__version__ < (2, 13):
+def check(run) -> None:
+    pp = run.options.pp
+    dp = check_beside_dp(run, "pp", pp, "pipeline_dist")
+    pipeline_dist.check_pipeline(run, pp, run.batch_size // dp)
+    if injected(run, DDP_STATIC) and torch.__version__ < (2, 13):
         raise ConfigError(f"{DDP_STATIC.name} cannot run on torch {torch.__version__}: there DDP's reducer fails "
                           "its internal assert (expect_autograd_hooks_) even with static_graph=True (measured on "
                           "2.11); on 2.13 the bug runs and trains off one device")
@@ -121,24 +120,24 @@ def available(spec) -> str | None:
     return SHARED_GLOO_NO_P2P if spec.shared else None
 
 
-def defaults(config) -> dict:
+def defaults(run) -> dict:
     """Micro-batches fitted to each pipeline's share of the batch (pipeline_dist.fit_microbatches)."""
-    pp, n = options_of(Options, config).pp, config.world_size
-    return pipeline_dist.fit_microbatches(config, pp, config.batch_size // max(1, n // pp)) if n % pp == 0 else {}
+    pp, n = run.options.pp, run.world_size
+    return pipeline_dist.fit_microbatches(run, pp, run.batch_size // max(1, n // pp)) if n % pp == 0 else {}
 
 
-def dims(config, dist) -> ParallelDims:
+def dims(run, dist) -> ParallelDims:
     """What the loop asks for each rank's share of the batch and whose loss counts; with the
     fsdp_pp:share-by-stage bug, ranks numbered as if the stage were the inner axis (dp_rank = rank // dp)."""
-    if injected(config, SHARE_BY_STAGE):
-        pp = options_of(Options, config).pp
+    if injected(run, SHARE_BY_STAGE):
+        pp = run.options.pp
         return ParallelDims(world=dist.world_size, dp_shard=pp, tp=dist.world_size // pp)
-    return _layout(config, dist)
+    return _layout(run, dist)
 
 
-def memory_layout(config, layout):
+def memory_layout(run, layout):
     """For the planner's memory: its stages' micro-batches and schedule, FSDP2 over each stage's dp ranks."""
-    o = options_of(Options, config)
+    o = run.options
     return layout.replace(microbatches=o.microbatches, schedule=o.schedule, zero_stage=3)
 
 
@@ -146,7 +145,7 @@ LAYERED = True  # cuts the model's pipeline_layers() into stages
 TIES = False  # a weight tied across stages would be sharded twice; its copies' gradients are not summed
 CHECKPOINTS = False  # as pipeline_dist: the stages depend on the split measured at start-up
 
-MEASURE = pipelines.Torch(lambda config: options_of(Options, config), layout=_layout)  # the mesh in its result
+MEASURE = pipelines.Torch(layout=_layout)  # the mesh in its result
 
 HOOKS = Hooks(available=available, dims=dims, check=check, defaults=defaults, state_dict=pipeline_dist.state_dict,
               model_state_bytes=model_state_every_rank, memory_layout=memory_layout)

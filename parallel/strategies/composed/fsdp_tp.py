@@ -21,7 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from parallel.measure import layers
-from parallel.models.usermodel import shape_model
 from parallel.strategies.base import (
     Hooks,
     Mutant,
@@ -30,7 +29,6 @@ from parallel.strategies.base import (
     full_state_dict,
     injected,
     model_state_every_rank,
-    options_of,
 )
 from parallel.strategies.data import fsdp
 from parallel.strategies.model import manual_tp, tensor_parallel
@@ -42,9 +40,9 @@ LAUNCH = "torchrun"
 SYNCHRONOUS = True
 
 
-def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
-    mesh = layout(config).mesh(dist.device.type)  # ("dp_shard", "tp"), made once; each dimension its slice
-    model = tensor_parallel.apply(model.to(dist.device), mesh["tp"], tensor_parallel.Options(), config)
+def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
+    mesh = layout(run).mesh(dist.device.type)  # ("dp_shard", "tp"), made once; each dimension its slice
+    model = tensor_parallel.apply(model.to(dist.device), mesh["tp"], tensor_parallel.Options(), run)
     fsdp.apply(model, mesh["dp_shard"])  # then every block and the root sharded over dp
     return Trainable(model, make_optimizer(tensor_parallel.by_kind(model.parameters())), loss_fn, dist.device)
 
@@ -52,10 +50,10 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
 train_step = fsdp.train_step  # this dp coordinate's share, every tp rank of a group alike (dims)
 
 
-def layout(config) -> ParallelDims:
+def layout(run) -> ParallelDims:
     """dp x tp: the ranks of a tensor-parallel group neighbours, FSDP over the dp ranks."""
-    tp = options_of(Options, config).tp
-    return ParallelDims(world=config.world_size, dp_shard=config.world_size // tp, tp=tp)
+    tp = run.options.tp
+    return ParallelDims(world=run.world_size, dp_shard=run.world_size // tp, tp=tp)
 
 
 @dataclass
@@ -68,12 +66,12 @@ class Options:
             raise ConfigError(f"--tp must be at least 2 (tp 1 is `fsdp`), got {self.tp}")
 
 
-def check(config) -> None:
-    tp = options_of(Options, config).tp
-    check_beside_dp(config, "tp", tp, "tensor_parallel")
-    model = shape_model(config)
+def check(run) -> None:
+    tp = run.options.tp
+    check_beside_dp(run, "tp", tp, "tensor_parallel")
+    model = run.meta_model
     if why := manual_tp.plan_problems(model, tp, copies=False):
-        raise ConfigError(f"cannot split the {config.workload} over {tp} tensor-parallel ranks: {why}")
+        raise ConfigError(f"cannot split the {run.config.workload} over {tp} tensor-parallel ranks: {why}")
 
 
 
@@ -84,12 +82,12 @@ TP_RANKS_SPLIT_BATCH = Mutant("fsdp_tp:tp-ranks-split-batch", "the batch split b
 MUTANTS = (TP_RANKS_SPLIT_BATCH,)
 
 
-def dims(config, dist) -> ParallelDims:
+def dims(run, dist) -> ParallelDims:
     """dp x tp, what the loop asks for each rank's share of the batch; with the fsdp_tp:tp-ranks-split-batch
     bug, every rank its own share, as if all were data parallel."""
-    if injected(config, TP_RANKS_SPLIT_BATCH):
+    if injected(run, TP_RANKS_SPLIT_BATCH):
         return ParallelDims.data_parallel(dist.world_size)
-    return layout(config)
+    return layout(run)
 
 
 def available(spec) -> str | None:
@@ -98,7 +96,7 @@ def available(spec) -> str | None:
     return tensor_parallel.available(spec)
 
 
-def memory_layout(config, layout):
+def memory_layout(run, layout):
     return layout.replace(zero_stage=3)  # FSDP2 over the dp ranks (the planner's memory)
 
 

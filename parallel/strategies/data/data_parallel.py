@@ -29,9 +29,9 @@ LAUNCH = "inprocess"
 SYNCHRONOUS = True
 
 
-def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
-    spec = config.spec
-    devices = [spec.device(i) for i in range(world_size(config))]
+def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
+    spec = run.spec
+    devices = [spec.device(i) for i in range(world_size(run))]
     model = model.to(devices[0])
     if spec.real:
         ids = [d.index for d in devices]
@@ -95,8 +95,8 @@ def _under_autocast(module: nn.Module, device_type: str, dtype: torch.dtype):
     return run
 
 
-def world_size(config) -> int:
-    return config.world_size if config.spec.real else 1  # a pass-through uses one device
+def world_size(run) -> int:
+    return run.world_size if run.spec.real else 1  # a pass-through uses one device
 
 
 def device_kind(spec) -> str:
@@ -107,7 +107,7 @@ def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in t.model.module.state_dict().items()}
 
 
-def memory_layout(config, layout):
+def memory_layout(run, layout):
     return layout.replace(gathers_whole_batch=True)  # the first device holds the whole batch's logits
 
 

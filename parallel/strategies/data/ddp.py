@@ -36,8 +36,7 @@ from parallel.kit.tensors import state_bytes
 from parallel.loop.results import Rule
 from parallel.measure import replicas
 from parallel.models.outputs import call
-from parallel.models.usermodel import workload_of
-from parallel.strategies.base import Hooks, Mutant, Trainable, injected, make_optimizers, options_of
+from parallel.strategies.base import Hooks, Mutant, Trainable, injected, make_optimizers
 from parallel.world.errors import ConfigError
 
 NAME = "ddp"
@@ -45,10 +44,10 @@ LAUNCH = "torchrun"
 SYNCHRONOUS = True
 
 
-def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
-    opts = options_of(Options, config)
+def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
+    opts = run.options
     model = model.to(dist.device)
-    if not injected(config, UNSYNCED_BN):  # BatchNorm over the global batch, as one device computes it
+    if not injected(run, UNSYNCED_BN):  # BatchNorm over the global batch, as one device computes it
         model = sync_batchnorm.convert(model, dist.device)
     if hasattr(model, "parts"):  # the DCGAN: a DDP per part, since each part has its own optimiser and backward
         t = Trainable(model, make_optimizers(model, make_optimizer), loss_fn, dist.device,
@@ -59,7 +58,7 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
         return t
     ddp = _wrap(model, dist, opts)
     optimizer = make_optimizer(ddp.parameters())
-    if injected(config, LR_TIMES_N):
+    if injected(run, LR_TIMES_N):
         for group in optimizer.param_groups:
             group["lr"] *= dist.world_size
     t = Trainable(ddp, optimizer, loss_fn, dist.device,
@@ -152,11 +151,11 @@ class Options:
             raise ConfigError("--compress bf16 divides the gradients by N itself; --prescale 1 would divide twice")
 
 
-def check(config) -> None:
-    opts = options_of(Options, config)
-    if workload_of(config).multi_part and (opts.accum > 1 or opts.prescale):
-        raise ConfigError(f"--accum and --prescale apply to one loss; the {config.workload} workload has several")
-    config.check_divisible(config.world_size * opts.accum, f"world size {config.world_size} x accum {opts.accum} =")
+def check(run) -> None:
+    opts = run.options
+    if run.workload.multi_part and (opts.accum > 1 or opts.prescale):
+        raise ConfigError(f"--accum and --prescale apply to one loss; the {run.config.workload} workload has several")
+    run.check_divisible(run.world_size * opts.accum, f"world size {run.world_size} x accum {opts.accum} =")
 
 
 # Bugs the oracle must catch (`--mutant NAME`; base.Mutant): each is tested where it would be written.
@@ -176,9 +175,9 @@ COMPRESSED_SUM = Mutant("ddp:compressed-sum", "bf16 gradient compression that ca
 MUTANTS = (SUM_NOT_MEAN, LR_TIMES_N, UNSYNCED_BN, ACCUM_SUMMED, NO_SYNC_ALWAYS, PRESCALE_TWICE, COMPRESSED_SUM)
 
 
-def model_state_bytes(t: Trainable, config) -> list[int]:
+def model_state_bytes(t: Trainable, run) -> list[int]:
     """Every rank holds the whole model, its gradients (in the buckets) and the optimiser state."""
-    return [state_bytes(list(_plain(t).parameters()), t.optimizer)] * config.world_size
+    return [state_bytes(list(_plain(t).parameters()), t.optimizer)] * run.world_size
 
 
 def _plain(t: Trainable):
@@ -193,20 +192,20 @@ def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in _plain(t).state_dict().items()}
 
 
-def tolerance(config) -> Rule | None:
+def tolerance(run) -> Rule | None:
     """--compress bf16 rounds every gradient to bf16 (relative step 2^-8) and sums the ranks' shares in
     bf16 before the fp32 update, which `single` never does: it is judged by its own stated rule. Measured
     here against fp32 `single` on every workload, cpu:2 and cpu:3: up to 2.6% of a tensor's movement in 6
     steps on a batch of 48 (the DCGAN's generator; the MLP 0.4%). The rule allows 10%; a missing average or
     a doubled learning rate is of the order of the movement itself (`ddp:compressed-sum` is caught)."""
-    if not options_of(Options, config).compress:
+    if not run.options.compress:
         return None
     return Rule(COMPRESS_RTOL, 1e-2, 1e-3, f"ddp's own rule for bf16 gradient compression ({COMPRESS_RTOL:.0%} of each "
                                           "tensor's movement)")
 
 
-def memory_layout(config, layout):
-    return layout.replace(accum=options_of(Options, config).accum)  # the activations of one micro-batch
+def memory_layout(run, layout):
+    return layout.replace(accum=run.options.accum)  # the activations of one micro-batch
 
 
 MULTI_PART = True  # the DCGAN: each part its own DDP, each its own optimiser
@@ -215,7 +214,7 @@ HALVES = {"accum": 2}  # on one device, its batch in two accumulated halves (the
 
 # Its measurement (parallel/measure/replicas.py): a step timed with and without the all-reduce, the buckets,
 # the textbook's bytes and the cost model's step.
-MEASURE = replicas.AllReduce(buckets=_bucket_bytes, options=lambda config: options_of(Options, config), step=_step)
+MEASURE = replicas.AllReduce(buckets=_bucket_bytes, step=_step)
 
 HOOKS = Hooks(check=check, model_state_bytes=model_state_bytes, state_dict=state_dict, tolerance=tolerance,
               memory_layout=memory_layout)

@@ -43,7 +43,6 @@ from parallel.strategies.base import (
     full_state_dict,
     injected,
     model_state_every_rank,
-    options_of,
 )
 from parallel.world.dims import ParallelDims
 from parallel.world.errors import ConfigError
@@ -53,16 +52,16 @@ LAUNCH = "torchrun"
 SYNCHRONOUS = True
 
 
-def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
+def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-    o = options_of(Options, config)
-    if injected(config, UNSYNCED_INIT) and dist.rank:
-        torch.manual_seed(config.seed + dist.rank)  # the bug: a seed of its own on every rank
+    o = run.options
+    if injected(run, UNSYNCED_INIT) and dist.rank:
+        torch.manual_seed(run.seed + dist.rank)  # the bug: a seed of its own on every rank
         for m in model.modules():
             if hasattr(m, "reset_parameters"):
                 m.reset_parameters()
-    mesh = dims(config, dist).mesh(dist.device.type)
+    mesh = dims(run, dist).mesh(dist.device.type)
     kw = {}
     if o.mixed_precision:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
@@ -71,7 +70,7 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
     model = model.to(dist.device)
     groups = apply(model, mesh, bool(o.reshard), **kw)
-    if injected(config, SUM_NOT_MEAN):  # set on every group (the root's setting is the root's alone)
+    if injected(run, SUM_NOT_MEAN):  # set on every group (the root's setting is the root's alone)
         for group in groups:
             group.set_gradient_divide_factor(1.0)
             group.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM, nccl's way of dividing
@@ -148,12 +147,12 @@ class Options:
             raise ConfigError(f"--replicate must be at least 1, got {self.replicate}")
 
 
-def check(config) -> None:
-    config.check_divisible(config.world_size, "world size")
-    if (r := options_of(Options, config).replicate) > 1 and (config.world_size % r or r == config.world_size):
-        raise ConfigError(f"--replicate {r} must divide the {config.world_size} devices into replicas of at least "
+def check(run) -> None:
+    run.check_divisible(run.world_size, "world size")
+    if (r := run.options.replicate) > 1 and (run.world_size % r or r == run.world_size):
+        raise ConfigError(f"--replicate {r} must divide the {run.world_size} devices into replicas of at least "
                           "2 shards each (replicas of 1 are plain data parallel: ddp)")
-    if options_of(Options, config).offload and not config.spec.real:
+    if run.options.offload and not run.spec.real:
         raise ConfigError("--offload cpu needs GPUs: FSDP2 pins the offloaded shards in page-locked memory, "
                           "which needs an accelerator (and on CPU devices everything is on the host already)")
 
@@ -167,35 +166,35 @@ SUM_NOT_MEAN = Mutant("fsdp:sum-not-mean", "gradient divide factor 1 on every gr
 MUTANTS = (UNSYNCED_INIT, SUM_NOT_MEAN)
 
 
-def dims(config, dist) -> ParallelDims:
+def dims(run, dist) -> ParallelDims:
     """Data parallel whose ranks shard the model (each still takes its own share of the batch): one axis,
     or with --replicate R, R replicas of N/R shards each (HSDP)."""
-    r = options_of(Options, config).replicate
+    r = run.options.replicate
     return ParallelDims(world=dist.world_size, dp_replicate=r, dp_shard=dist.world_size // r)
 
 
-def tolerance(config) -> Rule | None:
+def tolerance(run) -> Rule | None:
     """--mixed-precision bf16 computes forward and backward with bf16 parameters, which `single` (fp32)
     never does: judged by its own stated rule, as `--precision bf16` is (a bf16 product carries a relative
     error of about 2^-8 in every step). Measured against fp32 `single` (5 steps on a batch of 48, seeds 0
     and 1, cpu:2 and cpu:3, --reshard 0 and 1, MLP, CNN, transformer): up to 10.4% of a tensor's movement
     (the MLP's layers.4.weight; the transformer at most 5.1%). The rule allows 20%; a missing average is
     of the order of the movement itself (`fsdp:sum-not-mean` under mixed precision is caught, a test)."""
-    if not options_of(Options, config).mixed_precision:
+    if not run.options.mixed_precision:
         return None
     return Rule(MIXED_RTOL, 1e-2, 1e-3, f"fsdp's own rule for bf16 mixed precision ({MIXED_RTOL:.0%} of each "
                                         "tensor's movement)")
 
 
-def memory_layout(config, layout):
+def memory_layout(run, layout):
     """For the planner's memory: ZeRO-3 over each replica's N/R ranks; offloaded, nothing on the device."""
-    o = options_of(Options, config)
+    o = run.options
     return layout.replace(zero_stage=3, shards=layout.dp // o.replicate, offloaded=o.offload == "cpu")
 
 
 # Its measurement (parallel/measure/sharded.py): each rank's shards beside ZeRO-3's formula, the peak of gathered
 # parameters, each collective timed alone, the textbook's bytes (3 Psi; 2 without resharding) and the step.
-MEASURE = sharded.FullyShard(lambda t: t.state.groups, dims, options=lambda config: options_of(Options, config))
+MEASURE = sharded.FullyShard(lambda t: t.state.groups, dims)
 
 HOOKS = Hooks(dims=dims, check=check, state_dict=full_state_dict, model_state_bytes=model_state_every_rank,
               tolerance=tolerance, memory_layout=memory_layout)

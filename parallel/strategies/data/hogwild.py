@@ -29,8 +29,7 @@ from parallel.loop.profiling import make_profiler
 from parallel.loop.train import TrainResult, default_dtype, make_optimizer
 from parallel.loop.train import train as the_loop
 from parallel.models.outputs import call
-from parallel.models.usermodel import workload_of
-from parallel.strategies.base import Hooks, Trainable, options_of
+from parallel.strategies.base import Hooks, Trainable
 from parallel.strategies.base import dims as base_dims
 from parallel.world.devices import cpu_cores
 from parallel.world.dist import Dist, fresh_processes
@@ -41,9 +40,9 @@ LAUNCH = "hogwild"
 SYNCHRONOUS = False
 
 
-def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
+def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
     model.share_memory()  # parameters move to shared memory BEFORE the workers start
-    return Trainable(model, None, loss_fn, dist.device, state=State(world_size(config)))
+    return Trainable(model, None, loss_fn, dist.device, state=State(world_size(run)))
 
 
 def train_step(t: Trainable, batch, dist):
@@ -78,13 +77,13 @@ class Options:
             raise ConfigError(f"--workers must be 1..64 (0: one per device), got {self.workers}")
 
 
-def check(config) -> None:
-    n = world_size(config)
-    config.check_divisible(n, "--workers")
+def check(run) -> None:
+    n = world_size(run)
+    run.check_divisible(n, "--workers")
 
 
-def world_size(config) -> int:
-    return options_of(Options, config).workers or config.world_size
+def world_size(run) -> int:
+    return run.options.workers or run.world_size
 
 
 def available(spec) -> str | None:
@@ -92,18 +91,18 @@ def available(spec) -> str | None:
     return "Hogwild here shares CPU memory; CUDA is not supported" if spec.real else None
 
 
-def comm_bytes_predicted(model, config) -> int:
+def comm_bytes_predicted(model, run) -> int:
     return 0  # shared memory: no messages, the workers write the same pages
 
 
-def train(strategy, t: Trainable, data, config, dist, profiler=None):
+def train(strategy, t: Trainable, data, run, dist, profiler=None):
     """Spawn the workers, each running THE loop on its shares; combine their clocks and losses."""
     ctx = fresh_processes(shared_tensors=len(t.model.state_dict()))  # no forked thread pools or locks
     workers = t.state.workers
     # The barrier lines the workers up after their (staggered) start-up, so the wall time of the run is
     # time they all trained in; its timeout means a worker that dies early cannot hang the others.
-    counter, results, start = ctx.Value("q", 0), ctx.Queue(), ctx.Barrier(workers, timeout=config.pg_timeout)
-    procs = [ctx.Process(target=_worker, args=(r, t.model, config, counter, results, start), name=f"hogwild-{r}")
+    counter, results, start = ctx.Value("q", 0), ctx.Queue(), ctx.Barrier(workers, timeout=run.pg_timeout)
+    procs = [ctx.Process(target=_worker, args=(r, t.model, run, counter, results, start), name=f"hogwild-{r}")
              for r in range(workers)]
     for p in procs:
         p.start()
@@ -120,26 +119,26 @@ def train(strategy, t: Trainable, data, config, dist, profiler=None):
                           "staleness_p95": float(np.percentile(staleness, 95)), "staleness_max": int(staleness.max()),
                           "timed_wall_s": end - start, "process_peak_rss_per_worker": [o.peak_rss for o in outs]}
     # Aggregate throughput: every timed sample of every worker over the wall time they took together.
-    samples = config.steps * config.batch_size  # W workers x steps x B/W
+    samples = run.steps * run.batch_size  # W workers x steps x B/W
     losses = np.mean([o.losses for o in outs], axis=0).tolist()  # per step, the mean over the workers' shares
     return TrainResult(losses, [s for o in outs for s in o.step_s], (start, end), samples_per_s=samples / (end - start))
 
 
-def _worker(rank, model, config, counter, results, start) -> None:
+def _worker(rank, model, run, counter, results, start) -> None:
     """One Hogwild worker: its own seed, threads, optimiser and shares of the data; then THE loop."""
     try:
-        workers = world_size(config)
-        torch.manual_seed(config.seed + rank)
+        workers = world_size(run)
+        torch.manual_seed(run.seed + rank)
         torch.set_num_threads(max(1, cpu_cores() // workers))
-        workload = workload_of(config)
-        t = Trainable(model, make_optimizer(config)(model.parameters()), workload.loss, torch.device("cpu"),
+        workload = run.workload
+        t = Trainable(model, make_optimizer(run)(model.parameters()), workload.loss, torch.device("cpu"),
                       state=State(workers, counter))
         me = Dist(rank=rank, local_rank=rank, world_size=workers, local_world_size=workers)
-        with default_dtype(config):  # the shared model is float64 under --precision fp64: its data too
-            data = workload.dataset(config.seed, config.batch_size)
+        with default_dtype(run):  # the shared model is float64 under --precision fp64: its data too
+            data = workload.dataset(run.seed, run.batch_size)
         start.wait()
-        with make_profiler(config.profile, config.out, NAME, rank, me.device) as prof:
-            result = the_loop(_Me, t, data, config, me, prof)
+        with make_profiler(run.profile, run.out, NAME, rank, me.device) as prof:
+            result = the_loop(_Me, t, data, run, me, prof)
         result.staleness = t.state.staleness
         result.peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
         results.put((rank, None, result))
@@ -179,23 +178,23 @@ def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in t.model.state_dict().items()}
 
 
-def extra_measurements(t: Trainable, data, config, dist, result) -> dict:
+def extra_measurements(t: Trainable, data, run, dist, result) -> dict:
     return t.state.summary
 
 
-def predict_step_ms(cal, config, row) -> float:
-    return cal.compute_ms(config.batch_size // world_size(config))  # a worker's step; no communication
+def predict_step_ms(cal, run, row) -> float:
+    return cal.compute_ms(run.batch_size // world_size(run))  # a worker's step; no communication
 
 
-def model_state_bytes(t: Trainable, config) -> list[int]:
+def model_state_bytes(t: Trainable, run) -> list[int]:
     """The parameters once, in shared memory (counted with worker 0); each worker's own gradients and
     momentum (SGD: one buffer) in that worker."""
     params = param_bytes(t.model.parameters())
-    per_worker = params * (2 if config.momentum else 1)
+    per_worker = params * (2 if run.momentum else 1)
     return [params + per_worker] + [per_worker] * (t.state.workers - 1)
 
 
-def memory_layout(config, layout) -> None:
+def memory_layout(run, layout) -> None:
     return None  # a process a replica, all updating one shared model: no layout the planner has
 
 

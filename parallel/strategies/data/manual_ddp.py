@@ -34,7 +34,7 @@ from torch.autograd.profiler import record_function
 from parallel.kit.tensors import state_bytes
 from parallel.measure import replicas
 from parallel.models.outputs import call
-from parallel.strategies.base import Hooks, Mutant, Trainable, injected, options_of
+from parallel.strategies.base import Hooks, Mutant, Trainable, injected
 from parallel.world.errors import ConfigError
 
 NAME = "manual_ddp"
@@ -42,20 +42,20 @@ LAUNCH = "torchrun"
 SYNCHRONOUS = True
 
 
-def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
-    opts = options_of(Options, config)
+def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
+    opts = run.options
     model = model.to(dist.device)
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:  # every rank starts from rank 0's weights, as DDP's constructor ensures
         td.broadcast(p.detach(), src=0)
     sync = Sync(dist.world_size)
     if dist.rank == BUG_RANK:
-        sync.deferred = injected(config, BUCKETS_REORDERED)
-        sync.skip_at = SKIPPED_AT if injected(config, BUCKET_SKIPPED) else -1
+        sync.deferred = injected(run, BUCKETS_REORDERED)
+        sync.skip_at = SKIPPED_AT if injected(run, BUCKET_SKIPPED) else -1
     hooked = params
     if not opts.naive:
         groups = buckets_in_backward_order(params, (opts.bucket_mb or DEFAULT_BUCKET_MB) * 2**20)
-        if injected(config, LAST_BUCKET_DROPPED):
+        if injected(run, LAST_BUCKET_DROPPED):
             groups = groups[:-1]
         sync.buckets = [Bucket(i, g) for i, g in enumerate(groups)]
         sync.bucket_of = {p: b for b in sync.buckets for p in b.params}
@@ -177,8 +177,8 @@ class Options:
             raise ConfigError(f"--naive must be 0 or 1, got {self.naive}")
 
 
-def check(config) -> None:
-    config.check_divisible(config.world_size, "world size")
+def check(run) -> None:
+    run.check_divisible(run.world_size, "world size")
 
 
 # Bugs the oracle must catch (`--mutant NAME`; base.Mutant).
@@ -200,9 +200,9 @@ BUCKET_SKIPPED = Mutant("manual_ddp:bucket-skipped", f"at step {SKIPPED_AT} rank
 MUTANTS = (LAST_BUCKET_DROPPED, SHARE_OFF_BY_ONE, GRADS_SET_TO_NONE, BUCKETS_REORDERED, BUCKET_SKIPPED)
 
 
-def model_state_bytes(t: Trainable, config) -> list[int]:
+def model_state_bytes(t: Trainable, run) -> list[int]:
     """Every rank holds the whole model, its gradients (in the buckets) and the optimiser state."""
-    return [state_bytes(list(t.model.parameters()), t.optimizer)] * config.world_size
+    return [state_bytes(list(t.model.parameters()), t.optimizer)] * run.world_size
 
 
 # Its measurement (parallel/measure/replicas.py): the buckets, the textbook's bytes and the cost model's step.

@@ -38,9 +38,9 @@ LAUNCH = "inprocess"
 SYNCHRONOUS = True
 
 
-def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
-    spec = config.spec
-    devices = [spec.device(i) for i in range(config.world_size)]
+def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
+    spec = run.spec
+    devices = [spec.device(i) for i in range(run.world_size)]
     # The main thread only coordinates (loss, optimizer), so it gets one device's share of the cores, not
     # all of them: after a parallel region OpenMP's idle threads keep spinning, on the very cores the
     # device threads need (measured on the CNN, cpu:2: a step took 36 ms with 2 main threads, 26 with 1).
@@ -102,14 +102,14 @@ REPLICA_GRAD_DROPPED = Mutant("manual_dp:replica-grad-dropped", "the last replic
 MUTANTS = (STALE_REPLICA, REPLICA_GRAD_DROPPED)
 
 
-def model_state_bytes(t: Trainable, config) -> list[int]:
+def model_state_bytes(t: Trainable, run) -> list[int]:
     """Device 0 holds the original parameters, their gradients and the optimiser state, and every device
     a replica's parameter copies for the length of a step."""
     copies = t.state.param_bytes
     return [state_bytes(list(t.model.parameters()), t.optimizer) + copies] + [copies] * (len(t.state.devices) - 1)
 
 
-def memory_layout(config, layout):
+def memory_layout(run, layout):
     return layout.replace(gathers_whole_batch=True)  # the first device holds the whole batch's logits
 
 

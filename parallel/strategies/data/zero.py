@@ -40,7 +40,7 @@ from parallel.kit.collectives import all_gather, reduce_scatter
 from parallel.kit.tensors import optimizer_state_bytes, param_bytes, tensor_bytes
 from parallel.measure import sharded
 from parallel.models.outputs import call
-from parallel.strategies.base import Hooks, Mutant, Trainable, injected, loaded_in_place, options_of
+from parallel.strategies.base import Hooks, Mutant, Trainable, injected, loaded_in_place
 from parallel.strategies.data.manual_ddp import DEFAULT_BUCKET_MB, buckets_in_backward_order
 from parallel.world.errors import ConfigError
 
@@ -49,19 +49,19 @@ LAUNCH = "torchrun"
 SYNCHRONOUS = True
 
 
-def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
-    o, n = options_of(Options, config), dist.world_size
+def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
+    o, n = run.options, dist.world_size
     model = model.to(dist.device)
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:  # every rank starts from rank 0's weights, sent before they are flattened (as DeepSpeed's
         td.broadcast(p.detach(), src=0)  # engine does before its ZeRO optimizer pads them): the layout is local
     groups = buckets_in_backward_order(params, (o.bucket_mb or DEFAULT_BUCKET_MB) * 2**20)
     sizes = [math.ceil(sum(p.numel() for p in g) / n) * n for g in groups]  # each bucket padded to N chunks
-    if injected(config, UNEVEN_PADDING) and dist.rank == BUG_RANK:
+    if injected(run, UNEVEN_PADDING) and dist.rank == BUG_RANK:
         sizes = [(sum(p.numel() for p in g) // n + 1) * n for g in groups]
     flat = torch.zeros(sum(sizes), dtype=params[0].dtype, device=dist.device)
     grads = torch.zeros_like(flat) if o.zero_stage == 1 else None
-    owner = (dist.rank + 1) % n if injected(config, WRONG_SLICE) else dist.rank
+    owner = (dist.rank + 1) % n if injected(run, WRONG_SLICE) else dist.rank
     buckets, offsets, start = [], {}, 0
     for i, (group, size) in enumerate(zip(groups, sizes, strict=True)):
         offset = start
@@ -76,7 +76,7 @@ def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
         buckets.append(Bucket(i, start, start + size, group, nn.Parameter(flat[start + owner * chunk:][:chunk])))
         start += size
     z = Shards(n, o.zero_stage, flat, grads, buckets, offsets,
-               injected(config, BUCKET_EARLY))
+               injected(run, BUCKET_EARLY))
     for b in buckets:
         for p in b.params:
             p.register_post_accumulate_grad_hook(functools.partial(_landed, z, b))
@@ -174,8 +174,8 @@ class Options:
             raise ConfigError(f"--bucket-mb must be 0 (the default, 25) or more, got {self.bucket_mb}")
 
 
-def check(config) -> None:
-    config.check_divisible(config.world_size, "world size")
+def check(run) -> None:
+    run.check_divisible(run.world_size, "world size")
 
 
 # Bugs the oracle must catch (`--mutant NAME`; base.Mutant).
@@ -201,8 +201,8 @@ def _held(t: Trainable) -> tuple[int, int, int]:
     return tensor_bytes(z.flat), grads, optimizer_state_bytes(z.shards, t.optimizer)
 
 
-def model_state_bytes(t: Trainable, config) -> list[int]:
-    return [sum(_held(t))] * config.world_size  # every rank alike
+def model_state_bytes(t: Trainable, run) -> list[int]:
+    return [sum(_held(t))] * run.world_size  # every rank alike
 
 
 def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
@@ -223,14 +223,13 @@ def checkpoint_state(t: Trainable) -> dict:
     return {"model": t.model.state_dict(), **momenta, "step": torch.zeros((), dtype=torch.int64)}
 
 
-def memory_layout(config, layout):
-    return layout.replace(zero_stage=options_of(Options, config).zero_stage)  # for the planner's memory
+def memory_layout(run, layout):
+    return layout.replace(zero_stage=run.options.zero_stage)  # for the planner's memory
 
 
 # Its measurement (parallel/measure/sharded.py): what each rank holds beside ZeRO's formula, each collective
 # timed alone, the textbook's bytes (2 Psi) and the cost model's step.
-MEASURE = sharded.Zero(_held, lambda t: [(b.end - b.start) * t.state.flat.element_size() for b in t.state.buckets],
-                       options=lambda config: options_of(Options, config))
+MEASURE = sharded.Zero(_held, lambda t: [(b.end - b.start) * t.state.flat.element_size() for b in t.state.buckets])
 
 HOOKS = Hooks(check=check, model_state_bytes=model_state_bytes, state_dict=state_dict,
               checkpoint_state=checkpoint_state, restore_checkpoint=loaded_in_place, memory_layout=memory_layout)

@@ -35,7 +35,7 @@ LAUNCH = "torchrun"
 SYNCHRONOUS = True
 
 
-def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
+def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
     # Imported here: torch.distributed.optim scripts its functional optimizers with TorchScript at import,
     # about 1.2 s, which every process that lists the strategies would otherwise pay.
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -64,8 +64,8 @@ def _labelled_allreduce(t: Trainable, bucket):  # no return annotation: DDP reje
         return default_hooks.allreduce_hook(None, bucket)
 
 
-def check(config) -> None:
-    config.check_divisible(config.world_size, "world size")
+def check(run) -> None:
+    run.check_divisible(run.world_size, "world size")
 
 
 # A bug the oracle must catch (`--mutant NAME`; base.Mutant).
@@ -82,10 +82,10 @@ def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in t.model.module.state_dict().items()}
 
 
-def model_state_bytes(t: Trainable, config) -> list[int]:
+def model_state_bytes(t: Trainable, run) -> list[int]:
     """Every rank: all parameters and gradients; optimizer state for the parameters it owns."""
     full = sum(2 * tensor_bytes(p) for p in t.model.parameters())  # parameter + its gradient
-    return [full + sum(tensor_bytes(p) for p in _owned(t, r)) for r in range(config.world_size)]  # + momentum
+    return [full + sum(tensor_bytes(p) for p in _owned(t, r)) for r in range(run.world_size)]  # + momentum
 
 
 def checkpoint_state(t: Trainable) -> dict:
@@ -100,7 +100,7 @@ def checkpoint_state(t: Trainable) -> dict:
     return {"model": t.model.module.state_dict(), **momenta, "step": torch.zeros((), dtype=torch.int64)}
 
 
-def memory_layout(config, layout):
+def memory_layout(run, layout):
     return layout.replace(zero_stage=1)  # the optimizer state sharded (the planner's memory)
 
 

@@ -30,8 +30,7 @@ from torch import nn
 from parallel.kit.collectives import sum_gradients
 from parallel.kit.ring_attention import COMMS, LAYOUTS, Layout, Ring, split_check
 from parallel.measure import context
-from parallel.models.usermodel import workload_of
-from parallel.strategies.base import Hooks, Mutant, Trainable, injected, options_of
+from parallel.strategies.base import Hooks, Mutant, Trainable, injected
 from parallel.world.devices import SHARED_GLOO_NO_P2P
 from parallel.world.dims import ParallelDims
 from parallel.world.errors import ConfigError
@@ -41,9 +40,9 @@ LAUNCH = "torchrun"
 SYNCHRONOUS = True
 
 
-def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
+def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
     model = model.to(dist.device)
-    state = apply(model, dims(config, dist).mesh(dist.device.type, keep=("cp",))["cp"], config, dist)
+    state = apply(model, dims(run, dist).mesh(dist.device.type, keep=("cp",))["cp"], run, dist)
     for p in model.parameters():  # every rank starts from rank 0's weights (they are built alike anyway)
         td.broadcast(p.detach(), src=0)
     return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device, state=state)
@@ -66,19 +65,19 @@ class State:
     world: int
 
 
-def apply(model: nn.Module, mesh, config, dist) -> State:
+def apply(model: nn.Module, mesh, run, dist) -> State:
     """Put this rank's ring attention over `mesh` (its context-parallel ranks: a mesh's slice "cp") in every
     attention layer of `model`; what a step needs to slice."""
-    o = options_of(Options, config)
-    seq, cp, cp_rank = workload_of(config).input_shape[0], mesh.size(), mesh.get_local_rank()
+    o = run.options
+    seq, cp, cp_rank = run.workload.input_shape[0], mesh.size(), mesh.get_local_rank()
     layout = Layout(o.cp_layout, cp, seq)
-    seen = Layout("contiguous", cp, seq) if injected(config, ZIGZAG_UNPERMUTED) else layout
+    seen = Layout("contiguous", cp, seq) if injected(run, ZIGZAG_UNPERMUTED) else layout
     ring = Ring(mesh.get_group(), seen, o.cp_comm)
-    if injected(config, LSE_SWAPPED):
+    if injected(run, LSE_SWAPPED):
         ring.merge = merge_swapped
-    if injected(config, LOCAL_MASK):
+    if injected(run, LOCAL_MASK):
         ring.mask = mask_by_local_offsets
-    if injected(config, NOT_DIFFERENTIABLE):
+    if injected(run, NOT_DIFFERENTIABLE):
         ring.home = torch.zeros_like  # the last hop home never made: nothing arrives
     for attention in model.attentions():
         attention.attend = ring  # one ring for every layer: its group, and the positions it masks by
@@ -119,27 +118,27 @@ class Options:
             raise ConfigError(f"--cp must be 0 (the default) or more, got {self.cp}")
 
 
-def cp_of(config, default: int = 0) -> int:
+def cp_of(run, default: int = 0) -> int:
     """The ranks per context-parallel group: --cp, or `default` (0: every rank)."""
-    return options_of(Options, config).cp or default or config.world_size
+    return run.options.cp or default or run.world_size
 
 
-def check_cp(config, cp: int) -> None:
-    """What every context-parallel strategy needs of a config, with `cp` ranks per group."""
-    o, n = options_of(Options, config), config.world_size
+def check_cp(run, cp: int) -> None:
+    """What every context-parallel strategy needs of a run, with `cp` ranks per group."""
+    o, n = run.options, run.world_size
     if n % cp:
         raise ConfigError(f"--cp {cp} does not divide the {n} devices")
     if cp == 1 and n > 1:
         raise ConfigError("--cp 1 splits no sequence: that is data parallel (manual_ddp, ddp)")
-    config.check_divisible(n // cp, "data-parallel groups")
-    if why := split_check(o.cp_layout, cp, workload_of(config).input_shape[0]):
+    run.check_divisible(n // cp, "data-parallel groups")
+    if why := split_check(o.cp_layout, cp, run.workload.input_shape[0]):
         raise ConfigError(why)
-    if o.cp_comm == "ring" and config.spec.shared:
+    if o.cp_comm == "ring" and run.spec.shared:
         raise ConfigError(f"--cp-comm ring: {SHARED_GLOO_NO_P2P}; --cp-comm allgather runs there")
 
 
-def check(config) -> None:
-    check_cp(config, cp_of(config))
+def check(run) -> None:
+    check_cp(run, cp_of(run))
 
 
 NOT_DIFFERENTIABLE = Mutant("context_parallel:rotation-not-differentiable", "K,V passed around the ring by "
@@ -168,9 +167,9 @@ def mask_by_local_offsets(qi, qs, ki, ks):
     return torch.arange(ki.start, ki.stop)[None, :] > torch.arange(qi.start, qi.stop)[:, None]
 
 
-def dims(config, dist=None) -> ParallelDims:
-    cp = cp_of(config)
-    return ParallelDims(world=config.world_size, dp_replicate=config.world_size // cp, cp=cp)
+def dims(run, dist=None) -> ParallelDims:
+    cp = cp_of(run)
+    return ParallelDims(world=run.world_size, dp_replicate=run.world_size // cp, cp=cp)
 
 
 LAYER_ACTIVATIONS = True  # a transformer layer's activation bytes beside the formula (activations.py)

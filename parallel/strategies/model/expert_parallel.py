@@ -36,8 +36,7 @@ from parallel.loop import checkpoint
 from parallel.measure.experts import Experts
 from parallel.models.moe import combine
 from parallel.models.outputs import call
-from parallel.models.usermodel import shape_model
-from parallel.strategies.base import Hooks, Mutant, Trainable, injected, model_state_every_rank, options_of
+from parallel.strategies.base import Hooks, Mutant, Trainable, injected, model_state_every_rank
 from parallel.world.errors import ConfigError
 
 NAME = "expert_parallel"
@@ -45,28 +44,28 @@ LAUNCH = "torchrun"
 SYNCHRONOUS = True
 
 
-def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
-    o = options_of(Options, config)
+def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
+    o = run.options
     model = model.to(dist.device)
     for p in model.parameters():  # every rank starts from rank 0's weights (they are built alike anyway)
         td.broadcast(p.detach(), src=0)
-    n, ep = dist.world_size, ep_of(config)
+    n, ep = dist.world_size, ep_of(run)
     ep_group, expert_group = _groups(n, ep, dist.rank)
     layers = model.moe_layers()
     local = layers[0].num_experts // ep
     owned = list(range(dist.rank % ep * local, (dist.rank % ep + 1) * local))
     dispatch = Dispatch(ep_group, ep, td.group.WORLD if n > 1 else None)
-    if injected(config, UNGATED):
+    if injected(run, UNGATED):
         dispatch.combine = combine_ungated
-    if injected(config, TRANSPOSED):
+    if injected(run, TRANSPOSED):
         dispatch.order = order_transposed
-    if injected(config, LOCAL_AUX):
+    if injected(run, LOCAL_AUX):
         dispatch.global_counts = lambda counts: counts  # each rank's own
     for moe in layers:
         moe.experts = nn.ModuleList(moe.experts[i] for i in owned)  # the others are freed
         moe.dispatch, moe.capacity_factor = dispatch, o.capacity_factor
     expert_params = {id(p) for moe in layers for p in moe.experts.parameters()}
-    skip = {id(p) for moe in layers for p in moe.router.parameters()} if injected(config, ROUTER_UNREDUCED) else set()
+    skip = {id(p) for moe in layers for p in moe.router.parameters()} if injected(run, ROUTER_UNREDUCED) else set()
     dense = [p for p in model.parameters() if id(p) not in expert_params | skip]
     state = State(dispatch, owned, dense, [p for p in model.parameters() if id(p) in expert_params], expert_group,
                   n)
@@ -97,8 +96,8 @@ def train_step(t: Trainable, batch, dist):
     return loss.detach()
 
 
-def ep_of(config) -> int:
-    return options_of(Options, config).ep or min(DEFAULT_EP, config.world_size)
+def ep_of(run) -> int:
+    return run.options.ep or min(DEFAULT_EP, run.world_size)
 
 
 @dataclass
@@ -151,14 +150,14 @@ def experts_per_layer(model: nn.Module) -> int:
     return model.moe_layers()[0].num_experts
 
 
-def check(config) -> None:
-    n, ep = config.world_size, ep_of(config)
+def check(run) -> None:
+    n, ep = run.world_size, ep_of(run)
     if n % ep:
         raise ConfigError(f"--ep {ep} does not divide the {n} devices")
-    experts = experts_per_layer(shape_model(config))
+    experts = experts_per_layer(run.meta_model)
     if experts % ep:
         raise ConfigError(f"--ep {ep} does not divide the {experts} experts of each layer")
-    config.check_divisible(n, "devices")
+    run.check_divisible(n, "devices")
 
 
 UNGATED = Mutant("expert_parallel:combine-without-gates", "the experts' outputs summed back to their tokens "
@@ -240,8 +239,8 @@ def _name(model: nn.Module, module: nn.Module) -> str:
     return next(n for n, m in model.named_modules() if m is module)
 
 
-def memory_layout(config, layout):
-    return layout.replace(ep=ep_of(config))  # the routed experts split over ep ranks (the planner's memory)
+def memory_layout(run, layout):
+    return layout.replace(ep=ep_of(run))  # the routed experts split over ep ranks (the planner's memory)
 
 
 EXPERTS = True  # it splits the model's routed experts (model.moe_layers())

@@ -41,7 +41,6 @@ from parallel.loop import checkpoint
 from parallel.measure import layers
 from parallel.models.outputs import call
 from parallel.models.transformer import Attention
-from parallel.models.usermodel import shape_model
 from parallel.models.workloads import tp_plan_of
 from parallel.strategies.base import Hooks, Mutant, Trainable, injected, loaded_in_place, model_state_every_rank
 from parallel.world.dims import ParallelDims
@@ -52,12 +51,12 @@ LAUNCH = "torchrun"
 SYNCHRONOUS = True
 
 
-def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
+def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
     # Every rank built the same model from the seed (workloads.build_model): each keeps its part of it.
     copies = kv_copies.copied(model, dist.world_size, dist.rank)  # fewer kv heads than ranks: each head m times
-    colwise, rowwise = shard(model, dist.rank, dist.world_size, config)
+    colwise, rowwise = shard(model, dist.rank, dist.world_size, run)
     model = model.to(dist.device)
-    if injected(config, RANK_BRANCH) and dist.rank == 1:  # the bug: a rank-dependent branch in the model
+    if injected(run, RANK_BRANCH) and dist.rank == 1:  # the bug: a rank-dependent branch in the model
         model.head[0].register_forward_hook(lambda module, args, out: F.dropout(out, 0.1, training=True))
     split = {f"{n}.weight" for n in colwise + rowwise} | {f"{n}.bias" for n in colwise}  # a row split's bias is whole
     whole = tuple(range(dist.world_size))  # the rest every rank holds alike (--check-replicas)
@@ -149,7 +148,7 @@ def _rows(t: torch.Tensor | None, rank: int, n: int, dim: int = 0) -> torch.Tens
     return None if t is None else t.detach().chunk(n, dim=dim)[rank]  # None: a Linear without bias
 
 
-def shard(model: nn.Module, rank: int, n: int, config) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def shard(model: nn.Module, rank: int, n: int, run) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Replace every split Linear of the model's plan by this rank's part of it; f on every region."""
     plan = tp_plan_of(model)
     in_region = {c for c in plan.colwise for r in plan.regions if c.startswith(r + ".")}
@@ -158,7 +157,7 @@ def shard(model: nn.Module, rank: int, n: int, config) -> tuple[tuple[str, ...],
     for name in plan.colwise:
         weight, bias = _rows(full[name].weight, rank, n), _rows(full[name].bias, rank, n)
         parent, _, attr = name.rpartition(".")
-        if injected(config, FUSED_QKV_SPLIT) and attr in ("q", "k", "v"):  # the bug: [q | k | v] cut in N pieces
+        if injected(run, FUSED_QKV_SPLIT) and attr in ("q", "k", "v"):  # the bug: [q | k | v] cut in N pieces
             stacked = [torch.cat([full[f"{parent}.{a}"].weight, full[f"{parent}.{a}"].bias[:, None]], dim=1)
                        for a in "qkv"]
             piece = _rows(_rows(torch.cat(stacked), rank, n), "qkv".index(attr), 3)
@@ -166,7 +165,7 @@ def shard(model: nn.Module, rank: int, n: int, config) -> tuple[tuple[str, ...],
         parts[name] = ColumnLinear(weight, bias, copy_input=name not in in_region)
     for name in plan.rowwise:
         parts[name] = RowLinear(_rows(full[name].weight, rank, n, dim=1), full[name].bias,
-                                injected(config, BIAS_ON_EVERY_RANK))
+                                injected(run, BIAS_ON_EVERY_RANK))
     for name, part in parts.items():
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, part)
@@ -219,10 +218,10 @@ def plan_problems(model: nn.Module, tp: int, copies: bool = True) -> str | None:
     return None
 
 
-def check(config) -> None:
-    model = shape_model(config)
-    if why := plan_problems(model, config.world_size):
-        raise ConfigError(f"cannot split the {config.workload} over {config.world_size} ranks: {why}")
+def check(run) -> None:
+    model = run.meta_model
+    if why := plan_problems(model, run.world_size):
+        raise ConfigError(f"cannot split the {run.config.workload} over {run.world_size} ranks: {why}")
 
 
 # Bugs the oracle must catch (`--mutant NAME`; base.Mutant).
@@ -243,7 +242,7 @@ KV_UNSUMMED = Mutant("manual_tp:kv-copies-unsummed", "fewer kv heads than ranks 
 MUTANTS = (FUSED_QKV_SPLIT, BIAS_ON_EVERY_RANK, RANK_BRANCH, KV_UNSUMMED)
 
 
-def dims(config, dist) -> ParallelDims:
+def dims(run, dist) -> ParallelDims:
     """One tensor-parallel group: every rank the whole batch; one loss counts (they are all the same)."""
     return ParallelDims(world=dist.world_size, tp=dist.world_size)
 

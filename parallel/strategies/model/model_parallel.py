@@ -30,8 +30,7 @@ from parallel.kit.stages import (
 from parallel.kit.tensors import state_bytes
 from parallel.measure import pipelines
 from parallel.measure.stage_time import Watch
-from parallel.models.usermodel import workload_of
-from parallel.strategies.base import Hooks, Mutant, Trainable, injected, options_of
+from parallel.strategies.base import Hooks, Mutant, Trainable, injected
 from parallel.world.errors import ConfigError
 
 NAME = "model_parallel"
@@ -39,8 +38,8 @@ LAUNCH = "inprocess"
 SYNCHRONOUS = True
 
 
-def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
-    return setup_stages(model, make_optimizer, loss_fn, config, config.batch_size, options_of(Options, config).balance)
+def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
+    return setup_stages(model, make_optimizer, loss_fn, run, run.batch_size, run.options.balance)
 
 
 def train_step(t: Trainable, batch, dist):
@@ -74,17 +73,17 @@ class Stages:
     watch: Watch  # each stage's busy time and activations, for the report (measure.pipelines)
 
 
-def setup_stages(model, make_optimizer, loss_fn, config, sample_size: int, balance: str) -> Trainable:
+def setup_stages(model, make_optimizer, loss_fn, run, sample_size: int, balance: str) -> Trainable:
     """Shared with `pipeline`: split the model over the devices, one device's share of the cores for the
     main thread (it runs or coordinates the stages)."""
-    spec = config.spec
-    devices = [spec.device(i) for i in range(config.world_size)]
+    spec = run.spec
+    devices = [spec.device(i) for i in range(run.world_size)]
     torch.set_num_threads(spec.threads_per_device())
     # The timing input: a batch of the workload's own data (images, or token ids for the transformer).
-    sample = workload_of(config).dataset(config.seed, sample_size).batch(0)[0]
-    sp = split(model, devices, balance, sample, given_cut(config, balance, len(devices), layers_of(model)))
+    sample = run.workload.dataset(run.seed, sample_size).batch(0)[0]
+    sp = split(model, devices, balance, sample, given_cut(run, balance, len(devices), layers_of(model)))
     return Trainable(model, make_optimizer(model.parameters()), loss_fn, devices[0],
-                     state=Stages(sp, Watch(sp.stages, devices, config.warmup)),
+                     state=Stages(sp, Watch(sp.stages, devices, run.warmup)),
                      devices=devices)
 
 
@@ -103,11 +102,11 @@ NO_GRAD_BACK = Mutant("model_parallel:no-grad-back", "the activations' gradient 
 MUTANTS = (NO_GRAD_BACK,)
 
 
-def model_state_bytes(t: Trainable, config) -> list[int]:
+def model_state_bytes(t: Trainable, run) -> list[int]:
     return [state_bytes(list(stage.parameters()), t.optimizer) for stage in t.state.split.stages]
 
 
-def memory_layout(config, layout):
+def memory_layout(run, layout):
     return layout.replace(pp=layout.dp, dp=1)  # a stage a device (the planner's memory)
 
 

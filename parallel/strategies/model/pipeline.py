@@ -39,7 +39,7 @@ from parallel.kit.primitives import DeviceThreads
 from parallel.kit.schedules import SCHEDULES
 from parallel.kit.stages import check_layers, stage_backward, stage_forward
 from parallel.measure import pipelines
-from parallel.strategies.base import Hooks, Mutant, Trainable, injected, options_of
+from parallel.strategies.base import Hooks, Mutant, Trainable, injected
 from parallel.strategies.model.model_parallel import Options as SplitOptions
 from parallel.strategies.model.model_parallel import Stages, model_state_bytes, setup_stages
 from parallel.world.errors import ConfigError
@@ -49,18 +49,18 @@ LAUNCH = "inprocess"
 SYNCHRONOUS = True
 
 
-def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
-    o = options_of(Options, config)
+def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
+    o = run.options
     m = o.microbatches  # the typed option, from here on the State's
-    micro = -(-config.batch_size // m)  # balance the stages at the size they will run
-    t = setup_stages(model, make_optimizer, loss_fn, config, micro, o.balance)
+    micro = -(-run.batch_size // m)  # balance the stages at the size they will run
+    t = setup_stages(model, make_optimizer, loss_fn, run, micro, o.balance)
     sp = t.state.split
     p = len(sp.stages)
     ops = [SCHEDULES[o.schedule](s, p, m) for s in range(p)]
-    if injected(config, MICROBATCH_DROPPED):
+    if injected(run, MICROBATCH_DROPPED):
         ops = [[op for op in stage if op != ("B", m - 1)] for stage in ops]
-    t.state = State(**vars(t.state), m=m, schedule=o.schedule, ops=ops, timeout=config.pg_timeout,
-                    pool=DeviceThreads(sp.devices, config.spec.threads_per_device()))
+    t.state = State(**vars(t.state), m=m, schedule=o.schedule, ops=ops, timeout=run.pg_timeout,
+                    pool=DeviceThreads(sp.devices, run.spec.threads_per_device()))
     return t
 
 
@@ -165,10 +165,10 @@ class Options(SplitOptions):
         return SCHEDULES
 
 
-def check(config) -> None:
-    check_layers(config)
-    if (m := options_of(Options, config).microbatches) > config.batch_size:
-        raise ConfigError(f"--microbatches {m} is more than the global batch {config.batch_size}")
+def check(run) -> None:
+    check_layers(run)
+    if (m := run.options.microbatches) > run.batch_size:
+        raise ConfigError(f"--microbatches {m} is more than the global batch {run.batch_size}")
 
 
 # Bugs the oracle must catch (`--mutant NAME`; base.Mutant).
@@ -180,15 +180,15 @@ EQUAL_WEIGHTS = Mutant("pipeline:equal-weights", "micro-batch losses weighted 1/
 MUTANTS = (MICROBATCH_DROPPED, EQUAL_WEIGHTS)
 
 
-def defaults(config) -> dict:
+def defaults(run) -> dict:
     """At least one micro-batch per stage where the user gave no count (fewer leave a stage idle all
     step), up to the batch; the threads' own schedules need nothing more (unequal micro-batches are fine)."""
-    m = max(Options.microbatches, config.world_size)
-    return {"microbatches": m} if m <= config.batch_size and m != Options.microbatches else {}
+    m = max(Options.microbatches, run.world_size)
+    return {"microbatches": m} if m <= run.batch_size and m != Options.microbatches else {}
 
 
-def memory_layout(config, layout):
-    o = options_of(Options, config)  # a stage a device, and the micro-batches it holds (the planner's memory)
+def memory_layout(run, layout):
+    o = run.options  # a stage a device, and the micro-batches it holds (the planner's memory)
     return layout.replace(pp=layout.dp, dp=1, microbatches=o.microbatches, schedule=o.schedule)
 
 

@@ -41,8 +41,7 @@ from parallel.kit.stages import agreed_cut, layers_of
 from parallel.kit.tied import TiedAcross
 from parallel.measure import pipelines
 from parallel.measure.stage_time import Busy, timed_loss, timed_stage
-from parallel.models.usermodel import shape_model
-from parallel.strategies.base import Hooks, Mutant, Trainable, injected, model_state_every_rank, options_of
+from parallel.strategies.base import Hooks, Mutant, Trainable, injected, model_state_every_rank
 from parallel.strategies.model import pipeline
 from parallel.world.devices import SHARED_GLOO_NO_P2P
 from parallel.world.dims import ParallelDims
@@ -53,8 +52,8 @@ LAUNCH = "torchrun"
 SYNCHRONOUS = True
 
 
-def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
-    return build(model, make_optimizer, loss_fn, dist, config)
+def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
+    return build(model, make_optimizer, loss_fn, dist, run)
 
 
 def train_step(t: Trainable, batch, dist):
@@ -88,21 +87,21 @@ class State:
     tied: TiedAcross | None  # weights several stages use (GPT-2's head): their gradients summed
 
 
-def build(model, make_optimizer, loss_fn, dist, config, pp=None, each_stage=None,
+def build(model, make_optimizer, loss_fn, dist, run, pp=None, each_stage=None,
           batch: int | None = None) -> Trainable:
     """This process's stages of a pipeline over `pp` (a mesh's slice "pp"; None: every process, the default
     group). `each_stage(module)`: applied to each stage, in place or returning a wrapper (fsdp_pp: FSDP2 over
     its slice "dp_shard"); `batch`: the batch this pipeline trains on per step (default: the global batch)."""
     from torch.distributed import pipelining
 
-    o = options_of(Options, config)
+    o = run.options
     rank, p = (pp.get_local_rank(), pp.size()) if pp is not None else (dist.rank, dist.world_size)
     group = pp.get_group() if pp is not None else None
     torch_name, v, placement = SCHEDULES[o.schedule].cls, o.v, o.placement
     layers = layers_of(model)
     layer_name = {id(m): n for n, m in model.named_modules()}
-    batch = batch or config.batch_size
-    bounds = agreed_cut(layers, p * v, o.balance, config, dist, -(-batch // o.microbatches))
+    batch = batch or run.batch_size
+    bounds = agreed_cut(layers, p * v, o.balance, run, dist, -(-batch // o.microbatches))
     ids = stage_ids(rank, p, v, placement)
     busy = Busy([dist.device])
     stages, modules, names = [], [], {}
@@ -117,11 +116,11 @@ def build(model, make_optimizer, loss_fn, dist, config, pp=None, each_stage=None
 
     schedule = getattr(pipelining.schedules, torch_name)(stages[0] if v == 1 else stages, n_microbatches=o.microbatches,
                                                          loss_fn=timed_loss(loss_fn, busy, p * v - 1, o.microbatches),
-                                                         scale_grads=not injected(config, SUMMED))
+                                                         scale_grads=not injected(run, SUMMED))
     rank_of = {i: r for r in range(p) for i in stage_ids(r, p, v, placement)}
     # fsdp_pp (each_stage) takes no tied model (its TIES): a sharded weight's copies are not summed here
-    tied = TiedAcross(layers, bounds, rank_of.__getitem__, modules, config.pg_timeout) if each_stage is None else None
-    if tied is not None and injected(config, TIE_IN_RANK):  # only the weights several ranks hold get summed
+    tied = TiedAcross(layers, bounds, rank_of.__getitem__, modules, run.pg_timeout) if each_stage is None else None
+    if tied is not None and injected(run, TIE_IN_RANK):  # only the weights several ranks hold get summed
         tied.held = lambda held=tied.held: [i for i in held() if tied.collectives[i] is not None]
     local = nn.ModuleList(modules)
     state = State(schedule, p, rank, stages, names, bounds, 0 in ids, p * v - 1 in ids, busy, tied)
@@ -161,20 +160,20 @@ class Options(pipeline.Options):
         return 0 if self.placement == "v" else -1
 
 
-def check(config) -> None:
-    check_pipeline(config, config.world_size, config.batch_size)
+def check(run) -> None:
+    check_pipeline(run, run.world_size, run.batch_size)
 
 
-def check_pipeline(config, p: int, batch: int) -> None:
+def check_pipeline(run, p: int, batch: int) -> None:
     """A pipeline of p ranks training on `batch` samples a step (fsdp_pp: one of several): the rules of its
     schedule's row (kit.schedules.broken_rule), then what this torch lacks to run it."""
-    o = options_of(Options, config)
-    layers = layers_of(shape_model(config))
+    o = run.options
+    layers = layers_of(run.meta_model)
     holding = sum(any(True for _ in layer.parameters()) for layer in layers)
     if why := broken_rule(o.schedule, o.stages_per_rank, p, o.microbatches, batch, len(layers), holding,
-                          config.workload or "model"):
+                          run.config.workload or "model"):
         raise ConfigError(why)
-    if why := torch_lacks(SCHEDULES[o.schedule].cls, config.spec.backend):  # what was asked is sound
+    if why := torch_lacks(SCHEDULES[o.schedule].cls, run.spec.backend):  # what was asked is sound
         raise ConfigError(f"{NAME}: {why}")
 
 
@@ -190,10 +189,10 @@ TIE_IN_RANK = Mutant("pipeline_dist:tie-within-rank", "dualpipev's V puts the to
 MUTANTS = (SUMMED, TIE_UNSUMMED, TIE_IN_RANK)
 
 
-def dims(config, dist) -> ParallelDims:
+def dims(run, dist) -> ParallelDims:
     """Every rank a pipeline stage (or two) of the one model: each sees the whole batch; the loss is where
     the last stage is."""
-    return ParallelDims(world=dist.world_size, pp=dist.world_size, loss_pp=options_of(Options, config).loss_pp)
+    return ParallelDims(world=dist.world_size, pp=dist.world_size, loss_pp=run.options.loss_pp)
 
 
 def available(spec) -> str | None:
@@ -202,12 +201,12 @@ def available(spec) -> str | None:
     return SHARED_GLOO_NO_P2P if spec.shared else None
 
 
-def fit_microbatches(config, p: int, batch: int) -> dict:
+def fit_microbatches(run, p: int, batch: int) -> dict:
     """The micro-batches a pipeline of p ranks gets where the user gave none: the fewest of at least the
     Options' default and p (fewer leave a stage idle for the whole step; 1f1b refuses them) that divide the
     `batch` samples it takes a step (torch's stages receive into buffers of one micro-batch's shape) and,
     for the looped schedules, come in whole rounds of p. None fits: the default stays, and check says why."""
-    o = options_of(Options, config)
+    o = run.options
     least = max(Options.microbatches, p, least_microbatches(o.schedule, p))
     for m in range(least, batch + 1):
         if batch % m == 0 and (o.v == 1 or m % p == 0):
@@ -215,8 +214,8 @@ def fit_microbatches(config, p: int, batch: int) -> dict:
     return {}
 
 
-def defaults(config) -> dict:
-    return fit_microbatches(config, config.world_size, config.batch_size)
+def defaults(run) -> dict:
+    return fit_microbatches(run, run.world_size, run.batch_size)
 
 
 def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
@@ -234,15 +233,15 @@ def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
     return {k: v for part in every_rank(mine) for k, v in part.items()}
 
 
-def memory_layout(config, layout):
-    o = options_of(Options, config)  # the micro-batches a stage holds (the planner's memory)
+def memory_layout(run, layout):
+    o = run.options  # the micro-batches a stage holds (the planner's memory)
     return layout.replace(microbatches=o.microbatches, schedule=o.schedule)
 
 
 LAYERED = True  # cuts the model's pipeline_layers() into stages
 CHECKPOINTS = False  # each rank's stages depend on the split measured at start-up; not resumable across runs
 
-MEASURE = pipelines.Torch(lambda config: options_of(Options, config))
+MEASURE = pipelines.Torch()
 
 HOOKS = Hooks(available=available, dims=dims, check=check, defaults=defaults, state_dict=state_dict,
               model_state_bytes=model_state_every_rank, memory_layout=memory_layout)

@@ -32,7 +32,6 @@ from torch import nn
 from parallel.kit import kv_copies
 from parallel.measure import layers
 from parallel.models.outputs import call
-from parallel.models.usermodel import workload_of
 from parallel.models.workloads import tp_plan_of
 from parallel.strategies.base import (
     Hooks,
@@ -41,7 +40,6 @@ from parallel.strategies.base import (
     full_state_dict,
     injected,
     model_state_every_rank,
-    options_of,
 )
 from parallel.strategies.model import manual_tp
 from parallel.world.devices import SHARED_GLOO_NO_DTENSOR
@@ -54,12 +52,12 @@ LAUNCH = "torchrun"
 SYNCHRONOUS = True
 
 
-def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
+def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
     from torch.distributed.tensor import DTensor
 
-    o = options_of(Options, config)
+    o = run.options
     copies = kv_copies.copied(model, dist.world_size, dist.rank)  # fewer kv heads than ranks: each head m times
-    model = apply(model.to(dist.device), dims(config, dist).mesh(dist.device.type), o, config)
+    model = apply(model.to(dist.device), dims(run, dist).mesh(dist.device.type), o, run)
     whole = tuple(range(dist.world_size))  # what the plan leaves whole, every tp rank holds alike (--check-replicas)
     return Trainable(model, make_optimizer(by_kind(model.parameters())), loss_fn, dist.device,
                      state=State(bool(o.loss_parallel), copies),
@@ -86,7 +84,7 @@ class State:
     copies: kv_copies.Copies | None = None  # kv heads fewer than the ranks: each copied to the ranks reading it
 
 
-def plan(model: nn.Module, o: Options, config) -> dict:
+def plan(model: nn.Module, o: Options, run) -> dict:
     """parallelize_module's plan from the model's TPPlan, with sequence and loss parallelism as asked."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -106,7 +104,7 @@ def plan(model: nn.Module, o: Options, config) -> dict:
                                       if name.endswith(("mlp.0", "mlp.w1", "mlp.w3"))))
         styles |= {name: SequenceParallel() for name, m in model.named_modules()
                    if isinstance(m, (nn.LayerNorm, nn.RMSNorm))
-                   and not (injected(config, NORM_UNSYNCED) and name.endswith("norm2"))}
+                   and not (injected(run, NORM_UNSYNCED) and name.endswith("norm2"))}
         styles["embed"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
     region = _region_style()
     styles |= {name: region(input_layouts=(split_between,), desired_input_layouts=(Replicate(),)) for name in regions}
@@ -152,13 +150,13 @@ def by_kind(params) -> list[dict]:
     return [{"params": group} for group in groups.values()]
 
 
-def apply(model: nn.Module, mesh, o: Options, config) -> nn.Module:
+def apply(model: nn.Module, mesh, o: Options, run) -> nn.Module:
     """The Megatron split of `model` over `mesh` (its tensor-parallel ranks; fsdp_tp: its slice "tp")."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    if o.loss_parallel and injected(config, VOCAB_REMAINDER):
+    if o.loss_parallel and injected(run, VOCAB_REMAINDER):
         _rows_per_rank_floored(model.get_submodule("head.1"), mesh.size())
-    return parallelize_module(model, mesh, plan(model, o, config))
+    return parallelize_module(model, mesh, plan(model, o, run))
 
 
 def _rows_per_rank_floored(head: nn.Linear, tp: int) -> None:
@@ -184,13 +182,13 @@ class Options:
                 raise ConfigError(f"--{name.replace('_', '-')} must be 0 or 1, got {getattr(self, name)}")
 
 
-def check(config) -> None:
-    o = options_of(Options, config)
-    if (o.sequence_parallel or o.loss_parallel) and workload_of(config).data != "tokens":
+def check(run) -> None:
+    o = run.options
+    if (o.sequence_parallel or o.loss_parallel) and run.workload.data != "tokens":
         flag = "--sequence-parallel" if o.sequence_parallel else "--loss-parallel"
-        raise ConfigError(f"{flag} needs a sequence model (the transformer): the {config.workload} has no "
+        raise ConfigError(f"{flag} needs a sequence model (the transformer): the {run.config.workload} has no "
                           "sequence to split and 10 classes")
-    manual_tp.check(config)
+    manual_tp.check(run)
 
 
 # A bug the oracle must catch (`--mutant NAME`; base.Mutant).
@@ -205,8 +203,8 @@ VOCAB_REMAINDER = Mutant("tensor_parallel:vocab-remainder-dropped", "--loss-para
 MUTANTS = (NORM_UNSYNCED, VOCAB_REMAINDER)
 
 
-def dims(config, dist) -> ParallelDims:
-    return manual_tp.dims(config, dist)
+def dims(run, dist) -> ParallelDims:
+    return manual_tp.dims(run, dist)
 
 
 def available(spec) -> str | None:

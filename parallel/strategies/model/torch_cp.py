@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 
 from parallel.kit.ring_attention import split_check
-from parallel.models.usermodel import workload_of
 from parallel.strategies.base import Hooks, Trainable
 from parallel.strategies.model.context_parallel import average_gradients
 from parallel.world.devices import SHARED_GLOO_NO_DTENSOR
@@ -31,9 +30,9 @@ LAUNCH = "torchrun"
 SYNCHRONOUS = True
 
 
-def setup(model, make_optimizer, loss_fn, dist, config) -> Trainable:
+def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
     model = model.to(dist.device)
-    mesh = dims(config, dist).mesh(dist.device.type)
+    mesh = dims(run, dist).mesh(dist.device.type)
     return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device, state=mesh)
 
 
@@ -57,8 +56,8 @@ CPU_WHY = ("needs CUDA: torch's context_parallel() dispatches only CUDA's flash,
            "to its ring (on CPU: no sharding strategy for aten._scaled_dot_product_flash_attention_for_cpu)")
 
 
-def check(config) -> None:
-    if why := split_check("zigzag", config.world_size, workload_of(config).input_shape[0]):
+def check(run) -> None:
+    if why := split_check("zigzag", run.world_size, run.workload.input_shape[0]):
         raise ConfigError(why)  # torch falls back to contiguous shards; its own causal rule assumes head-tail
 
 
@@ -68,8 +67,8 @@ def available(spec) -> str | None:
     return SHARED_GLOO_NO_DTENSOR if spec.shared else None
 
 
-def dims(config, dist) -> ParallelDims:
-    return ParallelDims(world=config.world_size, cp=config.world_size)
+def dims(run, dist) -> ParallelDims:
+    return ParallelDims(world=run.world_size, cp=run.world_size)
 
 
 SEQUENCE = True
