@@ -101,7 +101,7 @@ class RunConfig:
             raise ConfigError("--aux-loss weights the built-in moe workload's load-balancing loss; your model's "
                               "parallel.models.moe.MoE layers carry their own (MoE(..., aux_weight=w))")
         if self.model:  # imported, built twice, one forward on a sample: every mistake found here
-            user = {"model": userload.resolve_spec(self.model),
+            user = {"model": userload.resolve_factory(self.model),
                     "data": str(Path(self.data).expanduser().resolve()) if self.data else ""}
             if user["data"]:  # before the model is tried on it
                 userdata.check_batch(user["data"], self.batch_size)

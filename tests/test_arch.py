@@ -16,7 +16,7 @@ from parallel.kit import kv_copies
 from parallel.models.transformer import Transformer, rotate
 from parallel.models.usermodel import shape_model, workload_of
 from parallel.models.workloads import WORKLOADS
-from parallel.plan.models import ModelSpec
+from parallel.plan.models import ModelShape
 from parallel.world.dist import Dist
 from tests.multirank import FP64_MARGIN, _execute, _sharp, _train, run_ranks
 
@@ -29,7 +29,7 @@ def _compare(*flags: str) -> RunConfig:
 
 @pytest.mark.parametrize("arch,tied", [("gpt", True), ("gpt", False), ("llama", False)])
 def test_the_model_has_the_planners_parameter_count(arch, tied):
-    spec = ModelSpec(layers=3, hidden=96, heads=6, vocab=1000, seq=24, ffn=200, kv_heads=2 if arch == "llama" else 0,
+    spec = ModelShape(layers=3, hidden=96, heads=6, vocab=1000, seq=24, ffn=200, kv_heads=2 if arch == "llama" else 0,
                      arch=arch)
     model = Transformer(1000, 24, 96, 3, 6, arch, spec.kv_heads, 200, tied)
     head = 0 if tied or arch == "llama" else 1000 * 96 + 1000  # the planner's gpt is tied; untied adds the head
@@ -190,7 +190,7 @@ def test_the_planners_memory_reads_a_llama_shape_from_the_model():
     from parallel.plan import local
 
     c = RunConfig(workload="transformer", **LLAMA, devices="cpu:2", batch_size=4).validate()
-    spec = local.spec_of(shape_model(c), 16)
+    spec = local.shape_of(shape_model(c), 16)
     assert (spec.arch, spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.ffn, spec.seq) == (
         "llama", 2, 64, 4, 2, 96, 16)
     assert spec.params == sum(p.numel() for p in shape_model(c).parameters())

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from parallel import strategies
 from parallel.config import RunConfig
-from parallel.kit.ring_attention import Layout, Ring
+from parallel.kit.ring_attention import Ring, Split
 from parallel.models.usermodel import workload_of
 from parallel.strategies.model import context_parallel
 from parallel.world.errors import ConfigError
@@ -22,14 +22,14 @@ B, H, T, D = 2, 2, 32, 8
 
 def test_zigzag_balances_the_causal_pairs_and_contiguous_gives_the_last_rank_the_most():
     # The probe: 264 / 264 pairs per head on 2 ranks at T = 32, against 136 / 392 contiguous.
-    assert [Layout("zigzag", 2, 32).causal_pairs(r) for r in range(2)] == [264, 264]
-    assert [Layout("contiguous", 2, 32).causal_pairs(r) for r in range(2)] == [136, 392]
+    assert [Split("zigzag", 2, 32).causal_pairs(r) for r in range(2)] == [264, 264]
+    assert [Split("contiguous", 2, 32).causal_pairs(r) for r in range(2)] == [136, 392]
     for name in ("contiguous", "zigzag"):
-        layout = Layout(name, 4, 64)
+        layout = Split(name, 4, 64)
         held = torch.cat([layout.positions(r) for r in range(4)])
         assert sorted(held.tolist()) == list(range(64))  # every position held once
         assert sum(layout.causal_pairs(r) for r in range(4)) == 64 * 65 // 2
-    assert Layout("zigzag", 2, 16).positions(0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert Split("zigzag", 2, 16).positions(0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
 
 
 def _attention(rank, world, layout_name, comm, bug):
@@ -39,7 +39,7 @@ def _attention(rank, world, layout_name, comm, bug):
     q, k, v, grad = (torch.randn(B, H, T, D, generator=g, dtype=torch.float64) for _ in range(4))
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
     F.scaled_dot_product_attention(*whole, is_causal=True).backward(grad)
-    layout = Layout(layout_name, world, T)
+    layout = Split(layout_name, world, T)
     idx = layout.positions(rank)
     mine = [t[:, :, idx].clone().requires_grad_() for t in (q, k, v)]
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)[:, :, idx]
@@ -149,7 +149,7 @@ def test_the_sequence_length_of_the_built_in_transformer_and_what_cannot_be_spli
     with pytest.raises(ConfigError, match="--cp 1 splits no sequence"):
         s.validate(RunConfig(workload="transformer", devices="cpu:2", options={"cp": 1}).validate())
     assert s.unsupported(workload_of(RunConfig(workload="mlp"))).startswith("it has no attention to split")
-    assert math.isclose(Layout("zigzag", 2, 32).causal_pairs(0), 264)
+    assert math.isclose(Split("zigzag", 2, 32).causal_pairs(0), 264)
 
 
 def test_torch_context_parallel_is_refused_on_cpu_with_its_reason(refused):

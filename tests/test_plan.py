@@ -23,7 +23,7 @@ from tests.conftest import ROOT
 from tests.test_activations import measured
 
 pytestmark = pytest.mark.timeout(120)
-TINY = models.ModelSpec(layers=2, hidden=8, heads=2, vocab=16, seq=4)
+TINY = models.ModelShape(layers=2, hidden=8, heads=2, vocab=16, seq=4)
 
 
 def test_parameters_and_flops_of_a_tiny_gpt_by_hand_and_as_hugging_face_builds_it():
@@ -35,7 +35,7 @@ def test_parameters_and_flops_of_a_tiny_gpt_by_hand_and_as_hugging_face_builds_i
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=8, n_head=2, vocab_size=16,
                                                                 n_positions=4))
     assert sum(p.numel() for p in gpt2.parameters()) == TINY.params
-    llama = models.ModelSpec(2, 16, 4, 32, 8, ffn=24, kv_heads=2, arch="llama")
+    llama = models.ModelShape(2, 16, 4, 32, 8, ffn=24, kv_heads=2, arch="llama")
     ref = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         num_hidden_layers=2, hidden_size=16, num_attention_heads=4, num_key_value_heads=2, intermediate_size=24,
         vocab_size=32, max_position_embeddings=8, tie_word_embeddings=False))
@@ -143,7 +143,7 @@ def test_communication_terms_by_hand():
     assert sp["exposed_comm_s"]["tp"] == pytest.approx(r["exposed_comm_s"]["tp"] * 5 / 4)  # + backward's gathers
     # context parallel: 2 x 4 tokens over 2 ranks, K and V of 8 features in bf16: (cp-1) passes forward, twice back
     assert cost.layer_traffic(TINY, Layout(cp=2, mbs=2), train) == {"cp": ("send", 2 * (2 * 4 / 2) * 8 * 2, 1, 2)}
-    moe = models.ModelSpec(2, 8, 2, 16, 4, experts=4, top_k=2)  # each token's row sent to 2 experts and back
+    moe = models.ModelShape(2, 8, 2, 16, 4, experts=4, top_k=2)  # each token's row sent to 2 experts and back
     assert cost.layer_traffic(moe, Layout(ep=4, mbs=2), train) == {"ep": ("all_to_all", 2 * 4 * 2 * 8 * 2, 2, 2)}
     pp = cost.predict(TINY, Layout(pp=2, dp=8, mbs=1), train, FLAT)
     assert pp["exposed_comm_s"]["pp"] == pytest.approx(2 * 1 * 1 * (1 * 4 * 8 * 2) / 1e11)  # m=1: one each way
@@ -173,7 +173,7 @@ def test_tensor_and_context_parallel_bytes_are_the_ones_the_runs_measure(name, l
     from parallel.plan import local
 
     model = WORKLOADS["transformer"].build_model(0)
-    spec = local.spec_of(model)
+    spec = local.shape_of(model)
     config = RunConfig(devices="cpu:2", workload="transformer", batch_size=8).validate()
     group = lay.tp * lay.cp
     per_layer = sum((fwd + bwd) * formulas.wire_bytes(kind, nbytes, group)
@@ -187,11 +187,11 @@ def test_tensor_and_context_parallel_bytes_are_the_ones_the_runs_measure(name, l
     (SDPBackend.MATH, "unfused", "none"), (SDPBackend.FLASH_ATTENTION, "flash", "none"),
     (SDPBackend.MATH, "unfused", "selective"), (SDPBackend.MATH, "unfused", "full")])
 def test_a_layers_activations_are_what_autograd_keeps(backend, attention, recompute):
-    """This project's block (fp32, GELU MLP of 4h, no dropout) as a ModelSpec: the planner's bytes for one
+    """This project's block (fp32, GELU MLP of 4h, no dropout) as a ModelShape: the planner's bytes for one
     layer and micro-batch are the LayerMeter's, to the byte (recomputation keeps no attention tensor, so
     the kernel makes no difference there)."""
     b, s, h, a = 4, 64, 128, 4
-    spec = models.ModelSpec(1, h, a, 16, s)
+    spec = models.ModelShape(1, h, a, 16, s)
     got = pm.layer_activations(spec, Layout(mbs=b, recompute=recompute), Training(1, "fp32", attention))
     assert got == measured(b, s, h, a, backend, recompute)["layer_activation_bytes"]
 
@@ -371,7 +371,7 @@ def test_your_model_is_read_from_its_modules_or_its_hugging_face_config(tmp_path
     hf.write_text("import transformers\n\ndef build():\n    return transformers.LlamaForCausalLM(transformers."
                   "LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,"
                   " intermediate_size=96, vocab_size=100, max_position_embeddings=128))\n")
-    spec = models.ModelSpec(**models.from_module(f"{hf}:build"))
+    spec = models.ModelShape(**models.from_module(f"{hf}:build"))
     assert (spec.arch, spec.kv, spec.F, spec.seq) == ("llama", 2, 96, 128)
     assert cli.main(["plan", "--model", f"{hf}:build", "--seq", "64", "--gpus", "4", "--global-batch", "8"]) == 0
     assert "64" in capsys.readouterr().out  # --seq beside --model overrides what the model says

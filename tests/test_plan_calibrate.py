@@ -16,7 +16,7 @@ from parallel.plan import calibration, cost
 from parallel.plan.evidence import validate
 from parallel.plan.hardware import GPUS, Cluster
 from parallel.plan.layouts import Layout, Training
-from parallel.plan.models import ModelSpec
+from parallel.plan.models import ModelShape
 from parallel.report import costmodel, notes
 
 pytestmark = pytest.mark.timeout(120)
@@ -34,7 +34,7 @@ def synthetic(c: float, o: float, batches=(4, 8), noise=(1.0, 1.0, 1.0)) -> dict
     """The H100 run with its single step and cost-model timings at `batches` made by the planner itself with
     efficiencies scaled by (c, o), each times its `noise` factor."""
     doc = copy.deepcopy(H100)
-    spec = calibration.spec_of(doc["config"])
+    spec = calibration.shape_of(doc["config"])
     ms = [calibration.step(spec, calibration.compare_training(doc["config"], b), GPUS["h100"], c, o)["step_s"] * 1e3
           for b in (16, *batches)]
     ms = [m * k for m, k in zip(ms, noise, strict=False)]
@@ -52,7 +52,7 @@ def calibrate(tmp_path, doc, *flags) -> tuple[int, dict | None]:
 
 @pytest.mark.parametrize("c, o", [(1.7, 0.6), (0.5, 3.0), (40.0, 2.0)])
 def test_the_fit_recovers_the_scales_the_planner_made_its_points_with(c, o):
-    spec = calibration.spec_of(H100["config"])
+    spec = calibration.shape_of(H100["config"])
     ms = lambda b, cc, oo: calibration.step(  # noqa: E731
         spec, calibration.compare_training(H100["config"], b), GPUS["h100"], cc, oo)["step_s"] * 1e3
     for batches in ((1, 4, 16, 64), (2, 32)):  # least squares, and two points exactly
@@ -122,7 +122,7 @@ def test_the_spec_is_compares_model_parameter_for_parameter():
         config = {"workload": "transformer", "arch": arch, "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2,
                   "ffn": ffn, "vocab": 100, "seq_len": 16, "tied": tied}
         model = Transformer(100, 16, 64, 2, 4, arch, 2, ffn, tied)
-        assert calibration.spec_of(config).params == sum(p.numel() for p in model.parameters()), (arch, tied, ffn)
+        assert calibration.shape_of(config).params == sum(p.numel() for p in model.parameters()), (arch, tied, ffn)
 
 
 def one_line_error(capsys, code: int, *words: str) -> None:
@@ -167,7 +167,7 @@ def test_a_calibration_plans_later_runs_with_its_scales_for_its_kind_only(tmp_pa
     assert cli.main([*shape, "--calibration", path]) == 0  # the kind comes from the file
     (r,) = json.loads(capsys.readouterr().out)
     efficiency = GPUS["h100"].efficiency.scaled(cal["compute"], cal["overhead"])
-    expected = cost.predict(ModelSpec(12, 768, 12, 50304, 1024), Layout(mbs=16), Training(16, "bf16", **{
+    expected = cost.predict(ModelShape(12, 768, 12, 50304, 1024), Layout(mbs=16), Training(16, "bf16", **{
         "attention": "flash", "dropout": False, "dp_overlap": True, "elementwise": 3.5}),
         Cluster(dataclasses.replace(GPUS["h100"], efficiency=efficiency), 1, 1))
     assert r["step_s"] == pytest.approx(expected["step_s"]) and r["calibration"]["gpu"] == "h100"

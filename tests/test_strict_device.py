@@ -15,7 +15,7 @@ from torch import nn
 
 from parallel import strategies
 from parallel.config import RunConfig
-from parallel.kit.ring_attention import Layout
+from parallel.kit.ring_attention import Split
 from parallel.models.data import SyntheticData
 from parallel.models.workloads import WORKLOADS
 from parallel.strategies.model import context_parallel
@@ -123,7 +123,7 @@ def test_threads_started_under_the_stand_in_run_under_it(strict_cuda):
 
 
 def test_a_gpu_index_into_the_cpu_batch_fails_under_the_stand_in_as_on_the_h100(strict_cuda):
-    layout = Layout("zigzag", 2, 16)
+    layout = Split("zigzag", 2, 16)
     with on_cpu(strict_cuda):
         batch = SyntheticData(WORKLOADS["transformer"], 0, 4).batch(0)  # made on the CPU, as the loop's are
         index = layout.positions(1)

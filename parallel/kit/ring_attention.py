@@ -1,6 +1,6 @@
 """Causal attention over a sequence split between the ranks of a group: ring attention by hand.
 
-Rank r of W holds the queries, keys and values of some positions of every sequence (a `Layout`):
+Rank r of W holds the queries, keys and values of some positions of every sequence (a `Split`):
 
     contiguous   rank r: positions [r c, (r+1) c), c = T / W           T = 16, W = 2:  r0 0-7     r1 8-15
     zigzag       rank r: chunks r and 2W-1-r of h = T / 2W (head-tail)                 r0 0-3,12-15  r1 4-11
@@ -37,12 +37,12 @@ import torch.distributed as td
 
 from parallel.kit import collectives
 
-LAYOUTS = ("contiguous", "zigzag")
+SPLITS = ("contiguous", "zigzag")
 COMMS = ("ring", "allgather")
 
 
 @dataclass(frozen=True)
-class Layout:
+class Split:
     """Which positions of a sequence of `length` each of `world` ranks holds."""
 
     name: str
@@ -71,7 +71,7 @@ class Layout:
 
 def split_check(layout: str, world: int, length: int) -> str | None:
     """Why a sequence of `length` cannot be split by `layout` over `world` ranks, or None."""
-    chunks = Layout(layout, world, length).chunks
+    chunks = Split(layout, world, length).chunks
     if length % chunks:
         return f"--seq-len {length} is not divisible by {chunks} ({layout} over {world} ranks: {chunks} chunks)"
     return None
@@ -79,11 +79,11 @@ def split_check(layout: str, world: int, length: int) -> str | None:
 
 @dataclass
 class Ring:
-    """What one rank's attention needs: its group and the layout (shared by its layers). Its small steps,
+    """What one rank's attention needs: its group and the split (shared by its layers). Its small steps,
     `mask`, `merge` and `home`, are methods an injected bug may replace on the instance."""
 
     group: object  # the process group of the cp ranks (None: the default group)
-    layout: Layout  # the positions attention masks by (a bug may give it other ones than the tokens')
+    split: Split  # the positions attention masks by (a bug may give it other ones than the tokens')
     comm: str = "ring"
     fused: bool = True  # torch's fused CPU kernel where it applies (False: the math everywhere, as on GPUs)
     ranks: list[int] = field(default_factory=list)
@@ -123,7 +123,7 @@ class Ring:
         neighbouring whole pairs are joined into one product (zig-zag's off-diagonal blocks: both query
         chunks see one key chunk, or one query chunk sees both key chunks)."""
         out = []
-        for qi, qs, ki, ks in _span_pairs(self.layout.spans(self.rank), self.layout.spans(src)):
+        for qi, qs, ki, ks in _span_pairs(self.split.spans(self.rank), self.split.spans(src)):
             if ks.start >= qs.stop:  # every key after every query
                 continue
             mask = self.mask(qi, qs, ki, ks)

@@ -81,10 +81,10 @@ class Context(measure.Family):
         with counting_pairs(ring) as pairs:
             mine, mine_attention = saved_bytes(t.model, lambda: self.loss(t, batch))
         whole, whole_attention = single_saved_bytes(t.model, t.loss_fn, [b.to(t.device) for b in batch])
-        out = Result(cp, ring.layout.name, ring.comm, kv_bytes(t.model, run, cp),
+        out = Result(cp, ring.split.name, ring.comm, kv_bytes(t.model, run, cp),
                      attention_bytes_predicted(t.model, run, cp),
                      causal_pairs_per_rank=every_rank(pairs[0] // len(t.model.attentions())),
-                     causal_pairs_formula=[ring.layout.causal_pairs(r) for r in range(cp)],
+                     causal_pairs_formula=[ring.split.causal_pairs(r) for r in range(cp)],
                      attention_ms_per_rank=every_rank(round(attention_ms(t.model, ring, len(batch[0]), t.device), 3)),
                      activation_bytes_per_rank=every_rank(mine),
                      attention_activation_bytes_per_rank=every_rank(mine_attention),
@@ -189,7 +189,7 @@ def attention_ms(model: nn.Module, ring: Ring, batch_rows: int, device, rounds: 
     """Median ms of this rank's attention work, forward and backward, every block of the group held
     locally (no communication): the causal work its layout gives it."""
     a = model.attentions()[0]
-    heads, d, length = a.q.out_features // a.head_size, a.head_size, len(ring.layout.positions(ring.rank))
+    heads, d, length = a.q.out_features // a.head_size, a.head_size, len(ring.split.positions(ring.rank))
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(batch_rows, heads, length, d, generator=g).to(device) for _ in range(3))
     sync, times = synchronizer(device), []

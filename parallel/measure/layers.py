@@ -6,7 +6,7 @@ declares LAYER_ACTIVATIONS: single and the context-parallel ones too).
 
     MEASURE = layers.Megatron()                          # manual_tp
     MEASURE = layers.Megatron(activations=True)          # tensor_parallel: one forward's saves as well
-    MEASURE = layers.Megatron(layout=layout)             # fsdp_tp: dp x tp, FSDP over dp
+    MEASURE = layers.Megatron(dims=mesh_dims)            # fsdp_tp: dp x tp, FSDP over dp
 """
 
 from __future__ import annotations
@@ -49,30 +49,30 @@ class Result:
 
 class Megatron(measure.Family):
     """Megatron's tensor parallelism measured. `activations`: count what one forward saves for backward;
-    `layout`: config -> the 2-D ParallelDims (dp x tp, FSDP over dp), None where every rank is one
+    `dims`: run -> the 2-D ParallelDims (dp x tp, FSDP over dp), None where every rank is one
     tensor-parallel group."""
 
 
-    def __init__(self, activations: bool = False, layout=None):
-        self.activations, self.layout = activations, layout
+    def __init__(self, activations: bool = False, dims=None):
+        self.activations, self.dims = activations, dims
 
     def extra_measurements(self, t, data, run, dist, result) -> dict:
         out = Result(**result.wire.measurements())
         if self.activations:
             out.activation_bytes_per_rank = forward_activation_bytes(t, data.batch(0))  # the whole batch
-        if self.layout is not None:
-            out.mesh = str(self.layout(run))
+        if self.dims is not None:
+            out.mesh = str(self.dims(run))
         out.kv_heads = kv_copies.describe(run.meta_model, self._tp_dp(run)[0])
         return {Result.FAMILY: out}
 
     def _tp_dp(self, run) -> tuple[int, int]:
-        lay = self.layout(run) if self.layout is not None else None
+        lay = self.dims(run) if self.dims is not None else None
         return (lay.tp, lay.dp) if lay is not None else (run.world_size, 1)
 
     def comm_bytes_predicted(self, model, run) -> float | None:
         """Megatron's all-reduces (payloads), 2(N-1)/N of each per rank (sequence parallel: an all-gather
         and a reduce-scatter of the same activation, (N-1)/N each: the same bytes); none for 2-D."""
-        if self.layout is not None or tp_plan_of(model) is None:
+        if self.dims is not None or tp_plan_of(model) is None:
             return None
         copies = kv_copies.grad_bytes(model, run.world_size, element_bytes(run.precision))  # their gradients
         return sum(ring_allreduce_bytes(p, run.world_size) for p in payloads(model, run)) + copies

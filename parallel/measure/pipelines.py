@@ -125,13 +125,13 @@ def schedule_ms(cal, row, batch: int) -> float | None:
 
 class Torch(measure.Family):
     """pipeline_dist and fsdp_pp, reading `run.options` (schedule, microbatches, balance, v: stages per
-    rank, placement: "loop" | "v"), `layout(config, dist)` where the pipelines are data-parallel too
+    rank, placement: "loop" | "v"), `dims(run, dist)` where the pipelines are data-parallel too
     (fsdp_pp's pp x dp), and t.state's `busy` (stage_time.Busy), `stages` (stage_time.timed_stage's),
     `bounds`, `p`, `rank` and `schedule` (torch's)."""
 
 
-    def __init__(self, layout=None):
-        self.layout = layout
+    def __init__(self, dims=None):
+        self.dims = dims
 
     def extra_measurements(self, t, data, run, dist, result) -> dict:
         """The bubble: per step, each rank idle for the part of the step's span (start to the last piece of
@@ -148,7 +148,7 @@ class Torch(measure.Family):
         peaks, ones, outs, pieces = ({k: v for r in ranks for k, v in r[key].items()}
                                      for key in ("peak", "one", "out", "pieces"))
         r = Result(o.balance, describe(s.bounds), s.bounds, o.schedule, o.microbatches, o.v, "rank",
-                   str(self.layout(run, dist)) if self.layout else None,
+                   str(self.dims(run, dist)) if self.dims else None,
                    peak_activation_bytes=[peaks[i] for i in sorted(peaks)],
                    held_measured=[round(peaks[i] / ones[i]) if ones[i] else 0 for i in sorted(peaks)])
         hop = hop_ms(outs, s.p, o.placement, dist) if s.p == dist.world_size else {}
@@ -180,7 +180,7 @@ class Torch(measure.Family):
         `pipeline`'s); the looped and zero-bubble schedules, and FSDP2's collectives within a stage
         (fsdp_pp), are not modelled (None)."""
         r = result(row)
-        return schedule_ms(cal, row, run.batch_size) if r and r.v == 1 and not self.layout else None
+        return schedule_ms(cal, row, run.batch_size) if r and r.v == 1 and not self.dims else None
 
 
 # The report ---------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ class Transformer(nn.Module):
     """vocab, context (the sequence length), width, depth (blocks), heads; arch gpt or llama; kv_heads
     (0: as many as heads; fewer: grouped-query attention), ffn (0: 4 x width for gpt, 8/3 x width rounded
     up to 64 for llama), tied: the head's weight is the token embedding, and it has no bias (GPT-2's).
-    Its parameters are the planner's count for the same shape (ModelSpec.params; untied: plus the head's)."""
+    Its parameters are the planner's count for the same shape (ModelShape.params; untied: plus the head's)."""
 
     def __init__(self, vocab: int = 64, context: int = 32, width: int = 128, depth: int = 2, heads: int = 4,
                  arch: str = "gpt", kv_heads: int = 0, ffn: int = 0, tied: bool = False):

@@ -30,7 +30,7 @@ from parallel.world.errors import ConfigError
 PROTOCOL = ("model", "loss", "layers", "tp_plan")
 
 
-def resolve_spec(spec: str) -> str:
+def resolve_factory(spec: str) -> str:
     """`path.py:factory` with the path made absolute (children may start elsewhere), or `module:factory`."""
     where, sep, factory = spec.rpartition(":")
     if not sep or not where or not factory.isidentifier():
@@ -45,7 +45,7 @@ def resolve_spec(spec: str) -> str:
 
 @functools.lru_cache(maxsize=8)
 def load_factory(spec: str):
-    """The factory a resolved spec names (resolve_spec), imported once per process."""
+    """The factory a resolved spec names (resolve_factory), imported once per process."""
     where, _, factory_name = spec.rpartition(":")
     try:
         if where.endswith(".py") or "/" in where:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from parallel.plan.cost import predict
 from parallel.plan.hardware import GPUS, Cluster, Gpu
 from parallel.plan.layouts import Layout, Training
-from parallel.plan.models import ModelSpec
+from parallel.plan.models import ModelShape
 from parallel.plan.stacks import STACKS
 from parallel.world.errors import ConfigError
 
@@ -50,8 +50,8 @@ def kind_of(name: str) -> str | None:
     return None
 
 
-def spec_of(config: dict, layers: int = 0) -> ModelSpec:
-    """compare's built-in transformer as the planner's ModelSpec (`layers`: a shallow twin's blocks instead)."""
+def shape_of(config: dict, layers: int = 0) -> ModelShape:
+    """compare's built-in transformer as the planner's ModelShape (`layers`: a shallow twin's blocks instead)."""
     shaped = config.get("preset") or config.get("arch")
     if config.get("model") or config.get("workload") != "transformer" or not shaped:
         what = config.get("model") or config.get("workload") or "an unknown workload"
@@ -61,7 +61,7 @@ def spec_of(config: dict, layers: int = 0) -> ModelSpec:
     arch, h = config.get("arch") or "gpt", int(config["hidden"])
     ffn = config.get("ffn") or (4 * h if arch == "gpt" else -(-8 * h // 3 // 64) * 64)  # transformer.Block's
     try:
-        return ModelSpec(layers or int(config["layers"]), h, int(config["heads"]), int(config["vocab"]),
+        return ModelShape(layers or int(config["layers"]), h, int(config["heads"]), int(config["vocab"]),
                          int(config["seq_len"]), ffn, int(config.get("kv_heads") or 0), arch=arch,
                          name=config.get("preset") or arch, tied=bool(config.get("tied")) if arch == "gpt" else None)
     except (KeyError, TypeError, ValueError) as e:
@@ -79,7 +79,7 @@ def planner_training(batch: int) -> Training:
     return Training(batch, "bf16", **STACKS["torch"])
 
 
-def step(spec: ModelSpec, train: Training, gpu: Gpu, compute: float = 1.0, overhead: float = 1.0) -> dict:
+def step(spec: ModelShape, train: Training, gpu: Gpu, compute: float = 1.0, overhead: float = 1.0) -> dict:
     """The planner's prediction of one GPU's step on train.global_batch sequences, its efficiencies scaled."""
     scaled = dataclasses.replace(gpu, efficiency=gpu.efficiency.scaled(compute, overhead))
     return predict(spec, Layout(mbs=train.global_batch), train, Cluster(scaled, 1, 1))
@@ -156,7 +156,7 @@ def of_comparison(config: dict, environment: dict, single: dict | None, compute_
     predicted before and after, and the conversion to the planner's own training at single's batch."""
     if not single or single.get("status") != "ok" or not single.get("step_ms_p50"):
         raise ConfigError("the run has no finished `single` row to calibrate on: compare --strategies single ...")
-    spec = spec_of(config, int(single.get("twin_blocks") or 0))
+    spec = shape_of(config, int(single.get("twin_blocks") or 0))
     kind, device = kind_of_run(config, environment, gpu)
     if config.get("precision") not in COMPARE_PRECISION:
         raise ConfigError(f"--precision {config.get('precision')}: the planner models bf16 and fp32 runs")

@@ -63,7 +63,7 @@ def add_parser(sub) -> None:
                    "results/run-*)")
 
 
-def model_of(args) -> models.ModelSpec:
+def model_of(args) -> models.ModelShape:
     fields = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "vocab": args.vocab,
               "seq": args.seq, "ffn": args.ffn, "kv_heads": args.kv_heads, "experts": args.experts,
               "top_k": args.top_k, "arch": args.arch}
@@ -79,7 +79,7 @@ def model_of(args) -> models.ModelSpec:
         if missing:
             where = f"{args.model} does not say" if args.model else "the model needs"
             raise ValueError(f"{where} {' '.join(missing)} (give them, or --preset NAME, or --model FILE.py:FACTORY)")
-        return models.ModelSpec(**given)
+        return models.ModelShape(**given)
     except (ValueError, TypeError) as e:
         raise ConfigError(str(e).splitlines()[0]) from None
 

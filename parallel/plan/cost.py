@@ -20,7 +20,7 @@ from parallel.measure.replay import CLOSED_FORMS
 from parallel.plan.hardware import Cluster
 from parallel.plan.layouts import ELEM, OPTIMIZERS, Layout, Training, micro_batches, weight_bytes
 from parallel.plan.memory import memory, stage_params, usable_gib
-from parallel.plan.models import ModelSpec
+from parallel.plan.models import ModelShape
 from parallel.plan.stages import stages
 
 
@@ -58,7 +58,7 @@ def launched(device_s: float, kernels: float, cl: Cluster, host: float = 1.0) ->
     return t, t - device_s
 
 
-def layer_traffic(model: ModelSpec, lay: Layout, train: Training) -> dict[str, tuple[str, float, int, int]]:
+def layer_traffic(model: ModelShape, lay: Layout, train: Training) -> dict[str, tuple[str, float, int, int]]:
     """One layer's collectives on one micro-batch, by dimension: (kind, bytes of the tensor, times forward, times
     backward). Tensor parallel (Megatron): 2 all-reduces of the activation forward and 2 backward; sequence
     parallel swaps each for a reduce-scatter and an all-gather of the same bytes, and backward gathers its
@@ -83,7 +83,7 @@ def layer_traffic(model: ModelSpec, lay: Layout, train: Training) -> dict[str, t
     return out
 
 
-def matmul_time(model: ModelSpec, lay: Layout, train: Training, cl: Cluster, tokens: float) -> tuple[float, float]:
+def matmul_time(model: ModelShape, lay: Layout, train: Training, cl: Cluster, tokens: float) -> tuple[float, float]:
     """Seconds of one layer's weight matrix products on one GPU, forward and backward. A kind whose
     efficiency was fitted to whole layers (the A100's, Efficiency.per_gemm False) runs them all at the
     layer's width on a GPU (h / tp), backward twice forward. A kind whose matrix products were timed one by
@@ -105,7 +105,7 @@ def matmul_time(model: ModelSpec, lay: Layout, train: Training, cl: Cluster, tok
     return fwd, bwd
 
 
-def layer_time(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> Parts:
+def layer_time(model: ModelShape, lay: Layout, train: Training, cl: Cluster) -> Parts:
     e, elem = cl.gpu.efficiency, ELEM[train.precision]
     peak = cl.matmul_rate(train.precision, model.hidden / lay.tp)
     hbm = cl.gpu.hbm * e.memory
@@ -150,7 +150,7 @@ def layer_time(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> P
     return t
 
 
-def head_time(model: ModelSpec, lay: Layout, train: Training, cl: Cluster, head: bool = True,
+def head_time(model: ModelShape, lay: Layout, train: Training, cl: Cluster, head: bool = True,
               loss: bool = True) -> tuple[float, float]:
     """The last stage's extra: the output projection to the vocabulary and the loss, forward and back
     (seconds, of which launch overhead); `head` or `loss` alone where a cost split puts them on two ranks
@@ -190,7 +190,7 @@ def schedule_of(lay: Layout) -> str:
     return "interleaved1f1b" if lay.stages_per_rank > 1 and lay.schedule == "1f1b" else lay.schedule
 
 
-def pipeline(model: ModelSpec, lay: Layout, train: Training, cl: Cluster, lt: Parts, ranks: list) -> dict:
+def pipeline(model: ModelShape, lay: Layout, train: Training, cl: Cluster, lt: Parts, ranks: list) -> dict:
     """One micro-batch through the busiest rank, and the bubble. Even split: that rank is the last (its
     layers and the head), the bubble the schedule's closed form on its layers, and the hand-offs exposed
     apart (Narayanan's scatter/gather). Cost split (nanotron): every rank's layers, its ends, and its
@@ -224,7 +224,7 @@ def pipeline(model: ModelSpec, lay: Layout, train: Training, cl: Cluster, lt: Pa
     return busiest | {"bubble": sum(t["stage"] for t in times) - busiest["stage"], "handoff_in_stage": True}
 
 
-def predict(model: ModelSpec, lay: Layout, train: Training, cl: Cluster) -> dict:
+def predict(model: ModelShape, lay: Layout, train: Training, cl: Cluster) -> dict:
     """One layout's prediction: step time by part, throughput, memory by kind and whether it fits."""
     e = cl.gpu.efficiency
     m = micro_batches(lay, train)

@@ -21,14 +21,14 @@ from parallel.measure.formulas import element_bytes, model_state
 from parallel.models.usermodel import workload_of
 from parallel.plan.layouts import Layout, Training
 from parallel.plan.memory import layer_activations, params_per_gpu
-from parallel.plan.models import ModelSpec
+from parallel.plan.models import ModelShape
 from parallel.plan.stages import in_flight
 from parallel.strategies.base import MemoryLayout
 from parallel.world.dims import ParallelDims
 
 
-def spec_of(model: nn.Module, seq: int = 0) -> ModelSpec | None:
-    """The project's transformer (transformer.Transformer: embed, blocks of Block, head) as a ModelSpec,
+def shape_of(model: nn.Module, seq: int = 0) -> ModelShape | None:
+    """The project's transformer (transformer.Transformer: embed, blocks of Block, head) as a ModelShape,
     gpt or llama; `seq` the run's sequence length (a rotary model has no position table to read it from)."""
     from parallel.models.transformer import Block, SwiGLU
 
@@ -41,7 +41,7 @@ def spec_of(model: nn.Module, seq: int = 0) -> ModelSpec | None:
     attn, llama = blocks[0].attn, isinstance(blocks[0].mlp, SwiGLU)
     ffn = blocks[0].mlp.w1.out_features if llama else blocks[0].mlp[0].out_features
     seq = embed.positions.weight.shape[0] if embed.positions is not None else seq
-    return ModelSpec(len(blocks), width, width // attn.head_size, vocab, max(1, seq), ffn,
+    return ModelShape(len(blocks), width, width // attn.head_size, vocab, max(1, seq), ffn,
                      attn.k.out_features // attn.head_size, arch="llama" if llama else "gpt")
 
 
@@ -84,7 +84,7 @@ def need(name: str, config, model: nn.Module) -> dict | None:
     m = declared(name, config)
     if m is None:
         return None
-    lay, spec = layout(m, config.batch_size), spec_of(model, workload_of(config).input_shape[-1])
+    lay, spec = layout(m, config.batch_size), shape_of(model, workload_of(config).input_shape[-1])
     if spec is None and m.splits:
         return None
     element = element_bytes(config.precision)

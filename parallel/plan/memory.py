@@ -8,11 +8,11 @@ from parallel.measure import activations
 from parallel.measure.formulas import model_state
 from parallel.plan.hardware import GiB
 from parallel.plan.layouts import ELEM, OPTIMIZERS, Layout, Training, micro_batches
-from parallel.plan.models import ModelSpec
+from parallel.plan.models import ModelShape
 from parallel.plan.stages import Stage, stages
 
 
-def params_per_gpu(model: ModelSpec, lay: Layout, stage: str = "first") -> tuple[float, float]:
+def params_per_gpu(model: ModelShape, lay: Layout, stage: str = "first") -> tuple[float, float]:
     """(dense, expert) parameters on the first or the last rank of an even pipeline (pp = 1: the only one)
     before any ZeRO sharding: stage_params of that rank."""
     ends = lay.pp == 1
@@ -20,7 +20,7 @@ def params_per_gpu(model: ModelSpec, lay: Layout, stage: str = "first") -> tuple
                                           head=ends or stage == "last"))
 
 
-def stage_params(model: ModelSpec, lay: Layout, st: Stage) -> tuple[float, float]:
+def stage_params(model: ModelShape, lay: Layout, st: Stage) -> tuple[float, float]:
     """(dense, expert) parameters a rank of stage `st` holds before any ZeRO sharding: its layers, split by tp
     (experts by tp x ep); the embedding's rank adds the token (and position) embedding, the head's the head (a
     tied head's copy too, as Megatron and nanotron keep one there) and the final norm; a rank with both holds
@@ -35,7 +35,7 @@ def stage_params(model: ModelSpec, lay: Layout, st: Stage) -> tuple[float, float
     return dense + extra / lay.tp, experts
 
 
-def state_of(model: ModelSpec, lay: Layout, train: Training, st: Stage) -> dict[str, float]:
+def state_of(model: ModelShape, lay: Layout, train: Training, st: Stage) -> dict[str, float]:
     """Model state bytes by kind on a rank of stage `st`: dense parameters sharded (by the ZeRO stage) over
     dp x cp, expert parameters over the dp x cp / ep ranks that hold copies of the same experts; under ZeRO-0
     a stack's 16-bit gradient copy beside the fp32 one (DDP's buckets)."""
@@ -58,7 +58,7 @@ def state_of(model: ModelSpec, lay: Layout, train: Training, st: Stage) -> dict[
     return state
 
 
-def layer_activations(model: ModelSpec, lay: Layout, train: Training) -> float:
+def layer_activations(model: ModelShape, lay: Layout, train: Training) -> float:
     """activations.formula for one layer and micro-batch on one GPU (context parallel: s/cp positions)."""
     terms = activations.formula(model.seq // lay.cp, lay.mbs, model.hidden, model.heads, lay.tp,
                                 lay.sequence_parallel, "math" if train.attention == "unfused" else "fused",
@@ -67,7 +67,7 @@ def layer_activations(model: ModelSpec, lay: Layout, train: Training) -> float:
     return sum(terms.values())
 
 
-def memory(model: ModelSpec, lay: Layout, train: Training) -> dict[str, float]:
+def memory(model: ModelShape, lay: Layout, train: Training) -> dict[str, float]:
     """GiB per GPU by kind on the pipeline rank that needs the most (stages.stages: the first and the last of
     an even split, every rank of a cost split): its model state, its layers' activations times the
     micro-batches it holds, and buffers: the logits where the loss is (16-bit, their fp32 copy and softmax),

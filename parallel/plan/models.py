@@ -14,7 +14,7 @@ import dataclasses
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelSpec:
+class ModelShape:
     layers: int
     hidden: int
     heads: int
@@ -122,11 +122,11 @@ class ModelSpec:
 
 
 def gpt(name, layers, hidden, heads, seq=2048, vocab=51200):
-    return ModelSpec(layers, hidden, heads, vocab, seq, name=name)
+    return ModelShape(layers, hidden, heads, vocab, seq, name=name)
 
 
 def llama(name, layers, hidden, heads, kv, ffn, vocab=128256, seq=8192, experts=0, top_k=1):
-    return ModelSpec(layers, hidden, heads, vocab, seq, ffn, kv, experts, top_k, "llama", name)
+    return ModelShape(layers, hidden, heads, vocab, seq, ffn, kv, experts, top_k, "llama", name)
 
 
 # Shapes from each model's paper or released config (Radford et al. 2019 table 2; Brown et al. 2020 table 2.1;
@@ -155,9 +155,9 @@ def from_module(spec: str) -> dict:
     rest."""
     import torch
 
-    from parallel.models.userload import call_factory, load_factory, resolve_spec
+    from parallel.models.userload import call_factory, load_factory, resolve_factory
 
-    spec = resolve_spec(spec)
+    spec = resolve_factory(spec)
     with torch.device("meta"):
         model = call_factory(load_factory(spec), 0, spec)["model"]
     c = getattr(model, "config", None)

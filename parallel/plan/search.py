@@ -8,7 +8,7 @@ import itertools
 from parallel.plan.cost import predict
 from parallel.plan.hardware import Cluster
 from parallel.plan.layouts import Layout, Training
-from parallel.plan.models import ModelSpec
+from parallel.plan.models import ModelShape
 
 FIELDS = ("tp", "pp", "dp", "cp", "ep", "mbs", "stages_per_rank", "zero_stage", "recompute", "sequence_parallel")
 
@@ -17,7 +17,7 @@ def _powers(limit: int) -> list[int]:
     return [2**k for k in range(limit.bit_length()) if 2**k <= limit]
 
 
-def candidates(model: ModelSpec, cl: Cluster, train: Training, fixed: dict) -> list[Layout]:
+def candidates(model: ModelShape, cl: Cluster, train: Training, fixed: dict) -> list[Layout]:
     """Layouts of exactly cl.gpus GPUs: tp a power of two within a node dividing the K, V heads; pp
     dividing the layers or a power of two (the stages then uneven by a layer); cp a power of two up to 8
     dividing the sequence; ep dividing the experts and dp x cp; mbs a power of two dividing each
@@ -54,7 +54,7 @@ def candidates(model: ModelSpec, cl: Cluster, train: Training, fixed: dict) -> l
     return out
 
 
-def search(model: ModelSpec, cl: Cluster, train: Training, fixed: dict) -> tuple[list[dict], int, dict | None]:
+def search(model: ModelShape, cl: Cluster, train: Training, fixed: dict) -> tuple[list[dict], int, dict | None]:
     """(predictions of the layouts that fit, fastest first; how many layouts were tried; the one that
     needs the least memory, for saying by how much nothing fits)."""
     tried = [predict(model, lay, train, cl) for lay in candidates(model, cl, train, fixed)]

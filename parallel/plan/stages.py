@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 from parallel.plan.layouts import Layout, Training
-from parallel.plan.models import ModelSpec
+from parallel.plan.models import ModelShape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +46,7 @@ def in_flight(lay: Layout, m: int) -> float:
     return min(p, m) * (1 + (p - 1) / (p * v) if v > 1 else 1)
 
 
-def stages(model: ModelSpec, lay: Layout, train: Training, m: int) -> list[Stage]:
+def stages(model: ModelShape, lay: Layout, train: Training, m: int) -> list[Stage]:
     """The ranks of one pipeline whose memory or time can be the largest: all of them under the cost
     partition, the first and the last under the even one (one stage when pp is 1)."""
     layers = lay.layers(model.layers)
@@ -59,7 +59,7 @@ def stages(model: ModelSpec, lay: Layout, train: Training, m: int) -> list[Stage
     return by_cost(model, lay, m, lay.schedule == "gpipe")
 
 
-def by_cost(model: ModelSpec, lay: Layout, m: int, gpipe: bool = False) -> list[Stage]:
+def by_cost(model: ModelShape, lay: Layout, m: int, gpipe: bool = False) -> list[Stage]:
     """nanotron's greedy split (build_model): contiguous blocks, rank r takes blocks until the running cost
     passes (r + 1) / pp of the total."""
     layer = 4 * model.heads * (model.hidden // model.heads) * model.hidden + 3 * model.F * model.hidden

@@ -23,7 +23,7 @@ import statistics
 from pathlib import Path
 
 from parallel.plan.layouts import Layout
-from parallel.plan.models import ModelSpec, llama
+from parallel.plan.models import ModelShape, llama
 
 DATA = Path(__file__).parent / "data" / "playbook-h100-1node.csv"
 GLOBAL_BATCH = 256  # sequences a step, every row
@@ -64,7 +64,7 @@ class Run:
                       sequence_parallel=self.tp > 1)
 
     @property
-    def spec(self) -> ModelSpec:
+    def spec(self) -> ModelShape:
         return MODELS[self.model]
 
     @property

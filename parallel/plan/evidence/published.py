@@ -10,7 +10,7 @@ unfused (no flash attention then), data-parallel all-reduce not overlapped (Kort
 
 from __future__ import annotations
 
-from parallel.plan.models import ModelSpec
+from parallel.plan.models import ModelShape
 
 # Narayanan Table 1: (params B, heads, h, L, tp, pp, GPUs, global batch, mbs, v, TFLOP/s per GPU with recompute)
 NARAYANAN_T1 = [
@@ -59,17 +59,17 @@ H100_GPT2_SMALL = [(1, 30.9), (4, 32.8), (16, 59.5)]
 H100_COMPARE_SINGLE = (16, 55.59063399999786)
 
 
-def gpt(layers: int, hidden: int, heads: int, name: str = "") -> ModelSpec:
-    return ModelSpec(layers, hidden, heads, 51200, 2048, name=name)
+def gpt(layers: int, hidden: int, heads: int, name: str = "") -> ModelShape:
+    return ModelShape(layers, hidden, heads, 51200, 2048, name=name)
 
 
-def narayanan_flops(model: ModelSpec, global_batch: int) -> float:
+def narayanan_flops(model: ModelShape, global_batch: int) -> float:
     """Narayanan's eq. (3), FLOPs per iteration with full recompute: 96 B s L h^2 (1 + s/6h + V/16Lh)."""
     B, s, L, h, V = global_batch, model.seq, model.layers, model.hidden, model.vocab
     return 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
 
 
-def korthikanti_model_flops(model: ModelSpec, global_batch: int) -> float:
+def korthikanti_model_flops(model: ModelShape, global_batch: int) -> float:
     """Korthikanti's MFU numerator, 72 B s L h^2 (1 + s/6h + V/12Lh): model FLOPs without recompute."""
     B, s, L, h, V = global_batch, model.seq, model.layers, model.hidden, model.vocab
     return 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))

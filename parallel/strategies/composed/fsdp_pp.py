@@ -47,8 +47,8 @@ SYNCHRONOUS = True
 
 
 def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
-    layout = _layout(run, dist)
-    mesh = layout.mesh(dist.device.type)  # ("pp", "dp_shard"), made once; each dimension its slice
+    dims = _dims(run, dist)
+    mesh = dims.mesh(dist.device.type)  # ("pp", "dp_shard"), made once; each dimension its slice
 
     def shard(stage):  # FSDP2 over the stage's dp ranks; the bug: DDP around it
         if injected(run, DDP_STATIC):
@@ -58,13 +58,13 @@ def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
         fsdp.apply(stage, mesh["dp_shard"])
 
     return pipeline_dist.build(model, make_optimizer, loss_fn, dist, run, mesh["pp"], shard,
-                               batch=run.batch_size // layout.dp)
+                               batch=run.batch_size // dims.dp)
 
 
 train_step = pipeline_dist.train_step
 
 
-def _layout(run, dist) -> ParallelDims:
+def _dims(run, dist) -> ParallelDims:
     """pp x dp: stages outermost, so a stage's dp ranks are neighbours; the loss where the last stage is."""
     o = run.options
     return ParallelDims(world=dist.world_size, pp=o.pp, dp_shard=dist.world_size // o.pp, loss_pp=o.loss_pp)
@@ -132,7 +132,7 @@ def dims(run, dist) -> ParallelDims:
     if injected(run, SHARE_BY_STAGE):
         pp = run.options.pp
         return ParallelDims(world=dist.world_size, dp_shard=pp, tp=dist.world_size // pp)
-    return _layout(run, dist)
+    return _dims(run, dist)
 
 
 def memory_layout(run, layout):
@@ -145,7 +145,7 @@ LAYERED = True  # cuts the model's pipeline_layers() into stages
 TIES = False  # a weight tied across stages would be sharded twice; its copies' gradients are not summed
 CHECKPOINTS = False  # as pipeline_dist: the stages depend on the split measured at start-up
 
-MEASURE = pipelines.Torch(layout=_layout)  # the mesh in its result
+MEASURE = pipelines.Torch(dims=_dims)  # the mesh in its result
 
 HOOKS = Hooks(available=available, dims=dims, check=check, defaults=defaults, state_dict=pipeline_dist.state_dict,
               model_state_bytes=model_state_every_rank, memory_layout=memory_layout)

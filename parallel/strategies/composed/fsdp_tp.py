@@ -3,7 +3,7 @@
     torchrun --nproc_per_node=4 scripts/fsdp_tp.py --workload mlp|transformer --tp 2     (dp 2 x tp 2)
 
 A composition of `tensor_parallel` and `fsdp`, applied one after the other to the model on one mesh, as
-torchtitan's parallelize does: the N ranks form a dp x tp mesh, tp innermost (layout.py: the ranks of a
+torchtitan's parallelize does: the N ranks form a dp x tp mesh, tp innermost (world/dims.py: the ranks of a
 tensor-parallel group are neighbours, on GPUs the same node's fast links). First tensor_parallel.apply on
 mesh["tp"] splits the layers within each group; then fsdp.apply on mesh["dp_shard"] shards every block and
 the root, so each rank holds 1/dp of its tp part (a 2-D DTensor: Shard on the dp axis, the tp placement on
@@ -41,7 +41,7 @@ SYNCHRONOUS = True
 
 
 def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
-    mesh = layout(run).mesh(dist.device.type)  # ("dp_shard", "tp"), made once; each dimension its slice
+    mesh = mesh_dims(run).mesh(dist.device.type)  # ("dp_shard", "tp"), made once; each dimension its slice
     model = tensor_parallel.apply(model.to(dist.device), mesh["tp"], tensor_parallel.Options(), run)
     fsdp.apply(model, mesh["dp_shard"])  # then every block and the root sharded over dp
     return Trainable(model, make_optimizer(tensor_parallel.by_kind(model.parameters())), loss_fn, dist.device)
@@ -50,7 +50,7 @@ def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
 train_step = fsdp.train_step  # this dp coordinate's share, every tp rank of a group alike (dims)
 
 
-def layout(run) -> ParallelDims:
+def mesh_dims(run) -> ParallelDims:
     """dp x tp: the ranks of a tensor-parallel group neighbours, FSDP over the dp ranks."""
     tp = run.options.tp
     return ParallelDims(world=run.world_size, dp_shard=run.world_size // tp, tp=tp)
@@ -87,7 +87,7 @@ def dims(run, dist) -> ParallelDims:
     bug, every rank its own share, as if all were data parallel."""
     if injected(run, TP_RANKS_SPLIT_BATCH):
         return ParallelDims.data_parallel(dist.world_size)
-    return layout(run)
+    return mesh_dims(run)
 
 
 def available(spec) -> str | None:
@@ -103,7 +103,7 @@ def memory_layout(run, layout):
 TENSOR_PARALLEL = True
 
 # The collectives per block and the mesh; the step: Megatron's over tp, FSDP's over dp (parallel/measure/layers.py)
-MEASURE = layers.Megatron(layout=layout)
+MEASURE = layers.Megatron(dims=mesh_dims)
 
 HOOKS = Hooks(dims=dims, available=available, check=check, state_dict=full_state_dict,
               model_state_bytes=model_state_every_rank, memory_layout=memory_layout)

@@ -28,7 +28,7 @@ import torch.distributed as td
 from torch import nn
 
 from parallel.kit.collectives import sum_gradients
-from parallel.kit.ring_attention import COMMS, LAYOUTS, Layout, Ring, split_check
+from parallel.kit.ring_attention import COMMS, SPLITS, Ring, Split, split_check
 from parallel.measure import context
 from parallel.strategies.base import Hooks, Mutant, Trainable, injected
 from parallel.world.devices import SHARED_GLOO_NO_P2P
@@ -70,8 +70,8 @@ def apply(model: nn.Module, mesh, run, dist) -> State:
     attention layer of `model`; what a step needs to slice."""
     o = run.options
     seq, cp, cp_rank = run.workload.input_shape[0], mesh.size(), mesh.get_local_rank()
-    layout = Layout(o.cp_layout, cp, seq)
-    seen = Layout("contiguous", cp, seq) if injected(run, ZIGZAG_UNPERMUTED) else layout
+    layout = Split(o.cp_layout, cp, seq)
+    seen = Split("contiguous", cp, seq) if injected(run, ZIGZAG_UNPERMUTED) else layout
     ring = Ring(mesh.get_group(), seen, o.cp_comm)
     if injected(run, LSE_SWAPPED):
         ring.merge = merge_swapped
@@ -110,8 +110,8 @@ class Options:
                                                  "(0: context_parallel every rank, fsdp_cp 2)"})
 
     def __post_init__(self):
-        if self.cp_layout not in LAYOUTS:
-            raise ConfigError(f"--cp-layout must be one of {', '.join(LAYOUTS)}, got {self.cp_layout!r}")
+        if self.cp_layout not in SPLITS:
+            raise ConfigError(f"--cp-layout must be one of {', '.join(SPLITS)}, got {self.cp_layout!r}")
         if self.cp_comm not in COMMS:
             raise ConfigError(f"--cp-comm must be one of {', '.join(COMMS)}, got {self.cp_comm!r}")
         if self.cp < 0:
