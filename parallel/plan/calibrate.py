@@ -10,6 +10,7 @@ from pathlib import Path
 from parallel.loop.results import atomic_write
 from parallel.plan import calibration
 from parallel.plan.hardware import GPUS, Efficiency
+from parallel.strategies import BASELINE
 from parallel.style.tables import table
 from parallel.world.errors import ConfigError
 
@@ -30,7 +31,7 @@ def read_comparison(folder: str) -> dict:
 
 def main(args, console) -> int:
     doc = read_comparison(args.calibrate)
-    single = next((r for r in doc["rows"] if r.get("strategy") == "single" and not r.get("variant")), None)
+    single = next((r for r in doc["rows"] if r.get("strategy") == BASELINE and not r.get("variant")), None)
     cal = calibration.of_comparison(doc["config"], doc.get("environment") or {}, single,
                                     (doc.get("cost_model") or {}).get("compute_ms_by_batch"), args.gpu)
     cal["run"] = str(args.calibrate)

@@ -29,6 +29,7 @@ from parallel.loop.train import make_optimizer
 from parallel.measure.formulas import model_state, ring_seconds
 from parallel.measure.sharded_cost import grad_bytes
 from parallel.models.usermodel import workload_of
+from parallel.strategies import BASELINE
 from parallel.world.devices import synchronizer, synchronizer_all
 from parallel.world.dist import Dist
 
@@ -164,7 +165,7 @@ def apply(rows, chosen, config, environment: dict | None = None) -> dict:
     step_ms_predicted, and return the calibration, the planner's calibration on the same timings (on a GPU
     the planner knows) and the projection for results.json."""
     cal = Calibration(config)
-    single = next((r for r in rows if r.strategy == "single" and r.status == "ok" and r.step_ms_p50), None)
+    single = next((r for r in rows if r.strategy == BASELINE and r.status == "ok" and r.step_ms_p50), None)
     if single and single.step_ms_p50 > 1e3 * CALIBRATION_BUDGET_S:  # a step of seconds: timed already, in its row
         cal._compute[config.batch_size] = single.step_ms_p50
     for r in rows:
@@ -197,7 +198,7 @@ def planner_calibration(rows, cal: Calibration, config, environment: dict | None
 
     single = next(({"strategy": r.strategy, "status": r.status, "step_ms_p50": r.step_ms_p50,
                     "global_batch": r.global_batch, "twin_blocks": r.twin_blocks}
-                   for r in rows if r.strategy == "single" and not r.variant), None)
+                   for r in rows if r.strategy == BASELINE and not r.variant), None)
     try:
         result = calibration.of_comparison(dataclasses.asdict(config), environment or {}, single, cal.measured())
     except ConfigError:

@@ -9,6 +9,7 @@ import statistics
 
 from parallel.judge import twin
 from parallel.loop.results import Row
+from parallel.strategies import BASELINE
 
 # Notes: at most about ten lines on a quiet machine; everything else in details.txt ---------------------
 
@@ -176,9 +177,9 @@ def advice(rows: list[Row]) -> list[str]:
     Only rows on several devices that trained like one device compete; `single` never does. The verdict
     is withheld when the measurements behind it are in doubt, and says what backs it when it is given:
     one measurement, or the median of paired rounds; rows it cannot tell apart are named with it."""
-    ok = [r for r in rows if r.status == "ok" and r.speedup is not None and r.world_size > 1 and r.strategy != "single"]
+    ok = [r for r in rows if r.status == "ok" and r.speedup is not None and r.world_size > 1 and r.strategy != BASELINE]
     if not ok:
-        if any(r.status == "ok" and r.world_size == 1 and r.strategy != "single" for r in rows):
+        if any(r.status == "ok" and r.world_size == 1 and r.strategy != BASELINE for r in rows):
             return ["One device: nothing here runs in parallel, so there is no layout to choose; the rows show what "
                     "each strategy's machinery costs against `single` (cuda:0x2 shares one GPU between 2 ranks)."]
         return []

@@ -24,6 +24,7 @@ from rich.table import Table
 
 from parallel.config import nearest_multiple
 from parallel.loop.results import Row, atomic_write
+from parallel.strategies import BASELINE
 
 MODES = ("strong", "weak")
 
@@ -51,7 +52,7 @@ def flag_baselines(results: list[tuple[str, int, list[Row]]]) -> None:
     """In strong scaling `single` runs the same global batch on one device at every point of the sweep, so
     its samples/s must agree; a point whose baseline is more than BASELINE_SPREAD off the sweep's median
     (a burst of foreign load, say) would scale every speedup of its column, and is flagged."""
-    base = {n: rows[0] for mode, n, rows in results if mode == "strong" and rows and rows[0].strategy == "single"
+    base = {n: rows[0] for mode, n, rows in results if mode == "strong" and rows and rows[0].strategy == BASELINE
             and rows[0].samples_per_s}
     if len(base) < 2:
         return
@@ -124,7 +125,7 @@ def plot(out: Path, table: list[dict], results, virtual: bool) -> list[Path]:
             if metric == "efficiency":
                 ax.axhline(1.0, color="black", lw=1, ls=":", label="ideal")
             else:  # ideal: single's samples/s at one device, times the devices
-                base = [r["samples_per_s"] for r in table if r["mode"] == mode and r["strategy"] == "single"
+                base = [r["samples_per_s"] for r in table if r["mode"] == mode and r["strategy"] == BASELINE
                         and r["samples_per_s"]]
                 if base:
                     ax.plot(devices, [statistics.median(base) * n for n in devices], color="black", lw=1, ls=":",

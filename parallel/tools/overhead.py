@@ -29,6 +29,7 @@ from parallel.models.outputs import call
 from parallel.models.transformer import SHAPE
 from parallel.models.usermodel import workload_of
 from parallel.plan import models as plan_models
+from parallel.strategies import BASELINE
 from parallel.style.terminal import make_console
 from parallel.worker import devices_driven, execute
 from parallel.world.devices import synchronizer_all
@@ -80,7 +81,7 @@ def _alternate(strategy, config: RunConfig, dist: Dist, rounds: int) -> tuple[li
     for _ in range(rounds):
         harness.append(execute(strategy, config, dist)[0].step_ms_p50)
         bare.append(strategy_loop_ms(strategy, config, dist))
-        if strategy.name == "single":
+        if strategy.name == BASELINE:
             hand.append(bare_loop_ms(config))
     return harness, bare, hand
 
