@@ -354,3 +354,20 @@ def test_reserved_memory_is_read_and_one_warm_up_step_is_snapshotted(strict_cuda
     assert kinds[:7] == ["clock", "clock", "history", "clock", "clock", "snapshot", "history"]
     assert kinds[7:] == ["clock", "clock"] * 3  # the three timed steps, not recorded
     assert (tmp_path / "memory" / "single-rank0.pickle").exists()
+
+
+@pytest.mark.parametrize("name", ["manual_tp", "tensor_parallel", "fsdp_tp"])
+def test_the_tensor_parallel_prediction_prices_megatrons_all_reduces_on_a_tp_groups_share(name):
+    """The prediction runs through the Run its strategy is handed (a transformer, dp x tp on 4 ranks): the
+    bytes of one tp group's share of the batch, all-reduced over tp, on top of its compute over tp."""
+    from parallel.config import RunConfig
+    from parallel.measure.layers import payloads
+
+    strategy = strategies.get(name)
+    config = RunConfig(devices="cpu:4", workload="transformer", batch_size=16, options={"tp": 2}).validate()
+    run = strategy.run(config)
+    tp, dp = (2, 2) if name == "fsdp_tp" else (4, 1)
+    ms = strategy.predict_step_ms(_cal(overlaps=False), config, None)
+    megatron = sum(6.0 * p / (64 << 20) + 0.1 for p in payloads(run.meta_model, run, 16 // dp))
+    fsdp = 2 * (6.0 * (64 << 20) / tp / (64 << 20) + 0.1) if dp > 1 else 0.0  # gloo: an all-reduce, 2 gathers
+    assert ms == pytest.approx(12.0 / tp + megatron + fsdp)

@@ -11,7 +11,6 @@ declares LAYER_ACTIVATIONS: single and the context-parallel ones too).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -86,9 +85,9 @@ class Megatron(measure.Family):
         tp, dp = self._tp_dp(run)
         if cal.allreduce_ms(1, tp) is None:
             return None
-        share = dataclasses.replace(run.config, batch_size=run.batch_size // dp, world_size=tp)
-        megatron = sum(cal.allreduce_ms(p, tp) for p in payloads(run.meta_model, share))
-        ms = cal.compute_ms(share.batch_size) / tp + megatron
+        share = run.batch_size // dp  # the samples one tp group trains
+        megatron = sum(cal.allreduce_ms(p, tp) for p in payloads(run.meta_model, run, share))
+        ms = cal.compute_ms(share) / tp + megatron
         if dp > 1:
             allreduce = cal.allreduce_ms(cal.grad_bytes / tp, dp)  # of this rank's 1/tp of the parameters
             ms += (allreduce / 2 if cal.overlaps else allreduce) + 2 * allreduce / 2  # reduce-scatter, 2 gathers
@@ -106,12 +105,14 @@ def forward_activation_bytes(t, batch) -> int:
     return meter.bytes
 
 
-def payloads(model, run) -> list[float]:
-    """Bytes of every activation Megatron all-reduces per step: every rowwise layer's output forward (B x T
-    x its outputs), and every region's (or colwise layer outside one) input gradient backward (B x T x its
-    inputs); but not the gradient of the data itself, which nothing needs (the MLP's first layer)."""
+def payloads(model, run, batch_size: int | None = None) -> list[float]:
+    """Bytes of every activation Megatron all-reduces per step on `batch_size` samples (the run's batch by
+    default): every rowwise layer's output forward (B x T x its outputs), and every region's (or colwise
+    layer outside one) input gradient backward (B x T x its inputs); but not the gradient of the data
+    itself, which nothing needs (the MLP's first layer)."""
     plan, w = tp_plan_of(model), run.workload
-    positions = run.batch_size * (w.input_shape[0] if w.data == "tokens" else 1)  # tokens: T per sample
+    samples = run.batch_size if batch_size is None else batch_size
+    positions = samples * (w.input_shape[0] if w.data == "tokens" else 1)  # tokens: T per sample
     forward = [model.get_submodule(r).out_features for r in plan.rowwise]
     first_layer = next(n for n, _ in model.named_parameters()).rpartition(".")[0]
     entries = [*plan.regions, *(c for c in plan.colwise if not any(c.startswith(r + ".") for r in plan.regions))]
