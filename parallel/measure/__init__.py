@@ -4,7 +4,8 @@ table and its picture. A strategy declares its family and lends it the callables
 
     MEASURE = sharded.Family(step=_step)          # in the strategy's module
 
-The measurement never imports a strategy: it sees only what it is lent, the Trainable and the run."""
+The measurement never imports a strategy: it sees only what it is lent, the Trainable and the Run
+(`run.options`: the strategy's own, typed)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import dataclasses
 
 
 class Family:
-    """A family's measurement of one strategy; every method has a default that measures nothing. The
-    strategy's Hooks of the same names, where it declares them, win over these."""
+    """A family's measurement of one strategy; every method has a default that measures nothing (what a
+    strategy with no MEASURE gets)."""
 
     def watch(self, t) -> None:
         """Before the loop, on what setup made: a family that counts inside the steps (in the loop's counted

@@ -124,3 +124,21 @@ def ddp_bucket_bytes(wrappers) -> list[int]:
         sizes = str(d.get("rebuilt_bucket_sizes") or d.get("bucket_sizes") or "")
         out += [int(b) for b in sizes.split(",") if b.strip()]
     return out
+
+
+class Workers(measure.Family):
+    """Hogwild's workers, each training its share of the batch on one model in shared memory: nothing is
+    sent (they write the same pages), a step is one worker's share computed. Lent: `world_size(run)`, the
+    workers, and `summary(t)`, what they saw (staleness, wall time, memory)."""
+
+    def __init__(self, world_size, summary):
+        self.world_size, self.summary = world_size, summary
+
+    def extra_measurements(self, t, data, run, dist, result) -> dict:
+        return self.summary(t)
+
+    def comm_bytes_predicted(self, model, run) -> int:
+        return 0  # shared memory: no messages
+
+    def predict_step_ms(self, cal, run, row) -> float:
+        return cal.compute_ms(run.batch_size // self.world_size(run))  # a worker's step; no communication

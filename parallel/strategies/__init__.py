@@ -22,6 +22,7 @@ import importlib
 import itertools
 from types import ModuleType
 
+from parallel import measure
 from parallel.config import RunConfig
 from parallel.loop import train
 from parallel.models.workloads import Workload
@@ -91,9 +92,8 @@ class Strategy:
         for f in dataclasses.fields(hooks):
             setattr(self, f.name, getattr(hooks, f.name))
         self.MEASURE = getattr(module, "MEASURE", None)  # its measurement family (parallel/measure/), lent callables
-        for name in MEASURED:  # the family's measurement, where the strategy declares no hook of its own
-            if self.MEASURE is not None and getattr(hooks, name) is getattr(base.Hooks, name):
-                setattr(self, name, getattr(self.MEASURE, name))
+        for name in MEASURED:  # the family's measurement; none: the measurement of nothing (measure.Family)
+            setattr(self, name, getattr(self.MEASURE or measure.Family(), name))
         for name in [f.name for f in dataclasses.fields(hooks)] + [*MEASURED]:  # each gets a Run, not the config
             setattr(self, name, self._handing(getattr(self, name)))
         self.train = self._handing(hooks.train) or train.train

@@ -154,9 +154,6 @@ def state_dict(trainable: Trainable) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in trainable.model.state_dict().items()}
 
 
-def comm_bytes_predicted(model: nn.Module, config) -> int | None:
-    """Textbook bytes a rank sends per step; None where no prediction is offered."""
-    return None
 
 
 def model_state_every_rank(t: Trainable, config) -> list[int]:
@@ -219,16 +216,8 @@ def tolerance(config) -> Rule | None:
     return None
 
 
-def predict_step_ms(cal, config, row) -> float | None:
-    """The cost model's step time for this strategy (report/costmodel.py); None: no formula."""
-    return None
 
 
-def extra_measurements(trainable: Trainable, data, config, dist, result) -> dict:
-    """Measurements beyond the loop's, taken after the final parameters are saved (they may train
-    further), e.g. DDP's step time without communication. Stored in the row's `details`, except the
-    declared ones, given as {"measured": results.Measured(...)}, which go to the row's `measured`."""
-    return {}
 
 
 def options_of(options_cls, config):
@@ -262,9 +251,6 @@ class Hooks:
     defaults: Callable = defaults
     device_kind: Callable = device_kind
     state_dict: Callable = state_dict
-    comm_bytes_predicted: Callable = comm_bytes_predicted
-    extra_measurements: Callable = extra_measurements
-    predict_step_ms: Callable = predict_step_ms
     tolerance: Callable = tolerance
     checkpoint_state: Callable = checkpoint.state  # what a checkpoint holds (model, optimisers, step) ...
     restore_checkpoint: Callable = checkpoint.restore  # ... and how it goes back in after a load

@@ -28,6 +28,7 @@ from parallel.kit.tensors import param_bytes
 from parallel.loop.profiling import make_profiler
 from parallel.loop.train import TrainResult, default_dtype, make_optimizer
 from parallel.loop.train import train as the_loop
+from parallel.measure import replicas
 from parallel.models.outputs import call
 from parallel.strategies.base import Hooks, Trainable
 from parallel.strategies.base import dims as base_dims
@@ -91,8 +92,6 @@ def available(spec) -> str | None:
     return "Hogwild here shares CPU memory; CUDA is not supported" if spec.real else None
 
 
-def comm_bytes_predicted(model, run) -> int:
-    return 0  # shared memory: no messages, the workers write the same pages
 
 
 def train(strategy, t: Trainable, data, run, dist, profiler=None):
@@ -178,12 +177,8 @@ def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in t.model.state_dict().items()}
 
 
-def extra_measurements(t: Trainable, data, run, dist, result) -> dict:
-    return t.state.summary
 
 
-def predict_step_ms(cal, run, row) -> float:
-    return cal.compute_ms(run.batch_size // world_size(run))  # a worker's step; no communication
 
 
 def model_state_bytes(t: Trainable, run) -> list[int]:
@@ -201,6 +196,8 @@ def memory_layout(run, layout) -> None:
 NOT_EXPECTED_REASON = "asynchronous: workers update shared parameters without locks, in no fixed order"
 CHECKPOINTS = False  # each worker's optimiser state lives and dies in that worker
 
-HOOKS = Hooks(world_size=world_size, available=available, check=check, comm_bytes_predicted=comm_bytes_predicted,
-              train=train, state_dict=state_dict, extra_measurements=extra_measurements,
-              predict_step_ms=predict_step_ms, model_state_bytes=model_state_bytes, memory_layout=memory_layout)
+# Its measurement (parallel/measure/replicas.py): nothing sent, a worker's step predicted, what the workers saw.
+MEASURE = replicas.Workers(world_size, summary=lambda t: t.state.summary)
+
+HOOKS = Hooks(world_size=world_size, available=available, check=check, train=train, state_dict=state_dict,
+              model_state_bytes=model_state_bytes, memory_layout=memory_layout)
