@@ -38,8 +38,6 @@ from parallel.style.terminal import make_progress
 from parallel.world.devices import gpu_count
 from parallel.world.machine import unusable_gpus
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @dataclass
 class Check:
@@ -151,10 +149,12 @@ def restart_check(config: RunConfig) -> Check:
     store = launch.LoopbackStore(0, config.timeout)
     # Each worker is forked from the zygote through a stand-in (launch/forked.py), as the harness's own
     # launches are (launch.may_fork): torchrun, its rendezvous and its restart are the same
-    stand_in = ["-m", "parallel.launch.forked"] if launch.may_fork(gpu_count() > 0) else []
+    # `python -m parallel.script ddp`: what scripts/ddp.py runs, from the package (installed or not)
+    module = ["-m", "parallel.launch.forked", "parallel.script"] if launch.may_fork(gpu_count() > 0) else \
+        ["-m", "parallel.script"]
     argv = ["-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={n}", "--max-restarts=1",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{store.port}", "--rdzv-conf=is_host=false",
-            "--local-addr=127.0.0.1", *stand_in, str(ROOT / "scripts" / "ddp.py"), *usermodel.argv(config),
+            "--local-addr=127.0.0.1", *module, "ddp", *usermodel.argv(config),
             "--devices", devices, "--steps", "4", "--warmup", "0", "--batch-size", str(nearest_multiple(64, n)),
             "--fail-at-step", "2", "--fail-rank", str(n - 1), "--out", str(out)]
     try:

@@ -14,7 +14,8 @@ from tests.conftest import ROOT
 PACKAGE = ROOT / "parallel"
 # One line per folder (and per module at the top, where a reader enters), from the commands down.
 LAYERS = {
-    "cli": 10, "cliargs": 10, "__main__": 10, "sweep": 10, "preflight": 10, "envinfo": 10, "basics": 10,  # commands
+    "cli": 10, "cliargs": 10, "__main__": 10, "script": 10, "sweep": 10, "preflight": 10, "envinfo": 10,  # commands
+    "basics": 10,  # the GPU basics (bench)
     "compare": 9, "tools": 9,  # every strategy in its own child, judged and reported; standalone timing tools
     "report": 8,  # the terminal screen, details.txt, report.html, notes, verdict, cost model: one door, write()
     "judge": 7,  # the oracle against single, honest noise, injected bugs, the shallow twin, hangs named
@@ -218,3 +219,11 @@ def test_options_and_workload_are_derived_once_and_handed_down():
 
 def test_the_hand_down_rule_sees_a_strategy_that_derives_its_own():
     assert DERIVES.search("    o = options_of(Options, config)") and DERIVES.search("w = workload_of(config).x")
+
+
+def test_no_package_module_reaches_outside_the_package():
+    """An installed package has no scripts/, examples/ or tests/ beside it: nothing in it climbs out of it."""
+    climbs = re.compile(r"parents\[\d\]|\.parent\.parent|\"(scripts|examples|tests)\" /")
+    found = [f"{f.relative_to(ROOT)}:{i}" for f in PACKAGE.rglob("*.py")
+             for i, line in enumerate(f.read_text().splitlines(), 1) if climbs.search(line.split("#")[0])]
+    assert found == []
