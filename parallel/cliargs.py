@@ -17,6 +17,7 @@ from pathlib import Path
 
 from parallel.config import RunConfig
 from parallel.models import usermodel
+from parallel.models.data import TOKENS
 from parallel.models.transformer import SHAPE
 from parallel.plan import models as plan_models
 from parallel.world.devicespec import parse_devices
@@ -96,6 +97,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     plan_models.add_shape_arguments(p)
     p.add_argument("--aux-loss", type=float, default=d.aux_loss, help="--workload moe: the routers' load-balancing "
                    "loss at this weight (0: off; only `single` and expert_parallel sum its counts over the batch)")
+    p.add_argument("--tokens", default=d.tokens, choices=TOKENS, help="token batches: even (every position a "
+                   "target) or padded (documents of drawn lengths, the padding out of the loss: ranks hold "
+                   "different numbers of real tokens; docs/loss.md)")
     p.add_argument("--devices", default=d.devices, help="auto | cpu:N (N virtual devices) | cuda:0,1,...")
     p.add_argument("--world-size", type=int, default=d.world_size, help="devices to use (default: all listed)")
     p.add_argument("--batch-size", type=int, default=None, help=f"GLOBAL batch per step (default {d.batch_size}, "

@@ -37,6 +37,8 @@ class RunConfig:
     seq_len: int = 0
     data: str = ""
     aux_loss: float = 0.0  # the MoE's load-balancing loss weight (0: off); a workload with experts only
+    tokens: str = "even"  # token batches: "even" (every position a target) or "padded" (documents of drawn
+    #   lengths, padding left out of the loss: uneven real tokens per rank; docs/loss.md)
     # The built-in transformer's shape, as `plan` takes it (transformer.shaped; 0 or "": its own), with vocab
     # and seq_len above; `preset` only names the shape the CLI filled these from (plan/models.PRESETS).
     preset: str = ""
@@ -111,7 +113,7 @@ class RunConfig:
         elif self.input_shape or self.classes or self.data:
             raise ConfigError("--input-shape, --classes and --data describe the data of your own model: give "
                               "--model FILE.py:FACTORY too")
-        elif self.seq_len or self.aux_loss or self.vocab or self.shaped or self.twin_blocks:
+        elif self.seq_len or self.aux_loss or self.vocab or self.shaped or self.twin_blocks or self.tokens != "even":
             usermodel.workload_of(self)  # the built-in transformer's shape, twin; refused for a workload without one
         if self.model and self.shaped:
             raise ConfigError("--preset, --arch, --layers, --hidden, --heads, --kv-heads, --ffn and --tied shape the "

@@ -26,7 +26,11 @@ import torch.nn.functional as F
 LIKELY = 4  # token data: each token has 4 likely successors (0.2 each), and 0.2 for any token at all
 CHAIN = 64  # token data: chains this long, side by side (a vectorised draw a position, whatever T)
 SIGNAL = 0.5  # prototype norm over noise norm: learnable in tens of steps at lr 0.02, not in one
-TRAIN, HELDOUT = 0, 1  # token data: the two kinds of stream, (seed, TRAIN, step) and (seed, HELDOUT, 0)
+TRAIN, HELDOUT, LENGTHS = 0, 1, 2  # token data's streams: (seed, TRAIN, step), (seed, HELDOUT, 0), and the
+#   documents' lengths of a padded batch, (seed, LENGTHS, step): even batches draw exactly what they did
+TOKENS = ("even", "padded")  # --tokens: every position a target, or documents padded to the sequence
+IGNORE = -100  # a target that does not count (padding): cross-entropy's ignore_index, torch's default
+PAD = 0  # the input token at a padded position (its target is IGNORE, so what it is changes no loss)
 
 
 class SyntheticData:
@@ -69,12 +73,26 @@ class SyntheticData:
         share = self.batch_size // world_size
         first = rank * share
         if self.workload.data == "tokens":
-            seq = _sequences(self.teacher, self.batch_size, self.workload.input_shape[0],
-                             _stream(self.seed, TRAIN, step))  # (B, T + 1)
-            mine = seq[first:first + share]
-            return mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
+            t = self.workload.input_shape[0]
+            seq = _sequences(self.teacher, self.batch_size, t, _stream(self.seed, TRAIN, step))  # (B, T + 1)
+            x, y = seq[first:first + share, :-1].contiguous(), seq[first:first + share, 1:].contiguous()
+            if getattr(self.workload, "tokens", "even") == "padded":
+                x, y = _padded(x, y, lengths(self.seed, step, self.batch_size, t)[first:first + share])
+            return x, y
         idx = torch.arange(step * self.batch_size + first, step * self.batch_size + first + share) % self.x.shape[0]
         return self.x[idx], self.y[idx]
+
+
+def lengths(seed: int, step: int, batch_size: int, t: int) -> torch.Tensor:
+    """(B,) the documents' lengths of padded global batch `step`: each drawn uniformly from 1 to T, so
+    that ranks, micro-batches and sequence shards hold different numbers of real tokens."""
+    return torch.from_numpy(_stream(seed, LENGTHS, step).integers(1, t + 1, batch_size))
+
+
+def _padded(x: torch.Tensor, y: torch.Tensor, length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's document, `length` tokens long, then padding: PAD as input, IGNORE as target."""
+    pad = torch.arange(x.shape[1]) >= length[:, None]
+    return x.masked_fill(pad, PAD), y.masked_fill(pad, IGNORE)
 
 
 def _stream(seed: int, kind: int, index: int) -> np.random.Generator:

@@ -73,6 +73,7 @@ from parallel.world.errors import ConfigError
 def workload_of(config) -> Workload:
     """The workload a config names: one of the built-in ones, or the user's model (config.model)."""
     twin = getattr(config, "twin_blocks", 0)  # the shallow twin (judge/twin.py), where the run trains it
+    tokens = getattr(config, "tokens", "even")  # uneven token batches (--tokens padded)
     if not config.model:
         built_in = WORKLOADS[config.workload]
         shape = {name: getattr(config, name, 0) for name in ("vocab", "preset", *SHAPE)}
@@ -81,8 +82,10 @@ def workload_of(config) -> Workload:
         elif config.seq_len:
             built_in = built_in.with_seq_len(config.seq_len)
         built_in = built_in.with_aux_loss(config.aux_loss) if getattr(config, "aux_loss", 0) else built_in
-        return built_in.shallow_twin(twin) if twin else built_in
-    return _user(config.model, config.input_shape, config.classes, config.vocab, config.seq_len, config.data, twin)
+        built_in = built_in.shallow_twin(twin) if twin else built_in
+        return built_in.with_tokens(tokens) if tokens != "even" else built_in
+    user = _user(config.model, config.input_shape, config.classes, config.vocab, config.seq_len, config.data, twin)
+    return user.with_tokens(tokens) if tokens != "even" else user
 
 
 def shape_model(config) -> nn.Module:
@@ -90,8 +93,8 @@ def shape_model(config) -> nn.Module:
     memory and no initialisation, for the checks that only look (a strategy's check(), a prediction).
     A factory that cannot build there (it copies real tensors in) is built for real. Built once for each
     model a process is asked about: the same object again after that, never changed by its readers."""
-    names = ("model", "workload", "vocab", "preset", *SHAPE, "seq_len", "aux_loss", "twin_blocks", "input_shape",
-             "classes", "data", "seed")
+    names = ("model", "workload", "vocab", "preset", *SHAPE, "seq_len", "aux_loss", "tokens", "twin_blocks",
+             "input_shape", "classes", "data", "seed")
     key = tuple(str(getattr(config, name, 0)) for name in names)
     if key not in _META:
         workload = workload_of(config)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.models.data import SyntheticData
+from parallel.models.data import IGNORE, TOKENS, SyntheticData
 from parallel.models.nets import DCGAN, MLP, LeNet
 from parallel.models.outputs import call, logits_of  # noqa: F401 - logits_of: also read from here (manual_dp, tests)
 from parallel.models.tpplan import TPPlan
@@ -78,6 +78,8 @@ class Workload:
     no_experts: str = ""  # why expert parallelism cannot split its model, where it cannot
     no_logits_loss: str = ""  # why its loss is not cross-entropy over its logits (a model's own), where it is not
     depth_arg: str = ""  # the make_module argument that sets its number of blocks, where it has one (the twin's)
+    tokens: str = "even"  # token data: "even", every position a target; "padded", documents of drawn lengths
+    #   padded to the sequence, the padding's targets IGNORE (--tokens; docs/loss.md)
 
     @property
     def multi_part(self) -> bool:
@@ -124,6 +126,16 @@ class Workload:
         return dataclasses.replace(self, model_args=args, description=f"{self.description}; its shallow twin, "
                                    f"{blocks} block{'s' if blocks > 1 else ''}")
 
+    def with_tokens(self, mode: str) -> Workload:
+        """Its token batches as --tokens says: "even" (every position a target) or "padded" (documents of
+        lengths drawn from the seed, their padding's targets IGNORE, left out of the loss)."""
+        if mode not in TOKENS:
+            raise ConfigError(f"--tokens must be one of {', '.join(TOKENS)}, got {mode!r}")
+        if mode != "even" and self.data != "tokens":
+            raise ConfigError(f"--tokens {mode} makes uneven token batches; the {self.name} workload has no tokens "
+                              "(--workload transformer or moe, or your model with --vocab and --seq-len)")
+        return dataclasses.replace(self, tokens=mode)
+
     def with_aux_loss(self, weight: float) -> Workload:
         """The MoE model with its load-balancing loss at `weight` (--aux-loss)."""
         if not self.experts:
@@ -153,8 +165,9 @@ class Workload:
 
     @staticmethod
     def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy over every prediction: (B, classes) vs (B,), or per token (B, T, V) vs (B, T)."""
-        return F.cross_entropy(output.flatten(0, -2), target.flatten())
+        """Cross-entropy over every prediction: (B, classes) vs (B,), or per token (B, T, V) vs (B, T); the
+        mean over the targets that count (padding's, IGNORE, left out)."""
+        return F.cross_entropy(output.flatten(0, -2), target.flatten(), ignore_index=IGNORE)
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
