@@ -30,6 +30,7 @@ from parallel.loop import recorder
 from parallel.loop.profiling import make_profiler
 from parallel.loop.results import Measured, Row, atomic_write
 from parallel.loop.timing import LAUNCHED_AT, summarize
+from parallel.loop.tokens import loss_of
 from parallel.loop.train import default_dtype, make_optimizer, precision, step_lines
 from parallel.measure import activations
 from parallel.models.usermodel import workload_of
@@ -83,7 +84,7 @@ def train_once(strategy, config: RunConfig, dist: Dist, data=None, run: str = ""
         data = data or workload.dataset(config.seed, config.batch_size)
         predicted = strategy.comm_bytes_predicted(model, config)
         reset_peak_memory(local)
-        trainable = strategy.setup(model, make_optimizer(config), workload.loss, dist, config)
+        trainable = strategy.setup(model, make_optimizer(config), loss_of(workload), dist, config)
         trainable.mutant = config.mutant  # the injected bug, if any, that train_step may carry (--mutant)
         if strategy.MEASURE is not None and config.extras:
             strategy.MEASURE.watch(trainable)  # its family counts inside the steps (expert dispatch's rows)

@@ -93,6 +93,8 @@ def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult
     replicas = divergence.Check(config, dims, dist, trainable)  # --check-replicas, between steps (off the clock)
     for step in range(start, total):
         batch = data.batch(step, *share)
+        if trainable is not None and hasattr(trainable.loss_fn, "weigh"):  # uneven tokens: the step's share
+            trainable.loss_fn.weigh(data.density(step))  # of the global token mean (loop/tokens.py)
         recorder.mark(step, f"step {step}: in the watchdog's barrier before it")
         faults.check(step, config, dist)
         _watchdog(config, dist)

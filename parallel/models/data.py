@@ -63,6 +63,13 @@ class SyntheticData:
             return seq[:, :-1], seq[:, 1:]
         return _samples(self.workload, self.teacher, n, torch.Generator().manual_seed(20_000 + self.seed))
 
+    def density(self, step: int) -> float | None:
+        """Global batch `step`'s real targets over its targets (loop/tokens.py), None where every one is."""
+        if getattr(self.workload, "tokens", "even") != "padded":
+            return None
+        t = self.workload.input_shape[0]
+        return lengths(self.seed, step, self.batch_size, t).sum().item() / (self.batch_size * t)
+
     def batch(self, step: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """Rank `rank`'s contiguous share of global batch `step` (the whole batch when world_size == 1).
         Shares are equal: callers check that the batch divides (RunConfig.check_divisible).

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.models import hf, outputs
-from parallel.models.data import SyntheticData
+from parallel.models.data import IGNORE, SyntheticData
 from parallel.models.outputs import first_line as _first_line
 from parallel.models.userchecks import moe_layers_of
 from parallel.models.userdata import FileData
@@ -197,7 +197,7 @@ class UserWorkload(Workload):
         if self.targets and (own := outputs.loss_in(output)) is not None:  # called with its targets: its own
             return own.reshape(())
         output = logits_of(output)  # a Hugging Face ModelOutput's (a pipeline's last stage: the tensor itself)
-        return F.cross_entropy(output.flatten(0, -2), target.flatten())
+        return F.cross_entropy(output.flatten(0, -2), target.flatten(), ignore_index=IGNORE)
 
     def dataset(self, seed: int, batch_size: int) -> SyntheticData:
         return FileData(self, seed, batch_size) if self.data_file else SyntheticData(self, seed, batch_size)

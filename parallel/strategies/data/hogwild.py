@@ -26,6 +26,7 @@ import torch
 
 from parallel.kit.tensors import param_bytes
 from parallel.loop.profiling import make_profiler
+from parallel.loop.tokens import loss_of
 from parallel.loop.train import TrainResult, default_dtype, make_optimizer
 from parallel.loop.train import train as the_loop
 from parallel.measure import replicas
@@ -130,7 +131,7 @@ def _worker(rank, model, run, counter, results, start) -> None:
         torch.manual_seed(run.seed + rank)
         torch.set_num_threads(max(1, cpu_cores() // workers))
         workload = run.workload
-        t = Trainable(model, make_optimizer(run)(model.parameters()), workload.loss, torch.device("cpu"),
+        t = Trainable(model, make_optimizer(run)(model.parameters()), loss_of(workload), torch.device("cpu"),
                       state=State(workers, counter))
         me = Dist(rank=rank, local_rank=rank, world_size=workers, local_world_size=workers)
         with default_dtype(run):  # the shared model is float64 under --precision fp64: its data too

@@ -1,0 +1,49 @@
+"""The global token mean, whatever the split: the loss every strategy is given when batches are uneven
+(--tokens padded; docs/loss.md).
+
+One device's loss is the mean over every real token of the global batch: the sum of their losses over
+their count N. A strategy cuts the batch into equal pieces (ranks, micro-batches, sequence shards) and
+averages what each piece returns, uniformly. Each piece's own mean would weigh a token of a piece with
+few real tokens more than one of a piece with many. So each piece returns its sum over N's share of its
+size instead:
+
+    piece's loss = sum of its real tokens' losses / (its targets x d),   d = N / the global batch's targets
+
+and the uniform average over J equal pieces is sum / N, the global token mean, with no strategy written
+for it: ranks, micro-batches, accumulation and shards alike. d is a per-step count reduced once: every
+rank draws the whole global batch (models/data.py), so each computes it from the data and no collective
+is needed (a framework whose ranks load only their own rows all-reduces the count, once a step).
+With even batches d = 1 and the loss is cross-entropy's own mean, as it always was."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from parallel.models.data import IGNORE
+from parallel.models.outputs import logits_of
+
+
+class TokenMean:
+    """Cross-entropy over logits as a piece of the global token mean; `weigh(d)` before each step."""
+
+    def __init__(self, loss):
+        self.loss, self.density = loss, None  # None: the step's batch is even
+
+    def weigh(self, density: float | None) -> None:
+        self.density = density
+
+    def __call__(self, output, target: torch.Tensor) -> torch.Tensor:
+        if self.density is None:
+            return self.loss(output, target)
+        logits = logits_of(output)
+        total = F.cross_entropy(logits.flatten(0, -2), target.flatten(), ignore_index=IGNORE, reduction="sum")
+        return total / (target.numel() * self.density)
+
+
+def loss_of(workload):
+    """The loss a run's strategies are given: the workload's own, weighed as a piece of the global token
+    mean where batches are uneven and the loss is cross-entropy over logits (a model that returns its own
+    mean cannot be weighed: docs/loss.md)."""
+    uneven = getattr(workload, "tokens", "even") != "even"
+    return TokenMean(workload.loss) if uneven and not workload.no_logits_loss else workload.loss
