@@ -1,0 +1,75 @@
+"""Uneven tokens (--tokens padded; docs/loss.md): the batches, the global token mean whatever the split, and
+the strategies that split a padded batch matching one device's training on it."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from parallel.config import ConfigError, RunConfig
+from parallel.loop.tokens import TokenMean, loss_of
+from parallel.models.data import IGNORE, PAD
+from parallel.models.usermodel import workload_of
+from tests.multirank import judged_on_ranks
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _data(tokens: str, batch: int = 64):
+    workload = workload_of(RunConfig(workload="transformer", tokens=tokens, batch_size=batch).validate())
+    return workload, workload.dataset(0, batch)
+
+
+def test_a_padded_batch_is_the_even_one_cut_to_drawn_lengths_and_its_shares_hold_different_counts():
+    _, even = _data("even")
+    workload, padded = _data("padded")
+    (xe, ye), (x, y) = even.batch(3), padded.batch(3)
+    real = y != IGNORE
+    length = real.sum(1)
+    assert length.min() >= 1 and length.max() <= 32 and len(set(length.tolist())) > 10  # drawn, not fixed
+    assert torch.equal(real, torch.arange(32) < length[:, None])  # a document, then padding to the end
+    assert torch.equal(x[real], xe[real]) and torch.equal(y[real], ye[real]) and bool((x[~real] == PAD).all())
+    shares = [int((padded.batch(3, r, 4)[1] != IGNORE).sum()) for r in range(4)]
+    assert len(set(shares)) == 4 and sum(shares) == int(real.sum())  # uneven ranks, the same tokens in all
+    assert padded.density(3) == pytest.approx(real.sum().item() / real.numel())
+    assert even.density(3) is None and loss_of(workload_of(RunConfig(workload="transformer").validate())) \
+        is workload_of(RunConfig(workload="transformer").validate()).loss  # even: the loss as it always was
+
+
+def test_a_workload_without_tokens_refuses_them():
+    with pytest.raises(ConfigError, match="the cnn workload has no tokens"):
+        RunConfig(workload="cnn", tokens="padded").validate()
+
+
+@pytest.mark.parametrize("split", ["rows", "positions", "rows then positions"])
+def test_equal_pieces_averaged_uniformly_give_the_global_token_mean(split):
+    """What every strategy's average of its pieces comes to with TokenMean: one device's loss, however the
+    batch is cut (ranks, micro-batches, sequence shards); each piece's own mean does not."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 12, 5, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 5, (8, 12), generator=g)
+    y[torch.arange(12) >= torch.randint(1, 13, (8, 1), generator=g)] = IGNORE
+    whole = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE)
+    rows = [(logits[i:i + 2], y[i:i + 2]) for i in range(0, 8, 2)]
+    pieces = {"rows": rows, "positions": [(logits[:, j:j + 3], y[:, j:j + 3]) for j in range(0, 12, 3)],
+              "rows then positions": [(lo[:, j:j + 6], yy[:, j:j + 6]) for lo, yy in rows for j in (0, 6)]}[split]
+    loss = TokenMean(lambda o, t: F.cross_entropy(o.flatten(0, -2), t.flatten(), ignore_index=IGNORE))
+    loss.weigh((y != IGNORE).sum().item() / y.numel())
+    assert sum(loss(lo, yy) for lo, yy in pieces) / len(pieces) == pytest.approx(whole.item(), rel=1e-12)
+    own = sum(F.cross_entropy(lo.flatten(0, 1), yy.flatten(), ignore_index=IGNORE) for lo, yy in pieces)
+    # each piece's own mean is not the global one; a piece of padding alone makes it NaN
+    assert not abs(own.item() / len(pieces) - whole.item()) <= 1e-3
+
+
+def _padded(workload: str, world: int, options: dict) -> RunConfig:
+    return RunConfig(workload=workload, devices=f"cpu:{world}", batch_size=16, steps=2, warmup=1, tokens="padded",
+                     options=options, precision="fp64").validate()
+
+
+@pytest.mark.slow
+def test_a_padded_batch_split_by_ranks_micro_batches_accumulation_and_shards_trains_as_one_device():
+    """In float64, within the honest margin: each split that averaged per-piece means before the fix
+    (docs/loss.md's table)."""
+    runs = [("manual_ddp", "transformer", {}), ("ddp", "transformer", {"accum": 2}),
+            ("pipeline_dist", "transformer", {}), ("context_parallel", "transformer", {"cp_layout": "contiguous"}),
+            ("fsdp", "moe", {})]
+    judged_on_ranks(2, runs, _padded, timeout=280)
