@@ -41,6 +41,12 @@ class TokenMean:
         return total / (target.numel() * self.density)
 
 
+def own_mean(loss_fn):
+    """What a piece's loss is without the weighing: the mean over its own real tokens (the injected bugs
+    that average means do this; docs/loss.md)."""
+    return getattr(loss_fn, "loss", loss_fn)
+
+
 def loss_of(workload):
     """The loss a run's strategies are given: the workload's own, weighed as a piece of the global token
     mean where batches are uneven and the loss is cross-entropy over logits (a model that returns its own

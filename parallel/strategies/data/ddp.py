@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from parallel.kit import sync_batchnorm
 from parallel.kit.tensors import state_bytes
 from parallel.loop.results import Rule
+from parallel.loop.tokens import own_mean
 from parallel.measure import replicas
 from parallel.models.outputs import call
 from parallel.strategies.base import Hooks, Mutant, Trainable, injected, make_optimizers
@@ -113,11 +114,12 @@ def _step(t: Trainable, batch, sync: bool = True):
     scale = (1 if injected(t, ACCUM_SUMMED) else k) * (t.state.world if t.state.prescale else 1)
     t.optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=t.device)
+    loss_fn = own_mean(t.loss_fn) if injected(t, RANK_MEAN) or injected(t, ACCUM_BY_STEPS) else t.loss_fn
     for i, (xb, yb) in enumerate(zip(x.chunk(k), y.chunk(k), strict=True)):
         last = i == k - 1
         # no_sync: gradients accumulate locally; the all-reduce happens in the last backward only.
         with contextlib.nullcontext() if (last and sync and not injected(t, NO_SYNC_ALWAYS)) else t.model.no_sync():
-            loss = t.loss_fn(call(t.model, xb, yb), yb)  # mean over the micro-batch
+            loss = loss_fn(call(t.model, xb, yb), yb)  # the micro-batch's share of the global token mean
             (loss / scale).backward()  # mean over the share = mean of the k micro-means
         total += loss.detach() / k
     t.optimizer.step()
@@ -172,7 +174,14 @@ PRESCALE_TWICE = Mutant("ddp:prescale-twice", "the loss divided by N and the gra
                         {"options": {"prescale": 1}})
 COMPRESSED_SUM = Mutant("ddp:compressed-sum", "bf16 gradient compression that casts and all-reduces but never "
                         "divides by N", {"options": {"compress": "bf16"}})
-MUTANTS = (SUM_NOT_MEAN, LR_TIMES_N, UNSYNCED_BN, ACCUM_SUMMED, NO_SYNC_ALWAYS, PRESCALE_TWICE, COMPRESSED_SUM)
+RANK_MEAN = Mutant("ddp:rank-mean", "uneven tokens: each rank's loss the mean over its own real tokens, averaged "
+                   "over the ranks, so a token of a rank with few counts more (docs/loss.md)",
+                   {"workload": "transformer", "tokens": "padded"})
+ACCUM_BY_STEPS = Mutant("ddp:accum-by-steps", "uneven tokens: accumulation divides each micro-batch's own token mean "
+                        "by the steps, not by the tokens (docs/loss.md)",
+                        {"workload": "transformer", "tokens": "padded", "options": {"accum": 2}})
+MUTANTS = (SUM_NOT_MEAN, LR_TIMES_N, UNSYNCED_BN, ACCUM_SUMMED, NO_SYNC_ALWAYS, PRESCALE_TWICE, COMPRESSED_SUM,
+           RANK_MEAN, ACCUM_BY_STEPS)
 
 
 def model_state_bytes(t: Trainable, run) -> list[int]:

@@ -29,6 +29,7 @@ from torch import nn
 
 from parallel.kit.collectives import sum_gradients
 from parallel.kit.ring_attention import COMMS, SPLITS, Ring, Split, split_check
+from parallel.loop.tokens import own_mean
 from parallel.measure import context
 from parallel.strategies.base import Hooks, Mutant, Trainable, injected
 from parallel.world.devices import SHARED_GLOO_NO_P2P
@@ -88,7 +89,8 @@ def local_loss(t: Trainable, batch):
     """The mean loss over this rank's slice of every sequence of its share of the batch."""
     s = t.state
     x, y = (b[:, s.index.to(b.device)].to(t.device, non_blocking=True) for b in batch)  # (B/dp, T/cp) each
-    return t.loss_fn(t.model(x, positions=s.positions), y)
+    loss_fn = own_mean(t.loss_fn) if injected(t, SHARD_MEAN) else t.loss_fn
+    return loss_fn(t.model(x, positions=s.positions), y)
 
 
 def average_gradients(params: list[nn.Parameter], world: int) -> None:
@@ -150,7 +152,10 @@ LSE_SWAPPED = Mutant("context_parallel:lse-weights-swapped", "the online softmax
                      "with each other's weight", _ZIGZAG)
 LOCAL_MASK = Mutant("context_parallel:local-causal-mask", "the causal mask built from positions within the "
                     "rank's slice, not the global ones", _ZIGZAG)
-MUTANTS = (NOT_DIFFERENTIABLE, ZIGZAG_UNPERMUTED, LSE_SWAPPED, LOCAL_MASK)
+SHARD_MEAN = Mutant("context_parallel:shard-mean", "uneven tokens: each rank's loss the mean over the real tokens of "
+                    "its shard of the sequences; padding at the end leaves the last shards few (docs/loss.md)",
+                    {"workload": "transformer", "tokens": "padded", "options": {"cp_layout": "contiguous"}})
+MUTANTS = (NOT_DIFFERENTIABLE, ZIGZAG_UNPERMUTED, LSE_SWAPPED, LOCAL_MASK, SHARD_MEAN)
 
 
 # How the injected bugs above are written: apply puts one in the ring's place

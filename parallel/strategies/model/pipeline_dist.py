@@ -39,6 +39,7 @@ from parallel.kit.schedules import TORCH as SCHEDULES  # name -> its row: torch'
 from parallel.kit.schedules import broken_rule, least_microbatches, stage_ids, torch_lacks
 from parallel.kit.stages import agreed_cut, layers_of
 from parallel.kit.tied import TiedAcross
+from parallel.loop.tokens import own_mean
 from parallel.measure import pipelines
 from parallel.measure.stage_time import Busy, timed_loss, timed_stage
 from parallel.strategies.base import Hooks, Mutant, Trainable, injected, model_state_every_rank
@@ -114,6 +115,7 @@ def build(model, make_optimizer, loss_fn, dist, run, pp=None, each_stage=None,
         modules.append(module)
         stages.append(timed_stage(module, i, p * v, dist.device, group, busy, ActivationMeter(module)))
 
+    loss_fn = own_mean(loss_fn) if injected(run, MICROBATCH_MEAN) else loss_fn
     schedule = getattr(pipelining.schedules, torch_name)(stages[0] if v == 1 else stages, n_microbatches=o.microbatches,
                                                          loss_fn=timed_loss(loss_fn, busy, p * v - 1, o.microbatches),
                                                          scale_grads=not injected(run, SUMMED))
@@ -186,7 +188,10 @@ TIE_UNSUMMED = Mutant("pipeline_dist:tie-unsummed", "the head tied to the token 
 TIE_IN_RANK = Mutant("pipeline_dist:tie-within-rank", "dualpipev's V puts the token embedding and the head tied to "
                      "it on rank 0: their copies are summed across ranks only, so in the V nothing sums them",
                      TIED_GPT | {"options": {"schedule": "dualpipev"}})
-MUTANTS = (SUMMED, TIE_UNSUMMED, TIE_IN_RANK)
+MICROBATCH_MEAN = Mutant("pipeline_dist:microbatch-mean", "uneven tokens: each micro-batch's loss the mean over "
+                         "its own real tokens, averaged by the schedule (docs/loss.md)",
+                         {"workload": "transformer", "tokens": "padded"})
+MUTANTS = (SUMMED, TIE_UNSUMMED, TIE_IN_RANK, MICROBATCH_MEAN)
 
 
 def dims(run, dist) -> ParallelDims:

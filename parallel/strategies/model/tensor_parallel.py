@@ -71,6 +71,8 @@ def train_step(t: Trainable, batch, dist):
     x, y = (b.to(t.device, non_blocking=True) for b in batch)  # the whole batch, on every rank
     with loss_parallel() if t.state.loss_parallel else contextlib.nullcontext():
         t.optimizer.zero_grad(set_to_none=True)
+        if injected(t, PADDING_COUNTED):  # the vocabulary-parallel path's targets clamped into the vocabulary
+            y = y.clamp(min=0)
         loss = t.loss_fn(call(t.model, x, y), y)
         loss.backward()
         kv_copies.sum_copies(t.model, t.state.copies)  # a kv head's copies: their ranks' shares of its gradient
@@ -200,7 +202,11 @@ VOCAB_REMAINDER = Mutant("tensor_parallel:vocab-remainder-dropped", "--loss-para
                          "divide: the head's split gives each rank V // tp rows, and the last V mod tp tokens' rows "
                          "are never made (their logits missing from the loss; Megatron-LM#1754)",
                          {"workload": "transformer", "vocab": 63, "batch_size": 16, "options": {"loss_parallel": 1}})
-MUTANTS = (NORM_UNSYNCED, VOCAB_REMAINDER)
+PADDING_COUNTED = Mutant("tensor_parallel:padding-counted", "uneven tokens under --loss-parallel: the targets clamped "
+                         "into the vocabulary's range, so padding's ignore_index becomes token 0 and counts in the "
+                         "loss (docs/loss.md)", {"workload": "transformer", "tokens": "padded",
+                                                 "options": {"loss_parallel": 1}})
+MUTANTS = (NORM_UNSYNCED, VOCAB_REMAINDER, PADDING_COUNTED)
 
 
 def dims(run, dist) -> ParallelDims:
