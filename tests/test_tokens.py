@@ -73,3 +73,15 @@ def test_a_padded_batch_split_by_ranks_micro_batches_accumulation_and_shards_tra
             ("pipeline_dist", "transformer", {}), ("context_parallel", "transformer", {"cp_layout": "contiguous"}),
             ("fsdp", "moe", {})]
     judged_on_ranks(2, runs, _padded, timeout=280)
+
+
+def test_the_report_says_how_uneven_the_shares_were():
+    from parallel.report.overview import run_facts
+
+    config = RunConfig(workload="transformer", tokens="padded", devices="cpu:4", batch_size=64, steps=2,
+                       warmup=1).validate()
+    facts = run_facts(config)
+    _, data = _data("padded")
+    shares = [int((data.batch(step, r, 4)[1] != IGNORE).sum()) for step in range(3) for r in range(4)]
+    assert facts["real_tokens_per_share"] == [min(shares), max(shares)] and facts["shares"] == 4
+    assert "real_tokens_per_share" not in run_facts(RunConfig(workload="transformer").validate())

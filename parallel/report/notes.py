@@ -113,6 +113,11 @@ def notes(rows: list[Row], environment: dict, skipped: dict | None = None) -> li
         if r.equivalence.basis and r.equivalence.basis != "fp32 rule" and r.equivalence.verdict != "baseline":
             judged.setdefault(r.equivalence.basis, []).append(r.label)
     out += [f"{', '.join(labels)}: judged by {basis}" for basis, labels in judged.items()]
+    if (run := environment.get("run") or {}).get("real_tokens_per_share"):
+        low, high = run["real_tokens_per_share"]
+        out.append(f"uneven tokens (--tokens {run['tokens']}): a 1/{run['shares']} share of a batch held {low:,} to "
+                   f"{high:,} real tokens (mean {run['real_tokens_mean']:,.0f}); every strategy is given the "
+                   "global token mean's share (docs/loss.md)")
     if (environment.get("run") or {}).get("warmup") == 0 and (line := first_steps(rows)):
         out.append(line)
     kind = environment["device_kind"]

@@ -28,7 +28,22 @@ def run_facts(config) -> dict:
     label = config.workload + (f" ({config.preset or config.arch or 'gpt'})" if config.shaped else "")
     return {"workload": label, "params": sum(p.numel() for p in shape_model(config).parameters()),
             "global_batch": config.batch_size, "steps": config.steps, "warmup": config.warmup,
-            "precision": config.precision, "seed": config.seed, "why": config.why}
+            "precision": config.precision, "seed": config.seed, "why": config.why} | _uneven(config)
+
+
+def _uneven(config) -> dict:
+    """With --tokens padded: the real tokens of one rank's equal share of the batch (1/N of its rows, N
+    the devices), the least and the most of every share of every step the run trains, and their mean."""
+    if getattr(config, "tokens", "even") == "even":
+        return {}
+    from parallel.models.data import lengths
+    from parallel.models.usermodel import workload_of
+
+    t, n, b = workload_of(config).input_shape[0], max(1, config.world_size), config.batch_size
+    shares = [int(s.sum()) for step in range(config.warmup + config.steps)
+              for s in lengths(config.seed, step, b, t).split(b // n)]
+    return {"tokens": config.tokens, "real_tokens_per_share": [min(shares), max(shares)],
+            "real_tokens_mean": sum(shares) / len(shares), "shares": n}
 
 
 def header(environment: dict) -> str:
