@@ -17,6 +17,10 @@ from tests.test_oracle import PARITY_RUN, _cheapest
 
 pytestmark = pytest.mark.timeout(300)
 REFUSED: dict[str, str] = {}  # injected bugs whose runs this torch refuses (mutants.mutant_jobs): name -> why
+# What an injected bug the oracle catches must come to, as err/tol: the smallest is 5.7x its fp32 rule
+# (docs/oracle.md; expert_parallel:aux-loss-local-counts, manual_ddp:share-off-by-one, pipeline:equal-weights),
+# so a bug that fell under 5x would mean the oracle lost sensitivity, not only that one bug got smaller.
+BUG_MARGIN = 5.0
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +86,7 @@ def _caught(name: str, verdict: str, reason: str, ratio: float | None, line: str
         assert named.REPLICAS_NAMED.search(line) and "\n" not in line, line
         assert re.match(r"replicas part at step \d+: \S+ differs between rank \d+ and rank 1\b", line), line
     else:
-        assert verdict == "mismatch" and ratio > 1 and reason, (verdict, ratio, reason)
+        assert verdict == "mismatch" and ratio >= BUG_MARGIN and reason, (verdict, ratio, reason)
 
 
 @pytest.mark.slow
