@@ -273,6 +273,7 @@ def run_strategies(config: RunConfig, chosen: list[tuple], baseline: bool = True
                 timings[i].append((row.samples_per_s, row.step_ms_p50, row.step_ms_p95))
                 profiling.write_scalars(out / "tb", row)
                 relative(rows)
+                flag(rows, baseline)  # each row saved with its flags: a stopped run's rows carry theirs
                 on_row(rows)
                 progress.advance(task)
             for k in range(1, rounds):  # the same list again: timing only, no profile, logs per round
@@ -287,6 +288,7 @@ def run_strategies(config: RunConfig, chosen: list[tuple], baseline: bool = True
                         rows[i].foreign_gpu_pids = sorted({*rows[i].foreign_gpu_pids, *again.foreign_gpu_pids})
                     progress.advance(task)
                 pair_rounds(rows, timings, paired)
+                flag(rows, baseline)
                 on_row(rows)
             flag(rows, baseline)
             if blocks:  # over the fastest that matched, of those flag() left unflagged

@@ -198,3 +198,22 @@ def test_a_run_with_no_warm_up_says_what_its_first_step_added():
     assert notes.first_steps([a, b]) == line and line in notes.notes([a, b], env)
     assert line not in notes.notes([a, b], {"device_kind": "real", "run": {"warmup": 1}})  # warm: nothing to say
     assert notes.first_steps([dataclasses.replace(a, step_ms=[1.0])]) is None  # one step: no later one
+
+
+def test_a_row_is_saved_with_its_flags_so_a_stopped_run_keeps_them(tmp_path, monkeypatch):
+    """Each row goes to results.json with its noise flag as it ends, not only at the end of the run: a run
+    stopped by Ctrl-C after it keeps the flag (tests/data/h100_gpt2_small_results.json had none)."""
+    from parallel import strategies
+    from parallel.config import RunConfig
+
+    def measured(s, variant, cfg, work, logs):
+        r = row(s.name, 1.0, "match", world=1)
+        r.foreign_cpu = 0.5  # other processes used half the machine while it ran
+        return r, None
+
+    monkeypatch.setattr(compare, "run_one", measured)
+    config = RunConfig(devices="cpu:2", out=str(tmp_path)).validate()
+    saved = []
+    chosen = [(strategies.get(n), "", config) for n in ("single", "ddp")]
+    compare.run_strategies(config, chosen, baseline=False, on_row=lambda rows: saved.append([r.flags for r in rows]))
+    assert saved[0][0] and saved[0][0][0].startswith("noisy: other processes used 50%")
