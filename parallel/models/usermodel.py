@@ -61,7 +61,7 @@ import torch
 from torch import nn
 
 from parallel.models import outputs, userchecks, userdata, userload
-from parallel.models.data import SyntheticData
+from parallel.models.data import IGNORE, SyntheticData
 from parallel.models.moe import MoE
 from parallel.models.transformer import SHAPE, shaped
 from parallel.models.userchecks import cannot_match, experts_of, moe_layers_of, tied_names
@@ -85,7 +85,23 @@ def workload_of(config) -> Workload:
         built_in = built_in.shallow_twin(twin) if twin else built_in
         return built_in.with_tokens(tokens) if tokens != "even" else built_in
     user = _user(config.model, config.input_shape, config.classes, config.vocab, config.seq_len, config.data, twin)
-    return user.with_tokens(tokens) if tokens != "even" else user
+    return _takes_padding(user.with_tokens(tokens), config.seed) if tokens != "even" else user
+
+
+@functools.lru_cache(maxsize=8)
+def _takes_padding(workload: UserWorkload, seed: int) -> UserWorkload:
+    """A model that computes its own loss from the targets it is given must leave padding's targets out
+    (IGNORE, -100: cross-entropy's default and Hugging Face's): one padded sample through it, or ConfigError."""
+    if workload.targets:
+        x, y = workload.dataset(seed, 2).batch(0)
+        try:
+            with torch.no_grad():
+                outputs.call(workload.build_model(seed).eval(), x, y)
+        except (IndexError, RuntimeError, ValueError) as e:
+            raise ConfigError(f"--tokens {workload.tokens}: your model's own loss fails on padding's target "
+                              f"{IGNORE} ({outputs.first_line(e)}); leave it out with ignore_index={IGNORE} "
+                              "(cross-entropy's default), or return the logits alone") from None
+    return workload
 
 
 def shape_model(config) -> nn.Module:

@@ -115,9 +115,14 @@ def notes(rows: list[Row], environment: dict, skipped: dict | None = None) -> li
     out += [f"{', '.join(labels)}: judged by {basis}" for basis, labels in judged.items()]
     if (run := environment.get("run") or {}).get("real_tokens_per_share"):
         low, high = run["real_tokens_per_share"]
+        mean = run["real_tokens_mean"]
         out.append(f"uneven tokens (--tokens {run['tokens']}): a 1/{run['shares']} share of a batch held {low:,} to "
-                   f"{high:,} real tokens (mean {run['real_tokens_mean']:,.0f}); every strategy is given the "
-                   "global token mean's share (docs/loss.md)")
+                   f"{high:,} real tokens (mean {mean:,.0f}); " + (
+                       f"your model returns its own mean loss, which the harness cannot weigh: averaged over "
+                       f"such shares a token counts {mean / high:.2f}x to {mean / low:.2f}x its weight in the "
+                       "global token mean, so a split batch trains differently from one device (docs/loss.md: "
+                       "return the logits)" if run.get("own_mean_loss") else
+                       "every strategy is given the global token mean's share (docs/loss.md)"))
     if (environment.get("run") or {}).get("warmup") == 0 and (line := first_steps(rows)):
         out.append(line)
     kind = environment["device_kind"]

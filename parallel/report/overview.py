@@ -39,11 +39,13 @@ def _uneven(config) -> dict:
     from parallel.models.data import lengths
     from parallel.models.usermodel import workload_of
 
-    t, n, b = workload_of(config).input_shape[0], max(1, config.world_size), config.batch_size
+    workload = workload_of(config)
+    t, n, b = workload.input_shape[0], max(1, config.world_size), config.batch_size
     shares = [int(s.sum()) for step in range(config.warmup + config.steps)
               for s in lengths(config.seed, step, b, t).split(b // n)]
     return {"tokens": config.tokens, "real_tokens_per_share": [min(shares), max(shares)],
-            "real_tokens_mean": sum(shares) / len(shares), "shares": n}
+            "real_tokens_mean": sum(shares) / len(shares), "shares": n,
+            "own_mean_loss": bool(workload.no_logits_loss)}  # a loss the harness cannot weigh (loop/tokens.py)
 
 
 def header(environment: dict) -> str:
