@@ -173,10 +173,13 @@ def record(model: nn.Module, blocks: nn.ModuleList, seq_len: int) -> list[tuple[
                 return tuple(keep(f"{name}_{j}", u, v) for j, (u, v) in enumerate(zip(x, y, strict=True)))
             if not isinstance(x, torch.Tensor):
                 return x
-            if x.shape == y.shape and torch.equal(x, y):
+            # on the meta device (a model built to be looked at: its layers counted) there are no values to
+            # compare: an input of the same shape both times is taken as fixed, one sized by the batch as batched
+            if x.shape == y.shape and (x.is_meta or torch.equal(x, y)):
                 tensors[name] = x
                 return _Recorded(name, batched=False)
-            if (x.shape[0], y.shape[0]) == (2, 3) and x.shape[1:] == y.shape[1:] and torch.equal(x[:1].expand_as(y), y):
+            if (x.shape[0], y.shape[0]) == (2, 3) and x.shape[1:] == y.shape[1:] and (
+                    x.is_meta or torch.equal(x[:1].expand_as(y), y)):
                 tensors[name] = x[:1].clone()
                 return _Recorded(name, batched=True)
             raise ValueError(f"block {i}'s input {name!r} changes with the batch's contents, so it cannot be "
