@@ -56,6 +56,9 @@ def judged_on_ranks(world: int, runs: list, make_config, timeout: float = 150) -
         verdict = equivalence.judge(strategies.get(name), config, refs[key], row, state)
         margin = BF16_MARGIN if config.precision == "bf16" else FP64_MARGIN
         assert verdict.verdict == "match" and verdict.ratio < margin, (name, workload, options, verdict)
+        if config.check_replicas:  # an honest run: every replica that must agree did, at every step
+            assert row.details.get("replicas_checked") is not None and not row.details.get("replicas_diverged"), (
+                name, workload, options, row.details.get("replicas_diverged"))
         out.append(row)
     return out
 

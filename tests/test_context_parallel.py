@@ -92,7 +92,7 @@ def test_each_ring_bug_is_wrong_where_the_issue_says_and_a_one_rank_test_would_m
 
 def _config(workload, world, options):
     return RunConfig(workload=workload, seq_len=64, devices=f"cpu:{world}", batch_size=8, steps=3, warmup=1,
-                     options=options).validate()
+                     options=options, check_replicas=True).validate()  # honest: no replica may part
 
 
 def _check_measured(row, world):

@@ -159,16 +159,21 @@ PARITY = [(s.name, w) for w in WORKLOADS for s in strategies.all_strategies()
 @pytest.fixture(scope="module")
 def fast_parity():
     """Every synchronous strategy on its cheapest workload, judged: one set of spawned ranks per world size."""
-    configs = [RunConfig(workload=w, devices=d, **PARITY_RUN, **mutants.sized("tests", w)).validate()
-               for _, w, d in FAST_PARITY]
+    configs = [RunConfig(workload=w, devices=d, check_replicas=True, **PARITY_RUN, **mutants.sized("tests", w))
+               .validate() for _, w, d in FAST_PARITY]
     jobs = [mutants.Job(name, c.to_json(), "honest") for (name, _, _), c in zip(FAST_PARITY, configs, strict=True)]
-    return dict(zip(FAST_PARITY, (o.equivalence for o in mutants.run_jobs(jobs)), strict=True))
+    return dict(zip(FAST_PARITY, mutants.run_jobs(jobs), strict=True))
 
 
 @pytest.mark.parametrize("name, workload, devices", FAST_PARITY, ids=["-".join(p) for p in FAST_PARITY])
 def test_every_synchronous_strategy_matches_single_on_its_cheapest_workload(fast_parity, name, workload, devices):
-    verdict = fast_parity[(name, workload, devices)]
+    """...with --check-replicas on: an honest run of every family raises no false alarm (the replicas
+    that must agree do, bitwise, at every step)."""
+    outcome = fast_parity[(name, workload, devices)]
+    verdict = outcome.equivalence
     assert verdict.verdict == "match" and verdict.ratio < MARGIN, verdict
+    ranks = strategies.get(name).launch == "torchrun"  # in one process there are no replicas to compare
+    assert (outcome.checked is not None) == ranks and outcome.named == "", (outcome.checked, outcome.named)
 
 
 @pytest.fixture(scope="module")

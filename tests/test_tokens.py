@@ -62,7 +62,7 @@ def test_equal_pieces_averaged_uniformly_give_the_global_token_mean(split):
 
 def _padded(workload: str, world: int, options: dict) -> RunConfig:
     return RunConfig(workload=workload, devices=f"cpu:{world}", batch_size=16, steps=2, warmup=1, tokens="padded",
-                     options=options, precision="fp64").validate()
+                     options=options, precision="fp64", check_replicas=True).validate()
 
 
 @pytest.mark.slow

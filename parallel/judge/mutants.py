@@ -64,6 +64,7 @@ class Outcome:
     old_rule_match: bool | None  # what the rule before per-tensor tolerances would have said
     seconds: float
     named: str = ""  # the one line a diagnosis gave (--check-replicas's; a hang's is the verdict's reason)
+    checked: int | None = None  # --check-replicas: the steps it compared (None: not asked)
 
 
 def mutant_config(mutant, precision: str = "fp32") -> RunConfig:
@@ -195,7 +196,8 @@ def _run(job: Job, dist: Dist, refs: References) -> Outcome | None:
     ref = refs.get(_baseline(job).to_json())
     return Outcome(job.label, s.name, config.workload, config.devices, config.seed,
                    equivalence.judge(s, config, ref, row, state), equivalence.global_rule(ref, state),
-                   time.perf_counter() - start, row.details.get("replicas_diverged", ""))
+                   time.perf_counter() - start, row.details.get("replicas_diverged", ""),
+                   row.details.get("replicas_checked"))
 
 
 def add_parser(sub) -> None:
