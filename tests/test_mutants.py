@@ -27,7 +27,8 @@ BUG_MARGIN = 5.0
 def bug_runs():
     """Every run this module judges, in one call (one set of spawned ranks per world size; a hang bug on
     ranks of its own): the injected bugs, the bf16 runs. -> ({group: jobs}, {group: outcomes})"""
-    jobs = {"mutants": mutants.mutant_jobs(refused=REFUSED), "bf16": _bf16_jobs()}
+    jobs = {"mutants": mutants.mutant_jobs(refused=REFUSED), "bf16": _bf16_jobs(),
+            "fp64": mutants.mutant_jobs("fp64", refused={})}
     outcomes, at = mutants.run_jobs([j for group in jobs.values() for j in group]), 0
     split = {}
     for group, its in jobs.items():
@@ -130,6 +131,16 @@ def _bf16_jobs() -> list:
         mutants.Job("ddp", mutants.mutant_config(dataclasses.replace(sum_not_mean, run={"workload": "cnn"}),
                                                  "bf16").to_json(), "bug"),
         mutants.Job("ddp", mutants.mutant_config(catalogue["ddp:compressed-sum"][1]).to_json(), "bug")]
+
+
+@pytest.mark.slow
+def test_every_injected_bug_is_caught_in_float64_too(bug_runs):
+    """The catalogue again in float64, where the rule is a millionth of each tensor's movement: every bug the
+    oracle catches stays 5x over its rule or more (the smallest, ddp:compressed-sum, is judged by ddp's own
+    bf16-compression rule: 10.8x), and the diagnoses still name theirs."""
+    for outcome in bug_runs[1]["fp64"]:
+        eq = outcome.equivalence
+        _caught(outcome.label, eq.verdict, eq.reason, eq.ratio, outcome.named)
 
 
 @pytest.mark.slow
