@@ -9,6 +9,7 @@ from parallel.config import ConfigError, RunConfig
 from parallel.loop.tokens import TokenMean, loss_of
 from parallel.models.data import IGNORE, PAD
 from parallel.models.usermodel import workload_of
+from tests.conftest import ROOT
 from tests.multirank import judged_on_ranks
 
 pytestmark = pytest.mark.timeout(300)
@@ -33,6 +34,48 @@ def test_a_padded_batch_is_the_even_one_cut_to_drawn_lengths_and_its_shares_hold
     assert padded.density(3) == pytest.approx(real.sum().item() / real.numel())
     assert even.density(3) is None and loss_of(workload_of(RunConfig(workload="transformer").validate())) \
         is workload_of(RunConfig(workload="transformer").validate()).loss  # even: the loss as it always was
+
+
+def test_a_packed_batch_is_documents_one_after_another_each_starting_with_bos():
+    from parallel.models.data import BOS
+
+    _, packed = _data("packed")
+    x, y = packed.batch(3)
+    begins = x == BOS
+    assert bool(begins[:, 0].all()) and int(begins.sum()) > 2 * x.shape[0]  # several documents a sequence
+    assert torch.equal(y == IGNORE, torch.cat((begins[:, 1:], (y[:, -1:] == IGNORE)), dim=1))  # no target is a BOS
+    assert packed.density(3) == pytest.approx((y != IGNORE).sum().item() / y.numel())
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_a_packed_sequence_computes_each_document_as_if_it_were_alone(arch):
+    """Positions restart at each BOS (learned, or rotary per row) and attention stays inside the document."""
+    from parallel.models.data import BOS
+
+    shape = {"arch": "llama", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "vocab": 64,
+             "seq_len": 32} if arch == "llama" else {}
+    workload = workload_of(RunConfig(workload="transformer", tokens="packed", batch_size=8, **shape).validate())
+    x, _ = workload.dataset(0, 8).batch(0)
+    packed, alone = workload.build_model(0).double(), workload.build_model(0).double()
+    alone.packed = False
+    out, row = packed(x), int((x == BOS).sum(1).argmax())
+    edges = [*(x[row] == BOS).nonzero().flatten().tolist(), x.shape[1]]
+    assert len(edges) > 3
+    for a, b in zip(edges[:-1], edges[1:], strict=False):
+        torch.testing.assert_close(out[row:row + 1, a:b], alone(x[row:row + 1, a:b]), rtol=0, atol=1e-12)
+
+
+def test_packing_is_refused_where_the_document_mask_cannot_reach_and_by_a_model_without_one():
+    from parallel import strategies
+
+    config = RunConfig(workload="transformer", tokens="packed", devices="cpu:2").validate()
+    workload = workload_of(config)
+    assert "a stage after the first never sees" in strategies.get("pipeline_dist").unsupported(workload)
+    assert "masks by positions, not by document" in strategies.get("context_parallel").unsupported(workload)
+    assert strategies.get("ddp").unsupported(workload) is None and strategies.get("manual_tp").unsupported(workload) \
+        is None
+    with pytest.raises(ConfigError, match="the built-in transformer's does"):
+        RunConfig(model=f"{ROOT / 'examples' / 'gpt2.py'}:gpt2", vocab=64, seq_len=16, tokens="packed").validate()
 
 
 def test_a_workload_without_tokens_refuses_them():
@@ -73,6 +116,18 @@ def test_a_padded_batch_split_by_ranks_micro_batches_accumulation_and_shards_tra
             ("pipeline_dist", "transformer", {}), ("context_parallel", "transformer", {"cp_layout": "contiguous"}),
             ("fsdp", "moe", {})]
     judged_on_ranks(2, runs, _padded, timeout=280)
+
+
+def _packed(workload: str, world: int, options: dict) -> RunConfig:
+    return RunConfig(workload=workload, devices=f"cpu:{world}", batch_size=16, steps=2, warmup=1, tokens="packed",
+                     options=options, precision="fp64", check_replicas=True).validate()
+
+
+@pytest.mark.slow
+def test_packed_sequences_split_by_ranks_and_by_heads_train_as_one_device():
+    runs = [("ddp", "transformer", {"accum": 2}), ("manual_tp", "transformer", {}),
+            ("tensor_parallel", "transformer", {}), ("expert_parallel", "moe", {})]
+    judged_on_ranks(2, runs, _packed, timeout=280)
 
 
 def test_the_report_says_how_uneven_the_shares_were():

@@ -28,9 +28,12 @@ CHAIN = 64  # token data: chains this long, side by side (a vectorised draw a po
 SIGNAL = 0.5  # prototype norm over noise norm: learnable in tens of steps at lr 0.02, not in one
 TRAIN, HELDOUT, LENGTHS = 0, 1, 2  # token data's streams: (seed, TRAIN, step), (seed, HELDOUT, 0), and the
 #   documents' lengths of a padded batch, (seed, LENGTHS, step): even batches draw exactly what they did
-TOKENS = ("even", "padded")  # --tokens: every position a target, or documents padded to the sequence
+TOKENS = ("even", "padded", "packed")  # --tokens: every position a target, documents padded to the sequence,
+#   or documents packed one after another into it (each starting with BOS)
 IGNORE = -100  # a target that does not count (padding): cross-entropy's ignore_index, torch's default
 PAD = 0  # the input token at a padded position (its target is IGNORE, so what it is changes no loss)
+BOS = 0  # packed: the token a document starts with (the chain's own 0s become 1s); the next document's
+#   BOS is no target of the one before it (IGNORE)
 
 
 class SyntheticData:
@@ -65,10 +68,12 @@ class SyntheticData:
 
     def density(self, step: int) -> float | None:
         """Global batch `step`'s real targets over its targets (loop/tokens.py), None where every one is."""
-        if getattr(self.workload, "tokens", "even") != "padded":
-            return None
-        t = self.workload.input_shape[0]
-        return lengths(self.seed, step, self.batch_size, t).sum().item() / (self.batch_size * t)
+        tokens, t = getattr(self.workload, "tokens", "even"), self.workload.input_shape[0]
+        if tokens == "padded":
+            return lengths(self.seed, step, self.batch_size, t).sum().item() / (self.batch_size * t)
+        if tokens == "packed":  # every position a target but those whose next token starts a document
+            return 1 - starts(self.seed, step, self.batch_size, t)[:, 1:].sum().item() / (self.batch_size * t)
+        return None
 
     def batch(self, step: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """Rank `rank`'s contiguous share of global batch `step` (the whole batch when world_size == 1).
@@ -83,8 +88,12 @@ class SyntheticData:
             t = self.workload.input_shape[0]
             seq = _sequences(self.teacher, self.batch_size, t, _stream(self.seed, TRAIN, step))  # (B, T + 1)
             x, y = seq[first:first + share, :-1].contiguous(), seq[first:first + share, 1:].contiguous()
-            if getattr(self.workload, "tokens", "even") == "padded":
+            tokens = getattr(self.workload, "tokens", "even")
+            if tokens == "padded":
                 x, y = _padded(x, y, lengths(self.seed, step, self.batch_size, t)[first:first + share])
+            elif tokens == "packed":
+                begins = starts(self.seed, step, self.batch_size, t)[first:first + share]
+                x, y = _packed(seq[first:first + share], begins)
             return x, y
         idx = torch.arange(step * self.batch_size + first, step * self.batch_size + first + share) % self.x.shape[0]
         return self.x[idx], self.y[idx]
@@ -94,6 +103,24 @@ def lengths(seed: int, step: int, batch_size: int, t: int) -> torch.Tensor:
     """(B,) the documents' lengths of padded global batch `step`: each drawn uniformly from 1 to T, so
     that ranks, micro-batches and sequence shards hold different numbers of real tokens."""
     return torch.from_numpy(_stream(seed, LENGTHS, step).integers(1, t + 1, batch_size))
+
+
+def starts(seed: int, step: int, batch_size: int, t: int) -> torch.Tensor:
+    """(B, T + 1) bool: where a document starts in each packed sequence of global batch `step` (position 0
+    always), the documents' lengths drawn uniformly from 1 to T, one after another."""
+    length = torch.from_numpy(_stream(seed, LENGTHS, step).integers(1, t + 1, (batch_size, t + 1)))
+    at = torch.cat((torch.zeros(batch_size, 1, dtype=length.dtype), length.cumsum(1)[:, :-1]), dim=1)
+    out = torch.zeros(batch_size, t + 2, dtype=torch.bool)
+    out.scatter_(1, at.clamp(max=t + 1), True)
+    return out[:, : t + 1]
+
+
+def _packed(seq: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Documents one after another: BOS where each starts, the chain's own BOS tokens made 1; the target
+    before a BOS is IGNORE (no document predicts the next one's start)."""
+    seq = seq.masked_fill(seq == BOS, 1).masked_fill(start, BOS)
+    x, y = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+    return x, y.masked_fill(start[:, 1:], IGNORE)
 
 
 def _padded(x: torch.Tensor, y: torch.Tensor, length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parallel.models.data import BOS
 from parallel.models.moe import MoE
 from parallel.models.tpplan import TPPlan
 from parallel.world.errors import ConfigError
@@ -35,7 +36,11 @@ class Transformer(nn.Module):
     """vocab, context (the sequence length), width, depth (blocks), heads; arch gpt or llama; kv_heads
     (0: as many as heads; fewer: grouped-query attention), ffn (0: 4 x width for gpt, 8/3 x width rounded
     up to 64 for llama), tied: the head's weight is the token embedding, and it has no bias (GPT-2's).
-    Its parameters are the planner's count for the same shape (ModelShape.params; untied: plus the head's)."""
+    Its parameters are the planner's count for the same shape (ModelShape.params; untied: plus the head's).
+    packed (set on a built model, --tokens packed): each sequence is documents one after another, each
+    starting with BOS; positions restart at each and attention stays inside it."""
+
+    packed = False
 
     def __init__(self, vocab: int = 64, context: int = 32, width: int = 128, depth: int = 2, heads: int = 4,
                  arch: str = "gpt", kv_heads: int = 0, ffn: int = 0, tied: bool = False):
@@ -50,9 +55,12 @@ class Transformer(nn.Module):
     def forward(self, tokens, positions=None):  # (B, T) -> (B, T, vocab)
         """positions: the tokens' places in the whole sequence (T,), where they are not 0..T-1 (a rank of
         context parallelism holding a slice of it)."""
+        documents = None
+        if self.packed:
+            positions, documents = packed_documents(tokens)
         x = self.embed(tokens, positions)
         for block in self.blocks:
-            x = block(x, positions)
+            x = block(x, positions, documents)
         return self.head(x)
 
     def pipeline_layers(self) -> list[nn.Module]:
@@ -127,8 +135,8 @@ class Block(nn.Module):
             mlp = nn.Sequential(nn.Linear(width, ffn or 4 * width), nn.GELU(), nn.Linear(ffn or 4 * width, width))
         self.mlp = SwiGLU(width, ffn or -(-8 * width // 3 // 64) * 64) if mlp is None else mlp
 
-    def forward(self, x, positions=None):  # (B, T, C)
-        x = x + self.attn(self.norm1(x), positions)
+    def forward(self, x, positions=None, documents=None):  # (B, T, C)
+        x = x + self.attn(self.norm1(x), positions, documents)
         return x + self.mlp(self.norm2(x))
 
     def tp_plan(self, prefix: str = "") -> TPPlan:
@@ -179,30 +187,48 @@ class Attention(nn.Module):
                     m.bias.copy_(fused.bias[rows])
         self.proj = nn.Linear(width, width, bias=bias)
 
-    def forward(self, x, positions=None):  # (B, T, C) -> (B, T, C)
+    def forward(self, x, positions=None, documents=None):  # (B, T, C) -> (B, T, C)
+        """documents: packed sequences' mask (B, 1, T, T), True where a query may see a key (packed_documents)."""
         b, t, _ = x.shape
         q, k, v = (m(x).view(b, t, -1, self.head_size).transpose(1, 2) for m in (self.q, self.k, self.v))
         if self.rotary:
-            at = torch.arange(t, device=x.device) if positions is None else positions.reshape(-1)
+            at = torch.arange(t, device=x.device) if positions is None else \
+                positions if positions.dim() == 2 else positions.reshape(-1)
             q, k = rotate(q, at), rotate(k, at)
         if (group := q.shape[1] // k.shape[1]) > 1:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        y = self.attend(q, k, v)  # (B, heads here, T, head size)
+        # (B, heads here, T, head size); packed: inside each document (context parallelism refuses packing)
+        y = self.attend(q, k, v) if documents is None else F.scaled_dot_product_attention(q, k, v, attn_mask=documents)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """x (B, heads, T, d) rotated by its positions (T,): pairs (i, i + d/2) turned by position x
+    """x (B, heads, T, d) rotated by its positions, (T,) or each row's (B, T): pairs (i, i + d/2) turned by position x
     theta^(-2i/d) (the rotate-half layout Hugging Face's Llama uses). Angles in float32 (float64 for a
     float64 x), so that a position of 8K keeps its precision."""
     d = x.shape[-1]
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     inv = ROPE_THETA ** -(torch.arange(0, d, 2, device=x.device, dtype=dtype) / d)
-    angle = positions.to(x.device, dtype)[:, None] * inv[None]  # (T, d/2)
-    cos, sin = angle.cos().repeat(1, 2), angle.sin().repeat(1, 2)
+    angle = positions.to(x.device, dtype)[..., None] * inv  # (T, d/2), or (B, T, d/2)
+    cos, sin = (torch.cat((f, f), dim=-1) for f in (angle.cos(), angle.sin()))
+    if cos.dim() == 3:  # each row its own positions (packed): broadcast over the heads
+        cos, sin = cos[:, None], sin[:, None]
     half = x.to(dtype)
     turned = torch.cat((-half[..., d // 2:], half[..., :d // 2]), dim=-1)
     return (half * cos + turned * sin).to(x.dtype)
+
+
+def packed_documents(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For packed sequences (B, T), each document starting with BOS: every token's position in its own
+    document (B, T), and the attention mask (B, 1, T, T), True where a query may see a key: its own
+    document's, up to itself."""
+    t = tokens.shape[1]
+    at = torch.arange(t, device=tokens.device)
+    begins = tokens == BOS
+    positions = at - torch.cummax(torch.where(begins, at, 0), dim=1).values
+    document = begins.cumsum(1)
+    mask = (document[:, :, None] == document[:, None, :]) & (at[:, None] >= at[None, :])
+    return positions, mask[:, None]
 
 
 def causal(q, k, v):

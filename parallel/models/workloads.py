@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.models.data import IGNORE, TOKENS, SyntheticData
+from parallel.models.data import BOS, IGNORE, TOKENS, SyntheticData
 from parallel.models.nets import DCGAN, MLP, LeNet
 from parallel.models.outputs import call, logits_of  # noqa: F401 - logits_of: also read from here (manual_dp, tests)
 from parallel.models.tpplan import TPPlan
@@ -102,7 +102,10 @@ class Workload:
         """Same seed -> bitwise the same initial weights, whatever ran before in this process."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            return self.make_module(**dict(self.model_args))
+            model = self.make_module(**dict(self.model_args))
+        if self.tokens == "packed":
+            model.packed = True  # attention inside each document, positions restarting (transformer.py)
+        return model
 
     def with_seq_len(self, n: int) -> Workload:
         """The built-in transformer on sequences of n tokens (its context n): what context parallelism
@@ -134,6 +137,10 @@ class Workload:
         if mode != "even" and self.data != "tokens":
             raise ConfigError(f"--tokens {mode} makes uneven token batches; the {self.name} workload has no tokens "
                               "(--workload transformer or moe, or your model with --vocab and --seq-len)")
+        if mode == "packed" and not hasattr(self.make_module, "packed"):
+            raise ConfigError(f"--tokens packed needs a model that keeps attention inside each document, from the "
+                              f"BOS ({BOS}) each starts with: the built-in transformer's does; the {self.name}'s "
+                              "does not (--tokens padded needs nothing of it)")
         return dataclasses.replace(self, tokens=mode)
 
     def with_aux_loss(self, weight: float) -> Workload:

@@ -117,6 +117,10 @@ class Strategy:
 
     def unsupported(self, workload: Workload) -> str | None:
         """Why this strategy cannot train `workload` (a Run's), or None."""
+        if getattr(workload, "tokens", "even") == "packed" and (self.LAYERED or self.SEQUENCE):
+            return ("packed sequences keep attention inside each document, from the tokens that start them, "
+                    + ("which a stage after the first never sees" if self.LAYERED else
+                       "and its attention masks by positions, not by document"))
         if workload.multi_part and not self.MULTI_PART:
             runs = ", ".join(n for n in NAMES if get(n).MULTI_PART)
             return f"its update has two models and two optimisers (strategies that run it: {runs})"

@@ -171,6 +171,9 @@ def shard(model: nn.Module, rank: int, n: int, run) -> tuple[tuple[str, ...], tu
         setattr(model.get_submodule(parent), attr, part)
     for name in plan.regions:
         model.get_submodule(name).register_forward_pre_hook(_copy_first_input, with_kwargs=True)
+        if injected(run, MASK_DROPPED):  # the bug: the region's wrapper passes its input on, nothing else
+            model.get_submodule(name).register_forward_pre_hook(lambda m, args, kwargs: (args[:1], {}),
+                                                                with_kwargs=True)
     return plan.colwise, plan.rowwise
 
 
@@ -239,7 +242,10 @@ KV_UNSUMMED = Mutant("manual_tp:kv-copies-unsummed", "fewer kv heads than ranks 
                      "each rank's copy of its kv head steps with its own query heads' share of the gradient, "
                      "never summed with the other copies'", {"workload": "transformer", "arch": "llama",
                                                              "kv_heads": 1})
-MUTANTS = (FUSED_QKV_SPLIT, BIAS_ON_EVERY_RANK, RANK_BRANCH, KV_UNSUMMED)
+MASK_DROPPED = Mutant("manual_tp:document-mask-dropped", "packed sequences: the attention region's wrapper passes "
+                      "its input on and drops the rest, so attention crosses documents and positions do not "
+                      "restart (docs/loss.md)", {"workload": "transformer", "tokens": "packed"})
+MUTANTS = (FUSED_QKV_SPLIT, BIAS_ON_EVERY_RANK, RANK_BRANCH, KV_UNSUMMED, MASK_DROPPED)
 
 
 def dims(run, dist) -> ParallelDims:
