@@ -1,6 +1,9 @@
 """Uneven tokens (--tokens padded; docs/loss.md): the batches, the global token mean whatever the split, and
 the strategies that split a padded batch matching one device's training on it."""
 
+import dataclasses
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -43,7 +46,8 @@ def test_a_packed_batch_is_documents_one_after_another_each_starting_with_bos():
     x, y = packed.batch(3)
     begins = x == BOS
     assert bool(begins[:, 0].all()) and int(begins.sum()) > 2 * x.shape[0]  # several documents a sequence
-    assert torch.equal(y == IGNORE, torch.cat((begins[:, 1:], (y[:, -1:] == IGNORE)), dim=1))  # no target is a BOS
+    assert torch.equal((y == IGNORE)[:, :-1], begins[:, 1:])  # the target before a document's BOS, and no other
+    assert not bool((y[y != IGNORE] == BOS).any()) and not bool((x[~begins] == BOS).any())  # BOS only starts one
     assert packed.density(3) == pytest.approx((y != IGNORE).sum().item() / y.numel())
 
 
@@ -98,9 +102,11 @@ def test_equal_pieces_averaged_uniformly_give_the_global_token_mean(split):
     loss = TokenMean(lambda o, t: F.cross_entropy(o.flatten(0, -2), t.flatten(), ignore_index=IGNORE))
     loss.weigh((y != IGNORE).sum().item() / y.numel())
     assert sum(loss(lo, yy) for lo, yy in pieces) / len(pieces) == pytest.approx(whole.item(), rel=1e-12)
-    own = sum(F.cross_entropy(lo.flatten(0, 1), yy.flatten(), ignore_index=IGNORE) for lo, yy in pieces)
-    # each piece's own mean is not the global one; a piece of padding alone makes it NaN
-    assert not abs(own.item() / len(pieces) - whole.item()) <= 1e-3
+    own = [F.cross_entropy(lo.flatten(0, 1), yy.flatten(), ignore_index=IGNORE).item() for lo, yy in pieces]
+    empty = [bool((yy == IGNORE).all()) for _, yy in pieces]
+    assert [math.isnan(o) for o in own] == empty  # a piece of padding alone: its own mean is NaN
+    kept = [o for o, e in zip(own, empty, strict=True) if not e]
+    assert abs(sum(kept) / len(kept) - whole.item()) > 1e-3  # and the others' average is not the global mean
 
 
 def _padded(workload: str, world: int, options: dict) -> RunConfig:
@@ -114,7 +120,7 @@ def test_a_padded_batch_split_by_ranks_micro_batches_accumulation_and_shards_tra
     (docs/loss.md's table)."""
     runs = [("manual_ddp", "transformer", {}), ("ddp", "transformer", {"accum": 2}),
             ("pipeline_dist", "transformer", {}), ("context_parallel", "transformer", {"cp_layout": "contiguous"}),
-            ("fsdp", "moe", {})]
+            ("fsdp", "moe", {}), ("tensor_parallel", "transformer", {"loss_parallel": 1})]
     judged_on_ranks(2, runs, _padded, timeout=280)
 
 
@@ -126,7 +132,7 @@ def _packed(workload: str, world: int, options: dict) -> RunConfig:
 @pytest.mark.slow
 def test_packed_sequences_split_by_ranks_and_by_heads_train_as_one_device():
     runs = [("ddp", "transformer", {"accum": 2}), ("manual_tp", "transformer", {}),
-            ("tensor_parallel", "transformer", {}), ("expert_parallel", "moe", {})]
+            ("tensor_parallel", "transformer", {"sequence_parallel": 1}), ("expert_parallel", "moe", {})]
     judged_on_ranks(2, runs, _packed, timeout=280)
 
 
@@ -140,3 +146,20 @@ def test_the_report_says_how_uneven_the_shares_were():
     shares = [int((data.batch(step, r, 4)[1] != IGNORE).sum()) for step in range(3) for r in range(4)]
     assert facts["real_tokens_per_share"] == [min(shares), max(shares)] and facts["shares"] == 4
     assert "real_tokens_per_share" not in run_facts(RunConfig(workload="transformer").validate())
+    packed = run_facts(dataclasses.replace(config, tokens="packed"))
+    _, data = _data("packed")
+    shares = [int((data.batch(step, r, 4)[1] != IGNORE).sum()) for step in range(3) for r in range(4)]
+    assert packed["real_tokens_per_share"] == [min(shares), max(shares)] and not packed["own_mean_loss"]
+
+
+def test_only_cross_entropy_the_harness_takes_itself_is_weighed_and_the_held_out_set_is_read_as_packed():
+    import types
+
+    from parallel.loop.tokens import weighable
+    from parallel.models.data import BOS
+
+    assert weighable(types.SimpleNamespace(no_logits_loss="", loss_fn=None))
+    assert not weighable(types.SimpleNamespace(no_logits_loss="", loss_fn=lambda o, t: o.sum()))  # a factory's
+    assert not weighable(types.SimpleNamespace(no_logits_loss="label smoothing", loss_fn=None))  # a model's own
+    x, y = _data("packed")[1].heldout(8)
+    assert bool((x[:, 0] == BOS).all()) and not bool((x[:, 1:] == BOS).any()) and not bool((y == IGNORE).any())

@@ -52,4 +52,10 @@ def loss_of(workload):
     mean where batches are uneven and the loss is cross-entropy over logits (a model that returns its own
     mean cannot be weighed: docs/loss.md)."""
     uneven = getattr(workload, "tokens", "even") != "even"
-    return TokenMean(workload.loss) if uneven and not workload.no_logits_loss else workload.loss
+    return TokenMean(workload.loss) if uneven and weighable(workload) else workload.loss
+
+
+def weighable(workload) -> bool:
+    """Its loss is cross-entropy over its logits, which TokenMean takes itself: not a factory's own `loss`,
+    nor a model's own loss that is something else (label smoothing, an added term)."""
+    return not workload.no_logits_loss and getattr(workload, "loss_fn", None) is None

@@ -76,6 +76,8 @@ def meter_for(strategy, model: nn.Module, workload, config) -> LayerMeter | None
     is a token model and the run measures its extras."""
     if not (strategy.LAYER_ACTIVATIONS and config.extras and getattr(workload, "data", None) == "tokens"):
         return None
+    if getattr(workload, "tokens", "even") == "packed":  # its block re-run alone would have no document mask
+        return None
     block = block_of(model)
     return LayerMeter(block) if block is not None else None
 

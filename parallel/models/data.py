@@ -63,6 +63,10 @@ class SyntheticData:
                 n = min(n, max(4, 2**26 // (t * self.workload.classes)))
         if tokens:
             seq = _sequences(self.teacher, n, self.workload.input_shape[0], _stream(self.seed, HELDOUT, 0))
+            if getattr(self.workload, "tokens", "even") == "packed":  # one document a row, as a packed model reads
+                begin = torch.zeros_like(seq, dtype=torch.bool)
+                begin[:, 0] = True
+                return _packed(seq, begin)
             return seq[:, :-1], seq[:, 1:]
         return _samples(self.workload, self.teacher, n, torch.Generator().manual_seed(20_000 + self.seed))
 

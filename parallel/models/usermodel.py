@@ -85,23 +85,34 @@ def workload_of(config) -> Workload:
         built_in = built_in.shallow_twin(twin) if twin else built_in
         return built_in.with_tokens(tokens) if tokens != "even" else built_in
     user = _user(config.model, config.input_shape, config.classes, config.vocab, config.seq_len, config.data, twin)
-    return _takes_padding(user.with_tokens(tokens), config.seed) if tokens != "even" else user
+    if tokens == "even":
+        return user
+    user = user.with_tokens(tokens)
+    if user.targets:  # once a process for each model and seed
+        _takes_padding(user, (config.model, config.vocab, config.seq_len, config.data, twin, config.seed))
+    return user
 
 
-@functools.lru_cache(maxsize=8)
-def _takes_padding(workload: UserWorkload, seed: int) -> UserWorkload:
+_PADDING_CHECKED: set[tuple] = set()
+
+
+def _takes_padding(workload: UserWorkload, key: tuple) -> None:
     """A model that computes its own loss from the targets it is given must leave padding's targets out
-    (IGNORE, -100: cross-entropy's default and Hugging Face's): one padded sample through it, or ConfigError."""
-    if workload.targets:
-        x, y = workload.dataset(seed, 2).batch(0)
-        try:
-            with torch.no_grad():
-                outputs.call(workload.build_model(seed).eval(), x, y)
-        except (IndexError, RuntimeError, ValueError) as e:
-            raise ConfigError(f"--tokens {workload.tokens}: your model's own loss fails on padding's target "
-                              f"{IGNORE} ({outputs.first_line(e)}); leave it out with ignore_index={IGNORE} "
-                              "(cross-entropy's default), or return the logits alone") from None
-    return workload
+    (IGNORE, -100: cross-entropy's default and Hugging Face's): a sample with one such target through it,
+    or ConfigError."""
+    if key in _PADDING_CHECKED:
+        return
+    x, y = workload.dataset(key[-1], 2).batch(0)
+    y = y.clone()
+    y[:, -1] = IGNORE  # whatever lengths were drawn, the sample holds padding's target
+    try:
+        with torch.no_grad():
+            outputs.call(workload.build_model(key[-1]).eval(), x, y)
+    except (IndexError, RuntimeError, ValueError) as e:
+        raise ConfigError(f"--tokens {workload.tokens}: your model's own loss fails on padding's target "
+                          f"{IGNORE} ({outputs.first_line(e)}); leave it out with ignore_index={IGNORE} "
+                          "(cross-entropy's default), or return the logits alone") from None
+    _PADDING_CHECKED.add(key)
 
 
 def shape_model(config) -> nn.Module:

@@ -137,6 +137,9 @@ class Workload:
         if mode != "even" and self.data != "tokens":
             raise ConfigError(f"--tokens {mode} makes uneven token batches; the {self.name} workload has no tokens "
                               "(--workload transformer or moe, or your model with --vocab and --seq-len)")
+        if mode == "packed" and self.input_shape[0] < 4:
+            raise ConfigError(f"--tokens packed needs sequences of at least 4 tokens to hold documents and their "
+                              f"targets, got {self.input_shape[0]}")
         if mode == "packed" and not hasattr(self.make_module, "packed"):
             raise ConfigError(f"--tokens packed needs a model that keeps attention inside each document, from the "
                               f"BOS ({BOS}) each starts with: the built-in transformer's does; the {self.name}'s "

@@ -36,16 +36,18 @@ def _uneven(config) -> dict:
     the devices), the least and the most of every share of every step the run trains, and their mean."""
     if getattr(config, "tokens", "even") == "even":
         return {}
-    from parallel.models.data import lengths
+    from parallel.loop.tokens import weighable
+    from parallel.models.data import lengths, starts
     from parallel.models.usermodel import workload_of
 
     workload = workload_of(config)
     t, n, b = workload.input_shape[0], max(1, config.world_size), config.batch_size
-    shares = [int(s.sum()) for step in range(config.warmup + config.steps)
-              for s in lengths(config.seed, step, b, t).split(b // n)]
+    per_row = (lambda step: lengths(config.seed, step, b, t)) if config.tokens == "padded" else \
+        (lambda step: t - starts(config.seed, step, b, t)[:, 1:].sum(1))  # packed: targets not before a BOS
+    shares = [int(s.sum()) for step in range(config.warmup + config.steps) for s in per_row(step).split(b // n)]
     return {"tokens": config.tokens, "real_tokens_per_share": [min(shares), max(shares)],
             "real_tokens_mean": sum(shares) / len(shares), "shares": n,
-            "own_mean_loss": bool(workload.no_logits_loss)}  # a loss the harness cannot weigh (loop/tokens.py)
+            "own_mean_loss": not weighable(workload)}  # a loss the harness cannot weigh (loop/tokens.py)
 
 
 def header(environment: dict) -> str:
