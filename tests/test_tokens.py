@@ -163,3 +163,57 @@ def test_only_cross_entropy_the_harness_takes_itself_is_weighed_and_the_held_out
     assert not weighable(types.SimpleNamespace(no_logits_loss="label smoothing", loss_fn=None))  # a model's own
     x, y = _data("packed")[1].heldout(8)
     assert bool((x[:, 0] == BOS).all()) and not bool((x[:, 1:] == BOS).any()) and not bool((y == IGNORE).any())
+
+
+SMOOTHED = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Smoothed(nn.Module):
+    """A token model whose own loss is label-smoothed cross-entropy: not cross-entropy over its logits."""
+
+    def __init__(self, vocab, seq_len, sums):
+        super().__init__()
+        self.embed, self.sums = nn.Embedding(vocab, 16), sums
+        self.mix = nn.Linear(16 * seq_len, 16 * seq_len)
+        self.head = nn.Linear(16, vocab)
+
+    def forward(self, idx, targets=None):
+        b, t = idx.shape
+        logits = self.head(torch.tanh(self.mix(self.embed(idx).reshape(b, -1))).reshape(b, t, -1))
+        if targets is None:
+            return {"logits": logits}
+        flat = logits.flatten(0, 1), targets.flatten()
+        if self.sums:  # the sum over the real targets and their count: the harness can weigh it
+            return {"logits": logits, "loss_sum": F.cross_entropy(*flat, label_smoothing=0.1, reduction="sum"),
+                    "tokens": (targets != -100).sum()}
+        return {"logits": logits, "loss": F.cross_entropy(*flat, label_smoothing=0.1)}  # a mean it cannot weigh
+
+
+def summed(vocab=64, seq_len=16):
+    return Smoothed(vocab, seq_len, sums=True)
+
+
+def mean(vocab=64, seq_len=16):
+    return Smoothed(vocab, seq_len, sums=False)
+'''
+
+
+def test_a_model_that_returns_its_loss_as_a_sum_and_a_count_is_weighed_and_one_that_returns_a_mean_is_not(tmp_path):
+    """Uneven tokens through a model whose own loss is not cross-entropy over its logits (label smoothing):
+    as (sum, count) every split matches one device; as a mean the harness cannot weigh, ddp's ranks do not,
+    and the report's note says how far a token's weight went."""
+    from parallel.judge import mutants
+    from parallel.report.overview import run_facts
+
+    (tmp_path / "smoothed.py").write_text(SMOOTHED)
+    runs = {kind: RunConfig(model=f"{tmp_path / 'smoothed.py'}:{kind}", vocab=64, seq_len=16, devices="cpu:2",
+                            batch_size=16, steps=2, warmup=1, tokens="padded", precision="fp64", extras=False)
+            .validate() for kind in ("summed", "mean")}
+    jobs = [mutants.Job("ddp", runs[kind].to_json(), "honest") for kind in ("summed", "mean")]
+    summed, mean = (o.equivalence for o in mutants.run_jobs(jobs))
+    assert summed.verdict == "match" and summed.ratio < 0.01, summed
+    assert mean.verdict == "mismatch", mean
+    assert not run_facts(runs["summed"])["own_mean_loss"] and run_facts(runs["mean"])["own_mean_loss"]

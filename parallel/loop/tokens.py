@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from parallel.models.data import IGNORE
-from parallel.models.outputs import logits_of
+from parallel.models.outputs import logits_of, sum_in
 
 
 class TokenMean:
@@ -36,6 +36,8 @@ class TokenMean:
     def __call__(self, output, target: torch.Tensor) -> torch.Tensor:
         if self.density is None:
             return self.loss(output, target)
+        if (pair := sum_in(output)) is not None:  # a model's own loss, as its sum over its real targets
+            return pair[0] / (target.numel() * self.density)
         logits = logits_of(output)
         total = F.cross_entropy(logits.flatten(0, -2), target.flatten(), ignore_index=IGNORE, reduction="sum")
         return total / (target.numel() * self.density)
@@ -56,6 +58,8 @@ def loss_of(workload):
 
 
 def weighable(workload) -> bool:
-    """Its loss is cross-entropy over its logits, which TokenMean takes itself: not a factory's own `loss`,
-    nor a model's own loss that is something else (label smoothing, an added term)."""
-    return not workload.no_logits_loss and getattr(workload, "loss_fn", None) is None
+    """Its loss is cross-entropy over its logits, which TokenMean takes itself (not a factory's own `loss`,
+    nor a model's own loss that is something else: label smoothing, an added term), or a model's own loss
+    returned as its sum over the real targets and their count (outputs.sum_in), which TokenMean weighs."""
+    own_fn = getattr(workload, "loss_fn", None) is not None
+    return getattr(workload, "sums", False) or (not workload.no_logits_loss and not own_fn)

@@ -33,6 +33,8 @@ from parallel.world.errors import ConfigError
 
 TARGETS = ("targets", "labels")  # the names a forward takes its targets by, the first found wins
 KEYWORD = "_parallel_targets"  # on a model instance (usermodel sets it): the name its forward takes them by
+SUM, COUNT = "loss_sum", "tokens"  # a loss returned as its sum over the real targets and their count, which
+#   the harness can weigh where tokens are uneven (loop/tokens.py; docs/loss.md)
 
 
 def logits_of(output):
@@ -55,12 +57,22 @@ def loss_in(output):
     if isinstance(output, torch.Tensor):
         return None
     if hasattr(output, "keys"):  # a ModelOutput's keys leave out fields that are None
+        if "loss" not in output.keys() and (pair := sum_in(output)) is not None:
+            return pair[0] / pair[1]  # the mean a (sum, count) stands for
         return output["loss"] if "loss" in output.keys() else None
     if isinstance(output, (tuple, list)):
         logits = logits_of(output)
         if len(output) == 2:
             return output[1] if output[0] is logits else output[0]
         return next((o for o in output if isinstance(o, torch.Tensor) and o.dim() == 0), None)
+    return None
+
+
+def sum_in(output):
+    """(sum, count) where a model returned its loss as `loss_sum` over `tokens` real targets (a mapping or
+    a ModelOutput), else None."""
+    if hasattr(output, "keys") and SUM in output.keys() and COUNT in output.keys():
+        return output[SUM], output[COUNT]
     return None
 
 
@@ -92,10 +104,11 @@ def keyword_of(model: nn.Module) -> str:
     return ""
 
 
-def check(spec: str, model: nn.Module, loss, x: torch.Tensor, y: torch.Tensor, source: str) -> tuple[str, str]:
+def check(spec: str, model: nn.Module, loss, x: torch.Tensor, y: torch.Tensor, source: str) -> tuple[str, str, bool]:
     """One forward and the loss on a sample, before any strategy starts. `loss`: the factory's, or None.
     -> (the name forward takes its targets by, "" where it computes no loss of its own; why that loss is
-    not cross-entropy over its logits, "" where it is). Every problem is a ConfigError, one line."""
+    not cross-entropy over its logits, "" where it is; whether it returns its loss as a sum and a count).
+    Every problem is a ConfigError, one line."""
     keyword = takes_targets(model)
     out = _forward(spec, model, x, {keyword: y} if keyword else {}, source)
     own = loss_in(out) if keyword else None
@@ -106,16 +119,16 @@ def check(spec: str, model: nn.Module, loss, x: torch.Tensor, y: torch.Tensor, s
                           "factory returned 'loss' too: keep one of them")
     if loss is not None:
         _check_loss(spec, lambda: loss(out, y), f"its loss on a sample of {source}")
-        return "", ""
+        return "", "", False
     if own is None:
         _check_logits(spec, logits_of(out), y, source)
-        return "", ""
+        return "", "", False
     what = f"the loss its forward(..., {keyword}=...) returned"
     _check_loss(spec, lambda: own, what)
     if not own.requires_grad:
         raise ConfigError(f"--model {spec}: {what} does not depend on its parameters (detached, or computed "
                           "under no_grad?): there is nothing to train")
-    return keyword, _not_cross_entropy(logits_of(out), y, float(own.detach()))
+    return keyword, _not_cross_entropy(logits_of(out), y, float(own.detach())), sum_in(out) is not None
 
 
 def _check_logits(spec: str, logits, y: torch.Tensor, source: str) -> None:

@@ -153,6 +153,7 @@ class UserWorkload(Workload):
     has_experts: bool = False  # its routed layers are parallel.models.moe.MoE (declared by moe_layers(), or found)
     aux_weight: float = 0.0  # their load-balancing loss's weight (MoE.aux_weight), the largest
     targets: str = ""  # the name its forward takes the targets by, returning its own loss (parallel/models/outputs.py)
+    sums: bool = False  # its own loss comes as a sum over the real targets and their count (outputs.sum_in)
     hf_blocks: int = 0  # > 0: the shallow twin of a Hugging Face model, rebuilt with this many blocks (made)
 
     @property

@@ -191,11 +191,11 @@ def _user(spec: str, input_shape: str, classes: int, vocab: int, seq_len: int, d
     if found is None:  # the checks that run the model on a sample: in the parent only
         if not data:
             sample_x, sample_y = SyntheticData(workload, 0, 4).batch(0)
-        targets, no_logits_loss = outputs.check(label, model, out.get("loss"), sample_x, sample_y, source)
+        targets, no_logits_loss, sums = outputs.check(label, model, out.get("loss"), sample_x, sample_y, source)
         setattr(model, outputs.KEYWORD, targets)  # so that the layers' check below gets every position's logits
         names, why, from_hf = userchecks.in_order(model, out.get("layers"), sample_x, sample_y)
         found = {"layer_names": names, "no_layers": why, "hf_seq_len": sample_x.shape[1] if from_hf else 0,
-                 "targets": targets, "no_logits_loss": no_logits_loss}
+                 "targets": targets, "no_logits_loss": no_logits_loss, "sums": sums}
     has_experts, no_experts = experts_of(model)
     return dataclasses.replace(workload, **found, has_experts=has_experts, no_experts=no_experts,
                                aux_weight=max((m.aux_weight for m in moe_layers_of(model) if isinstance(m, MoE)),
@@ -203,7 +203,7 @@ def _user(spec: str, input_shape: str, classes: int, vocab: int, seq_len: int, d
 
 
 FOUND = "PARALLEL_MODEL_FOUND"  # the parent's findings on a user's model, for its run's children (JSON)
-_FINDINGS = ("layer_names", "no_layers", "hf_seq_len", "targets", "no_logits_loss")
+_FINDINGS = ("layer_names", "no_layers", "hf_seq_len", "targets", "no_logits_loss", "sums")
 
 
 def checked_env(workload: Workload) -> dict[str, str]:

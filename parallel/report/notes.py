@@ -121,7 +121,7 @@ def notes(rows: list[Row], environment: dict, skipped: dict | None = None) -> li
                        f"your model returns its own mean loss, which the harness cannot weigh: averaged over "
                        f"such shares a token counts {mean / high:.2f}x to {mean / low:.2f}x its weight in the "
                        "global token mean, so a split batch trains differently from one device (docs/loss.md: "
-                       "return the logits)" if run.get("own_mean_loss") else
+                       "return the logits, or the sum and the count)" if run.get("own_mean_loss") else
                        "every strategy is given the global token mean's share (docs/loss.md)"))
     if (environment.get("run") or {}).get("warmup") == 0 and (line := first_steps(rows)):
         out.append(line)
