@@ -16,7 +16,8 @@ __all__ = ["FP64_MARGIN", "BF16_MARGIN", "RankError", "faulted_and_resumed", "ju
 # noise against injected bugs, 10 seeds"). The verdict itself is the oracle's (at most 1); a margin catches
 # noise that grew.
 FP64_MARGIN = 0.01  # of the fp64 rule: 25x the largest of 1,110 honest fp64 runs (4.1e-4); bugs from 10.8
-BF16_MARGIN = 0.5  # of the bf16 rule: 1.8x the worst of the MoE's 10-seed bf16 table (0.28; docs/oracle.md)
+BF16_MARGIN = 0.5  # of the bf16 rule: 1.9x the worst of the token models' 10-seed bf16 table on today's data
+#   (0.264, the MoE under manual_tp on cpu:2; the transformer's worst 0.035; docs/oracle.md, 2026-11-29)
 
 
 def _train(rank, world, runs, make_config):
