@@ -70,14 +70,19 @@ class SyntheticData:
             return seq[:, :-1], seq[:, 1:]
         return _samples(self.workload, self.teacher, n, torch.Generator().manual_seed(20_000 + self.seed))
 
-    def density(self, step: int) -> float | None:
-        """Global batch `step`'s real targets over its targets (loop/tokens.py), None where every one is."""
+    def real_targets(self, step: int) -> torch.Tensor | None:
+        """(B,) the targets that count in each row of global batch `step`, None where every one does."""
         tokens, t = getattr(self.workload, "tokens", "even"), self.workload.input_shape[0]
         if tokens == "padded":
-            return lengths(self.seed, step, self.batch_size, t).sum().item() / (self.batch_size * t)
+            return lengths(self.seed, step, self.batch_size, t)
         if tokens == "packed":  # every position a target but those whose next token starts a document
-            return 1 - starts(self.seed, step, self.batch_size, t)[:, 1:].sum().item() / (self.batch_size * t)
+            return t - starts(self.seed, step, self.batch_size, t)[:, 1:].sum(1)
         return None
+
+    def density(self, step: int) -> float | None:
+        """Global batch `step`'s real targets over its targets (loop/tokens.py), None where every one is."""
+        real = self.real_targets(step)
+        return None if real is None else real.sum().item() / (self.batch_size * self.workload.input_shape[0])
 
     def batch(self, step: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """Rank `rank`'s contiguous share of global batch `step` (the whole batch when world_size == 1).

@@ -32,19 +32,18 @@ def run_facts(config) -> dict:
 
 
 def _uneven(config) -> dict:
-    """With --tokens padded: the real tokens of one rank's equal share of the batch (1/N of its rows, N
-    the devices), the least and the most of every share of every step the run trains, and their mean."""
+    """With --tokens padded or packed: the real tokens of one rank's equal share of the batch (1/N of its
+    rows, N the devices), the least and the most of every share of every step the run trains, and their mean."""
     if getattr(config, "tokens", "even") == "even":
         return {}
     from parallel.loop.tokens import weighable
-    from parallel.models.data import lengths, starts
     from parallel.models.usermodel import workload_of
 
     workload = workload_of(config)
-    t, n, b = workload.input_shape[0], max(1, config.world_size), config.batch_size
-    per_row = (lambda step: lengths(config.seed, step, b, t)) if config.tokens == "padded" else \
-        (lambda step: t - starts(config.seed, step, b, t)[:, 1:].sum(1))  # packed: targets not before a BOS
-    shares = [int(s.sum()) for step in range(config.warmup + config.steps) for s in per_row(step).split(b // n)]
+    n, b = max(1, config.world_size), config.batch_size
+    data = workload.dataset(config.seed, b)
+    shares = [int(s.sum()) for step in range(config.warmup + config.steps)
+              for s in data.real_targets(step).split(b // n)]
     return {"tokens": config.tokens, "real_tokens_per_share": [min(shares), max(shares)],
             "real_tokens_mean": sum(shares) / len(shares), "shares": n,
             "own_mean_loss": not weighable(workload)}  # a loss the harness cannot weigh (loop/tokens.py)
