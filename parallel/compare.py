@@ -290,10 +290,9 @@ def run_strategies(config: RunConfig, chosen: list[tuple], baseline: bool = True
                 pair_rounds(rows, timings, paired)
                 flag(rows, baseline)
                 on_row(rows)
-            flag(rows, baseline)
-            if blocks:  # over the fastest that matched, of those flag() left unflagged
+            if blocks:  # over the fastest that matched, of those flag() left unflagged (each row flagged above)
                 twin.relative(rows, timings)
-            on_row(rows)
+                on_row(rows)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return rows

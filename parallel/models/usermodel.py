@@ -89,30 +89,30 @@ def workload_of(config) -> Workload:
         return user
     user = user.with_tokens(tokens)
     if user.targets:  # once a process for each model and seed
-        _takes_padding(user, (config.model, config.vocab, config.seq_len, config.data, twin, config.seed))
+        _takes_padding(user, (config.model, config.vocab, config.seq_len, config.data, twin), config.seed)
     return user
 
 
 _PADDING_CHECKED: set[tuple] = set()
 
 
-def _takes_padding(workload: UserWorkload, key: tuple) -> None:
+def _takes_padding(workload: UserWorkload, model: tuple, seed: int) -> None:
     """A model that computes its own loss from the targets it is given must leave padding's targets out
     (IGNORE, -100: cross-entropy's default and Hugging Face's): a sample with one such target through it,
     or ConfigError."""
-    if key in _PADDING_CHECKED:
+    if (model, seed) in _PADDING_CHECKED:
         return
-    x, y = workload.dataset(key[-1], 2).batch(0)
+    x, y = workload.dataset(seed, 2).batch(0)
     y = y.clone()
     y[:, -1] = IGNORE  # whatever lengths were drawn, the sample holds padding's target
     try:
         with torch.no_grad():
-            outputs.call(workload.build_model(key[-1]).eval(), x, y)
+            outputs.call(workload.build_model(seed).eval(), x, y)
     except (IndexError, RuntimeError, ValueError) as e:
         raise ConfigError(f"--tokens {workload.tokens}: your model's own loss fails on padding's target "
                           f"{IGNORE} ({outputs.first_line(e)}); leave it out with ignore_index={IGNORE} "
                           "(cross-entropy's default), or return the logits alone") from None
-    _PADDING_CHECKED.add(key)
+    _PADDING_CHECKED.add((model, seed))
 
 
 def shape_model(config) -> nn.Module:
