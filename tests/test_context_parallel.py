@@ -165,7 +165,8 @@ def test_preflight_on_gpus_plans_the_sequence_strategies_on_the_transformer(stri
     config = RunConfig(devices="cuda:0,1").validate()  # the preflight's own workload, cnn: no attention
     found = preflight.elsewhere_names(config, ["all"])
     names = found["sequence"]
-    assert names == ["context_parallel", "fsdp_cp", "torch_cp"] and found["experts"] == ["expert_parallel"]
+    assert names == ["context_parallel", "fsdp_cp", "torch_cp", "ulysses", "fsdp_ulysses"]
+    assert found["experts"] == ["expert_parallel"]
     assert preflight.elsewhere_names(RunConfig(devices="cpu:2").validate(), ["all"]) == {}  # the suite covers CPU
     seq = RunConfig(devices="cuda:0,1", **preflight.SEQUENCE_RUN).validate()
     chosen, skipped = select_runs(seq, names, strict=False)

@@ -137,9 +137,9 @@ def _cheapest(s) -> tuple[str, str]:
     return workload, "cpu:2" if not s.available(CPU2) else "cpu:4"
 
 
-# Judged, with their measurements, in test_context_parallel.py and test_experts.py (the suite's time); torch_cp
-# runs on CUDA only.
-OWN_PARITY = {"context_parallel", "fsdp_cp", "expert_parallel"}
+# Judged, with their measurements, in test_context_parallel.py, test_ulysses.py and test_experts.py (the suite's
+# time); torch_cp runs on CUDA only.
+OWN_PARITY = {"context_parallel", "fsdp_cp", "ulysses", "fsdp_ulysses", "expert_parallel"}
 FAST_PARITY = [(s.name, *_cheapest(s)) for s in strategies.all_strategies()
                if s.synchronous and s.name != "single" and not s.available(CPU4) and s.name not in OWN_PARITY]
 # Judged against `single` by their own module's tests already (in float64, within MARGIN), so not run twice (the

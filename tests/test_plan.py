@@ -4,6 +4,7 @@ tiny model, the shapes against real modules, the data-parallel bytes against the
 layer's activations against autograd's, the published rows within the issue's bounds, the search, and the
 command line. In-process and fast: nothing trains here."""
 
+import dataclasses
 import json
 import shutil
 
@@ -163,7 +164,8 @@ def test_data_parallel_bytes_are_the_ones_the_runs_measure(zero, name, options):
     assert sent == pytest.approx(strategies.get(name).comm_bytes_predicted(model, config), rel=1e-5)
 
 
-@pytest.mark.parametrize("name, lay", [("manual_tp", Layout(tp=2, mbs=8)), ("context_parallel", Layout(cp=2, mbs=8))])
+@pytest.mark.parametrize("name, lay", [("manual_tp", Layout(tp=2, mbs=8)), ("context_parallel", Layout(cp=2, mbs=8)),
+                                       ("ulysses", Layout(cp=2, mbs=8, ulysses=2))])
 def test_tensor_and_context_parallel_bytes_are_the_ones_the_runs_measure(name, lay):
     """The planner's per-layer collectives on this project's transformer (2 blocks, width 128, context 32,
     batch 8 on 2 ranks, fp32): Megatron's 4 all-reduces a block, and ring attention's 3 (cp-1) K, V blocks,
@@ -178,8 +180,10 @@ def test_tensor_and_context_parallel_bytes_are_the_ones_the_runs_measure(name, l
     group = lay.tp * lay.cp
     per_layer = sum((fwd + bwd) * formulas.wire_bytes(kind, nbytes, group)
                     for kind, nbytes, fwd, bwd in cost.layer_traffic(spec, lay, Training(1, "fp32")).values())
+    run = strategies.get(name).run(config)
     theirs = strategies.get("manual_tp").comm_bytes_predicted(model, config) if name == "manual_tp" else \
-        context.attention_bytes_predicted(model, strategies.get("context_parallel").run(config), 2)
+        context.attention_bytes_predicted(model, run, 2) if name == "context_parallel" else \
+        context.a2a_bytes_predicted(model, run, 2)
     assert spec.layers * per_layer == pytest.approx(theirs, rel=1e-9) and theirs > 0
 
 
@@ -221,6 +225,28 @@ def test_the_search_finds_a_layout_at_least_as_fast_as_the_published_gpt3_run():
     assert fits == sorted(fits, key=lambda r: r["step_s"]) and all(r["fits"] for r in fits)
     assert all(r["layout"]["tp"] * r["layout"]["pp"] * r["layout"]["dp"] == 1024 for r in fits)
     assert "fastest" in search.explain(fits[0], fits[1:], tried)
+
+
+def test_the_search_splits_a_sequence_by_ring_all_to_all_or_both_within_the_heads_bound():
+    """Llama 3 8B (32 heads, 8 kv) at 128K tokens on 16 GPUs: cp takes ring, all-to-all and the hybrid, the
+    all-to-all never over more ranks than the heads a tp rank holds; each mode's bytes by its formula, its
+    memory the turned heads' output more, and `explain` names the mode it picks beside the others."""
+    model, cl = dataclasses.replace(models.PRESETS["llama3-8b"], seq=131072), cluster(16, "h100")
+    fits, tried, _ = search.search(model, cl, Training(64), {"cp": 8, "tp": 2, "dp": 1})
+    modes = {r["layout"]["ulysses"] for r in fits}
+    assert modes == {1, 2, 4, 8}  # 16 heads on a tp rank: all-to-all up to 8 (4 kv heads: each sent twice at 8)
+    fits16, _, _ = search.search(model, cl, Training(64), {"cp": 16, "tp": 1, "dp": 1})
+    assert {r["layout"]["ulysses"] for r in fits16} == {1, 2, 4, 8, 16}
+    lay = Layout(tp=2, cp=8, mbs=1, ulysses=4)
+    traffic = cost.layer_traffic(model, lay, Training(64))
+    assert set(traffic) == {"tp", "a2a", "cp"} and traffic["cp"][2:] == (1, 2)  # a ring of 2: 1 hop, 2 back
+    ring_only = cost.layer_traffic(model, dataclasses.replace(lay, ulysses=1), Training(64))["cp"]
+    assert traffic["cp"][1] == ring_only[1]  # 4x the positions, 1/4 of the kv heads a rank: the same block
+    turned = pm.layer_activations(model, lay, Training(64)) - pm.layer_activations(
+        model, dataclasses.replace(lay, ulysses=1), Training(64))
+    assert turned == pytest.approx(2 * 131072 / 8 * model.hidden / 2)  # heads' output again (bf16): s/cp, h/tp
+    text = search.explain(fits[0], fits[1:], tried)
+    assert "its sequence split over cp 8 by" in text and "against" in text
 
 
 def test_a_layout_that_needs_more_than_a_gpu_has_does_not_fit():
@@ -283,6 +309,9 @@ LLAMA = ["--preset", "llama3-8b", "--gpus", "8", "--global-batch", "64"]  # a de
      "--gpus-per-node must be at least 1, got 0"),
     (["--preset", "gpt3-175b", "--gpus", "8", "--global-batch", "8", "--stack", "megatron-2022", "--cp", "2"],
      "--stack megatron-2022 has no context parallelism: --cp 1 or --stack torch"),
+    ([*LLAMA, "--cp", "4", "--ulysses", "8"], "--ulysses 8 does not divide --cp 4"),
+    ([*LLAMA, "--tp", "8", "--ulysses", "8"], "--ulysses 8: the all-to-all over 8 ranks splits the heads, and 4 do "
+     "not divide by 8"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
     assert cli.main(["plan", *args]) == 2

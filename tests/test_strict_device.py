@@ -147,7 +147,8 @@ def _before_the_fix(t, batch):
 SPMD = [("manual_ddp", "cnn", {}), ("ddp", "cnn", {}), ("zero", "cnn", {"zero_stage": 2}),
         ("zero_optimizer", "cnn", {}), ("fsdp", "cnn", {}), ("manual_tp", "transformer", {}),
         ("tensor_parallel", "transformer", {}), ("pipeline_dist", "cnn", {}), ("context_parallel", "transformer", {}),
-        ("fsdp_cp", "transformer", {}), ("expert_parallel", "moe", {})]
+        ("fsdp_cp", "transformer", {}), ("ulysses", "transformer", {}), ("fsdp_ulysses", "transformer", {}),
+        ("expert_parallel", "moe", {})]
 FOUR = [("fsdp_tp", "transformer", {}), ("fsdp_pp", "cnn", {})]  # dp x tp, dp x pp: at least 4 ranks
 # What cannot run under the stand-in, and why:
 NOT_HERE = {

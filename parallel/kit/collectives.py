@@ -59,3 +59,29 @@ def sum_gradients(params, divide_by: int, group=None) -> None:
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, out_splits, in_splits):
+        ctx.group, ctx.splits = group, (out_splits, in_splits)
+        x = x.contiguous()  # the collective reads and writes memory in row order (a gradient may be strided)
+        out = x.new_empty((sum(out_splits), *x.shape[1:])) if out_splits else torch.empty_like(x)
+        td.all_to_all_single(out, x, out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return all_to_all(grad, ctx.group, in_splits, out_splits), None, None, None
+
+
+def all_to_all(x: torch.Tensor, group, out_splits: list[int] | None = None,
+               in_splits: list[int] | None = None) -> torch.Tensor:
+    """Rows of `x` (dim 0) to the ranks of `group`: in_splits[r] of them to rank r, out_splits[r] received
+    from it (None: equal chunks, one a rank). Differentiable: the backward is the same all-to-all with the
+    splits swapped, so each row's gradient goes home to the rank that sent it (expert parallelism's
+    dispatch, Ulysses' turn between a split of the sequence and a split of the heads). torch's own,
+    torch.distributed.nn.functional.all_to_all_single, is deprecated in 2.13 for the functional
+    collectives'."""
+    return _AllToAll.apply(x, group, out_splits, in_splits)

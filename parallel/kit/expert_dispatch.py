@@ -5,7 +5,7 @@ through those experts, and back (strategies/model/expert_parallel.py puts a `Dis
     rows --------- all-to-all, splits = rows per destination rank ---->  the rank's experts on them
     y <------------------ all-to-all, the splits swapped -------------  outputs go home, gate-weighted there
 
-`_AllToAll` is a torch.autograd.Function: its backward is the all-to-all with the splits swapped, so each
+`collectives.all_to_all` is differentiable: its backward is the all-to-all with the splits swapped, so each
 expert's gradient is of every row routed to it, from every rank of the group. The received rows are
 source-major (all of rank 0's, then rank 1's), each source's by expert: they are regrouped by expert
 for the experts, and put back before the return trip.
@@ -18,26 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as td
 
+from parallel.kit.collectives import all_to_all
 from parallel.models.moe import MoE, Routing, combine, run_experts
-
-
-class _AllToAll(torch.autograd.Function):
-    """Rows to the ranks of `group`: in_splits[r] of them to rank r, out_splits[r] from it. Backward: the
-    gradients back the same way, the splits swapped."""
-
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        td.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        td.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return back, None, None, None
 
 
 @dataclass
@@ -83,8 +65,8 @@ class Dispatch:
         self.assigned += x.shape[0] * moe.top_k
         rows = x[routing.token]  # (R, C), sorted by expert: the rows for rank r are contiguous
         send, recv, grid = self.plan(routing.counts)
-        got = _AllToAll.apply(rows, recv, send, self.group) if self.group is not None else rows
+        got = all_to_all(rows, self.group, recv, send) if self.group is not None else rows
         order = self.order(grid)
         out = self.run(moe.experts, got[order], grid.sum(0).tolist())[torch.argsort(order)]  # back to as received
-        back = _AllToAll.apply(out, send, recv, self.group) if self.group is not None else out
+        back = all_to_all(out, self.group, send, recv) if self.group is not None else out
         return self.combine(x, routing, back)

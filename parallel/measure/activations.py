@@ -31,6 +31,7 @@ import math
 import torch
 from torch import nn
 
+from parallel.kit.ulysses import Ulysses
 from parallel.measure.formulas import element_bytes
 from parallel.world.dist import local
 
@@ -39,14 +40,16 @@ BYTES = 4  # fp32
 
 def formula(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, kernel: str = "fused",
             recompute: str = "none", elem: int = BYTES, dropout: bool = False, kv: float = 1.0, ffn: float = 4.0,
-            gated: bool = False, stats: int = BYTES) -> dict[str, float]:
+            gated: bool = False, stats: int = BYTES, turned: bool = False) -> dict[str, float]:
     """The named terms, in bytes, of one layer on one rank (`s`: the positions this rank's layer sees
     outside its split regions; `t`: tensor-parallel ranks; `sp`: sequence parallel). Their sum is the
     prediction. The defaults are this project's block; the planner (parallel/plan) gives Megatron's:
     `elem` 2 (16-bit), `dropout` (a 1-byte mask after attention, after the MLP and on the softmax: the
     paper's 34 sbh + 5 as^2 b), `kv` the share of K, V heads (grouped-query attention), `ffn` the MLP's
     width over h and `gated` (SwiGLU keeps gate, up and their product); `stats` the bytes of a norm's
-    statistics and the attention's log-sum-exp (fp32, but 8 under --precision fp64)."""
+    statistics and the attention's log-sum-exp (fp32, but 8 under --precision fp64); `turned`: Ulysses'
+    all-to-all (kit/ulysses.py) keeps the heads' output twice, at every position of its heads (attention's)
+    and at its own positions of every head (the projection's input), sbh more."""
     sbh = s * b * h
     if recompute == "full":
         return {"input": elem * sbh / (t if sp else 1)}
@@ -54,10 +57,17 @@ def formula(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, kernel
     kept = 1 + 2 * kv + 1 + (3 if gated else 2) * ffn  # q, k, v, the heads' output, the MLP's inner tensors
     terms = {"whole": (4 * elem + 2 * dropout) * sbh / whole, "split": kept * elem * sbh / t,
              "norms": 4 * stats * s * b / whole}
+    if turned:
+        terms["a2a"] = elem * sbh / t
     if recompute == "none":
         softmax = elem + (1 + elem) * dropout  # its output (and the dropout's mask and output)
         terms["core"] = softmax * a * s * s * b / t if kernel == "math" else stats * a * s * b / t
     return terms
+
+
+def _turned_lse(shape: tuple, b: int, count: int) -> bool:
+    """A log-sum-exp of fewer heads over more positions (b, heads / U, s U): Ulysses' attention."""
+    return len(shape) in (3, 4) and shape[0] == b and shape[1] * shape[2] == count and shape[3:] in ((), (1,))
 
 
 def block_of(model: nn.Module) -> nn.Module | None:
@@ -143,7 +153,7 @@ class LayerMeter:
         # one) s padded to 32; the math one keeps none
         b, s_in, mine = self.input_shape[0], self.input_shape[1], self.heads()[1]
         lse = {(b, mine, s_in), (b, mine, s_in, 1), (b, mine, -(-s_in // 32) * 32)}
-        fused = any(x in lse for x in self.shapes)
+        fused = any(x in lse or _turned_lse(x, b, mine * s_in) for x in self.shapes)
         self.kernel = "recomputed" if recompute != "none" else "fused" if fused else "math"
         self.bytes = sum(self._storages.values())
 
@@ -174,7 +184,8 @@ class LayerMeter:
         sp = t > 1 and s_in * t == seq_len
         cp = seq_len // s_in if t == 1 else 1
         s = s_in * t if sp else s_in  # the positions inside the split regions
-        terms = formula(s, b, h, a, t, sp, self.kernel, recompute, elem=elem, stats=elem)
+        turned = isinstance(self.block.attn.attend, Ulysses) and recompute != "full"
+        terms = formula(s, b, h, a, t, sp, self.kernel, recompute, elem=elem, stats=elem, turned=turned)
         gathered = [x for x in self.shapes if sp and x[-1] == h and math.prod(x[:-1]) == b * seq_len]
         return {"layer_activation_bytes": self.bytes, "layer_activation_terms": terms,
                 "layer_activation_gathered": len(gathered),  # saved whole-sequence (b, s, h) under SP

@@ -1,35 +1,37 @@
-"""The context family's measurement (context_parallel, fsdp_cp: every sequence split between the ranks of
-a group, attention by kit.ring_attention): the K,V bytes beside the ring's formula, the causal (query,
-key) pairs each rank computes and its attention time alone (its layout's balance), the activations a
-rank saves against one device's on the whole sequence; the report's table and picture of them.
+"""The context family's measurement (context_parallel, fsdp_cp, ulysses, fsdp_ulysses: every sequence split
+between the ranks of a group, attention by kit.ring_attention or kit.ulysses): the attention's bytes beside
+its formula, the causal (query, key) pairs each rank computes and its attention time alone (its layout's
+balance), the activations a rank saves against one device's on the whole sequence; the report's table
+and picture of them.
 
     MEASURE = context.Context(dims, local_loss)                         # context_parallel
     MEASURE = context.Context(dims, context_parallel.local_loss, fsdp_blocks=fsdp.blocks)  # fsdp_cp
+    MEASURE = context.Context(dims, local_loss, attention_bytes=context.a2a_bytes_predicted)  # ulysses
 
 It is lent the strategy's layout (`dims`: config -> ParallelDims, cp ranks per group), its loss on a
-rank's slice, and for FSDP2 the blocks it shards; it finds the ring itself, in the model's attention."""
+rank's slice, for FSDP2 the blocks it shards, and the formula of its attention's bytes (the ring's by
+default); it finds the ring or the all-to-all itself, in the model's attention."""
 
 from __future__ import annotations
 
 import contextlib
 import statistics
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
-from rich.table import Table
+import torch.nn.functional as F
 from torch import nn
 
 from parallel import measure
 from parallel.kit.collectives import every_rank
 from parallel.kit.ring_attention import Ring, work_alone
 from parallel.kit.tensors import param_bytes
-from parallel.loop.results import Row
+from parallel.kit.ulysses import heads_problem, kv_heads_sent
 from parallel.measure.formulas import element_bytes
 from parallel.measure.sharded_cost import allreduce_every_gradient
-from parallel.style import charts, tables
-from parallel.style.tables import count, largest, size
 from parallel.world.devices import synchronizer
 from parallel.world.dist import local
 
@@ -40,10 +42,10 @@ class Result:
 
     FAMILY: ClassVar[str] = "context"
     cp: int = 1  # ranks per context-parallel group
-    layout: str = ""  # contiguous, zigzag
-    comm: str = ""  # ring, allgather
+    layout: str = ""  # contiguous, zigzag; a2a (ulysses), "a2a 2 x zigzag" with a ring of 2 inside
+    comm: str = ""  # ring, allgather; "" for the all-to-all alone
     kv_block_bytes: float = 0.0  # one rank's K,V block, one attention layer
-    attention_bytes_predicted: float = 0.0  # K,V around the group per rank and step: 3 (cp-1) blocks a layer
+    attention_bytes_predicted: float = 0.0  # per rank and step: the ring's 3 (cp-1) blocks a layer; a2a_bytes
     causal_pairs_per_rank: list = field(default_factory=list)  # (q, k) pairs per head, sequence, attention call
     causal_pairs_formula: list = field(default_factory=list)  # the layout's sum over positions, ranks 0..cp-1
     attention_ms_per_rank: list = field(default_factory=list)  # its attention alone, forward and backward
@@ -51,6 +53,7 @@ class Result:
     attention_activation_bytes_per_rank: list = field(default_factory=list)  # of them, inside attention
     single_activation_bytes_per_rank: list = field(default_factory=list)  # the whole sequence on one device
     single_attention_activation_bytes_per_rank: list = field(default_factory=list)
+    bytes_by_ranks: dict = field(default_factory=dict)  # {"ranks", "ring", "a2a"}: each mode's formula at 2-16
 
 
 class Context(measure.Family):
@@ -59,15 +62,16 @@ class Context(measure.Family):
     over every rank (fsdp_cp), None where the gradients are all-reduced (context_parallel)."""
 
 
-    def __init__(self, dims, loss, fsdp_blocks=None):
+    def __init__(self, dims, loss, fsdp_blocks=None, attention_bytes=None):
         self.dims, self.loss, self.fsdp_blocks = dims, loss, fsdp_blocks
+        self.attention_bytes = attention_bytes or attention_bytes_predicted
 
     def comm_bytes_predicted(self, model, run) -> float:
         """The K,V ring and the gradients' reduction: one all-reduce of every gradient, or FSDP2's
         collectives of the parameters, each (N-1)/N of their bytes: a reduce-scatter, and an all-gather in
         forward and again in backward, but the root's parameters (those no block holds: the embeddings)
         are gathered once, as FSDP2 keeps the root unsharded between its forward and backward."""
-        ring = attention_bytes_predicted(model, run, self.dims(run).cp)
+        ring = self.attention_bytes(model, run, self.dims(run).cp)
         if self.fsdp_blocks is None:
             return ring + allreduce_every_gradient(model, run)
         n, p = run.world_size, param_bytes(model.parameters())
@@ -76,20 +80,21 @@ class Context(measure.Family):
 
     def extra_measurements(self, t, data, run, dist, result) -> dict:
         """Bytes beside the formula, each rank's causal pairs and attention time, activations per rank."""
-        lay, ring = self.dims(run, dist), t.model.attentions()[0].attend  # the kit.Ring every layer calls
+        lay, attend = self.dims(run, dist), t.model.attentions()[0].attend  # the kit.Ring or Ulysses of every layer
         cp, batch = lay.cp, data.batch(0, *lay.batch_share(dist.rank))
-        with counting_pairs(ring) as pairs:
+        with counting_pairs(attend, (a := t.model.attentions()[0]).q.out_features // a.head_size) as pairs:
             mine, mine_attention = saved_bytes(t.model, lambda: self.loss(t, batch))
         whole, whole_attention = single_saved_bytes(t.model, t.loss_fn, [b.to(t.device) for b in batch])
-        out = Result(cp, ring.split.name, ring.comm, kv_bytes(t.model, run, cp),
-                     attention_bytes_predicted(t.model, run, cp),
-                     causal_pairs_per_rank=every_rank(pairs[0] // len(t.model.attentions())),
-                     causal_pairs_formula=[ring.split.causal_pairs(r) for r in range(cp)],
-                     attention_ms_per_rank=every_rank(round(attention_ms(t.model, ring, len(batch[0]), t.device), 3)),
+        out = Result(cp, *kind(attend), kv_bytes(t.model, run, cp), self.attention_bytes(t.model, run, cp),
+                     causal_pairs_per_rank=every_rank(round(pairs[0] / len(t.model.attentions()))),
+                     causal_pairs_formula=pairs_formula(attend, run.workload.input_shape[0], cp),
+                     attention_ms_per_rank=every_rank(round(attention_ms(t.model, attend, len(batch[0]), t.device,
+                                                                          run.workload.input_shape[0]), 3)),
                      activation_bytes_per_rank=every_rank(mine),
                      attention_activation_bytes_per_rank=every_rank(mine_attention),
                      single_activation_bytes_per_rank=every_rank(whole),
-                     single_attention_activation_bytes_per_rank=every_rank(whole_attention))
+                     single_attention_activation_bytes_per_rank=every_rank(whole_attention),
+                     bytes_by_ranks=bytes_by_ranks(t.model, run, cp))
         return {"bytes_per_step_by_collective": result.wire.per_step(), Result.FAMILY: out}
 
 
@@ -99,8 +104,7 @@ class Context(measure.Family):
 def kv_bytes(model: nn.Module, run, cp: int) -> float:
     """The bytes of one rank's K,V block, one attention layer: 2 x (B/dp) x (T/cp) x width x 4 (2 under
     --precision bf16: the projections' outputs are bf16 there; 8 under fp64)."""
-    width, element = model.attentions()[0].q.out_features, 2 if run.precision == "bf16" else element_bytes(
-        run.precision)
+    width, element = model.attentions()[0].q.out_features, _element(run)
     rows, positions = run.batch_size // (run.world_size // cp), run.workload.input_shape[0] // cp
     return 2 * rows * positions * width * element
 
@@ -111,26 +115,101 @@ def attention_bytes_predicted(model: nn.Module, run, cp: int) -> float:
     return 3 * (cp - 1) * kv_bytes(model, run, cp) * len(model.attentions())
 
 
+def a2a_bytes_predicted(model: nn.Module, run, cp: int) -> float:
+    """Ulysses per rank and step (kit/ulysses.py): each attention layer's four all-to-alls forward (q, k, v,
+    out) and four backward (their gradients), each (U-1)/U of a tensor at s/cp positions, k and v with the
+    kv heads they carry; with --ring R, beside them the ring's 3 (R-1) K,V blocks of s/R positions and
+    H/U heads (U = cp / R)."""
+    a, ring = model.attentions()[0], run.options.ring
+    u, element = cp // ring, _element(run)
+    rows, positions = run.batch_size // (run.world_size // cp), run.workload.input_shape[0] // cp
+    width = a.q.out_features
+    kv = kv_heads_sent(a.k.out_features // a.head_size, u) * a.head_size
+    a2a = 2 * (u - 1) / u * rows * positions * (2 * width + 2 * kv) * element
+    around = 3 * (ring - 1) * 2 * rows * positions * u * (width // u) * element
+    return (a2a + around) * len(model.attentions())
+
+
+def bytes_by_ranks(model: nn.Module, run, cp: int) -> dict[str, list]:
+    """The ring's and the all-to-all's attention bytes per rank and step, had P = 2, 4, 8, 16 ranks split
+    this run's sequences (its batch share a group, its heads): where their lines cross on a picture. The
+    ring's stay near constant (3 (P-1) blocks of s/P), the all-to-all's fall as 1/P (8 (P-1)/P tensors of
+    s/P); None where P does not divide the sequence or the heads bound the all-to-all."""
+    a, seq, element = model.attentions()[0], run.workload.input_shape[0], _element(run)
+    heads, kv_heads, width = a.q.out_features // a.head_size, a.k.out_features // a.head_size, a.q.out_features
+    rows, layers, out = run.batch_size // (run.world_size // cp), len(model.attentions()), defaultdict(list)
+    for p in (2, 4, 8, 16):
+        if seq % (2 * p):
+            continue
+        tensor = rows * seq / p * width * element * layers  # q (or out) at s/P positions, every layer
+        kv = kv_heads_sent(kv_heads, p) / heads
+        out["ranks"].append(p)
+        out["ring"].append(3 * (p - 1) * 2 * tensor)
+        out["a2a"].append(None if heads_problem(heads, kv_heads, p) else 2 * (p - 1) / p * (2 + 2 * kv) * tensor)
+    return dict(out)
+
+
+def _element(run) -> int:
+    """Bytes an element of attention's inputs: 2 under bf16 (the projections' outputs), else the precision's."""
+    return 2 if run.precision == "bf16" else element_bytes(run.precision)
+
+
 # What is measured --------------------------------------------------------------------------------------
 
 
+def kind(attend) -> tuple[str, str]:
+    """(layout, comm) of a Ring or a Ulysses, for the table: "zigzag", "ring"; "a2a", ""; "a2a 2 x zigzag", "ring"."""
+    if isinstance(attend, Ring):
+        return attend.split.name, attend.comm
+    ring = attend.ring
+    return ("a2a", "") if ring is None else (f"a2a {attend.size} x {ring.split.name}", ring.comm)
+
+
+def pairs_formula(attend, seq: int, cp: int) -> list[int]:
+    """The causal (q, k) pairs per head and sequence of each rank of the group, by its layout: the ring's
+    sum over positions; under Ulysses the whole sequence's, or its ring rank's, over U (it computes 1/U
+    of the heads)."""
+    if isinstance(attend, Ring):
+        return [attend.split.causal_pairs(r) for r in range(cp)]
+    u, ring = attend.size, attend.ring
+    return [(seq * (seq + 1) // 2 if ring is None else ring.split.causal_pairs(c // u)) // u for c in range(cp)]
+
+
 @contextlib.contextmanager
-def counting_pairs(ring: Ring):
-    """Yields [pairs]: the (query, key) pairs per head and sequence of every product the ring hands its
-    kernels inside the block, counted by wrapping its `blocks` on the instance (its own again after)."""
-    total, blocks = [0], ring.blocks
+def counting_pairs(attend, heads: int):
+    """Yields [pairs]: the (query, key) pairs per head of the model and sequence of every product the
+    attention hands its kernels inside the block: the ring's counted by wrapping its `blocks`, Ulysses'
+    by wrapping its `attention` (the heads it was given over the model's), on the instances."""
+    total, share = [0.0], [1.0]
+    ring = attend if isinstance(attend, Ring) else attend.ring
+    wrapped = []
+    if ring is not None:
+        blocks = ring.blocks
 
-    def counted(src):
-        out = blocks(src)
-        total[0] += sum((qi.stop - qi.start) * (ki.stop - ki.start) - (0 if m is None else int(m.sum()))
-                        for qi, ki, m, _ in out)
-        return out
+        def counted(src):
+            out = blocks(src)
+            total[0] += share[0] * sum((qi.stop - qi.start) * (ki.stop - ki.start) - (0 if m is None else int(m.sum()))
+                                       for qi, ki, m, _ in out)
+            return out
 
-    ring.blocks = counted
+        ring.blocks = counted
+        wrapped.append((ring, "blocks"))
+    if not isinstance(attend, Ring):
+        attention = attend.attention
+
+        def counted_attention(q, k, v):
+            share[0], length = q.shape[1] / heads, q.shape[2]
+            if ring is None:  # one causal product over the group's whole sequence
+                total[0] += share[0] * length * (length + 1) // 2
+            return attention(q, k, v)
+
+        attend.attention = counted_attention
+        wrapped.append((attend, "attention"))
     try:
         yield total
     finally:
-        del ring.blocks  # the class's method again
+        for holder, name in wrapped:
+            delattr(holder, name)  # the class's method again
 
 
 @contextlib.contextmanager
@@ -169,6 +248,7 @@ def saved_bytes(model: nn.Module, result) -> tuple[int, int]:
                 return attend(q, k, v)
             finally:
                 inside[0] = False
+        call.grouped = getattr(attend, "grouped", False)  # k, v as the attention takes them (kit/ulysses.py)
         return call
 
     with attending(model, flagged), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -185,86 +265,34 @@ def single_saved_bytes(model: nn.Module, loss_fn, batch) -> tuple[int, int]:
         return saved_bytes(model, lambda: loss_fn(model(x), y))
 
 
-def attention_ms(model: nn.Module, ring: Ring, batch_rows: int, device, rounds: int = 5) -> float:
-    """Median ms of this rank's attention work, forward and backward, every block of the group held
-    locally (no communication): the causal work its layout gives it."""
+def attention_ms(model: nn.Module, attend, batch_rows: int, device, seq: int, rounds: int = 5) -> float:
+    """Median ms of this rank's attention work, forward and backward, without communication: the ring's
+    every block of the group held locally (the causal work its layout gives it); Ulysses' attention on
+    its heads over the group's positions."""
     a = model.attentions()[0]
-    heads, d, length = a.q.out_features // a.head_size, a.head_size, len(ring.split.positions(ring.rank))
+    heads, d = a.q.out_features // a.head_size, a.head_size
+    ring = attend if isinstance(attend, Ring) else attend.ring
+    length = len(ring.split.positions(ring.rank)) if ring is not None else None
+    if not isinstance(attend, Ring):
+        heads, length = heads // attend.size, length or seq
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(batch_rows, heads, length, d, generator=g).to(device) for _ in range(3))
     sync, times = synchronizer(device), []
     for i in range(rounds + 1):
         sync()
         start = time.perf_counter()
-        work_alone(ring, q, k, v)
+        if ring is not None:
+            work_alone(ring, q, k, v)
+        else:
+            causal_alone(q, k, v)
         sync()
         if i:
             times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
 
 
-# What is shown -----------------------------------------------------------------------------------------
-
-
-def rows_of(rows: list[Row]) -> list[tuple[Row, Result]]:
-    return [(r, res) for r in rows if (res := measure.result_of(r, Result)) is not None]
-
-
-def by_rank(values, show) -> str:
-    """Each rank's value, shown, one after another."""
-    return " ".join(show(v) for v in values or [] if v is not None) or "-"
-
-
-def ms(v: float) -> str:
-    return f"{v:.0f}" if v >= 10 else f"{v:.2g}"
-
-
-def sent(r: Row) -> str:
-    """Bytes a rank sent per step, and the prediction in brackets."""
-    return f"{size(r.comm_bytes_per_step, short=True)} ({size(r.comm_bytes_predicted, short=True)})"
-
-
-def table(rows: list[Row]) -> Table | None:
-    """Every context-parallel row: bytes per step beside the formula, each rank's causal (q, k) pairs and
-    attention time (its layout's balance), and the activations a rank saves against 1/cp of one device's."""
-    chosen = rows_of(rows)
-    if not chosen:
-        return None
-    t = tables.table("Context parallel: bytes against the formula; each rank's causal pairs, attention time, "
-                     "activations", [("strategy", "left"), ("layout", "left"), ("cp", "right"),
-                                     ("sent (formula)", "right"), ("causal pairs", "left"), ("attention ms", "left"),
-                                     ("activations (1/cp of one)", "right")])
-    t.columns[0].no_wrap = True  # a strategy's name whole
-    for r, res in chosen:
-        single = largest(res.single_activation_bytes_per_rank)
-        mine = size(largest(res.activation_bytes_per_rank), short=True)
-        t.add_row(r.strategy, f"{res.layout or '-'} {res.comm}", str(res.cp), sent(r),
-                  by_rank(res.causal_pairs_per_rank[:res.cp], count), by_rank(res.attention_ms_per_rank[:res.cp], ms),
-                  f"{mine} ({size(single / res.cp, short=True)})" if single else mine)
-    return t
-
-
-def per_rank_figure(labels: list[str], times: list, left_label: str, right_label: str):
-    """Two panels sharing one row per rank: the caller draws bars on the left (returned), and the time on
-    the right as dots."""
-    fig, (left, right) = charts.plt().subplots(1, 2, figsize=(9, charts.height(len(labels))), sharey=True)
-    left.set_xlabel(left_label)
-    right.plot([v or 0 for v in times], range(len(labels)), "o", color="#dd8452")
-    right.set_xlabel(right_label)
-    left.set_yticks(range(len(labels)), labels)
-    left.invert_yaxis()
-    return fig, left
-
-
-def picture(rows: list[Row]) -> str | None:
-    """Each context-parallel row's ranks: the causal (q, k) pairs its layout gives them (bars, left) and
-    the attention time measured on them (dots, right)."""
-    chosen = rows_of(rows)
-    if not chosen:
-        return None
-    bars = [(f"{r.label} rank {k}", pairs, t) for r, res in chosen for k, (pairs, t) in enumerate(zip(
-        res.causal_pairs_per_rank[:res.cp], res.attention_ms_per_rank + [None] * res.cp, strict=False))]
-    fig, left = per_rank_figure([b[0] for b in bars], [b[2] for b in bars], "causal (q, k) pairs per head and sequence",
-                                "attention ms (forward + backward, no communication)")
-    left.barh(range(len(bars)), [b[1] for b in bars], color="#4c72b0")
-    return charts.svg(fig)
+def causal_alone(q, k, v) -> None:
+    """Causal attention forward and backward on these tensors, as Ulysses' ranks compute it."""
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # transformer.causal
+    torch.autograd.grad(out, (q, k, v), out)

@@ -22,7 +22,7 @@ from parallel.kit.collectives import every_rank
 from parallel.kit.tensors import param_bytes
 from parallel.loop import wire
 from parallel.loop.results import Row
-from parallel.measure.context import by_rank, ms, per_rank_figure, sent
+from parallel.measure.context_view import by_rank, ms, per_rank_figure, sent
 from parallel.measure.formulas import element_bytes
 from parallel.measure.sharded_cost import ring_allreduce_bytes
 from parallel.style import charts, tables

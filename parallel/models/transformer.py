@@ -167,7 +167,8 @@ class Attention(nn.Module):
     (their width over the head size), so a rank holding some of the heads computes with those; with
     grouped-query attention (kv_heads < heads) each k/v head serves heads / kv_heads query heads, repeated
     to them before `attend`, so that every attention core (the ring of context parallelism too) sees
-    equal heads. rotary: q and k rotated by their positions (RoPE, Su et al. 2021), Llama's."""
+    equal heads, unless the core says it takes them grouped (Ulysses: it sends the kv heads, not copies).
+    rotary: q and k rotated by their positions (RoPE, Su et al. 2021), Llama's."""
 
     def __init__(self, width: int, heads: int, kv_heads: int = 0, rotary: bool = False):
         super().__init__()
@@ -195,7 +196,7 @@ class Attention(nn.Module):
             at = torch.arange(t, device=x.device) if positions is None else \
                 positions if positions.dim() == 2 else positions.reshape(-1)
             q, k = rotate(q, at), rotate(k, at)
-        if (group := q.shape[1] // k.shape[1]) > 1:
+        if (group := q.shape[1] // k.shape[1]) > 1 and not getattr(self.attend, "grouped", False):
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         # (B, heads here, T, head size); packed: inside each document (context parallelism refuses packing)
         y = self.attend(q, k, v) if documents is None else F.scaled_dot_product_attention(q, k, v, attn_mask=documents)

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 
+from parallel.kit.ulysses import heads_problem
 from parallel.plan import models, search
 from parallel.plan.hardware import GPUS, cluster
 from parallel.plan.layouts import ELEM, Training
@@ -45,6 +46,8 @@ def add_parser(sub) -> None:
     f = p.add_argument_group("a fixed configuration (any subset; the rest is searched)")
     for flag in ("tp", "pp", "dp", "cp", "ep", "mbs", "stages-per-rank", "zero-stage"):
         f.add_argument(f"--{flag}", type=int, metavar="N")
+    f.add_argument("--ulysses", type=int, metavar="N", help="of the --cp GPUs, N by all-to-all (Ulysses), a ring "
+                   "across the rest: 1 ring attention alone, N = cp the all-to-all alone")
     f.add_argument("--sequence-parallel", type=int, choices=(0, 1), metavar="0|1")
     f.add_argument("--recompute", choices=("none", "selective", "full"))
     f.add_argument("--schedule", choices=("gpipe", "1f1b", "interleavedzb"), help="pipeline schedule (1f1b; "
@@ -85,7 +88,7 @@ def model_of(args) -> models.ModelShape:
 
 
 def fixed_of(args) -> dict:
-    keys = ("tp", "pp", "dp", "cp", "ep", "mbs", "stages_per_rank", "zero_stage", "recompute", "schedule")
+    keys = ("tp", "pp", "dp", "cp", "ulysses", "ep", "mbs", "stages_per_rank", "zero_stage", "recompute", "schedule")
     fixed = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
     if args.sequence_parallel is not None:
         fixed["sequence_parallel"] = bool(args.sequence_parallel)
@@ -112,6 +115,11 @@ def check(model, cl, train, fixed) -> None:
         fail(f"--tp {fixed['tp']} does not divide the {model.kv} key/value heads")
     if "cp" in fixed and model.seq % fixed["cp"]:
         fail(f"--cp {fixed['cp']} does not divide the sequence of {model.seq}")
+    if "cp" in fixed and fixed["cp"] % fixed.get("ulysses", 1):
+        fail(f"--ulysses {fixed['ulysses']} does not divide --cp {fixed['cp']}")
+    if fixed.get("ulysses", 1) > 1 and (why := heads_problem(model.heads // fixed.get("tp", 1),
+                                                              model.kv // fixed.get("tp", 1), fixed["ulysses"])):
+        fail(f"--ulysses {fixed['ulysses']}: {why}")
     if fixed.get("ep", 1) > 1 and not model.experts:
         fail(f"--ep {fixed['ep']}: the model has no experts (--experts E)")
     if model.experts and model.experts % fixed.get("ep", 1):
@@ -171,9 +179,9 @@ def main(args, console) -> int:
     train = Training(args.global_batch, args.precision, **STACKS[args.stack])
     fixed = fixed_of(args)
     if args.stack in NO_CONTEXT_PARALLEL:
-        if fixed.get("cp", 1) != 1:
+        if fixed.get("cp", 1) != 1 or fixed.get("ulysses", 1) != 1:
             raise ConfigError(f"--stack {args.stack} has no context parallelism: --cp 1 or --stack torch")
-        fixed["cp"] = 1
+        fixed["cp"] = fixed["ulysses"] = 1
     check(model, cl, train, fixed)
     results, tried, nearest = search.search(model, cl, train, fixed)
     if not tried:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from parallel.kit.ulysses import kv_heads_sent
 from parallel.measure.replay import CLOSED_FORMS
 from parallel.plan.hardware import Cluster
 from parallel.plan.layouts import ELEM, OPTIMIZERS, Layout, Training, micro_batches, weight_bytes
@@ -65,9 +66,11 @@ def layer_traffic(model: ModelShape, lay: Layout, train: Training) -> dict[str, 
     inputs again (2 all-gathers: one all-reduce's bytes). A full recompute runs each dimension's forward
     collectives again in backward. Context parallel (ring attention): K and V passed cp - 1 times forward, K, V
     and dK, dV twice that backward: 3 (cp - 1) blocks, as this project's ring sends
-    (measure/context.py's attention_bytes_predicted). Experts: the dispatch and combine all-to-alls, forward and
-    backward. tests/test_plan.py holds them to the bytes the tensor- and context-parallel runs predict and
-    measure."""
+    (measure/context.py's attention_bytes_predicted). Ulysses (U of the cp ranks by all-to-all): q, k, v and
+    out turned forward and their gradients backward, k and v with the kv heads they carry, and a ring of the
+    other R = cp / U with H / U heads of s / R positions (a2a_bytes_predicted). Experts: the dispatch and
+    combine all-to-alls, forward and backward. tests/test_plan.py holds them to the bytes the tensor- and
+    context-parallel runs predict and measure."""
     elem = ELEM[train.precision]
     tokens = lay.tokens(model.seq)
     out = {}
@@ -75,9 +78,14 @@ def layer_traffic(model: ModelShape, lay: Layout, train: Training) -> dict[str, 
         backward = 2 + 2 * (lay.recompute == "full") + lay.sequence_parallel
         out["tp"] = ("all_reduce", tokens * model.hidden * elem, 2, backward)
     redo = lay.recompute == "full"  # backward runs the forward's collectives again
-    if lay.cp > 1:
-        kv = 2 * tokens * model.hidden * model.kv / model.heads / lay.tp * elem
-        out["cp"] = ("send", kv, lay.cp - 1, (2 + redo) * (lay.cp - 1))
+    u, ring = lay.ulysses, lay.cp // lay.ulysses
+    if u > 1:
+        kv = kv_heads_sent(model.kv // lay.tp, u) / (model.heads // lay.tp)  # k, v's share of q's bytes
+        out["a2a"] = ("all_to_all", (2 + 2 * kv) * tokens * model.hidden / lay.tp * elem, 1, 1 + redo)
+    if ring > 1:
+        held = kv_heads_sent(model.kv // lay.tp, u) / u  # kv heads a rank holds after the all-to-all
+        kv = 2 * tokens * u * model.hidden / model.heads * held * elem  # K, V of s / ring positions
+        out["cp"] = ("send", kv, ring - 1, (2 + redo) * (ring - 1))
     if model.experts and lay.ep > 1:
         out["ep"] = ("all_to_all", tokens * model.top_k * model.hidden * elem, 2, 2 + 2 * redo)
     return out
@@ -132,7 +140,7 @@ def layer_time(model: ModelShape, lay: Layout, train: Training, cl: Cluster) -> 
         device["backward"] += core + ew_core
     comm = {"forward": {}, "backward": {}}
     for dim, (kind, nbytes, forward, backward) in layer_traffic(model, lay, train).items():
-        group, span = {"tp": (lay.tp, lay.tp), "cp": (2, lay.cp * lay.tp),
+        group, span = {"tp": (lay.tp, lay.tp), "cp": (2, lay.cp * lay.tp), "a2a": (lay.ulysses, lay.ulysses * lay.tp),
                        "ep": (lay.ep, lay.ep * lay.cp * lay.tp)}[dim]
         one = cl.collective_s(kind, nbytes, group, span)
         hidden = core if dim == "cp" else 0.0  # the ring's passes run under the attention core

@@ -21,6 +21,13 @@ class Layout:
     recompute: str = "none"  # none | selective | full
     sequence_parallel: bool = False
     schedule: str = "1f1b"
+    ulysses: int = 1  # of the cp ranks, those whose attention turns by all-to-all (kit/ulysses.py); the other
+    #   cp / ulysses pass K, V around a ring: ulysses 1 ring attention, cp all-to-all alone, between them the hybrid
+
+    @property
+    def cp_mode(self) -> str:
+        """ring, a2a or hybrid: how context parallelism's attention reaches every position."""
+        return "ring" if self.ulysses == 1 else "a2a" if self.ulysses == self.cp else "hybrid"
 
     @property
     def gpus(self) -> int:
@@ -41,9 +48,10 @@ class Layout:
         return math.ceil(model_layers / (self.pp * self.stages_per_rank)) * self.stages_per_rank
 
     def describe(self) -> str:
-        """tp4 pp16 dp16 mbs1 v3 z1 sp sel: the dimensions over 1, micro-batch, interleaving, ZeRO stage,
-        sequence parallel, recompute (sel | full)."""
-        parts = [f"{k}{getattr(self, k)}" for k in ("tp", "pp", "dp", "cp", "ep") if getattr(self, k) > 1] or ["dp1"]
+        """tp4 pp16 dp16 mbs1 v3 z1 sp sel: the dimensions over 1 (cp8 a2a4: 4 of the 8 by all-to-all, a
+        ring of 2 across them), micro-batch, interleaving, ZeRO stage, sequence parallel, recompute."""
+        parts = [f"{k}{getattr(self, k)}" for k in ("tp", "pp", "dp", "cp") if getattr(self, k) > 1] or ["dp1"]
+        parts += [f"a2a{self.ulysses}"] * (self.ulysses > 1) + [f"ep{self.ep}"] * (self.ep > 1)
         parts += [f"mbs{self.mbs}"] + ([f"v{self.stages_per_rank}"] if self.stages_per_rank > 1 else [])
         parts += [f"z{self.zero_stage}"] * (self.zero_stage > 0) + ["sp"] * self.sequence_parallel
         parts += [{"none": "", "selective": "sel", "full": "full"}[self.recompute]]

@@ -63,7 +63,8 @@ def layer_activations(model: ModelShape, lay: Layout, train: Training) -> float:
     terms = activations.formula(model.seq // lay.cp, lay.mbs, model.hidden, model.heads, lay.tp,
                                 lay.sequence_parallel, "math" if train.attention == "unfused" else "fused",
                                 lay.recompute, ELEM[train.precision], train.dropout, model.kv / model.heads,
-                                model.F / model.hidden * (model.top_k if model.experts else 1), model.gated)
+                                model.F / model.hidden * (model.top_k if model.experts else 1), model.gated,
+                                turned=lay.ulysses > 1)
     return sum(terms.values())
 
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import itertools
 
+from parallel.kit.ulysses import heads_problem
 from parallel.plan.cost import predict
 from parallel.plan.hardware import Cluster
 from parallel.plan.layouts import Layout, Training
 from parallel.plan.models import ModelShape
 
-FIELDS = ("tp", "pp", "dp", "cp", "ep", "mbs", "stages_per_rank", "zero_stage", "recompute", "sequence_parallel")
+FIELDS = ("tp", "pp", "dp", "cp", "ulysses", "ep", "mbs", "stages_per_rank", "zero_stage", "recompute",
+          "sequence_parallel")
 
 
 def _powers(limit: int) -> list[int]:
@@ -20,7 +22,8 @@ def _powers(limit: int) -> list[int]:
 def candidates(model: ModelShape, cl: Cluster, train: Training, fixed: dict) -> list[Layout]:
     """Layouts of exactly cl.gpus GPUs: tp a power of two within a node dividing the K, V heads; pp
     dividing the layers or a power of two (the stages then uneven by a layer); cp a power of two up to 8
-    dividing the sequence; ep dividing the experts and dp x cp; mbs a power of two dividing each
+    dividing the sequence, of which ulysses (a power of two) by all-to-all where the heads on a tp rank allow
+    (kit/ulysses.heads_problem), the rest a ring; ep dividing the experts and dp x cp; mbs a power of two dividing each
     data-parallel rank's share of the batch; interleaving only with micro-batches in rounds of pp; ZeRO
     stages, recomputations and interleaving only as the stack runs them (Training). A value in `fixed` (the
     flags given) replaces the options and must pass the same conditions, except that a fixed tp may be any
@@ -38,7 +41,9 @@ def candidates(model: ModelShape, cl: Cluster, train: Training, fixed: dict) -> 
         dp, rest = divmod(n, tp * cp * pp)
         if rest or fixed.get("dp") not in (None, dp) or batch % dp:
             continue
-        for ep, mbs, v, zero, rc, sp in itertools.product(
+        for u, ep, mbs, v, zero, rc, sp in itertools.product(
+                pick("ulysses", _powers(cp), lambda u, tp=tp, cp=cp: cp % u == 0
+                     and not heads_problem(model.heads // tp, model.kv // tp, u)),
                 pick("ep", range(1, max(1, model.experts) + 1),
                      lambda e, dp=dp, cp=cp: e == 1 or (model.experts % e == 0 and (dp * cp) % e == 0)),
                 pick("mbs", _powers(batch // dp), lambda b, dp=dp: (batch // dp) % b == 0),
@@ -50,7 +55,7 @@ def candidates(model: ModelShape, cl: Cluster, train: Training, fixed: dict) -> 
                 pick("sequence_parallel", (True, False), lambda on, tp=tp: not on or tp > 1)):
             if v > 1 and (batch // (dp * mbs)) % pp:  # torch's interleaved schedules: micro-batches in rounds of pp
                 continue
-            out.append(Layout(tp, pp, dp, cp, ep, mbs, v, zero, rc, sp, fixed.get("schedule") or "1f1b"))
+            out.append(Layout(tp, pp, dp, cp, ep, mbs, v, zero, rc, sp, fixed.get("schedule") or "1f1b", u))
     return out
 
 
@@ -86,6 +91,24 @@ def tied(results: list[dict]) -> list[dict]:
     return [r for r in results[1:] if r["step_s"] <= (1 + TIE) * results[0]["step_s"]] if results else []
 
 
+MODES = {"ring": "ring attention", "a2a": "all-to-all (Ulysses)", "hybrid": "all-to-all inside a ring (USP)"}
+
+
+def cp_note(best: dict, others: list[dict]) -> str:
+    """Where the layout splits the sequence: its context-parallel mode, and the other modes of the same layout
+    beside it, each one's step against its own (those the heads allow and that fit)."""
+    lay = best["layout"]
+    if lay["cp"] == 1:
+        return ""
+    mode = lambda u: MODES["ring" if u == 1 else "a2a" if u == lay["cp"] else "hybrid"]  # noqa: E731
+    same = [r for r in others if all(r["layout"][k] == lay[k] for k in FIELDS if k != "ulysses")]
+    alts = "; ".join(f"{mode(r['layout']['ulysses'])} over {r['layout']['ulysses']}: "
+                     f"{r['step_s'] / best['step_s'] - 1:+.1%}" for r in same)
+    return (f"; its sequence split over cp {lay['cp']} by {mode(lay['ulysses'])}"
+            + (f" ({lay['ulysses']} by all-to-all)" if lay["ulysses"] > 1 else "")
+            + (f", against {alts}" if alts else ", the only mode the heads allow that fits"))
+
+
 def explain(best: dict, others: list[dict], tried: int) -> str:
     """One sentence: where the fastest predicted layout's step goes, and what sets it apart: the layouts
     within the planner's own error of it (TIE: not told apart, and what they change), else the runner-up and
@@ -94,6 +117,7 @@ def explain(best: dict, others: list[dict], tried: int) -> str:
     cost = ", ".join(f"{k} {v:.0%}" for k, v in sorted(s.items(), key=lambda kv: -kv[1])[:3])
     text = (f"{best['describe']} is predicted fastest of {len(others) + 1} layouts that fit ({tried} tried): "
             f"{best['step_s']:.2f} s a step ({cost}), {best['memory_gib']['total']:.0f} GiB a GPU")
+    text += cp_note(best, others)
     if not others:
         return text + "."
     close = tied([best, *others])

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from parallel.loop.results import Row, atomic_write
-from parallel.measure import context, experts, pipelines, sharded_view
+from parallel.measure import context_view, experts, pipelines, sharded_view
 from parallel.report import notes, overview, report
 from parallel.report.pictures import errors, speedup
 
@@ -65,9 +65,13 @@ def page(rows: list[Row], environment: dict, skipped: dict | None, out: Path) ->
                 ("Bytes sent per step, by collective",
                  sharded_view.collectives([r for r in rows if r not in pipelines.rows(rows)]),
                  "What one rank sends in an optimiser step, counted at the collective; the tick: the textbook's."),
-                ("Context parallel: each rank's attention work", context.picture(rows),
+                ("Context parallel: each rank's attention work", context_view.picture(rows),
                  "The causal pairs each rank's positions give it (zig-zag: equal; contiguous: the last rank the "
                  "most), and its attention time measured alone."),
+                ("Context parallel: the ring's bytes against the all-to-all's", context_view.crossing(rows),
+                 "What a rank sends for attention in a step, by formula at each number of ranks splitting the "
+                 "sequence, for this run's shape: the ring's K,V blocks stay near constant, the all-to-all's fall as "
+                 "1/P. Dots: what each row sent besides its gradients' all-reduce."),
                 ("Experts: each rank's load", experts.picture(rows),
                  "The rows each rank's experts computed (one colour per expert) and its time in them: the busiest "
                  "rank sets the step, since every rank waits for it at the combine's all-to-all.")]

@@ -14,7 +14,7 @@ import dataclasses
 from rich.console import Console
 
 from parallel.loop.results import Row
-from parallel.measure import context, experts, layers, pipelines, sharded, sharded_view
+from parallel.measure import context, context_view, experts, layers, pipelines, sharded, sharded_view
 from parallel.report import memcheck
 from parallel.report.notes import advice, cost_lines, notes, skipped_in_full
 from parallel.report.overview import header, speedup_text, table
@@ -133,7 +133,7 @@ def show(rows: list[Row], environment: dict, console: Console | None = None, ski
         console.print(why, style="dim", highlight=False, markup=False)
     console.print(table(rows, environment, wide, skipped))
     for extra in (*sharded_view.tables(rows), pipelines.table(rows, wide), layers.layer_table(rows),
-                  context.table(rows), experts.table(rows), memcheck.table(rows)):
+                  context_view.table(rows), experts.table(rows), memcheck.table(rows)):
         if extra is not None:
             console.print(extra)
     lines = notes(rows, environment, skipped) + (long_notes(rows, environment, skipped, cost_model) if wide else [])

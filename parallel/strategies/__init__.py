@@ -33,13 +33,13 @@ from parallel.world.errors import ConfigError
 BASELINE = "single"  # a role: one device, the reference every other strategy is checked against
 NAMES = ["single", "manual_dp", "data_parallel", "manual_ddp", "ddp", "zero", "zero_optimizer", "fsdp", "manual_tp",
          "tensor_parallel", "fsdp_tp", "hogwild", "model_parallel", "pipeline", "pipeline_dist", "fsdp_pp",
-         "context_parallel", "fsdp_cp", "torch_cp", "expert_parallel"]
+         "context_parallel", "fsdp_cp", "torch_cp", "ulysses", "fsdp_ulysses", "expert_parallel"]
 # Each strategy's folder: data parallelism splits the batch, model parallelism splits one batch's work, and
 # composed runs two of them on a 2-D mesh. `single`, the reference, stands beside them.
 FOLDERS = {"data": ("manual_dp", "data_parallel", "manual_ddp", "ddp", "hogwild", "zero_optimizer", "zero", "fsdp"),
            "model": ("manual_tp", "tensor_parallel", "model_parallel", "pipeline", "pipeline_dist",
-                     "context_parallel", "torch_cp", "expert_parallel"),
-           "composed": ("fsdp_tp", "fsdp_pp", "fsdp_cp")}
+                     "context_parallel", "torch_cp", "ulysses", "expert_parallel"),
+           "composed": ("fsdp_tp", "fsdp_pp", "fsdp_cp", "fsdp_ulysses")}
 MODULES = {"single": "parallel.strategies.single"} | {
     name: f"parallel.strategies.{folder}.{name}" for folder, names in FOLDERS.items() for name in names}
 

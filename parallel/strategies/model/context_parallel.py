@@ -125,17 +125,18 @@ def cp_of(run, default: int = 0) -> int:
     return run.options.cp or default or run.world_size
 
 
-def check_cp(run, cp: int) -> None:
-    """What every context-parallel strategy needs of a run, with `cp` ranks per group."""
-    o, n = run.options, run.world_size
+def check_cp(run, cp: int, ring: int = 0) -> None:
+    """What every context-parallel strategy needs of a run, with `cp` ranks per group, `ring` of them (0:
+    all) passing K,V around a ring (ulysses: the rest by all-to-all)."""
+    o, n, ring = run.options, run.world_size, ring or cp
     if n % cp:
         raise ConfigError(f"--cp {cp} does not divide the {n} devices")
     if cp == 1 and n > 1:
         raise ConfigError("--cp 1 splits no sequence: that is data parallel (manual_ddp, ddp)")
     run.check_divisible(n // cp, "data-parallel groups")
-    if why := split_check(o.cp_layout, cp, run.workload.input_shape[0]):
+    if why := split_check(o.cp_layout, ring, run.workload.input_shape[0]):
         raise ConfigError(why)
-    if o.cp_comm == "ring" and run.spec.shared:
+    if o.cp_comm == "ring" and ring > 1 and run.spec.shared:
         raise ConfigError(f"--cp-comm ring: {SHARED_GLOO_NO_P2P}; --cp-comm allgather runs there")
 
 
