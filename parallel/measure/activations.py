@@ -57,7 +57,7 @@ def formula(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, kernel
     kept = 1 + 2 * kv + 1 + (3 if gated else 2) * ffn  # q, k, v, the heads' output, the MLP's inner tensors
     terms = {"whole": (4 * elem + 2 * dropout) * sbh / whole, "split": kept * elem * sbh / t,
              "norms": 4 * stats * s * b / whole}
-    if turned:
+    if turned and recompute == "none":  # selective: attention's output is recomputed, not kept
         terms["a2a"] = elem * sbh / t
     if recompute == "none":
         softmax = elem + (1 + elem) * dropout  # its output (and the dropout's mask and output)
@@ -65,9 +65,10 @@ def formula(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, kernel
     return terms
 
 
-def _turned_lse(shape: tuple, b: int, count: int) -> bool:
+def _turned_lse(shape: tuple, b: int, heads: int, positions: int) -> bool:
     """A log-sum-exp of fewer heads over more positions (b, heads / U, s U): Ulysses' attention."""
-    return len(shape) in (3, 4) and shape[0] == b and shape[1] * shape[2] == count and shape[3:] in ((), (1,))
+    return (len(shape) in (3, 4) and shape[0] == b and shape[1] * shape[2] == heads * positions
+            and shape[1] < heads and shape[3:] in ((), (1,)))
 
 
 def block_of(model: nn.Module) -> nn.Module | None:
@@ -153,7 +154,7 @@ class LayerMeter:
         # one) s padded to 32; the math one keeps none
         b, s_in, mine = self.input_shape[0], self.input_shape[1], self.heads()[1]
         lse = {(b, mine, s_in), (b, mine, s_in, 1), (b, mine, -(-s_in // 32) * 32)}
-        fused = any(x in lse or _turned_lse(x, b, mine * s_in) for x in self.shapes)
+        fused = any(x in lse or _turned_lse(x, b, mine, s_in) for x in self.shapes)
         self.kernel = "recomputed" if recompute != "none" else "fused" if fused else "math"
         self.bytes = sum(self._storages.values())
 

@@ -88,7 +88,8 @@ def crossing(rows: list[Row]) -> str | None:
     fig, ax = charts.plt().subplots(figsize=(7.5, 3.2))
     for mode, color in (("ring", "#4c72b0"), ("a2a", "#dd8452")):
         points = [(p, charts.mib(v)) for p, v in zip(by["ranks"], by[mode], strict=True) if v is not None]
-        ax.plot(*zip(*points, strict=True), "-", color=color, label=f"{mode} (formula)")
+        if points:  # the heads may allow the all-to-all at none of them
+            ax.plot(*zip(*points, strict=True), "-", color=color, label=f"{mode} (formula)")
     for r, res in chosen:
         sent = (r.details or {}).get("bytes_per_step_by_collective") or {}
         if "all_reduce" in sent and r.strategy in ("context_parallel", "ulysses"):

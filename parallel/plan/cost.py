@@ -68,7 +68,8 @@ def layer_traffic(model: ModelShape, lay: Layout, train: Training) -> dict[str, 
     and dK, dV twice that backward: 3 (cp - 1) blocks, as this project's ring sends
     (measure/context.py's attention_bytes_predicted). Ulysses (U of the cp ranks by all-to-all): q, k, v and
     out turned forward and their gradients backward, k and v with the kv heads they carry, and a ring of the
-    other R = cp / U with H / U heads of s / R positions (a2a_bytes_predicted). Experts: the dispatch and
+    other R = cp / U with H / U heads of s / R positions, K, V repeated to them as this project's ring
+    needs (a2a_bytes_predicted; grouped ones would send K / H of it). Experts: the dispatch and
     combine all-to-alls, forward and backward. tests/test_plan.py holds them to the bytes the tensor- and
     context-parallel runs predict and measure."""
     elem = ELEM[train.precision]
@@ -83,8 +84,8 @@ def layer_traffic(model: ModelShape, lay: Layout, train: Training) -> dict[str, 
         kv = kv_heads_sent(model.kv // lay.tp, u) / (model.heads // lay.tp)  # k, v's share of q's bytes
         out["a2a"] = ("all_to_all", (2 + 2 * kv) * tokens * model.hidden / lay.tp * elem, 1, 1 + redo)
     if ring > 1:
-        held = kv_heads_sent(model.kv // lay.tp, u) / u  # kv heads a rank holds after the all-to-all
-        kv = 2 * tokens * u * model.hidden / model.heads * held * elem  # K, V of s / ring positions
+        share = model.kv / model.heads if u == 1 else 1.0  # the hybrid's ring: K, V repeated to its H/U heads
+        kv = 2 * tokens * u * model.hidden / u * share / lay.tp * elem  # K, V of s / ring positions
         out["cp"] = ("send", kv, ring - 1, (2 + redo) * (ring - 1))
     if model.experts and lay.ep > 1:
         out["ep"] = ("all_to_all", tokens * model.top_k * model.hidden * elem, 2, 2 + 2 * redo)

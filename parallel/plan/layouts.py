@@ -25,11 +25,6 @@ class Layout:
     #   cp / ulysses pass K, V around a ring: ulysses 1 ring attention, cp all-to-all alone, between them the hybrid
 
     @property
-    def cp_mode(self) -> str:
-        """ring, a2a or hybrid: how context parallelism's attention reaches every position."""
-        return "ring" if self.ulysses == 1 else "a2a" if self.ulysses == self.cp else "hybrid"
-
-    @property
     def gpus(self) -> int:
         return self.tp * self.pp * self.dp * self.cp
 

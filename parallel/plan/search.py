@@ -106,7 +106,7 @@ def cp_note(best: dict, others: list[dict]) -> str:
                      f"{r['step_s'] / best['step_s'] - 1:+.1%}" for r in same)
     return (f"; its sequence split over cp {lay['cp']} by {mode(lay['ulysses'])}"
             + (f" ({lay['ulysses']} by all-to-all)" if lay["ulysses"] > 1 else "")
-            + (f", against {alts}" if alts else ", the only mode the heads allow that fits"))
+            + (f", against {alts}" if alts else ", no other mode of it tried (the heads, the flags) or fitting"))
 
 
 def explain(best: dict, others: list[dict], tried: int) -> str:

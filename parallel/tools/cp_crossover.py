@@ -6,7 +6,7 @@ and ranks: where each wins on this machine, and what each sends.
 
 For every rank count a set of spawned gloo ranks (one thread each, the OMP_NUM_THREADS torchrun sets) times,
 on random q, k, v of each length split between them, the ring (kit/ring_attention.py, zig-zag: balanced),
-the all-to-all (kit/ulysses.py) and, from 4 ranks, the hybrid (all-to-all over 2, a ring across the rest).
+the all-to-all (kit/ulysses.py) and, from 4 ranks, the hybrids (a ring of 2, 4 or 8 across the all-to-all).
 The modes take turns within each round, their order turned every round, so that the machine's drift falls
 on all; a time is the slowest rank's, the table's the median over rounds with the all-to-all's ratio to
 the ring in the same rounds. Bytes are counted at the collectives (loop/wire.py) in one more call. On this
@@ -77,8 +77,8 @@ def _rank(rank: int, world: int, seqs: list[int], heads: int, d: int, rounds: in
         steps = {name: _attention(world, ring, seq, heads, d) for name, ring in modes(world)}
         sent = {}
         for name, step in steps.items():
-            step()  # warm-up, its bytes counted
-            with wire.counted(sent.setdefault(name, {})):
+            step()  # warm-up
+            with wire.counted(sent.setdefault(name, {})):  # the bytes of one call
                 step()
         times = {name: [] for name in steps}
         for r in range(rounds):
@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     console = make_console()
     try:
         seqs, ranks = ([int(v) for v in s.split(",")] for s in (args.seq, args.ranks))
+        if min(args.rounds, args.heads, args.head_size) < 1:
+            raise ConfigError("--rounds, --heads and --head-size must be at least 1")
         for world, seq in itertools.product(ranks, seqs):
             if world < 2 or args.heads % world or seq % (2 * world):
                 raise ConfigError(f"{world} ranks need {args.heads} heads to divide by them and --seq {seq} by "

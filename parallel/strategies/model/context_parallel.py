@@ -134,7 +134,7 @@ def check_cp(run, cp: int, ring: int = 0) -> None:
     if cp == 1 and n > 1:
         raise ConfigError("--cp 1 splits no sequence: that is data parallel (manual_ddp, ddp)")
     run.check_divisible(n // cp, "data-parallel groups")
-    if why := split_check(o.cp_layout, ring, run.workload.input_shape[0]):
+    if why := split_check(o.cp_layout if ring > 1 or ring == cp else "contiguous", ring, run.workload.input_shape[0]):
         raise ConfigError(why)
     if o.cp_comm == "ring" and ring > 1 and run.spec.shared:
         raise ConfigError(f"--cp-comm ring: {SHARED_GLOO_NO_P2P}; --cp-comm allgather runs there")

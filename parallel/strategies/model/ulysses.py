@@ -86,9 +86,10 @@ class Options(context_parallel.Options):
 
 def check(run) -> None:
     o, cp, seq = run.options, cp_of(run), run.workload.input_shape[0]
-    if cp % o.ring or cp == o.ring:
+    if cp % o.ring or cp == o.ring > 1:
+        also = f" (--ring {cp}: that is context_parallel)" if cp > 1 else ""
         raise ConfigError(f"--ring {o.ring} must divide the {cp} ranks of a sequence group and leave an "
-                          f"all-to-all of two or more (--ring {cp}: that is context_parallel)")
+                          f"all-to-all of two or more{also}")
     check_cp(run, cp, o.ring)
     if seq % cp:
         raise ConfigError(f"--seq-len {seq} is not divisible by the {cp} ranks that split it")
