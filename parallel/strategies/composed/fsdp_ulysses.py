@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from parallel.measure import context
 from parallel.strategies.base import Hooks, Mutant, Trainable, full_state_dict, injected, model_state_every_rank
+from parallel.strategies.composed.fsdp_cp import memory_layout  # FSDP2 over all dp x cp ranks: ZeRO-3's memory
 from parallel.strategies.data import fsdp
 from parallel.strategies.model import ulysses
 from parallel.strategies.model.context_parallel import cp_of, local_loss
@@ -73,10 +74,6 @@ def dims(run, dist=None) -> ParallelDims:
     """dp x cp, cp innermost: each dp coordinate a sequence group (all-to-all, ring), FSDP2 over all of them."""
     cp = cp_of(run, DEFAULT_CP)
     return ParallelDims(world=run.world_size, dp_shard=run.world_size // cp, cp=cp)
-
-
-def memory_layout(run, layout):
-    return layout.replace(zero_stage=3)  # FSDP2 over all dp x cp ranks (the planner's memory)
 
 
 SEQUENCE = True
