@@ -137,6 +137,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fail-rank", type=int, default=d.fail_rank, help="demo/test: ... on this rank or worker (0)")
     p.add_argument("--hang-rank", type=int, default=d.hang_rank,
                    help="demo/test: this rank stops at step 1's first gradient collective (docs/debugging.md)")
+    p.add_argument("--hang-how", default=d.hang_how, choices=("stop", "kill"),
+                   help="demo/test: --hang-rank's rank stops responding there (stop), or is killed by SIGKILL (kill)")
     p.add_argument("--debug-collectives", action="store_true",
                    help="torch checks every collective's op and shapes across the ranks before it runs "
                         "(TORCH_DISTRIBUTED_DEBUG=DETAIL): a mismatch is named at once, at a cost (docs/debugging.md)")

@@ -77,6 +77,7 @@ class RunConfig:
     fail_at_step: int = -1  # for demos and tests: raise in the training loop at this step ...
     fail_rank: int = 0  # ... on this rank (or Hogwild worker); only in torchrun's first attempt
     hang_rank: int = -1  # for demos and tests: this rank stops at its first gradient collective of step 1
+    hang_how: str = "stop"  # ... and there stops responding ("stop"), or kills itself with SIGKILL ("kill")
     debug_collectives: bool = False  # TORCH_DISTRIBUTED_DEBUG=DETAIL: every collective's fingerprint checked
     check_replicas: bool = False  # after every step, checksums of what ranks must hold alike (divergence.py)
     mutant: str = ""  # for testing the oracle: run with this injected bug (`python -m parallel mutants --list`)
@@ -147,6 +148,8 @@ class RunConfig:
                                 or self.hang_rank >= 0):
             raise ConfigError("--repeat times the same run again; it does not combine with checkpoints, --resume "
                               "or injected faults")
+        if self.hang_how not in ("stop", "kill"):
+            raise ConfigError(f"--hang-how must be stop or kill, got {self.hang_how!r}")
         if self.hang_rank >= 0 and self.warmup + self.steps < 2:
             raise ConfigError(f"--hang-rank stops its rank in step 1, and this run has {self.warmup + self.steps} "
                               f"step (--warmup + --steps must be 2 or more)")

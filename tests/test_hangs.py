@@ -101,6 +101,54 @@ def test_an_all_to_alls_sizes_differ_by_rank_and_are_not_a_disagreement():
     assert hangs.diagnose(records, 2).startswith("rank 1 never issued collective #2")
 
 
+def test_a_scatters_root_passes_what_the_others_do_not_and_that_is_no_disagreement():
+    # DTensor's distribute_tensor scatters from rank 0: its record has the sizes and the dtype, the others'
+    # none (issue 59: tensor_parallel's hang was read as "different collectives" at set-up)
+    root, other = _entry(1, "scatter", 16384, step=-1), {**_entry(1, "scatter", step=-1), "sizes": [], "dtype": ""}
+    records = {0: _record(0, [root, _entry(2), _entry(3, state="started")]),
+               1: _record(1, [other, _entry(2)], doing="step 1: stopped")}
+    assert hangs.diagnose(records, 2).startswith("rank 1 never issued collective #3")
+    records[1]["entries"][0] = {**other, "op": "all_reduce"}  # but another op at #1 is one
+    assert "the ranks issued different collectives" in hangs.diagnose(records, 2)
+
+
+def test_an_error_raised_from_a_collectives_failure_is_read_as_the_collectives():
+    from parallel.loop import recorder
+
+    try:
+        try:
+            raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 5000ms for send")
+        except RuntimeError as e:  # as torch's pipelining wraps a stage's failure
+            raise RuntimeError("Failed to run stage backward:\nStage output: ...") from e
+    except RuntimeError as wrapped:
+        line = recorder.error_line(wrapped)
+    assert line == ("RuntimeError: Failed to run stage backward: (from RuntimeError: [gloo/transport/tcp/"
+                    "unbound_buffer.cc:129] Timed out waiting 5000ms for send)")
+    assert recorder.from_a_collective(line)
+    assert not recorder.from_a_collective(recorder.error_line(ValueError("a bug of the rank's own")))
+
+
+def _group_timeouts(rank, world):
+    import torch
+    import torch.distributed as td
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from parallel.world.dist import every_group_times_out
+
+    before = td.new_group(list(range(world)))  # run_ranks has set the run's timeout (30 s here) already
+    every_group_times_out(7)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))  # each dimension a group of its own
+    return [g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+            for g in (before, mesh.get_group("dp"), mesh.get_group("tp"), td.new_group(list(range(world))))]
+
+
+def test_every_group_a_run_makes_takes_its_timeout():
+    # torch hands a new group (new_group's, DeviceMesh's) its 30-minute constant, not the world's timeout
+    from tests.multirank import run_ranks
+
+    assert run_ranks(_group_timeouts, 4, timeout=30) == [[30.0, 7.0, 7.0, 7.0]] * 4
+
+
 def test_a_ring_that_forgot_a_groups_entries_is_read_with_torchs_status():
     # One ring for every group: rank 1 kept none of group 1's entries, but torch's status says it got to #9.
     groups = {"0": [0, 1], "1": [0, 1]}
@@ -114,8 +162,18 @@ def test_a_ring_that_forgot_a_groups_entries_is_read_with_torchs_status():
 def test_a_killed_rank_is_named_before_the_others_failures():
     records = {0: {**_record(0, [_entry(1)]), "step": 3, "error": "RuntimeError: Connection reset by peer"}}
     line = hangs.diagnose(records, 2)
-    assert line.startswith("rank 1 left no record: died or killed before writing one (its log says which); then "
-                           "rank 0 failed at step 3: RuntimeError: Connection reset by peer"), line
+    assert line.startswith("rank 1 left no record: died or killed before writing one, while the others were in "
+                           "step 3 (its log says which); then rank 0 failed at step 3: RuntimeError: Connection "
+                           "reset by peer"), line
+
+
+def test_a_killed_rank_is_named_before_the_disagreement_its_death_caused():
+    # --hang-how kill on fsdp_tp at cpu:4: rank 0 leaves nothing, and rank 2, cut off by it, raised before
+    # its #14 while rank 3 waits there: rank 0 is the cause, the pair's disagreement what followed
+    records = {q: _record(q, [_entry(13), *([_entry(14, state="started")] if q == 3 else [])],
+                          groups={"0": [2, 3]}) for q in (1, 2, 3)}
+    line = hangs.diagnose(records, 4)
+    assert line.startswith("rank 0 left no record: died or killed before writing one") and "; then rank 2 never" in line
 
 
 def test_a_rank_that_left_nothing_is_named():
@@ -152,8 +210,8 @@ def test_every_rank_that_died_is_named_and_where_the_project_issued_the_collecti
 def test_the_rank_whose_collective_differs_from_the_others_is_the_one_named_at_it():
     four = {"0": [0, 1, 2, 3]}
     records = {q: _record(q, [_entry(1), _entry(2, n=1026 if q == 1 else 1024, state="started", step=0)], groups=four)
-               for q in (1, 2, 3)}  # rank 0 died; rank 1 padded its buffer longer than 2 and 3
-    assert hangs.diagnose(records, 4).startswith("rank 1 is at collective #2 all_reduce(1026 fp32) on group [0, 1, 2, "
+               for q in (1, 2, 3)}  # rank 0 died (gloo aborted it: its fatal stack); rank 1 padded its buffer longer
+    assert hangs.diagnose(records, 4, {0: "Fatal Python error: Aborted"}).startswith("rank 1 is at collective #2 all_reduce(1026 fp32) on group [0, 1, 2, "
                                                  "3]; rank 2 waits in #2 all_reduce(1024 fp32) (step 0)")
 
 

@@ -86,6 +86,37 @@ def test_a_hung_rank_is_named_within_the_timeout(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name, devices, rank", [("tensor_parallel", "cpu:2", 1), ("fsdp_tp", "cpu:4", 1),
+                                                 ("fsdp_pp", "cpu:4", 1), ("fsdp_pp", "cpu:4", 0)])
+def test_the_hangs_that_were_misread_or_never_ended_are_named_within_the_timeout(name, devices, rank, tmp_path):
+    """Issue 59's cases: DTensor's set-up scatter read as "different collectives" (a scatter's root passes
+    what the others do not); FSDP2's and DTensor's groups made with torch's 30-minute default, not
+    --pg-timeout; a pipeline stage's timeout wrapped as "Failed to run stage backward", read as the rank's
+    own crash."""
+    start = time.monotonic()
+    p = parallel("run", name, "--workload", "transformer", "--devices", devices, "--steps", "3", "--hang-rank",
+                 str(rank), "--pg-timeout", "5", "--timeout", "90", "--out", str(tmp_path))
+    elapsed = time.monotonic() - start
+    (row,) = rows(tmp_path)
+    assert p.returncode == 1 and row["status"] == "failed" and "Traceback" not in p.stdout + p.stderr
+    assert re.match(rf"rank {rank} never issued collective #\d+ on group .* \(step 1\): rank {rank} is \d+ "
+                    rf"collectives? behind; it was: step 1: stopped by --hang-rank", row["error"]), row["error"]
+    assert "different collectives" not in row["error"]
+    assert elapsed < 60, elapsed  # 13-14 s here, quiet
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_step_is_named_with_the_step_the_others_were_in(tmp_path):
+    start = time.monotonic()
+    p = parallel("run", "ddp", *DDP, "--steps", "3", "--hang-rank", "1", "--hang-how", "kill", "--pg-timeout", "5",
+                 "--out", str(tmp_path))
+    (row,) = rows(tmp_path)
+    assert p.returncode == 1 and "Traceback" not in p.stdout + p.stderr and time.monotonic() - start < 60
+    assert row["error"].startswith("rank 1 left no record: died or killed before writing one, while the others "
+                                   "were in step 1"), row["error"]
+
+
+@pytest.mark.slow
 def test_a_rank_error_reaches_the_user_as_one_line_naming_the_rank(tmp_path):
     p = parallel("run", "ddp", *DDP, "--steps", "4", "--fail-at-step", "2", "--fail-rank", "1", "--out", str(tmp_path))
     (row,) = rows(tmp_path)

@@ -104,10 +104,12 @@ _UNEVEN = re.compile(r"all_?to_?all|^scatter|^gather")  # sizes that differ betw
 
 
 def _fingerprint(e: dict) -> tuple:
-    """What every member of a group must pass alike: the op, the dtype and, but where an op's parts
-    differ by rank (an all-to-all's splits, a scatter's, a gather's), the shapes (as torch's fr_trace)."""
-    sizes = () if _UNEVEN.search(e["op"]) else tuple(map(tuple, e["sizes"]))
-    return e["op"], sizes, e["dtype"]
+    """What every member of a group must pass alike: the op, and the dtype and the shapes but where an op's
+    parts differ by rank by design: an all-to-all's splits; a scatter's or a gather's root passes the
+    tensors that the other ranks do not (their record has no sizes and no dtype), so for those the op."""
+    if _UNEVEN.search(e["op"]):
+        return (e["op"],)
+    return e["op"], tuple(map(tuple, e["sizes"])), e["dtype"]
 
 
 def _step_text(step: int) -> str:
@@ -229,17 +231,19 @@ def diagnose(records: dict[int, dict], world: int, stacks: dict[int, str] | None
         return f"rank {r}: {rec['error']} ({_step_text(rec['step'])}; the others then waited for it)"
     if checked := _fingerprints(records):
         return checked
-    parted = _disagreements(records)
+    parted, died, failed = _disagreements(records), _dead(records, stacks or {}, log), _failed(records)
+    missing = [r for r in range(world) if r not in records and r not in (stacks or {})]
+    if missing:  # killed (a signal faulthandler does not catch): what the others then did follows from it
+        who = ", ".join(map(str, missing))
+        steps = sorted({rec["step"] for rec in records.values() if "step" in rec})
+        during = f", while the others were in {_step_text(steps[-1])}" if steps else ""
+        then = min(parted)[1] if parted else died or failed
+        return (f"rank{'s' * (len(missing) > 1)} {who} left no record: died or killed before writing one{during} "
+                f"(its log says which)" + (f"; then {then}" if then else "; the others agree on every collective"))
     if parted:
         return min(parted)[1]
-    if died := _dead(records, stacks or {}, log):
+    if died:
         return died
-    missing = [r for r in range(world) if r not in records]
-    failed = _failed(records)
-    if missing:  # killed (a signal faulthandler does not catch): the others' failures follow from it
-        who = ", ".join(map(str, missing))
-        return (f"rank{'s' * (len(missing) > 1)} {who} left no record: died or killed before writing one (its log "
-                f"says which)" + (f"; then {failed}" if failed else "; the others agree on every collective"))
     if failed:
         return failed
     unfinished = [(r, e) for r, rec in sorted(records.items()) for e in rec["entries"]

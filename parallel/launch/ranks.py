@@ -27,7 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as td
 
-from parallel.world.dist import fresh_processes
+from parallel.world.dist import every_group_times_out, fresh_processes
 
 
 class RankError(RuntimeError):
@@ -114,6 +114,7 @@ def _rank(fn, rank: int, world: int, store_path: str, timeout: float, args: byte
     try:
         store = td.FileStore(store_path, world)
         td.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
+        every_group_times_out(timeout)  # the groups a test or a strategy makes, too
         try:
             # Pickled here, by value: a tensor sent as it is travels as a shared-memory handle, which is
             # gone once this process has exited ("Connection reset by peer" in the parent).

@@ -2,7 +2,8 @@
 
 Only in torchrun's first attempt, so that a restarted group can show that it recovers.
 
---hang-rank R: rank R stops inside step 1 where a real hang stops a rank, at its first gradient
+--hang-rank R: rank R stops inside step 1 where a real hang stops a rank (--hang-how kill: is killed there by
+SIGKILL, as an out-of-memory kill would), at its first gradient
 collective: the first reducing collective or send it would issue once the step's backward has begun
 (DDP's bucket all-reduce, FSDP's reduce-scatter, a pipeline's gradient send; in a pipeline whose
 schedule interleaves, possibly the next micro-batch's forward send). It never issues it, and the other
@@ -14,6 +15,8 @@ a collective is one of torch.distributed's ops (wire.NAMESPACES), the waits and 
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import sys
 import time
 
@@ -43,18 +46,20 @@ def around_step(step: int, config, dist):
     """Inside each step: on --hang-rank's rank at step 1, the stop at its first gradient collective."""
     if dist.restart or step != HANG_STEP or dist.rank != config.hang_rank:
         return contextlib.nullcontext()
-    return _Hang(step)
+    return _Hang(step, config.hang_how == "kill")
 
 
-def stop(why: str) -> None:
+def stop(why: str, kill: bool = False) -> None:
     recorder.mark(-1, why)
+    if kill:  # as the kernel's OOM killer or a scheduler would: no handler runs, no record is written
+        os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(24 * 3600)  # stop responding: the others' collectives time out, and their diagnosis names this rank
 
 
 class _Hang(TorchDispatchMode):
-    def __init__(self, step: int):
+    def __init__(self, step: int, kill: bool = False):
         super().__init__()
-        self.step, self.backward = step, False
+        self.step, self.backward, self.kill = step, False, kill
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         dtensor = sys.modules.get("torch.distributed.tensor")
@@ -63,11 +68,12 @@ class _Hang(TorchDispatchMode):
         self.backward = self.backward or torch._C._current_graph_task_id() != -1
         name = func._schema.name.split("::")[-1]
         if self.backward and func.namespace in wire.NAMESPACES and any(g in name for g in _GRADIENT):
-            stop(f"step {self.step}: stopped by --hang-rank before its first gradient collective ({name})")
+            stop(f"step {self.step}: stopped by --hang-rank before its first gradient collective ({name})", self.kill)
         return func(*args, **(kwargs or {}))
 
     def __exit__(self, *exc):
         out = super().__exit__(*exc)
         if exc[0] is None:  # no collective after backward began: stop at the step's end
-            stop(f"step {self.step}: stopped by --hang-rank at the end of the step (no gradient collective seen)")
+            stop(f"step {self.step}: stopped by --hang-rank at the end of the step (no gradient collective seen)",
+                 self.kill)
         return out

@@ -222,7 +222,21 @@ def recording(folder: Path, rank: int, pg_timeout: float):
 
 
 def error_line(error: BaseException) -> str:
-    """`Type: its first line`: an error as one line (a collective's error runs to a dozen)."""
+    """`Type: its first line`: an error as one line (a collective's error runs to a dozen). One raised from a
+    collective's failure (torch's pipelining wraps a stage's: "Failed to run stage backward") carries it
+    after "from", so that the run is diagnosed as the hang it is, not as the rank's own crash."""
+    line = _first_line(error)
+    cause = error.__cause__ or error.__context__
+    for _ in range(8):  # a chain of causes, not a cycle
+        if cause is None:
+            break
+        if from_a_collective(inner := _first_line(cause)):
+            return f"{line} (from {inner})" if line != inner else line
+        cause = cause.__cause__ or cause.__context__
+    return line
+
+
+def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: " + next((ln.strip() for ln in str(error).splitlines() if ln.strip()), "")
 
 

@@ -78,6 +78,18 @@ def local(t: torch.Tensor) -> torch.Tensor:
 _WATCH: dict[str, object] = {}  # the gloo group the watchdog's monitored barrier runs on, once made
 
 
+def every_group_times_out(timeout_s: float) -> None:
+    """Every group made from now on in this process waits at most `timeout_s` in a collective, as the world
+    does. torch does not hand the world's timeout down: new_group(timeout=None), and so DeviceMesh's
+    groups, FSDP2's and DTensor's, take `_get_default_timeout(backend)`, which reads this module's
+    constants (30 minutes for gloo, 10 for nccl; torch 2.13 distributed_c10d.py, `_new_group_with_tag`
+    and device_mesh.py's `_init_process_groups`). Setting them is the one switch that reaches every
+    group a strategy or torch makes, without passing a timeout to each."""
+    from torch.distributed import distributed_c10d as c10d
+
+    c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
+
+
 def watch_group(timeout_s: float):
     """The group of every rank that the training loop's watchdog meets in before each step
     (train._watchdog): the default group where it is gloo; under nccl, which has no monitored_barrier, a
@@ -134,6 +146,7 @@ class Dist:
         activate([self.device])  # nccl binds the rank to the current device
         td.init_process_group(self.backend, timeout=timedelta(seconds=timeout_s), store=self._store(timeout_s),
                               rank=self.rank, world_size=self.world_size)
+        every_group_times_out(timeout_s)
         watch_group(timeout_s)
 
     def _store(self, timeout_s: float):
