@@ -211,8 +211,9 @@ def test_the_rank_whose_collective_differs_from_the_others_is_the_one_named_at_i
     four = {"0": [0, 1, 2, 3]}
     records = {q: _record(q, [_entry(1), _entry(2, n=1026 if q == 1 else 1024, state="started", step=0)], groups=four)
                for q in (1, 2, 3)}  # rank 0 died (gloo aborted it: its fatal stack); rank 1 padded its buffer longer
-    assert hangs.diagnose(records, 4, {0: "Fatal Python error: Aborted"}).startswith("rank 1 is at collective #2 all_reduce(1026 fp32) on group [0, 1, 2, "
-                                                 "3]; rank 2 waits in #2 all_reduce(1024 fp32) (step 0)")
+    line = hangs.diagnose(records, 4, {0: "Fatal Python error: Aborted"})
+    assert line.startswith("rank 1 is at collective #2 all_reduce(1026 fp32) on group [0, 1, 2, 3]; rank 2 waits in "
+                           "#2 all_reduce(1024 fp32) (step 0)"), line
 
 
 # Real ranks: torch's Flight Recorder on gloo, the watch thread, the record a failing rank writes.
