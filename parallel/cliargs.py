@@ -154,8 +154,8 @@ METAVARS = {
     "workload": "NAME", "devices": "SPEC", "world_size": "N", "batch_size": "N", "steps": "N", "warmup": "N",
     "lr": "RATE", "seed": "N", "precision": "DTYPE", "repeat": "N", "out": "DIR", "timeout": "SECONDS",
     "pg_timeout": "SECONDS", "port": "PORT", "max_restarts": "N", "checkpoint_every": "K", "resume_from": "DIR",
-    "fail_at_step": "STEP", "fail_rank": "RANK", "hang_rank": "RANK", "mutant": "NAME", "strategies": "LIST",
-    "project_params": "N", "world_sizes": "LIST", "strategy": "STRATEGY",
+    "fail_at_step": "STEP", "fail_rank": "RANK", "hang_rank": "RANK", "hang_how": "stop|kill", "mutant": "NAME",
+    "strategies": "LIST", "project_params": "N", "world_sizes": "LIST", "strategy": "STRATEGY",
     "model": "FILE:FACTORY", "input_shape": "SHAPE", "classes": "N", "vocab": "N", "seq_len": "N", "data": "FILE",
     "aux_loss": "WEIGHT",
 }

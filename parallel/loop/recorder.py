@@ -225,14 +225,11 @@ def error_line(error: BaseException) -> str:
     """`Type: its first line`: an error as one line (a collective's error runs to a dozen). One raised from a
     collective's failure (torch's pipelining wraps a stage's: "Failed to run stage backward") carries it
     after "from", so that the run is diagnosed as the hang it is, not as the rank's own crash."""
-    line = _first_line(error)
-    cause = error.__cause__ or error.__context__
+    line, cause = _first_line(error), error.__cause__ or error.__context__
     for _ in range(8):  # a chain of causes, not a cycle
-        if cause is None:
-            break
-        if from_a_collective(inner := _first_line(cause)):
+        if cause is not None and from_a_collective(inner := _first_line(cause)):
             return f"{line} (from {inner})" if line != inner else line
-        cause = cause.__cause__ or cause.__context__
+        cause = cause and (cause.__cause__ or cause.__context__)
     return line
 
 
