@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from parallel.judge import hangs
+from parallel.judge import hangs, named
 from parallel.loop import recorder
 from tests.multirank import RankError, run_ranks
 
@@ -165,6 +165,16 @@ def test_a_killed_rank_is_named_before_the_others_failures():
     assert line.startswith("rank 1 left no record: died or killed before writing one, while the others were in "
                            "step 3 (its log says which); then rank 0 failed at step 3: RuntimeError: Connection "
                            "reset by peer"), line
+
+
+def test_a_rank_that_failed_inside_a_collective_is_named_with_it():
+    # a peer gone without a record (gloo aborted it before its stack was written): the collective the other
+    # failed in is what names the bug (manual_ddp:buckets-reordered, seen once in the suite)
+    rec = {**_record(0, [_entry(15), _entry(16, n=525312, step=0, state="started")]), "step": 0,
+           "error": "RuntimeError: Connection reset by peer"}
+    line = hangs.diagnose({0: rec}, 2)
+    assert "then rank 0 failed in #16 all_reduce(525312 fp32) on group [0, 1] (step 0): RuntimeError" in line
+    assert named.HANG_NAMED.search(line)
 
 
 def test_a_killed_rank_is_named_before_the_disagreement_its_death_caused():

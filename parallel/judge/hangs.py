@@ -192,7 +192,12 @@ def _failed(records: dict[int, dict]) -> str | None:
     where = f" {_place(stack)}" if stack else ""
     step = _step_text(rec["step"])
     others = "; ".join(f"rank {q} was: {records[q]['doing']}" for q in sorted(records) if q != r)
-    return f"rank {r} failed at {step}{where}: {rec['error']}" + (f"; {others}" if others else "")
+    inside = [e for e in rec["entries"] if e["state"] != "finished" and not e["p2p"]]  # the collective it was in
+    if inside:
+        e = inside[-1]
+        step = f"#{e['seq']} {describe(e)} on group {_group_text(rec['groups'].get(e['group'], []))}{_where(e)}"
+    line = f"rank {r} failed {'in' if inside else 'at'} {step}{where}: {rec['error']}"
+    return line + (f"; {others}" if others else "")
 
 
 _PRINT = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+), OpType=(\w+), "
