@@ -11,8 +11,7 @@ import torch.nn.functional as F
 
 from parallel import strategies
 from parallel.config import RunConfig
-from parallel.kit.ring_attention import Ring, Split
-from parallel.kit.ulysses import Ulysses, heads_problem, kv_heads_sent, subgroups
+from parallel.kit.ulysses import heads_problem, kv_heads_sent, placed
 from parallel.strategies.model import ulysses
 from parallel.world.errors import ConfigError
 from tests.multirank import judged_on_ranks, run_ranks
@@ -32,11 +31,7 @@ def _attention(rank, world, heads, kv_heads, ring, layout="contiguous", bug=Fals
     group = heads // kv_heads
     out = F.scaled_dot_product_attention(whole[0], *(t.repeat_interleave(group, 1) for t in whole[1:]), is_causal=True)
     out.backward(grad)
-    a2a, ring_group = subgroups(world, world, ring, td.distributed_c10d.default_pg_timeout)
-    split = Split(layout if ring > 1 else "contiguous", ring, T)
-    where, part = divmod(rank, world // ring)
-    idx = split.positions(where).chunk(world // ring)[part]
-    attend = Ulysses(a2a, Ring(ring_group, split) if ring_group is not None else None)
+    attend, idx = placed(world, world, ring, layout, T, rank, td.distributed_c10d.default_pg_timeout)
     if bug:
         attend.heads_back = ulysses.heads_rank_minor
     mine = [t[:, :, idx].clone().requires_grad_() for t in (q, k, v)]

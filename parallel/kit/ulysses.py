@@ -32,7 +32,7 @@ import torch
 import torch.distributed as td
 
 from parallel.kit.collectives import all_to_all
-from parallel.kit.ring_attention import Ring
+from parallel.kit.ring_attention import Ring, Split
 from parallel.models.transformer import causal
 
 
@@ -98,6 +98,18 @@ def heads_problem(heads: int, kv_heads: int, size: int) -> str | None:
 def kv_heads_sent(kv_heads: int, size: int) -> int:
     """The kv heads each all-to-all of k or v carries: K, or U where each of K < U is copied U/K times."""
     return kv_heads if kv_heads % size == 0 else size
+
+
+def placed(world: int, cp: int, ring: int, layout: str, seq: int, rank: int, timeout,
+           comm: str = "ring") -> tuple[Ulysses, torch.Tensor]:
+    """This rank's Ulysses, where each run of `cp` ranks splits a sequence of `seq` positions with a ring of
+    `ring` inside (its Split by `layout`; contiguous where there is no ring), and the positions it holds:
+    rank `rank` of its group holds part rank % U of what ring rank rank // U holds. A collective (subgroups)."""
+    a2a, ring_group = subgroups(world, cp, ring, timeout)
+    split = Split(layout if ring > 1 else "contiguous", ring, seq)  # what each ring rank holds
+    where, part = divmod(rank, cp // ring)
+    attend = Ulysses(a2a, Ring(ring_group, split, comm) if ring_group is not None else None)
+    return attend, split.positions(where).chunk(cp // ring)[part]
 
 
 def subgroups(world: int, cp: int, ring: int, timeout) -> tuple[object, object | None]:

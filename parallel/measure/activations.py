@@ -185,7 +185,7 @@ class LayerMeter:
         sp = t > 1 and s_in * t == seq_len
         cp = seq_len // s_in if t == 1 else 1
         s = s_in * t if sp else s_in  # the positions inside the split regions
-        turned = isinstance(self.block.attn.attend, Ulysses) and recompute != "full"
+        turned = isinstance(self.block.attn.attend, Ulysses)  # formula keeps its term without recomputation only
         terms = formula(s, b, h, a, t, sp, self.kernel, recompute, elem=elem, stats=elem, turned=turned)
         gathered = [x for x in self.shapes if sp and x[-1] == h and math.prod(x[:-1]) == b * seq_len]
         return {"layer_activation_bytes": self.bytes, "layer_activation_terms": terms,

@@ -15,6 +15,7 @@ default); it finds the ring or the all-to-all itself, in the model's attention."
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
 import time
 from collections import defaultdict
@@ -61,7 +62,6 @@ class Context(measure.Family):
     (t, batch) -> the mean loss over this rank's slice; `fsdp_blocks`: model -> the blocks FSDP2 shards
     over every rank (fsdp_cp), None where the gradients are all-reduced (context_parallel)."""
 
-
     def __init__(self, dims, loss, fsdp_blocks=None, attention_bytes=None):
         self.dims, self.loss, self.fsdp_blocks = dims, loss, fsdp_blocks
         self.attention_bytes = attention_bytes or attention_bytes_predicted
@@ -80,16 +80,16 @@ class Context(measure.Family):
 
     def extra_measurements(self, t, data, run, dist, result) -> dict:
         """Bytes beside the formula, each rank's causal pairs and attention time, activations per rank."""
-        lay, attend = self.dims(run, dist), t.model.attentions()[0].attend  # the kit.Ring or Ulysses of every layer
-        cp, batch = lay.cp, data.batch(0, *lay.batch_share(dist.rank))
-        with counting_pairs(attend, (a := t.model.attentions()[0]).q.out_features // a.head_size) as pairs:
+        lay, a, seq = self.dims(run, dist), t.model.attentions()[0], run.workload.input_shape[0]
+        cp, batch, attend = lay.cp, data.batch(0, *lay.batch_share(dist.rank)), a.attend  # each layer's Ring, Ulysses
+        with counting_pairs(attend, a.q.out_features // a.head_size) as pairs:
             mine, mine_attention = saved_bytes(t.model, lambda: self.loss(t, batch))
         whole, whole_attention = single_saved_bytes(t.model, t.loss_fn, [b.to(t.device) for b in batch])
+        ms = round(attention_ms(t.model, attend, len(batch[0]), t.device, seq), 3)
         out = Result(cp, *kind(attend), kv_bytes(t.model, run, cp), self.attention_bytes(t.model, run, cp),
                      causal_pairs_per_rank=every_rank(round(pairs[0] / len(t.model.attentions()))),
-                     causal_pairs_formula=pairs_formula(attend, run.workload.input_shape[0], cp),
-                     attention_ms_per_rank=every_rank(round(attention_ms(t.model, attend, len(batch[0]), t.device,
-                                                                          run.workload.input_shape[0]), 3)),
+                     causal_pairs_formula=pairs_formula(attend, seq, cp),
+                     attention_ms_per_rank=every_rank(ms),
                      activation_bytes_per_rank=every_rank(mine),
                      attention_activation_bytes_per_rank=every_rank(mine_attention),
                      single_activation_bytes_per_rank=every_rank(whole),
@@ -104,9 +104,12 @@ class Context(measure.Family):
 def kv_bytes(model: nn.Module, run, cp: int) -> float:
     """The bytes of one rank's K,V block, one attention layer: 2 x (B/dp) x (T/cp) x width x 4 (2 under
     --precision bf16: the projections' outputs are bf16 there; 8 under fp64)."""
-    width, element = model.attentions()[0].q.out_features, _element(run)
-    rows, positions = run.batch_size // (run.world_size // cp), run.workload.input_shape[0] // cp
-    return 2 * rows * positions * width * element
+    return _kv(model, run.batch_size // (run.world_size // cp), run.workload.input_shape[0], cp, _element(run))
+
+
+def _kv(model: nn.Module, rows: int, seq: int, cp: int, element: int) -> float:
+    """kv_bytes for `rows` sequences of `seq` positions over cp ranks."""
+    return 2 * rows * (seq // cp) * model.attentions()[0].q.out_features * element
 
 
 def attention_bytes_predicted(model: nn.Module, run, cp: int) -> float:
@@ -120,9 +123,13 @@ def a2a_bytes_predicted(model: nn.Module, run, cp: int) -> float:
     out) and four backward (their gradients), each (U-1)/U of a tensor at s/cp positions, k and v with the
     kv heads they carry; with --ring R, beside them the ring's 3 (R-1) K,V blocks of s/R positions and
     H/U heads (U = cp / R)."""
-    a, ring = model.attentions()[0], run.options.ring
-    u, element = cp // ring, _element(run)
-    rows, positions = run.batch_size // (run.world_size // cp), run.workload.input_shape[0] // cp
+    rows = run.batch_size // (run.world_size // cp)
+    return _a2a(model, rows, run.workload.input_shape[0], cp, run.options.ring, _element(run))
+
+
+def _a2a(model: nn.Module, rows: int, seq: int, cp: int, ring: int, element: int) -> float:
+    """a2a_bytes_predicted for `rows` sequences of `seq` positions over cp ranks, a ring of `ring` inside."""
+    a, u, positions = model.attentions()[0], cp // ring, seq // cp
     width = a.q.out_features
     kv = kv_heads_sent(a.k.out_features // a.head_size, u) * a.head_size
     a2a = 2 * (u - 1) / u * rows * positions * (2 * width + 2 * kv) * element
@@ -131,21 +138,17 @@ def a2a_bytes_predicted(model: nn.Module, run, cp: int) -> float:
 
 
 def bytes_by_ranks(model: nn.Module, run, cp: int) -> dict[str, list]:
-    """The ring's and the all-to-all's attention bytes per rank and step, had P = 2, 4, 8, 16 ranks split
-    this run's sequences (its batch share a group, its heads): where their lines cross on a picture. The
-    ring's stay near constant (3 (P-1) blocks of s/P), the all-to-all's fall as 1/P (8 (P-1)/P tensors of
-    s/P); None where P does not divide the sequence or the heads bound the all-to-all."""
+    """The ring's and the all-to-all's attention bytes per rank and step by their formulas, had P = 2, 4, 8, 16
+    ranks split this run's sequences (its batch share a group, its heads): the ring's near constant, the
+    all-to-all's falling as 1/P; None where the heads bound the all-to-all. Where their lines cross."""
     a, seq, element = model.attentions()[0], run.workload.input_shape[0], _element(run)
-    heads, kv_heads, width = a.q.out_features // a.head_size, a.k.out_features // a.head_size, a.q.out_features
-    rows, layers, out = run.batch_size // (run.world_size // cp), len(model.attentions()), defaultdict(list)
+    rows, out = run.batch_size // (run.world_size // cp), defaultdict(list)
     for p in (2, 4, 8, 16):
-        if seq % (2 * p):
-            continue
-        tensor = rows * seq / p * width * element * layers  # q (or out) at s/P positions, every layer
-        kv = kv_heads_sent(kv_heads, p) / heads
-        out["ranks"].append(p)
-        out["ring"].append(3 * (p - 1) * 2 * tensor)
-        out["a2a"].append(None if heads_problem(heads, kv_heads, p) else 2 * (p - 1) / p * (2 + 2 * kv) * tensor)
+        if seq % (2 * p) == 0:
+            out["ranks"].append(p)
+            out["ring"].append(3 * (p - 1) * _kv(model, rows, seq, p, element) * len(model.attentions()))
+            out["a2a"].append(None if heads_problem(a.q.out_features // a.head_size, a.k.out_features // a.head_size,
+                                                    p) else _a2a(model, rows, seq, p, 1, element))
     return dict(out)
 
 
@@ -157,6 +160,11 @@ def _element(run) -> int:
 # What is measured --------------------------------------------------------------------------------------
 
 
+def _ring_of(attend) -> Ring | None:
+    """The ring an attention passes K,V around: itself, the one inside a Ulysses, or None."""
+    return attend if isinstance(attend, Ring) else attend.ring
+
+
 def kind(attend) -> tuple[str, str]:
     """(layout, comm) of a Ring or a Ulysses, for the table: "zigzag", "ring"; "a2a", ""; "a2a 2 x zigzag", "ring"."""
     if isinstance(attend, Ring):
@@ -166,9 +174,8 @@ def kind(attend) -> tuple[str, str]:
 
 
 def pairs_formula(attend, seq: int, cp: int) -> list[int]:
-    """The causal (q, k) pairs per head and sequence of each rank of the group, by its layout: the ring's
-    sum over positions; under Ulysses the whole sequence's, or its ring rank's, over U (it computes 1/U
-    of the heads)."""
+    """The causal (q, k) pairs per head and sequence of each rank of the group, by its layout: the ring's sum
+    over positions; under Ulysses the whole sequence's, or its ring rank's, over U (its 1/U of the heads)."""
     if isinstance(attend, Ring):
         return [attend.split.causal_pairs(r) for r in range(cp)]
     u, ring = attend.size, attend.ring
@@ -180,9 +187,7 @@ def counting_pairs(attend, heads: int):
     """Yields [pairs]: the (query, key) pairs per head of the model and sequence of every product the
     attention hands its kernels inside the block: the ring's counted by wrapping its `blocks`, Ulysses'
     by wrapping its `attention` (the heads it was given over the model's), on the instances."""
-    total, share = [0.0], [1.0]
-    ring = attend if isinstance(attend, Ring) else attend.ring
-    wrapped = []
+    total, share, ring, wrapped = [0.0], [1.0], _ring_of(attend), []
     if ring is not None:
         blocks = ring.blocks
 
@@ -271,20 +276,17 @@ def attention_ms(model: nn.Module, attend, batch_rows: int, device, seq: int, ro
     its heads over the group's positions."""
     a = model.attentions()[0]
     heads, d = a.q.out_features // a.head_size, a.head_size
-    ring = attend if isinstance(attend, Ring) else attend.ring
+    ring = _ring_of(attend)
     length = len(ring.split.positions(ring.rank)) if ring is not None else None
     if not isinstance(attend, Ring):
         heads, length = heads // attend.size, length or seq
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(batch_rows, heads, length, d, generator=g).to(device) for _ in range(3))
-    sync, times = synchronizer(device), []
+    sync, times, work = synchronizer(device), [], causal_alone if ring is None else functools.partial(work_alone, ring)
     for i in range(rounds + 1):
         sync()
         start = time.perf_counter()
-        if ring is not None:
-            work_alone(ring, q, k, v)
-        else:
-            causal_alone(q, k, v)
+        work(q, k, v)
         sync()
         if i:
             times.append((time.perf_counter() - start) * 1e3)

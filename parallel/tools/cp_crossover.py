@@ -46,19 +46,15 @@ def _attention(world: int, ring: int, seq: int, heads: int, d: int):
     import torch.distributed as td
 
     from parallel.kit.ring_attention import Ring, Split
-    from parallel.kit.ulysses import Ulysses, subgroups
+    from parallel.kit.ulysses import placed
 
     rank = td.get_rank()
-    timeout = td.distributed_c10d.default_pg_timeout
     if ring == world:
-        split, part, attend = Split("zigzag", world, seq), 0, Ring(None, Split("zigzag", world, seq))
-        where = rank
+        attend = Ring(None, Split("zigzag", world, seq))
+        mine = len(attend.split.positions(rank))
     else:
-        a2a, ring_group = subgroups(world, world, ring, timeout)
-        split = Split("zigzag" if ring > 1 else "contiguous", ring, seq)
-        where, part = divmod(rank, world // ring)
-        attend = Ulysses(a2a, Ring(ring_group, split) if ring_group is not None else None)
-    mine = len(split.positions(where)) // (world // ring)
+        attend, positions = placed(world, world, ring, "zigzag", seq, rank, td.distributed_c10d.default_pg_timeout)
+        mine = len(positions)
     g = torch.Generator().manual_seed(rank)
     q, k, v = (torch.randn(1, heads, mine, d, generator=g).requires_grad_() for _ in range(3))
 

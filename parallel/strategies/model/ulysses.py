@@ -25,8 +25,7 @@ from datetime import timedelta
 
 import torch.distributed as td
 
-from parallel.kit.ring_attention import Ring, Split
-from parallel.kit.ulysses import Ulysses, heads_problem, subgroups
+from parallel.kit.ulysses import heads_problem, placed
 from parallel.measure import context
 from parallel.strategies.base import Hooks, Mutant, Trainable, injected
 from parallel.strategies.model import context_parallel
@@ -59,17 +58,13 @@ def train_step(t: Trainable, batch, dist):
 def apply(model, mesh, run, dist) -> State:
     """Put this rank's all-to-all attention (with the ring inside it, --ring R > 1) in every attention
     layer of `model`, its sequence group being `mesh` (a mesh's slice "cp"); what a step needs to slice."""
-    o, seq, cp = run.options, run.workload.input_shape[0], mesh.size()
-    a2a, ring_group = subgroups(dist.world_size, cp, o.ring, timedelta(seconds=run.pg_timeout))
-    split = Split(o.cp_layout if o.ring > 1 else "contiguous", o.ring, seq)  # what each ring rank holds
-    where, part = divmod(mesh.get_local_rank(), cp // o.ring)  # its ring rank, its part of what that holds
-    ring = Ring(ring_group, split, o.cp_comm) if ring_group is not None else None
-    attend = Ulysses(a2a, ring)
+    o = run.options
+    attend, positions = placed(dist.world_size, mesh.size(), o.ring, o.cp_layout, run.workload.input_shape[0],
+                               mesh.get_local_rank(), timedelta(seconds=run.pg_timeout), o.cp_comm)
     if injected(run, HEADS_ROTATED):
         attend.heads_back = heads_rank_minor
     for attention in model.attentions():
         attention.attend = attend
-    positions = split.positions(where).chunk(cp // o.ring)[part]
     return State(positions, positions.to(dist.device), dist.world_size)
 
 
