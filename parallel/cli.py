@@ -28,7 +28,7 @@ from parallel.basics.cli import show_memory
 from parallel.cliargs import Parser, add_run_options, add_strategy_options, config_from_args, readable_metavars, refuse
 from parallel.compare import run_strategies, select_runs
 from parallel.config import ConfigError, RunConfig, nearest_multiple
-from parallel.judge import hangs, mutants
+from parallel.judge import diagnose, mutants
 from parallel.loop.checkpoint import atomic_save
 from parallel.loop.results import Equivalence, Row, prepare_out, write_results
 from parallel.models import usermodel
@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_parser(sub)
     preflight.add_parser(sub)
     mutants.add_parser(sub)
-    hangs.add_parser(sub)
+    diagnose.add_parser(sub)
     plan_cli.add_parser(sub)
     return readable_metavars(p)
 
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "mutants":
             return mutants.main(args, make_console())
         if args.command == "diagnose":
-            return hangs.main(args, make_console())
+            return diagnose.main(args, make_console())
         if args.command == "report":
             return page.render(Path(args.out), make_console(args.wide), wide=args.wide, png=args.screenshot)
         if args.command == "preflight":

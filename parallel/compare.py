@@ -24,9 +24,9 @@ import torch
 
 from parallel import strategies
 from parallel.config import RunConfig
-from parallel.judge import equivalence, hangs, noise, twin
+from parallel.judge import diagnose, equivalence, noise, twin
 from parallel.launch import child as launch
-from parallel.loop import checkpoint, profiling, recorder
+from parallel.loop import checkpoint, profiling
 from parallel.loop.results import Equivalence, Row, file_stem, tb_run
 from parallel.measure import pipelines
 from parallel.models.userchecks import cannot_match
@@ -35,7 +35,7 @@ from parallel.models.workloads import eval_loss
 from parallel.style.terminal import make_progress
 from parallel.worker import HANG_DIR
 from parallel.world import load
-from parallel.world.errors import ConfigError
+from parallel.world.errors import ConfigError, from_a_collective
 
 BASELINE = strategies.BASELINE
 
@@ -68,10 +68,10 @@ def run_one(strategy, variant: str, config: RunConfig, work: Path, logs: Path) -
     if outcome.returncode != 0 or not paths["result"].exists():
         first = None if outcome.timed_out or not store else launch.first_failure(paths["result"])
         outcome.error = first or outcome.error or "the child wrote no result"
-        own = first is not None and not recorder.from_a_collective(first)  # a rank's own crash says it all
+        own = first is not None and not from_a_collective(first)  # a rank's own crash says it all
         if store and not own:  # where the ranks parted (a dying gloo rank's last words are in the log)
             log = logs / f"{stem}.log"
-            if line := hangs.explain(hang, strategy.world_size(config), log.read_text(errors="replace")
+            if line := diagnose.explain(hang, strategy.world_size(config), log.read_text(errors="replace")
                                      if log.exists() else ""):
                 outcome.error = f"{line} (records: {hang})"
         return _failed_row(strategy, variant, config, outcome), None

@@ -36,7 +36,7 @@ from parallel.measure import activations
 from parallel.models.usermodel import workload_of
 from parallel.world.devices import activate, cap_memory, exact_fp32, peak_memory, peak_reserved, reset_peak_memory
 from parallel.world.dist import Dist
-from parallel.world.errors import ConfigError
+from parallel.world.errors import ConfigError, error_line
 
 
 @dataclasses.dataclass
@@ -246,7 +246,7 @@ def note_failure(result: Path, dist: Dist, e: Exception) -> None:
     """This rank's failure and its moment, beside the result (launch.first_failure reads them): torchrun's
     summary times failures to the second and names the lowest rank on a tie, so a rank that failed
     because a peer died a few ms before could be named in its place (seen with forked workers)."""
-    note = {"rank": dist.rank, "restart": dist.restart, "time": time.time(), "error": recorder.error_line(e)}
+    note = {"rank": dist.rank, "restart": dist.restart, "time": time.time(), "error": error_line(e)}
     atomic_write(result.with_name(f"{result.stem}.failure{dist.rank}.json"), json.dumps(note))
 
 

@@ -1,14 +1,17 @@
 """A hang named: each rank's record of collectives (parallel/loop/recorder.py, torch's Flight Recorder) and the
 parent's one-line diagnosis (parallel/judge/hangs.py), on records made up here and on real gloo ranks."""
 
+import os
+import signal
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from parallel.judge import hangs, named
+from parallel.judge import diagnose, hangs, named
 from parallel.loop import recorder
+from parallel.world import errors
 from tests.multirank import RankError, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -113,19 +116,17 @@ def test_a_scatters_root_passes_what_the_others_do_not_and_that_is_no_disagreeme
 
 
 def test_an_error_raised_from_a_collectives_failure_is_read_as_the_collectives():
-    from parallel.loop import recorder
-
     try:
         try:
             raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 5000ms for send")
         except RuntimeError as e:  # as torch's pipelining wraps a stage's failure
             raise RuntimeError("Failed to run stage backward:\nStage output: ...") from e
     except RuntimeError as wrapped:
-        line = recorder.error_line(wrapped)
+        line = errors.error_line(wrapped)
     assert line == ("RuntimeError: Failed to run stage backward: (from RuntimeError: [gloo/transport/tcp/"
                     "unbound_buffer.cc:129] Timed out waiting 5000ms for send)")
-    assert recorder.from_a_collective(line)
-    assert not recorder.from_a_collective(recorder.error_line(ValueError("a bug of the rank's own")))
+    assert errors.from_a_collective(line)
+    assert not errors.from_a_collective(errors.error_line(ValueError("a bug of the rank's own")))
 
 
 def _group_timeouts(rank, world):
@@ -184,6 +185,14 @@ def test_a_killed_rank_is_named_before_the_disagreement_its_death_caused():
                           groups={"0": [2, 3]}) for q in (1, 2, 3)}
     line = hangs.diagnose(records, 4)
     assert line.startswith("rank 0 left no record: died or killed before writing one") and "; then rank 2 never" in line
+
+
+def test_a_killed_rank_is_named_with_the_step_the_others_waited_in_not_the_one_a_later_stage_reached():
+    # pipeline_dist at cpu:4, rank 0 killed in step 1: the last stage was done with its part and in step 2
+    records = {q: {**_record(q, [_entry(1)], groups={"0": [0, 1, 2, 3]}), "step": 2 if q == 3 else 1}
+               for q in (1, 2, 3)}
+    assert hangs.diagnose(records, 4).startswith("rank 0 left no record: died or killed before writing one, while "
+                                                 "the others were in step 1 (rank 3 already in step 2)")
 
 
 def test_a_rank_that_left_nothing_is_named():
@@ -247,14 +256,72 @@ def test_a_rank_that_skips_a_collective_is_named_from_real_records(tmp_path, mon
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "64")  # the ranks copy this environment before their group
     with pytest.raises(RankError):
         run_ranks(_skips, 2, (str(tmp_path),), timeout=1, total=40)
-    records = hangs.read(tmp_path)
+    records = diagnose.read(tmp_path)
     assert records[0]["written"] == "it failed" and "Timed out" in records[0]["error"]
     assert records[1]["written"].startswith("no progress for 0.25 s") and (tmp_path / "rank1.stack.txt").exists()
-    line = hangs.explain(tmp_path, 2)
+    line = diagnose.explain(tmp_path, 2)
     assert line.startswith("rank 1 never issued collective #2 on group [0, 1] (its last: #1 all_reduce(4 fp32))")
     assert "rank 0 waits in #2 all_reduce(8 fp32) (step 0)" in line and line.endswith("it was: step 0: skipped one")
     assert (tmp_path / "diagnosis.txt").read_text() == line + "\n"
     assert "all_reduce(8 fp32)  [[8]]  step 0  failed" in (tmp_path / "rank0.txt").read_text()  # its timeout
+
+
+def _stuck(rank, world, folder):
+    with recorder.recording(Path(folder), rank, pg_timeout=1):  # the watch ends a wait after 2 x 1 + 2 s
+        recorder.mark(0, "step 0: in its train_step")
+        torch.distributed.all_reduce(torch.ones(4))
+        if rank == 1:
+            recorder.mark(0, "step 0: skipped one")
+            time.sleep(60)
+        torch.distributed.all_reduce(torch.ones(8))  # the group's own timeout is 60 s: torch would not end it
+
+
+def test_a_wait_torch_does_not_bound_is_ended_by_the_watch_thread_and_diagnosed(tmp_path, monkeypatch):
+    # a collective whose timeout is longer than --pg-timeout says (a group torch made with its own default, a
+    # functional collective's wait): rank 0 waits in it, and its watch thread ends it, its record written
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "64")
+    start = time.monotonic()
+    with pytest.raises(RankError, match=r"rank 0 died \(exit code 1\)"):
+        run_ranks(_stuck, 2, (str(tmp_path),), timeout=60)
+    assert time.monotonic() - start < 30  # 4 s and start-up, not the group's 60 s
+    records = diagnose.read(tmp_path)
+    assert records[0]["error"].startswith("TimeoutError: no progress for 4 s inside a collective")
+    assert errors.WATCH_ENDED in records[0]["error"] and errors.from_a_collective(records[0]["error"])
+    line = diagnose.explain(tmp_path, 2)
+    assert line.startswith("rank 1 never issued collective #2 on group [0, 1] (its last: #1 all_reduce(4 fp32))")
+    assert "rank 0 waits in #2 all_reduce(8 fp32) (step 0)" in line and line.endswith("it was: step 0: skipped one")
+
+
+def _ended(rank, world, folder):
+    recorder.start(Path(folder), rank, stall_s=60)
+    recorder.mark(0, "step 0: in its train_step")
+    os.kill(os.getpid(), signal.SIGTERM)  # as torchrun ends every rank once one failed
+    time.sleep(30)
+
+
+def test_a_rank_leaves_what_it_was_doing_and_its_launchers_sigterm_adds_its_stacks(tmp_path):
+    with pytest.raises(RankError, match="exit code -15"):
+        run_ranks(_ended, 1, (str(tmp_path),), timeout=30)
+    ((rank, (doing, stack)),) = diagnose.last(tmp_path).items()
+    assert (rank, doing) == (0, "step 0: in its train_step") and "in _ended" in stack
+
+
+def test_a_killed_rank_is_told_from_the_ranks_its_launcher_ended_and_named_with_what_it_was_doing():
+    stack = 'Thread 0x1 (most recent call first):\n  File "/v/torch/distributed/distributed_c10d.py", line 9 in ' \
+            'all_reduce\n  File "/w/parallel/kit/collectives.py", line 56 in sum_gradients\n'
+    killed = ("step 1: stopped by --hang-rank before its first gradient collective (allreduce_)", "")
+    records = {0: {**_record(0, [_entry(15), _entry(16, n=64, state="started")]), "step": 1}}
+    line = hangs.diagnose(records, 3, last={1: killed, 2: ("step 1: in its train_step", stack)})
+    assert line == ("rank 1 left no record: died or killed before writing one (it was: step 1: stopped by "
+                    "--hang-rank before its first gradient collective (allreduce_)), while the others were in "
+                    "step 1 (its log says which); then rank 0 waited in #16 all_reduce(64 fp32) on group [0, 1] "
+                    "(step 1), which rank 1 never joined")
+    # torchrun ended the others before any wrote a record: the step and the place from what they left
+    line = hangs.diagnose({}, 3, last={0: killed, 1: ("step 1: in its train_step", stack), 2: ("", stack)})
+    assert line == ("rank 0 left no record: died or killed before writing one (it was: step 1: stopped by "
+                    "--hang-rank before its first gradient collective (allreduce_)), while the others were in "
+                    "step 1 (its log says which); then ranks 1, 2 were ended by their launcher (rank 1 inside "
+                    "all_reduce (from collectives.py:56 sum_gradients))")
 
 
 def test_a_clean_run_leaves_no_record(tmp_path):
@@ -295,3 +362,4 @@ def test_nccls_own_recorder_is_read_beside_the_generic_one(tmp_path, monkeypatch
         ("1", 3, "all_reduce", "bf16", "finished"), ("0", 7, "all_reduce", "bf16", "finished"),
         ("0", 8, "reduce_scatter", "bf16", "started")]
     assert snap["status"].keys() == {"0", "1"}
+    assert recorder.waiting([nccl["pg_status"]]) and not recorder.waiting([gloo["pg_status"]])

@@ -18,38 +18,13 @@ record, which also knows each collective's training step and what each rank was 
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections import Counter
 from pathlib import Path
 
-from parallel.loop.recorder import DTYPES, describe, from_a_collective
-from parallel.loop.results import atomic_write
-from parallel.world.errors import ConfigError
-
-
-def read(folder: Path) -> dict[int, dict]:
-    """Every rank's record in `folder`, by rank ({} when there is none)."""
-    out = {}
-    for p in sorted(folder.glob("rank*.json")) if folder.is_dir() else []:
-        try:
-            record = json.loads(p.read_text())
-        except (OSError, ValueError):
-            continue
-        out[int(record["rank"])] = record
-    return out
-
-
-def fatal(folder: Path) -> dict[int, str]:
-    """The Python stacks of the ranks that died at once (faulthandler's, recorder.py), by rank."""
-    out = {}
-    for p in sorted(folder.glob("rank*.fatal.txt")) if folder.is_dir() else []:
-        text = p.read_text(errors="replace")
-        if text.strip():
-            out[int(p.name[4:].split(".")[0])] = text
-    return out
-
+from parallel.loop.recorder import DTYPES, describe
+from parallel.world.errors import from_a_collective
 
 _FRAME = re.compile(r'File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<fn>\w+)')
 # The project's dispatch modes see every op from inside it (the byte counter of the counted steps, --hang-rank's
@@ -225,10 +200,39 @@ def _torch_print(op: str, shape: str, dtype: str) -> str:
     return f"{name}({numel} {DTYPES.get(dtype, dtype)})"
 
 
-def diagnose(records: dict[int, dict], world: int, stacks: dict[int, str] | None = None, log: str = "") -> str | None:
+def _left_waiting(records: dict[int, dict], missing: list[int]) -> str | None:
+    """The first collective a rank was in, unfinished, on a group with a rank that left no record."""
+    for q, rec in sorted(records.items()):
+        for e in rec["entries"]:
+            members = rec["groups"].get(e["group"], [])
+            gone = [m for m in missing if m in members]
+            if e["state"] != "finished" and not e["p2p"] and gone:
+                return (f"rank {q} waited in #{e['seq']} {describe(e)} on group {_group_text(members)}{_where(e)}, "
+                        f"which rank {gone[0]} never joined")
+    return None
+
+
+def _killed(missing: list[int], records: dict[int, dict], last: dict[int, tuple[str, str]]) -> str:
+    """Ranks that left no record: what the first was doing (its last mark), the lowest step of the others."""
+    steps = {r: rec["step"] for r, rec in sorted(records.items()) if "step" in rec}
+    steps |= {r: int(m[1]) for r, (doing, _) in last.items() if r not in missing and r not in records
+              and (m := re.match(r"step (\d+):", doing))}
+    during = f", while the others were in {_step_text(min(steps.values()))}" if steps else ""
+    if ahead := [r for r, s in sorted(steps.items()) if s > min(steps.values())]:  # done with their part of it
+        during += f" (rank{'s' * (len(ahead) > 1)} {', '.join(map(str, ahead))} already in " \
+                  f"{_step_text(max(steps.values()))})"
+    was = f" (it was: {last[missing[0]][0]})" if last.get(missing[0], ("", ""))[0] else ""
+    return (f"rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))} left no record: died or killed before "
+            f"writing one{was}{during} (its log says which)")
+
+
+def diagnose(records: dict[int, dict], world: int, stacks: dict[int, str] | None = None, log: str = "",
+             last: dict[int, tuple[str, str]] | None = None) -> str | None:
     """One line: where the ranks parted, else which rank died where, else who left no record, else what
-    each was doing. `stacks`: the fatal stacks of ranks that died at once; `log`: the run's output."""
-    if not records and not stacks:
+    each was doing. `stacks`: the fatal stacks of ranks that died at once; `log`: the run's output;
+    `last`: each rank's last mark (what it was doing) and the stacks its launcher's SIGTERM wrote, if any."""
+    last = last or {}
+    if not records and not stacks and not last:
         return None
     own = [(r, rec) for r, rec in sorted(records.items()) if rec["error"] and not from_a_collective(rec["error"])]
     if own:  # a rank's own error (a crash in its code): the others' failures follow from it
@@ -237,14 +241,16 @@ def diagnose(records: dict[int, dict], world: int, stacks: dict[int, str] | None
     if checked := _fingerprints(records):
         return checked
     parted, died, failed = _disagreements(records), _dead(records, stacks or {}, log), _failed(records)
-    missing = [r for r in range(world) if r not in records and r not in (stacks or {})]
+    ended = {r: stack for r, (_, stack) in last.items() if stack and r not in records}
+    missing = [r for r in range(world) if r not in records and r not in (stacks or {}) and r not in ended]
     if missing:  # killed (a signal faulthandler does not catch): what the others then did follows from it
-        who = ", ".join(map(str, missing))
-        steps = sorted({rec["step"] for rec in records.values() if "step" in rec})
-        during = f", while the others were in {_step_text(steps[-1])}" if steps else ""
-        then = min(parted)[1] if parted else died or failed
-        return (f"rank{'s' * (len(missing) > 1)} {who} left no record: died or killed before writing one{during} "
-                f"(its log says which)" + (f"; then {then}" if then else "; the others agree on every collective"))
+        then = failed or _left_waiting(records, missing) or (min(parted)[1] if parted else died)
+        if not then and ended:  # none wrote a record before its launcher ended it: where the first one was
+            q, more = min(ended), len(ended) > 1
+            then = (f"ranks {', '.join(map(str, sorted(ended)))} were ended by their launcher (rank {q} "
+                    f"{_place(ended[q])})" if more else f"rank {q} was ended by its launcher {_place(ended[q])}")
+        return _killed(missing, records, last) + (f"; then {then}" if then else
+                                                  "; the others agree on every collective")
     if parted:
         return min(parted)[1]
     if died:
@@ -259,41 +265,3 @@ def diagnose(records: dict[int, dict], world: int, stacks: dict[int, str] | None
                 f"which every member issued: the transport, not the order")
     doing = "; ".join(f"rank {r}: {rec['doing']}" for r, rec in sorted(records.items()))
     return f"no collective is waiting and the ranks agree on every one: the hang is outside them ({doing})"
-
-
-def explain(folder: Path, world: int, log: str = "") -> str | None:
-    """Diagnose the records in `folder` and keep the line beside them (diagnosis.txt); None without records.
-    `log`: the run's output (a dying gloo rank's last words go there, not to its record)."""
-    for p in folder.glob("rank*.fatal.txt"):  # empty: its rank ended by a signal faulthandler leaves alone
-        if p.stat().st_size == 0:
-            p.unlink()
-    line = diagnose(read(folder), world, fatal(folder), log)
-    if line is not None:
-        atomic_write(folder / "diagnosis.txt", line + "\n")
-    return line
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("diagnose", help="where the ranks of a hung or failed run parted, from their records")
-    p.add_argument("folder", metavar="DIR", help="the ranks' records: OUT/hang/<run>/ (the harness's), or "
-                                                 "results/hang/<strategy>/ (a script's under a plain torchrun)")
-    p.add_argument("--world", type=int, default=0, help="ranks in the run (default: the records' highest + 1)")
-    p.add_argument("--log", default="", metavar="FILE", help="the run's output, where a dying rank's last words are")
-
-
-def main(args, console) -> int:
-    """`python -m parallel diagnose DIR`: the one line, then each rank's state and where its record is."""
-    folder = Path(args.folder)
-    records, stacks = read(folder), fatal(folder)
-    if not records and not stacks:
-        raise ConfigError(f"{folder}: no rank's record here (rank<R>.json, written when a run fails or stalls)")
-    world = args.world or max([*records, *stacks]) + 1
-    log = Path(args.log).read_text(errors="replace") if args.log else ""
-    console.print(explain(folder, world, log), markup=False, highlight=False)
-    for rank in range(world):
-        rec = records.get(rank)
-        what = (f"{rec['doing']}; {len(rec['entries'])} collectives recorded; {rec['error'] or 'no error'}"
-                if rec else f"died at once (rank{rank}.fatal.txt)" if rank in stacks else "no record")
-        console.print(f"  rank {rank}: {what}", markup=False, highlight=False)
-    console.print(f"each rank's collectives, one a line, to diff: {folder}/rank<R>.txt", markup=False)
-    return 0

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from parallel import strategies
 from parallel.config import RunConfig
-from parallel.judge import hangs
+from parallel.judge import diagnose
 from parallel.launch.ranks import RankError, run_ranks
 from parallel.loop import recorder
 from parallel.loop.results import Equivalence
@@ -58,7 +58,7 @@ def run_hang(job, folder: Path) -> tuple[Equivalence, float]:
                   total=config.timeout)
         return Equivalence("unnamed", reason="it ran to the end: no hang"), time.perf_counter() - start
     except (RankError, TimeoutError) as e:
-        line = hangs.explain(out, config.world_size)
+        line = diagnose.explain(out, config.world_size)
         seconds = time.perf_counter() - start
         if line is None:
             return Equivalence("unnamed", reason=f"no record; {str(e).splitlines()[0]}"), seconds

@@ -106,7 +106,8 @@ def _end_as(ended, module: str, pid: int) -> None:
         sys.exit(f"{module}: the zygote ended before its worker (pid {pid})")
     code = ended[2]
     if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):  # the two whose handler cannot be set
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     sys.exit(code if code >= 0 else 128 - code)
 

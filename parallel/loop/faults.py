@@ -4,8 +4,8 @@ Only in torchrun's first attempt, so that a restarted group can show that it rec
 
 --hang-rank R: rank R stops inside step 1 where a real hang stops a rank (--hang-how kill: is killed there by
 SIGKILL, as an out-of-memory kill would), at its first gradient
-collective: the first reducing collective or send it would issue once the step's backward has begun
-(DDP's bucket all-reduce, FSDP's reduce-scatter, a pipeline's gradient send; in a pipeline whose
+collective: the first reducing collective, send or receive it would issue once the step's backward has
+begun (DDP's bucket all-reduce, FSDP's reduce-scatter, a pipeline's gradient send or receive; in a pipeline whose
 schedule interleaves, possibly the next micro-batch's forward send). It never issues it, and the other
 ranks go on into that collective and wait there; their diagnosis names it (judge/hangs.py). A step
 with no collective after backward stops at its end. A TorchDispatchMode sees each operation as it is issued:
@@ -32,8 +32,9 @@ class InjectedFault(RuntimeError):
 
 HANG_STEP = 1
 # A gradient collective: one that reduces (an all-reduce of DDP's bucket, FSDP's reduce-scatter; not the
-# all-gather FSDP runs in backward to have a block's weights again), or a send in backward (a pipeline's).
-_GRADIENT = ("allreduce", "all_reduce", "reduce_scatter", "send", "batch_p2p")
+# all-gather FSDP runs in backward to have a block's weights again), or a send or a receive in backward (a
+# pipeline's: its first stage sends nothing back, and receives its next micro-batch's gradient).
+_GRADIENT = ("allreduce", "all_reduce", "reduce_scatter", "send", "recv", "batch_p2p")
 
 
 def check(step: int, config, dist) -> None:
@@ -43,8 +44,9 @@ def check(step: int, config, dist) -> None:
 
 
 def around_step(step: int, config, dist):
-    """Inside each step: on --hang-rank's rank at step 1, the stop at its first gradient collective."""
-    if dist.restart or step != HANG_STEP or dist.rank != config.hang_rank:
+    """Inside each step: on --hang-rank's rank at step 1, the stop at its first gradient collective; not in a
+    run of one process (a comparison's baseline), where no other rank would wait for it."""
+    if dist.restart or step != HANG_STEP or dist.rank != config.hang_rank or dist.world_size < 2:
         return contextlib.nullcontext()
     return _Hang(step, config.hang_how == "kill")
 

@@ -1,27 +1,27 @@
 """Every rank's record of its last collectives, for the diagnosis of a hang (judge/hangs.py).
 
 torch's own Flight Recorder keeps it: a ring of the last BUFFER collectives this process issued, on every
-process group, from every caller (DDP's C++ reducer, FSDP2, DTensor, the hand-written strategies), with
-its group, sequence number, op, input shapes and dtypes, and whether it finished. Read in the installed
-torch (2.11 and 2.13, gloo):
-- it is on by default, 2,000 entries: FlightRecorder.hpp reads `TORCH_FR_BUFFER_SIZE` (or its older
-  name `TORCH_NCCL_TRACE_BUFFER_SIZE`) when the first group is made, and 0 turns it off;
-- `_dump_fr_trace` returns the ring; a gloo entry's `state` stays "scheduled", but `retired` turns true
-  when its work ends (measured: a collective a peer never joined stays unretired), and `pg_status` holds
-  each group's last enqueued and completed numbers;
-- nccl keeps a recorder of its own (FlightRecorder<CUDAEvent>, ProcessGroupNCCL.hpp), dumped apart by
-  `_dump_nccl_trace` on a CUDA build, with the same fields and `state` filled: the record reads both
-  (RECORDERS). Not run here (no GPU): read in torch's init.cpp, tested on a stand-in of its dump.
-Where a torch has no Flight Recorder, the record holds the loop's marks only, and says so.
+group, from every caller (DDP's C++ reducer, FSDP2, DTensor, our own), with its group, sequence number,
+op, input shapes and dtypes, and whether it finished. Read in torch 2.11 and 2.13 (gloo): it is on by
+default (`TORCH_FR_BUFFER_SIZE`, read when the first group is made; 0 turns it off); `_dump_fr_trace`
+returns it; a gloo entry's `retired` turns true when its work ends (a collective a peer never joined stays
+unretired), and `pg_status` holds each group's last enqueued and completed numbers. nccl keeps its own
+(`_dump_nccl_trace` on a CUDA build, the same fields): the record reads both (RECORDERS); not run here,
+tested on a stand-in of its dump. Without a Flight Recorder the record holds the loop's marks only.
 
 The project adds what torch cannot know: which training step issued each collective (the loop marks
-each step's start, `mark`; a mark is a clock read and an append) and what the rank was doing. A rank
-writes its record to FOLDER/rank<R>.json and .txt (one line a collective, to diff between ranks):
+each step's start, `mark`: a clock read, an append and a line written) and what the rank was doing. A
+rank writes its record to FOLDER/rank<R>.json and .txt (one line a collective, to diff between ranks):
 - when it fails (the worker calls `stop(error)`): a collective that timed out, a crash;
 - when it stalls: a watch thread writes it once nothing has moved (no step, no collective issued or
   finished) for `stall_s` (40% of the collectives' own timeout), and the Python stacks of its threads
   beside it (rank<R>.stack.txt). A rank stuck in a collective cannot speak for itself; the thread can,
-  since a waiting collective releases the GIL.
+  since a waiting collective releases the GIL;
+- stuck in a collective for `end_s` (2 timeouts + 2 s: a wait torch did not bound), the thread writes it
+  with the error WATCH_ENDED and ends the rank (exit 1): the run ends, diagnosed as a timeout.
+Always, what it is doing is a line rewritten at each mark (rank<R>.last.txt, gone when the run ends);
+if its launcher ends it (torchrun's SIGTERM to all once one failed), faulthandler adds its stacks from
+the signal. So a rank killed outright (SIGKILL) leaves what it was doing, and is told from one ended.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import json
 import os
 import pickle
 import re
+import signal
 import sys
 import threading
 import time
@@ -44,19 +45,18 @@ import torch
 import torch.distributed as td
 
 from parallel.loop.results import atomic_write
+from parallel.world.errors import WATCH_ENDED, error_line, from_a_collective
 
 BUFFER = 2000  # collectives each rank keeps (torch's ring; dumped only on a failure or a stall)
 STALL_SHARE = 0.4  # the watch thread writes the record after this share of --pg-timeout without progress
+END_SHARE, END_SLACK_S = 2.0, 2.0  # ... and ends a rank waiting in a collective after 2 x --pg-timeout + 2 s
 DTYPES = {"Float": "fp32", "BFloat16": "bf16", "Half": "fp16", "Double": "fp64", "Long": "int64", "Int": "int32",
           "Byte": "uint8", "Bool": "bool", "Char": "int8"}
-
-
 RECORDERS = ("_dump_fr_trace", "_dump_nccl_trace")  # the generic recorder (gloo's); nccl's, on CUDA builds
 
 
 def enable() -> None:
-    """torch's Flight Recorder on for this process, BUFFER entries (its own default, said here so that a
-    torch with another default keeps the same), unless the user set its size; before the first group."""
+    """torch's Flight Recorder on, BUFFER entries unless the user set its size; before the first group."""
     if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(BUFFER))
 
@@ -81,8 +81,8 @@ def traces(collectives: bool = True) -> list[dict]:
 
 
 class Recorder:
-    def __init__(self, folder: Path, rank: int, stall_s: float):
-        self.folder, self.rank, self.stall_s = folder, rank, stall_s
+    def __init__(self, folder: Path, rank: int, stall_s: float, end_s: float = float("inf")):
+        self.folder, self.rank, self.stall_s, self.end_s = folder, rank, stall_s, end_s
         self.marks: deque[tuple[int, int]] = deque(maxlen=4 * BUFFER)  # (step, time_ns at its start)
         self.doing = "setting up (before the first step)"
         self.written = ""  # why the record was last written
@@ -91,24 +91,30 @@ class Recorder:
         # writes no record: its Python stacks go here, through faulthandler, for the diagnosis to read.
         folder.mkdir(parents=True, exist_ok=True)
         self._fatal = open(folder / f"rank{rank}.fatal.txt", "w")  # noqa: SIM115 (open for the run's life)
+        self._last = open(folder / f"rank{rank}.last.txt", "w")  # noqa: SIM115 (what it does; SIGTERM's stacks)
         self._was_enabled = faulthandler.is_enabled()
         self._thread: threading.Thread | None = None
         faulthandler.enable(self._fatal, all_threads=True)
+        faulthandler.register(signal.SIGTERM, self._last, all_threads=True, chain=True)
+        self.mark(-1, self.doing)
 
-    def close(self) -> None:
-        """Stop watching (a write under way ends first); the fatal file goes where nothing fatal happened,
-        a stall's record where the rank went on after it, and the folder too if it is empty."""
+    def close(self, keep_signals: bool = False) -> None:
+        """Stop watching (a write under way ends first); then, unless `keep_signals`, unused files go."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if keep_signals or self._fatal.closed:
+            return
         faulthandler.disable()
+        faulthandler.unregister(signal.SIGTERM)
         if self._was_enabled:  # as it was: to the process's stderr (pytest's capture has no file number)
             with contextlib.suppress(ValueError, OSError, AttributeError):
                 faulthandler.enable(sys.__stderr__, all_threads=True)
-        self._fatal.close()
-        path = Path(self._fatal.name)
-        if path.exists() and path.stat().st_size == 0:
-            path.unlink()
+        for file in (self._fatal, self._last):
+            file.close()
+            path = Path(file.name)
+            if path.exists() and (file is self._last or path.stat().st_size == 0):
+                path.unlink()
         with contextlib.suppress(OSError):
             self.folder.rmdir()  # only when empty
 
@@ -116,6 +122,11 @@ class Recorder:
         if step >= 0 and (not self.marks or self.marks[-1][0] != step):
             self.marks.append((step, time.time_ns()))
         self.doing = doing
+        with contextlib.suppress(OSError, ValueError):  # one write; a signal's stacks would follow it
+            self._last.seek(0)
+            self._last.write(f"{doing}\n")
+            self._last.truncate()
+            self._last.flush()
 
     def snapshot(self, error: str = "") -> dict:
         """This rank's record as plain data (JSON)."""
@@ -150,7 +161,7 @@ class Recorder:
         self.written = why
 
     def _progress(self) -> tuple:
-        status = {}
+        status = []
         if flight_recorder() and td.is_initialized():
             status = [t.get("pg_status", {}) for t in traces(collectives=False)]
         return len(self.marks), self.doing, json.dumps(status, sort_keys=True)
@@ -162,12 +173,23 @@ class Recorder:
                 now = self._progress()
             except Exception:  # noqa: BLE001 (a group torn down under the thread: nothing to watch)
                 return
+            idle = time.monotonic() - since
             if now != last:
                 last, since = now, time.monotonic()
                 if self.written:  # it went on: a slow stretch, not a hang; the next stall writes afresh
                     self._forget()
-            elif time.monotonic() - since > self.stall_s and not self.written:
+            elif idle > self.end_s and waiting(json.loads(now[2])):
+                self._end(idle)
+            elif idle > self.stall_s and not self.written:
                 self.write(f"no progress for {self.stall_s:g} s", stacks=True)
+
+    def _end(self, idle: float) -> None:
+        """End this rank, stuck in a collective that torch's timeout did not end: its record first."""
+        error = (f"TimeoutError: no progress for {idle:.0f} s inside a collective, past twice --pg-timeout: "
+                 f"{WATCH_ENDED} (a wait torch did not bound)")
+        self.write(f"stuck for {idle:.0f} s", error=error, stacks=True)
+        print(f"[rank{self.rank}]: {error}", file=sys.stderr, flush=True)
+        os._exit(1)
 
     def _forget(self) -> None:
         for suffix in ("json", "txt", "stack.txt"):
@@ -176,13 +198,19 @@ class Recorder:
         self.written = ""
 
 
+def waiting(status: list[dict]) -> bool:
+    """Does torch's status (each recorder's pg_status) say a collective was issued and has not finished?"""
+    return any(int(g.get("last_enqueued_collective", -1)) > int(g.get("last_completed_collective", -1))
+               for s in status for g in s.values())
+
+
 _current: Recorder | None = None  # this process's recorder, while a run is in it (the worker's)
 
 
-def start(folder: Path, rank: int, stall_s: float) -> Recorder:
+def start(folder: Path, rank: int, stall_s: float, end_s: float = float("inf")) -> Recorder:
     """The record of this rank's run, watched by a thread (a daemon: it never keeps a process alive)."""
     global _current
-    _current = Recorder(folder, rank, stall_s)
+    _current = Recorder(folder, rank, stall_s, end_s)
     _current._thread = threading.Thread(target=_current._watch, name="parallel-recorder", daemon=True)
     _current._thread.start()
     return _current
@@ -197,21 +225,22 @@ def mark(step: int, doing: str) -> None:
 def stop(error: BaseException | None = None) -> None:
     """The run ended: on an error, write the record with it (a collective's timeout names nothing else)."""
     global _current
-    rec, _current = _current, None
-    if rec is None:
+    if (rec := _current) is None:
         return
-    rec.close()
-    if error is not None:
+    _current = None
+    rec.close(keep_signals=error is not None)
+    if error is not None:  # written before the launcher's SIGTERM is let go: a rank ended mid-write leaves its stacks
         line = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", error_line(error))  # gloo's source location: noise
         frames = reversed(traceback.extract_tb(error.__traceback__))
         raised = "".join(f'  File "{f.filename}", line {f.lineno} in {f.name}\n' for f in frames)
         rec.write("it failed", error=line, raised=raised)
+        rec.close()
 
 
 @contextlib.contextmanager
 def recording(folder: Path, rank: int, pg_timeout: float):
     """This rank's record around a run: watched, written with the error if the run raises (and raised on)."""
-    start(folder, rank, STALL_SHARE * pg_timeout)
+    start(folder, rank, STALL_SHARE * pg_timeout, END_SHARE * pg_timeout + END_SLACK_S)
     try:
         yield
     except BaseException as e:
@@ -219,35 +248,6 @@ def recording(folder: Path, rank: int, pg_timeout: float):
         raise
     finally:
         stop()  # nothing left to stop after an error
-
-
-def error_line(error: BaseException) -> str:
-    """`Type: its first line`: an error as one line (a collective's error runs to a dozen). One raised from a
-    collective's failure (torch's pipelining wraps a stage's: "Failed to run stage backward") carries it
-    after "from", so that the run is diagnosed as the hang it is, not as the rank's own crash."""
-    line, cause = _first_line(error), error.__cause__ or error.__context__
-    for _ in range(8):  # a chain of causes, not a cycle
-        if cause is not None and from_a_collective(inner := _first_line(cause)):
-            return f"{line} (from {inner})" if line != inner else line
-        cause = cause and (cause.__cause__ or cause.__context__)
-    return line
-
-
-def _first_line(error: BaseException) -> str:
-    return f"{type(error).__name__}: " + next((ln.strip() for ln in str(error).splitlines() if ln.strip()), "")
-
-
-_COLLECTIVE_ERRORS = ("gloo", "NCCL", "Timed out", "timed out", "Connection reset", "Connection closed",
-                      "monitoredBarrier", "Detected mismatch between collectives")
-_DIST_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError")
-
-
-def from_a_collective(error: str) -> bool:
-    """Does this error ("RuntimeError: ...", or torchrun's "rank 1: RuntimeError: ...") come from a
-    collective (its timeout, a peer gone, torch's check), not from the rank's own code?"""
-    error = re.sub(r"^rank \d+: ", "", error)
-    return error.startswith(_DIST_ERRORS) or (error.startswith("RuntimeError") and
-                                               any(word in error for word in _COLLECTIVE_ERRORS))
 
 
 def _entry(e: dict, marks: list[tuple[int, int]]) -> dict:

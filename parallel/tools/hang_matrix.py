@@ -4,11 +4,13 @@ does its one line say?
     python -m parallel.tools.hang_matrix [--devices cpu:2,cpu:4] [--ranks 0,1] [--how stop|kill]
                                          [--pg-timeout 5] [--only NAMES] [--json FILE]
 
-For each torchrun strategy that runs on the devices, on its cheapest workload (the CNN, else the MLP, the
-transformer, the MoE), `python -m parallel run NAME --hang-rank R --pg-timeout 5 --steps 3` in a fresh process:
-its wall time, exit status, the row's error line, whether that line names rank R and step 1, whether a
-traceback reached the terminal, and whether it says "different collectives" (which it should only where
-the ranks really issued different calls). docs/debugging.md's table is this tool's output.
+For each multi-process strategy that runs on the devices (torchrun's, and hogwild's workers), on its
+cheapest workload (the CNN, else the MLP, the transformer, the MoE), `python -m parallel run NAME
+--hang-rank R --pg-timeout 5 --steps 3` in a fresh process: its wall time, exit status, the row's error
+line, whether that line names rank R (worker R) and step 1, whether a traceback reached the terminal, and
+whether it says "different collectives" (which it should only where the ranks really issued different
+calls). docs/debugging.md's table is this tool's output; the suite runs the same cases in three
+comparisons (tests/test_reliability.py).
 """
 
 from __future__ import annotations
@@ -33,12 +35,12 @@ from parallel.world.errors import ConfigError
 
 
 def cases(devices: list[str]) -> list[tuple[str, str, str]]:
-    """(strategy, workload, devices) of every torchrun strategy that runs there, on its cheapest workload."""
+    """(strategy, workload, devices) of every multi-process strategy that runs there, on its cheapest workload."""
     out = []
     for d in devices:
         spec = RunConfig(devices=d).validate().spec
         for s in strategies.all_strategies():
-            if s.launch != "torchrun" or s.available(spec):
+            if s.launch == "inprocess" or s.available(spec):
                 continue
             workload = next((w for w in ("cnn", "mlp", "transformer", "moe") if not s.unsupported(WORKLOADS[w])), None)
             try:
@@ -61,7 +63,7 @@ def one(name: str, workload: str, devices: str, rank: int, pg_timeout: float, ho
         rows = json.loads((Path(out) / "results.json").read_text())["rows"] if (Path(out) / "results.json").exists() \
             else []
     error = next((r.get("error") or "" for r in rows if r["strategy"] == name), "")
-    named = bool(re.search(rf"\brank {rank}\b", error)) and "step 1" in error
+    named = bool(re.search(rf"\b(rank|worker) {rank}\b", error)) and "step 1" in error
     return {"strategy": name, "workload": workload, "devices": devices, "rank": rank, "how": how,
             "wall_s": round(wall, 1),
             "exit": p.returncode, "named": named, "traceback": "Traceback" in p.stdout + p.stderr,
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pg-timeout", type=float, default=5.0)
     p.add_argument("--how", default="stop", choices=("stop", "kill"), help="the rank stops responding, or is "
                    "killed by SIGKILL (--hang-how)")
-    p.add_argument("--only", help="strategies, comma-separated (default: every torchrun one)")
+    p.add_argument("--only", help="strategies, comma-separated (default: every multi-process one)")
     p.add_argument("--json", help="also write the rows to this file")
     args = p.parse_args(argv)
     try:

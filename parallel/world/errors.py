@@ -1,5 +1,40 @@
-"""The one error type for bad input: the CLI prints its message as one line and exits 2."""
+"""Errors as the user reads them: bad input (ConfigError: the CLI prints its message as one line and exits
+2), and a rank's failure as one line, read for whether a collective caused it (error_line, from_a_collective)."""
+
+from __future__ import annotations
+
+import re
 
 
 class ConfigError(ValueError):
     """Bad input, found before any work starts. The message names every number involved."""
+
+
+def error_line(error: BaseException) -> str:
+    """`Type: its first line`: an error as one line (a collective's error runs to a dozen). One raised from a
+    collective's failure (torch's pipelining wraps a stage's: "Failed to run stage backward") carries it
+    after "from", so that the run is diagnosed as the hang it is, not as the rank's own crash."""
+    line, cause = _first_line(error), error.__cause__ or error.__context__
+    for _ in range(8):  # a chain of causes, not a cycle
+        if cause is not None and from_a_collective(inner := _first_line(cause)):
+            return f"{line} (from {inner})" if line != inner else line
+        cause = cause and (cause.__cause__ or cause.__context__)
+    return line
+
+
+def _first_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: " + next((ln.strip() for ln in str(error).splitlines() if ln.strip()), "")
+
+
+_COLLECTIVE_ERRORS = ("gloo", "NCCL", "Timed out", "timed out", "Connection reset", "Connection closed",
+                      "monitoredBarrier", "Detected mismatch between collectives")
+_DIST_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError")
+WATCH_ENDED = "ended by its watch thread"  # a wait torch did not bound, ended by recorder.py's thread
+
+
+def from_a_collective(error: str) -> bool:
+    """Does this error ("RuntimeError: ...", or torchrun's "rank 1: RuntimeError: ...") come from a
+    collective (its timeout, a peer gone, torch's check), not from the rank's own code?"""
+    error = re.sub(r"^rank \d+: ", "", error)
+    return error.startswith(_DIST_ERRORS) or WATCH_ENDED in error or (
+        error.startswith("RuntimeError") and any(word in error for word in _COLLECTIVE_ERRORS))

@@ -66,6 +66,7 @@ def train_step(t: Trainable, batch, dist):
 class State:
     workers: int
     counter: object = None  # in a worker: the shared count of updates (a multiprocessing Value)
+    begun: object = None  # the steps each worker has begun (a shared Array): the parent's watch of a stall
     staleness: list[int] = field(default_factory=list)  # in a worker: updates landed between read and write
     summary: dict = field(default_factory=dict)  # in the parent: the workers' figures, combined
 
@@ -102,12 +103,13 @@ def train(strategy, t: Trainable, data, run, dist, profiler=None):
     # The barrier lines the workers up after their (staggered) start-up, so the wall time of the run is
     # time they all trained in; its timeout means a worker that dies early cannot hang the others.
     counter, results, start = ctx.Value("q", 0), ctx.Queue(), ctx.Barrier(workers, timeout=run.pg_timeout)
-    procs = [ctx.Process(target=_worker, args=(r, t.model, run, counter, results, start), name=f"hogwild-{r}")
-             for r in range(workers)]
+    begun = ctx.Array("q", workers)
+    procs = [ctx.Process(target=_worker, args=(r, t.model, run, (counter, begun), results, start),
+                         name=f"hogwild-{r}") for r in range(workers)]
     for p in procs:
         p.start()
     try:
-        outs = _collect(procs, results)
+        outs = _collect(procs, results, begun, run.pg_timeout)
     finally:  # a crash or an interrupt leaves no worker behind
         for p in procs:
             if p.is_alive():
@@ -124,7 +126,7 @@ def train(strategy, t: Trainable, data, run, dist, profiler=None):
     return TrainResult(losses, [s for o in outs for s in o.step_s], (start, end), samples_per_s=samples / (end - start))
 
 
-def _worker(rank, model, run, counter, results, start) -> None:
+def _worker(rank, model, run, shared, results, start) -> None:
     """One Hogwild worker: its own seed, threads, optimiser and shares of the data; then THE loop."""
     try:
         workers = world_size(run)
@@ -132,7 +134,7 @@ def _worker(rank, model, run, counter, results, start) -> None:
         torch.set_num_threads(max(1, cpu_cores() // workers))
         workload = run.workload
         t = Trainable(model, make_optimizer(run)(model.parameters()), loss_of(workload), torch.device("cpu"),
-                      state=State(workers, counter))
+                      state=State(workers, *shared))
         me = Dist(rank=rank, local_rank=rank, world_size=workers, local_world_size=workers)
         with default_dtype(run):  # the shared model is float64 under --precision fp64: its data too
             data = workload.dataset(run.seed, run.batch_size)
@@ -150,23 +152,36 @@ class _Me:
     """What THE loop needs of the strategy inside a worker."""
 
     name = NAME
-    train_step = staticmethod(train_step)
     dims = staticmethod(base_dims)  # W replicas, each its share of every global batch
 
+    @staticmethod
+    def train_step(t: Trainable, batch, dist):
+        t.state.begun[dist.rank] += 1  # for the parent: which step a worker that stalls or dies was in
+        return train_step(t, batch, dist)
 
-def _collect(procs, results, poll_s: float = 0.5) -> list[dict]:
-    """Wait for every worker's result; a worker that fails or dies makes the run fail, naming it."""
+
+def _collect(procs, results, begun, stall_s: float, poll_s: float = 0.25) -> list[dict]:
+    """Wait for every worker's result; a worker that fails, dies, or begins no step for `stall_s` (--pg-timeout)
+    once the steps have begun, makes the run fail, naming it and its step."""
     import queue
+    import time
 
     outs: dict[int, dict] = {}
+    seen, since = list(begun), time.monotonic()
     while len(outs) < len(procs):
         try:
             rank, error, payload = results.get(timeout=poll_s)
         except queue.Empty:
-            dead = [r for r, p in enumerate(procs) if r not in outs and not p.is_alive() and p.exitcode]
-            if dead:
-                code = procs[dead[0]].exitcode
-                raise RuntimeError(f"hogwild worker {dead[0]} died (exit code {code})") from None
+            left = [r for r in range(len(procs)) if r not in outs]
+            if seen != list(begun) or not any(seen):
+                seen, since = list(begun), time.monotonic()
+            where = {r: f"in its step {begun[r] - 1}" if begun[r] else "before its first step" for r in left}
+            if dead := [r for r in left if not procs[r].is_alive() and procs[r].exitcode]:
+                raise RuntimeError(f"hogwild worker {dead[0]} died {where[dead[0]]} (exit code "
+                                   f"{procs[dead[0]].exitcode})") from None
+            if time.monotonic() - since > stall_s:
+                raise RuntimeError(f"hogwild worker {left[0]} stalled {where[left[0]]}: no worker began a step for "
+                                   f"{stall_s:g} s (--pg-timeout); {len(outs)} of {len(procs)} had finished") from None
             continue
         if error:
             raise RuntimeError(f"hogwild worker {rank} failed: {error}")
