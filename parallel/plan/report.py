@@ -115,6 +115,7 @@ def validate(args, console) -> int:
             return 0
         _playbook(console, scored, None, "held out", sweep)
         return 0
+    machine = this_machine(args.results)  # bad --results refused first, before seconds of fitting
     tables = {"narayanan_table1": v.table1(), "narayanan_table2": v.table2(),
               "korthikanti_table5": v.table5(), "single_h100": v.single_h100(), "korthikanti_figure1": v.figure1()}
     tables["h100_compare_single"] = v.compare_single_h100(tables["single_h100"])
@@ -123,7 +124,6 @@ def validate(args, console) -> int:
 
     scored, loo = v.playbook(), fit.leave_one_model_out(pb.runs()[0])
     loo_t5, loo_h100 = fit.fit_a100()["leave_one_out"], fit.fit_h100_host()["leave_one_out"]
-    machine = this_machine(args.results)
     roles = {k: {"role": r, "fitted": what} for k, (r, what) in v.ROLES.items()}
     if args.json:
         print(json.dumps({"playbook_1node": {**roles["playbook_1node"], **scored, "leave_one_model_out": loo}}
