@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import signal
 import sys
 from pathlib import Path
@@ -39,6 +40,7 @@ from parallel.style.terminal import make_console
 from parallel.worker import leave, run_here
 from parallel.world import machine
 from parallel.world.dist import Dist, script_devices
+from parallel.world.errors import CheckFailed, last_line
 
 # The commands (this docstring is `--help`'s text); their arguments, and the RunConfig made of them: cliargs.py.
 
@@ -196,9 +198,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "compare":
             return cmd_compare(args, strategies.parse_list(args.strategies), baseline=True)
         return cmd_compare(args, [strategies.get(args.strategy).name], baseline=False)
+    except CheckFailed as e:  # the user's model fails where the baseline needs it: nothing can be compared
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # the parent's work on a user's model raised: one line (PARALLEL_TRACEBACK=1: all of it)
+        if not getattr(args, "model", "") or os.environ.get("PARALLEL_TRACEBACK"):
+            raise
+        print(f"error: --model {args.model}: {last_line(e)} (PARALLEL_TRACEBACK=1 shows where)", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # stopped outside the parts that keep their work (after compare's rows: they are
         print("interrupted", file=sys.stderr)  # saved as each ends): one line, no traceback (seen on an H100)
         return 130

@@ -35,7 +35,7 @@ from parallel.models.workloads import eval_loss
 from parallel.style.terminal import make_progress
 from parallel.worker import HANG_DIR
 from parallel.world import load
-from parallel.world.errors import ConfigError, from_a_collective
+from parallel.world.errors import CheckFailed, ConfigError, from_a_collective
 
 BASELINE = strategies.BASELINE
 
@@ -191,8 +191,8 @@ def select_runs(config: RunConfig, names: list[str], baseline: bool = True, stri
             variants = s.variants(config)
             for _, cfg in variants:
                 s.validate(cfg)
-        except ConfigError as e:
-            if s.name == BASELINE or not may_skip(s.name):
+        except ConfigError as e:  # a check that failed on the user's model (CheckFailed): skipped, even if named
+            if s.name == BASELINE or not (may_skip(s.name) or isinstance(e, CheckFailed)):
                 raise
             skipped[s.name] = re.sub(rf"^{s.name} cannot (run on \S+|train the .*? workload): ", "", str(e))
             continue

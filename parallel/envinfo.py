@@ -88,6 +88,16 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
+def _installed(package: str) -> str:
+    """Its version, found without importing it (transformers takes seconds), or "not installed"."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "not installed"
+
+
 def env_lines(config: RunConfig, chosen: list[tuple], skipped: dict[str, str], gpus: list[dict], cpu: dict,
               unusable: str | None) -> list[str]:
     """The `- key: value` lines of the block (`cpu`: machine.cpu_info(); `unusable`: machine.unusable_gpus())."""
@@ -101,6 +111,7 @@ def env_lines(config: RunConfig, chosen: list[tuple], skipped: dict[str, str], g
         ("torch CUDA", torch.version.cuda or (f"none (ROCm {torch.version.hip})" if torch.version.hip
                                              else "none (CPU build)")),
         ("NCCL", nccl_version()),
+        ("transformers", _installed("transformers")),  # a Hugging Face --model is built by it (docs/your-model.md)
         ("GPU driver", gpu_driver()),
     ]
     if gpus:

@@ -11,7 +11,7 @@ from rich.console import Console
 from parallel import cli, envinfo
 from parallel.world import machine
 
-KEYS = ["parallel", "git commit", "Python", "platform", "torch", "torch CUDA", "NCCL", "GPU driver",
+KEYS = ["parallel", "git commit", "Python", "platform", "torch", "torch CUDA", "NCCL", "transformers", "GPU driver",
         "CUDA_VISIBLE_DEVICES", "CPU", "--devices auto", "default backend", "compare runs", "compare skips"]
 
 

@@ -67,7 +67,7 @@ class SyntheticData:
                 begin = torch.zeros_like(seq, dtype=torch.bool)
                 begin[:, 0] = True
                 return _packed(seq, begin)
-            return seq[:, :-1], seq[:, 1:]
+            return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()  # as a DataLoader gives them: a .view works
         return _samples(self.workload, self.teacher, n, torch.Generator().manual_seed(20_000 + self.seed))
 
     def real_targets(self, step: int) -> torch.Tensor | None:

@@ -92,7 +92,13 @@ def call(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
     """model(x), or model(x, targets=y) for a model that takes its targets (the name recorded on it, or on
     the module a wrapper holds as `.module`: DDP, nn.DataParallel). -> what forward returns."""
     keyword = keyword_of(model)
+    x, y = contiguous(x), contiguous(y)  # as a DataLoader hands them: a forward's .view on them must work
     return model(x, **{keyword: y}) if keyword else model(x)
+
+
+def contiguous(t):
+    """A tensor as a user's code expects one (contiguous: `.view` works); anything else as it is."""
+    return t.contiguous() if isinstance(t, torch.Tensor) else t
 
 
 def keyword_of(model: nn.Module) -> str:
@@ -168,7 +174,7 @@ def _forward(spec: str, model: nn.Module, x: torch.Tensor, targets: dict, source
     targets (its loss must reach the parameters)."""
     try:
         with torch.set_grad_enabled(bool(targets)), torch.random.fork_rng(devices=[]):
-            return model(x, **targets)
+            return model(contiguous(x), **{k: contiguous(v) for k, v in targets.items()})
     except Exception as e:  # noqa: BLE001
         raise ConfigError(f"--model {spec} cannot take {source} (inputs {tuple(x.shape[1:])} a sample): "
                           f"{first_line(e)}") from None

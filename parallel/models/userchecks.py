@@ -120,11 +120,13 @@ def cannot_match(model: nn.Module) -> dict[str, str]:
     out = {}
     drops = [m.p for m in model.modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
     # transformers' attention applies its dropout functionally (no module to find): Llama, Qwen2, Mixtral ...
-    rate = getattr(getattr(model, "config", None), "attention_dropout", 0.0)
-    rate = rate if isinstance(rate, float) and rate > 0 else 0.0
-    if drops or rate:
+    # (and OPT's layers theirs: `dropout`): every rate its config names that is on
+    config = getattr(getattr(model, "config", None), "to_dict", lambda: {})()
+    rates = {k: v for k, v in config.items() if ("dropout" in k or "pdrop" in k) and k != "summary_first_dropout"
+             and isinstance(v, float) and v > 0}
+    if drops or rates:
         where = ", ".join(([f"{len(drops)} dropout module(s), p up to {max(drops):g}"] if drops else [])
-                          + ([f"config attention_dropout = {rate:g}"] if rate else []))
+                          + [f"config {k} = {v:g}" for k, v in sorted(rates.items())][:2])
         out["dropout"] = (f"dropout is on ({where}): every run draws other random masks, so no strategy can "
                           "match one device; set dropout to 0 to compare")
     if norms := [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]:

@@ -50,6 +50,7 @@ the structure.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -66,8 +67,8 @@ from parallel.models.moe import MoE
 from parallel.models.transformer import SHAPE, shaped
 from parallel.models.userchecks import cannot_match, experts_of, moe_layers_of, tied_names
 from parallel.models.userload import UserWorkload
-from parallel.models.workloads import WORKLOADS, Workload, tp_plan_of
-from parallel.world.errors import ConfigError
+from parallel.models.workloads import WORKLOADS, Workload, tp_plan_of, unhonoured_hf_plan
+from parallel.world.errors import CheckFailed, ConfigError
 
 
 def workload_of(config) -> Workload:
@@ -122,20 +123,39 @@ def shape_model(config) -> nn.Module:
     model a process is asked about: the same object again after that, never changed by its readers."""
     names = ("model", "workload", "vocab", "preset", *SHAPE, "seq_len", "aux_loss", "tokens", "twin_blocks",
              "input_shape", "classes", "data", "seed")
-    key = tuple(str(getattr(config, name, 0)) for name in names)
+    key = (*(str(getattr(config, name, 0)) for name in names), _REAL[0])
     if key not in _META:
         workload = workload_of(config)
         try:
+            if _REAL[0]:
+                raise TypeError("built for real")
             with torch.device("meta"):
                 model = workload.build_model(config.seed)
         except (RuntimeError, NotImplementedError, TypeError, ValueError):
             model = workload.build_model(config.seed)
-        _META.clear()  # one model kept: a process asks about one run's model at a time
+        for k in [k for k in _META if k[-1] == _REAL[0]]:  # one model of each kind kept: one run's at a time
+            del _META[k]
         _META[key] = model
     return _META[key]
 
 
 _META: dict[tuple, nn.Module] = {}
+_REAL = [False]  # shape_model builds for real (built_for_real)
+REAL_COPY_MOST = 2**29  # parameters: 2 GiB in fp32, the most a check's real copy may build in the parent
+
+
+@contextlib.contextmanager
+def built_for_real(config):
+    """shape_model builds the model on the CPU for real inside: for a check whose forward the meta device
+    refuses. Refused (CheckFailed) for a model of more than REAL_COPY_MOST parameters."""
+    if (n := sum(p.numel() for p in shape_model(config).parameters())) > REAL_COPY_MOST:
+        raise CheckFailed(f"--model {config.model}: a check fails on the meta device, and a real copy of its "
+                          f"{n:,} parameters is more than the parent builds ({REAL_COPY_MOST:,})")
+    _REAL[0] = True
+    try:
+        yield
+    finally:
+        _REAL[0] = False
 
 
 @functools.lru_cache(maxsize=8)
@@ -176,8 +196,9 @@ def _user(spec: str, input_shape: str, classes: int, vocab: int, seq_len: int, d
     # Held samples (teacher): at most 64 MB of inputs, batches wrap around them; tokens: drawn per step.
     size = len(userdata.load(data)[0]) if data else max(1024, min(8192, 2**24 // math.prod(shape)))
     if isinstance(getattr(type(model), "tp_plan", None), property):  # transformers': read by tp_plan_of
-        no_plan = f"transformers' own plan for {type(model).__name__} splits no nn.Linear layer, and the factory " \
-                  "returned no 'tp_plan'"
+        what = unhonoured_hf_plan(getattr(model, "tp_plan", None)) or "splits no nn.Linear layer"
+        no_plan = f"transformers' own plan for {type(model).__name__} {what.removeprefix('its plan ')}, and the " \
+                  "factory returned no 'tp_plan'"
     else:
         no_plan = "the factory returned no 'tp_plan', and the model defines no tp_plan()"
     twin_of = f"; its shallow twin, {twin} block{'s' if twin > 1 else ''}" if twin else ""

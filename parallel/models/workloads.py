@@ -44,11 +44,11 @@ def tp_plan_of(model) -> TPPlan | None:
 
 def from_hf_plan(model: nn.Module, plan) -> TPPlan | None:
     """transformers' own tensor-parallel plan ({"model.layers.*.self_attn.q_proj": "colwise", ...}) read
-    into the project's: its "colwise" and "rowwise" Linear layers, by full name. Every other style (the
-    embedding's, the head's gathered output) is left replicated, which is always correct, and no regions
-    are declared, so each split layer sums its own input's gradient (correct whatever the forward passes
-    where). None where the model has no such plan (GPT-2's is empty)."""
-    if not isinstance(plan, dict) or not plan:
+    into the project's: its "colwise" and "rowwise" Linear layers, by full name. The embedding's and the
+    head's styles are left replicated, which is correct, and no regions are declared, so each split layer
+    sums its own input's gradient (correct whatever the forward passes where). None where the model has no
+    such plan (GPT-2's is empty), or where it asks for what the split does not do (unhonoured_hf_plan)."""
+    if not isinstance(plan, dict) or not plan or unhonoured_hf_plan(plan):
         return None
     import re
 
@@ -59,6 +59,18 @@ def from_hf_plan(model: nn.Module, plan) -> TPPlan | None:
             if style in split and pattern.match(name) and isinstance(module, nn.Linear):
                 split[style].append(name)
     return TPPlan(tuple(split["colwise"]), tuple(split["rowwise"])) if split["colwise"] else None
+
+
+UNHONOURED = ("replicated_with_grad_allreduce",)  # a replicated weight applied to split heads (Qwen3's q_norm)
+
+
+def unhonoured_hf_plan(plan) -> str:
+    """What in transformers' plan the project's split does not do, "" if nothing: left replicated, such a
+    weight would get each rank's part of its gradient only (measured: Qwen3's q_norm off by 5.7e4 x the
+    fp64 rule under tensor_parallel at cpu:2, before it was refused)."""
+    found = [f"{p} ({s})" for p, s in (plan.items() if isinstance(plan, dict) else ()) if s in UNHONOURED]
+    return (f"its plan asks for {found[0]}: gradients summed over the tensor-parallel ranks, which the "
+            f"project's column/row split does not do") if found else ""
 
 
 @dataclass(frozen=True)

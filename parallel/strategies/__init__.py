@@ -27,7 +27,7 @@ from parallel.config import RunConfig
 from parallel.loop import train
 from parallel.models.workloads import Workload
 from parallel.strategies import base
-from parallel.world.errors import ConfigError
+from parallel.world.errors import CheckFailed, ConfigError, last_line
 
 # The report lists strategies in this order; `single` is the baseline and always first.
 BASELINE = "single"  # a role: one device, the reference every other strategy is checked against
@@ -183,7 +183,30 @@ class Strategy:
             raise ConfigError(f"unknown mutant {config.mutant!r}; `python -m parallel mutants --list` lists them")
         if (config.checkpoint_every or config.resume or config.resume_from) and not self.CHECKPOINTS:
             raise ConfigError(f"{self.name} cannot checkpoint or resume (--checkpoint-every, --resume)")
-        self.check(config)
+        self._checked(config)
+
+    def _checked(self, config) -> None:
+        """self.check, which may run a user's model on the meta device (its layers, the records a pipeline
+        keeps): where the model's kernels refuse that device (grouped_mm in fp32, aten::equal), again on a
+        real copy; where that fails too, CheckFailed, one line naming the model, the check and the error."""
+        try:
+            return self.check(config)
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the user's model's own code, raised inside our check
+            if not config.model:
+                raise  # our own workloads: a bug of ours, shown as one
+            first = e
+        from parallel.models import usermodel
+
+        try:
+            with usermodel.built_for_real(config):
+                return self.check(config)
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise CheckFailed(f"{self.name}: its check of --model {config.model} failed on the meta device "
+                              f"({last_line(first)}) and on a real copy ({last_line(e)})") from None
 
     def variants(self, config) -> list[tuple[str, object]]:
         """(label, config) for every combination of this strategy's list-valued options, e.g.

@@ -10,6 +10,17 @@ class ConfigError(ValueError):
     """Bad input, found before any work starts. The message names every number involved."""
 
 
+class CheckFailed(ConfigError):
+    """A strategy's check raised on the user's model, on the meta device and on a real copy alike: the
+    comparison skips that strategy with this line, even where the user named it (compare.select_runs)."""
+
+
+def last_line(error: BaseException) -> str:
+    """`Type: its last line` (a kernel's refusal is at the end of its message)."""
+    text = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
+    return f"{type(error).__name__}: {text[-1]}" if text else type(error).__name__
+
+
 def error_line(error: BaseException) -> str:
     """`Type: its first line`: an error as one line (a collective's error runs to a dozen). One raised from a
     collective's failure (torch's pipelining wraps a stage's: "Failed to run stage backward") carries it

@@ -1,0 +1,93 @@
+"""Issue 60: a user's model never crashes the comparison. Tensors reach its forward as a DataLoader hands
+them (contiguous); a strategy's check that the meta device refuses runs again on a real copy; one that
+fails on both is a one-line skip, even where the user named the strategy; anything else the parent's work
+on the model raises is one line and exit 1, never a traceback."""
+
+import torch
+from torch import nn
+
+from parallel import cli, strategies
+from parallel.compare import select_runs
+from parallel.config import RunConfig
+from parallel.models import outputs
+from parallel.models.usermodel import shape_model
+from parallel.world.errors import CheckFailed
+from tests.conftest import ROOT
+
+NANOGPT = f"{ROOT / 'examples' / 'nanogpt_as_written.py'}:gpt"
+
+
+def config() -> RunConfig:
+    return RunConfig(model=NANOGPT, devices="cpu:2", vocab=64, seq_len=16, batch_size=8, steps=1).validate()
+
+
+class Views(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(8, 8)
+
+    def forward(self, x, targets=None):
+        return self.embed(x.view(-1)), targets.view(-1)  # as nanoGPT's loss does: raises on a strided tensor
+
+
+def test_what_a_forward_is_handed_is_contiguous_as_a_loaders_is():
+    chain = torch.arange(40).reshape(4, 10) % 8
+    x, y = chain[:, :-1], chain[:, 1:]  # the held-out set was cut so: views a .view refuses
+    assert not y.is_contiguous()
+    model = Views()
+    model._parallel_targets = "targets"  # as usermodel records a forward that takes its targets
+    _, seen = outputs.call(model, x, y)
+    assert torch.equal(seen, y.reshape(-1))
+
+
+def test_a_check_the_meta_device_refuses_runs_again_on_a_real_copy(monkeypatch):
+    ddp = strategies.get("ddp")
+    seen = []
+
+    def grouped_mm_like(cfg):  # the experts' grouped_mm refuses fp32 on the meta device (Mixtral, Qwen2-MoE)
+        meta = next(shape_model(cfg).parameters()).is_meta
+        seen.append(meta)
+        if meta:
+            raise RuntimeError("Expected inputs of BF16 type but got mat_a.dtype=torch.float32")
+
+    monkeypatch.setattr(ddp, "check", grouped_mm_like)
+    ddp.validate(config())
+    assert seen == [True, False]
+
+
+def test_a_check_that_fails_on_both_is_one_line_and_a_skip_even_when_named(monkeypatch):
+    def fails(cfg):
+        raise RuntimeError("a kernel's long message\nNotImplementedError: aten::equal on Meta")
+
+    made, get = {}, strategies.get
+
+    def failing(name):  # the strategy objects select_runs gets, with their check failing
+        if name not in made:
+            made[name] = get(name)
+            made[name].check = fails
+        return made[name]
+
+    monkeypatch.setattr(strategies, "get", lambda name: failing(name) if name == "ddp" else get(name))
+    chosen, skipped = select_runs(config(), ["single", "ddp"])
+    assert [s.name for s, _, _ in chosen] == ["single"]
+    assert skipped["ddp"] == (f"ddp: its check of --model {NANOGPT} failed on the meta device (RuntimeError: "
+                              "NotImplementedError: aten::equal on Meta) and on a real copy (RuntimeError: "
+                              "NotImplementedError: aten::equal on Meta)")
+    monkeypatch.setattr(strategies, "get", failing)  # the baseline cannot run either: raised (exit 1, one line)
+    try:
+        select_runs(config(), ["single", "ddp"])
+    except CheckFailed as e:
+        assert str(e).startswith("single: its check of --model")
+    else:
+        raise AssertionError("the baseline's failed check was not raised")
+
+
+def test_anything_else_the_parent_raises_on_a_users_model_is_one_line_and_exit_1(monkeypatch, capsys, tmp_path):
+    def raises(*args, **kwargs):
+        raise ValueError("first words\nzip() argument 2 is shorter than argument 1")
+
+    monkeypatch.setattr(cli, "select_runs", raises)
+    code = cli.main(["compare", "--model", NANOGPT, "--vocab", "64", "--seq-len", "16", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 1 and err == (f"error: --model {NANOGPT}: ValueError: zip() argument 2 is shorter than "
+                                 "argument 1 (PARALLEL_TRACEBACK=1 shows where)\n")
