@@ -200,7 +200,8 @@ def test_a_decoder_is_cut_into_layers_that_give_its_own_logits():
         kept = {k: v for k, v in layers[1].kwargs.items() if v is not None}
         assert kept.get("use_cache") is False and "past_key_values" not in kept
         assert list(model.state_dict()) == keys  # the recorded inputs are not in the state dict
-    assert sorted(layers[1]._buffers) == ["position_embeddings_0", "position_embeddings_1", "position_ids"]  # Llama
+    # Llama's rotary cos and sin kept (transformers 5.0 also passes cache_position, 5.24 no longer does)
+    assert {"position_embeddings_0", "position_embeddings_1"} <= set(layers[1]._buffers)
 
 
 def test_the_shallow_twin_of_a_hugging_face_model_is_rebuilt_from_its_config_with_fewer_blocks():

@@ -196,7 +196,7 @@ def _user(spec: str, input_shape: str, classes: int, vocab: int, seq_len: int, d
     # Held samples (teacher): at most 64 MB of inputs, batches wrap around them; tokens: drawn per step.
     size = len(userdata.load(data)[0]) if data else max(1024, min(8192, 2**24 // math.prod(shape)))
     if isinstance(getattr(type(model), "tp_plan", None), property):  # transformers': read by tp_plan_of
-        what = unhonoured_hf_plan(getattr(model, "tp_plan", None)) or "splits no nn.Linear layer"
+        what = unhonoured_hf_plan(getattr(model, "tp_plan", None), model) or "splits no nn.Linear layer"
         no_plan = f"transformers' own plan for {type(model).__name__} {what.removeprefix('its plan ')}, and the " \
                   "factory returned no 'tp_plan'"
     else:

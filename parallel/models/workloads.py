@@ -48,7 +48,7 @@ def from_hf_plan(model: nn.Module, plan) -> TPPlan | None:
     head's styles are left replicated, which is correct, and no regions are declared, so each split layer
     sums its own input's gradient (correct whatever the forward passes where). None where the model has no
     such plan (GPT-2's is empty), or where it asks for what the split does not do (unhonoured_hf_plan)."""
-    if not isinstance(plan, dict) or not plan or unhonoured_hf_plan(plan):
+    if not isinstance(plan, dict) or not plan or unhonoured_hf_plan(plan, model):
         return None
     import re
 
@@ -64,11 +64,22 @@ def from_hf_plan(model: nn.Module, plan) -> TPPlan | None:
 UNHONOURED = ("replicated_with_grad_allreduce",)  # a replicated weight applied to split heads (Qwen3's q_norm)
 
 
-def unhonoured_hf_plan(plan) -> str:
+def unhonoured_hf_plan(plan, model: nn.Module | None = None) -> str:
     """What in transformers' plan the project's split does not do, "" if nothing: left replicated, such a
     weight would get each rank's part of its gradient only (measured: Qwen3's q_norm off by 5.7e4 x the
-    fp64 rule under tensor_parallel at cpu:2, before it was refused)."""
+    fp64 rule under tensor_parallel at cpu:2, before it was refused). transformers 5.0's plan for Qwen3
+    does not say so: a weight beside the split layers of one module (its attention) is found too."""
     found = [f"{p} ({s})" for p, s in (plan.items() if isinstance(plan, dict) else ()) if s in UNHONOURED]
+    if not found and model is not None and isinstance(plan, dict):
+        import re
+
+        split = {re.compile(re.escape(p).replace(r"\*", r"\d+") + "$") for p, s in plan.items()
+                 if s in ("colwise", "rowwise")}
+        names = {n for n, _ in model.named_modules() if any(p.match(n) for p in split)}
+        owners = {n.rpartition(".")[0] for n in names}
+        found = [f"{o}.{c} (a weight beside its split layers)" for o in sorted(owners)
+                 for c, m in model.get_submodule(o).named_children()
+                 if f"{o}.{c}" not in names and any(True for _ in m.parameters())][:1]
     return (f"its plan asks for {found[0]}: gradients summed over the tensor-parallel ranks, which the "
             f"project's column/row split does not do") if found else ""
 
