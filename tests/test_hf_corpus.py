@@ -59,5 +59,5 @@ def test_every_family_returned_as_it_is_matches_one_device_or_says_why_not():
     # the two mixture-of-experts families' experts run grouped_mm, which the meta device refuses in fp32:
     # their pipeline's check falls back to a real copy and they run; Qwen3's plan asks for q_norm's sum
     assert "pipeline_dist" in ran["mixtral"] and "pipeline_dist" in ran["qwen2_moe"]
-    assert "replicated_with_grad_allreduce" in skipped["qwen3"]["tensor_parallel"]
+    assert "self_attn.q_norm" in skipped["qwen3"]["tensor_parallel"]  # named by the plan (5.24) or found (5.0)
     assert sum(len(r) for r in ran.values()) >= 30, ran
