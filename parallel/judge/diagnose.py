@@ -33,22 +33,24 @@ def read(folder: Path) -> dict[int, dict]:
     return out
 
 
+def _texts(folder: Path, kind: str) -> dict[int, str]:
+    """rank<R>.<kind>.txt's text, by rank, where it says anything."""
+    found = {int(p.name[4:].split(".")[0]): p.read_text(errors="replace")
+             for p in (sorted(folder.glob(f"rank*.{kind}.txt")) if folder.is_dir() else [])}
+    return {rank: text for rank, text in found.items() if text.strip()}
+
+
 def stacks(folder: Path) -> dict[int, str]:
     """The Python stacks faulthandler wrote (recorder.py) for the ranks that died at once, by rank."""
-    out = {}
-    for p in sorted(folder.glob("rank*.fatal.txt")) if folder.is_dir() else []:
-        text = p.read_text(errors="replace")
-        if text.strip():
-            out[int(p.name[4:].split(".")[0])] = text
-    return out
+    return _texts(folder, "fatal")
 
 
 def last(folder: Path) -> dict[int, tuple[str, str]]:
     """Each rank's last mark, (what it was doing, the stacks its launcher's SIGTERM wrote after it or "")."""
     out = {}
-    for p in sorted(folder.glob("rank*.last.txt")) if folder.is_dir() else []:
-        doing, _, rest = p.read_text(errors="replace").partition("\n")
-        out[int(p.name[4:].split(".")[0])] = (doing.strip(), rest if rest.strip() else "")
+    for rank, text in _texts(folder, "last").items():
+        doing, _, rest = text.partition("\n")
+        out[rank] = (doing.strip(), rest if rest.strip() else "")
     return out
 
 

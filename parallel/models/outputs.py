@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.world.errors import ConfigError
+from parallel.world.errors import ConfigError, first_line
 
 TARGETS = ("targets", "labels")  # the names a forward takes its targets by, the first found wins
 KEYWORD = "_parallel_targets"  # on a model instance (usermodel sets it): the name its forward takes them by
@@ -191,7 +191,3 @@ def _check_loss(spec: str, compute, what: str) -> None:
     if not bool(torch.isfinite(value.detach())):
         raise ConfigError(f"--model {spec}: {what} is {float(value.detach())}, not a finite number")
 
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__

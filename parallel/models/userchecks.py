@@ -12,8 +12,8 @@ from torch import nn
 
 from parallel.models import hf, outputs
 from parallel.models.moe import MoE
-from parallel.models.outputs import first_line as _first_line
 from parallel.models.workloads import logits_of
+from parallel.world.errors import first_line as _first_line
 
 
 def in_order(model: nn.Module, given, sample: torch.Tensor, targets) -> tuple[tuple[str, ...] | None, str, bool]:

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 from parallel.models.data import SyntheticData
-from parallel.models.outputs import first_line as _first_line
 from parallel.world.errors import ConfigError
+from parallel.world.errors import first_line as _first_line
 
 HELD_OUT = 8  # a data file's last 1/HELD_OUT (at most 2048 samples) is the held-out set
 

@@ -21,11 +21,11 @@ from torch import nn
 
 from parallel.models import hf, outputs
 from parallel.models.data import IGNORE, SyntheticData
-from parallel.models.outputs import first_line as _first_line
 from parallel.models.userchecks import moe_layers_of
 from parallel.models.userdata import FileData
 from parallel.models.workloads import TPPlan, Workload, logits_of
 from parallel.world.errors import ConfigError
+from parallel.world.errors import first_line as _first_line
 
 PROTOCOL = ("model", "loss", "layers", "tp_plan")
 

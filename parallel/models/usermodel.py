@@ -68,7 +68,7 @@ from parallel.models.transformer import SHAPE, shaped
 from parallel.models.userchecks import cannot_match, experts_of, moe_layers_of, tied_names
 from parallel.models.userload import UserWorkload
 from parallel.models.workloads import WORKLOADS, Workload, tp_plan_of, unhonoured_hf_plan
-from parallel.world.errors import CheckFailed, ConfigError
+from parallel.world.errors import CheckFailed, ConfigError, first_line
 
 
 def workload_of(config) -> Workload:
@@ -111,7 +111,7 @@ def _takes_padding(workload: UserWorkload, model: tuple, seed: int) -> None:
             outputs.call(workload.build_model(seed).eval(), x, y)
     except (IndexError, RuntimeError, ValueError) as e:
         raise ConfigError(f"--tokens {workload.tokens}: your model's own loss fails on padding's target "
-                          f"{IGNORE} ({outputs.first_line(e)}); leave it out with ignore_index={IGNORE} "
+                          f"{IGNORE} ({first_line(e)}); leave it out with ignore_index={IGNORE} "
                           "(cross-entropy's default), or return the logits alone") from None
     _PADDING_CHECKED.add((model, seed))
 
@@ -126,13 +126,14 @@ def shape_model(config) -> nn.Module:
     key = (*(str(getattr(config, name, 0)) for name in names), _REAL[0])
     if key not in _META:
         workload = workload_of(config)
-        try:
-            if _REAL[0]:
-                raise TypeError("built for real")
-            with torch.device("meta"):
-                model = workload.build_model(config.seed)
-        except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        if _REAL[0]:  # built_for_real: a check the meta device refused, again on the CPU
             model = workload.build_model(config.seed)
+        else:
+            try:
+                with torch.device("meta"):
+                    model = workload.build_model(config.seed)
+            except (RuntimeError, NotImplementedError, TypeError, ValueError):  # it copies real tensors in
+                model = workload.build_model(config.seed)
         for k in [k for k in _META if k[-1] == _REAL[0]]:  # one model of each kind kept: one run's at a time
             del _META[k]
         _META[key] = model
@@ -197,8 +198,7 @@ def _user(spec: str, input_shape: str, classes: int, vocab: int, seq_len: int, d
     size = len(userdata.load(data)[0]) if data else max(1024, min(8192, 2**24 // math.prod(shape)))
     if isinstance(getattr(type(model), "tp_plan", None), property):  # transformers': read by tp_plan_of
         what = unhonoured_hf_plan(getattr(model, "tp_plan", None), model) or "splits no nn.Linear layer"
-        no_plan = f"transformers' own plan for {type(model).__name__} {what.removeprefix('its plan ')}, and the " \
-                  "factory returned no 'tp_plan'"
+        no_plan = f"transformers' own plan for {type(model).__name__} {what}, and the factory returned no 'tp_plan'"
     else:
         no_plan = "the factory returned no 'tp_plan', and the model defines no tp_plan()"
     twin_of = f"; its shallow twin, {twin} block{'s' if twin > 1 else ''}" if twin else ""

@@ -50,38 +50,41 @@ def from_hf_plan(model: nn.Module, plan) -> TPPlan | None:
     such plan (GPT-2's is empty), or where it asks for what the split does not do (unhonoured_hf_plan)."""
     if not isinstance(plan, dict) or not plan or unhonoured_hf_plan(plan, model):
         return None
-    import re
-
-    styles = {re.compile(re.escape(pattern).replace(r"\*", r"\d+") + "$"): style for pattern, style in plan.items()}
     split = {"colwise": [], "rowwise": []}
-    for name, module in model.named_modules():
-        for pattern, style in styles.items():
-            if style in split and pattern.match(name) and isinstance(module, nn.Linear):
-                split[style].append(name)
+    for name, (module, style) in _planned(model, plan).items():
+        if isinstance(module, nn.Linear):
+            split[style].append(name)
     return TPPlan(tuple(split["colwise"]), tuple(split["rowwise"])) if split["colwise"] else None
+
+
+def _planned(model: nn.Module, plan: dict) -> dict[str, tuple[nn.Module, str]]:
+    """Every module of `model` a "colwise" or "rowwise" pattern of the plan names ("*": a block's number),
+    with its style, in the model's order."""
+    styles = {re.compile(re.escape(pattern).replace(r"\*", r"\d+") + "$"): style for pattern, style in plan.items()
+              if style in ("colwise", "rowwise")}
+    return {name: (module, style) for name, module in model.named_modules()
+            for pattern, style in styles.items() if pattern.match(name)}
 
 
 UNHONOURED = ("replicated_with_grad_allreduce",)  # a replicated weight applied to split heads (Qwen3's q_norm)
 
 
 def unhonoured_hf_plan(plan, model: nn.Module | None = None) -> str:
-    """What in transformers' plan the project's split does not do, "" if nothing: left replicated, such a
-    weight would get each rank's part of its gradient only (measured: Qwen3's q_norm off by 5.7e4 x the
-    fp64 rule under tensor_parallel at cpu:2, before it was refused). transformers 5.0's plan for Qwen3
-    does not say so: a weight beside the split layers of one module (its attention) is found too."""
-    found = [f"{p} ({s})" for p, s in (plan.items() if isinstance(plan, dict) else ()) if s in UNHONOURED]
-    if not found and model is not None and isinstance(plan, dict):
-        import re
-
-        split = {re.compile(re.escape(p).replace(r"\*", r"\d+") + "$") for p, s in plan.items()
-                 if s in ("colwise", "rowwise")}
-        names = {n for n, _ in model.named_modules() if any(p.match(n) for p in split)}
-        owners = {n.rpartition(".")[0] for n in names}
-        found = [f"{o}.{c} (a weight beside its split layers)" for o in sorted(owners)
-                 for c, m in model.get_submodule(o).named_children()
-                 if f"{o}.{c}" not in names and any(True for _ in m.parameters())][:1]
-    return (f"its plan asks for {found[0]}: gradients summed over the tensor-parallel ranks, which the "
-            f"project's column/row split does not do") if found else ""
+    """What in transformers' plan the project's split does not do, as "the plan ..." would go on, "" if
+    nothing: left replicated, such a weight would get each rank's part of its gradient only (measured:
+    Qwen3's q_norm off by 5.7e4 x the fp64 rule under tensor_parallel at cpu:2, before it was refused).
+    transformers 5.0's plan for Qwen3 does not say so: a weight beside the split layers of one module (its
+    attention) is found too."""
+    why = "its gradient summed over the tensor-parallel ranks, which the project's column/row split does not do"
+    if not isinstance(plan, dict):
+        return ""
+    if named := [f"{p} ({s})" for p, s in plan.items() if s in UNHONOURED]:
+        return f"asks for {named[0]}: {why}"
+    names = set(_planned(model, plan)) if model is not None else set()
+    beside = [f"{o}.{c}" for o in sorted({n.rpartition(".")[0] for n in names})
+              for c, m in model.get_submodule(o).named_children()
+              if f"{o}.{c}" not in names and any(True for _ in m.parameters())]
+    return f"leaves {beside[0]}, a weight beside its split layers, replicated, without {why}" if beside else ""
 
 
 @dataclass(frozen=True)

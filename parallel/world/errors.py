@@ -15,6 +15,12 @@ class CheckFailed(ConfigError):
     comparison skips that strategy with this line, even where the user named it (compare.select_runs)."""
 
 
+def first_line(error: BaseException) -> str:
+    """`Type: its first line`, or `Type` for an error that says nothing."""
+    text = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
 def last_line(error: BaseException) -> str:
     """`Type: its last line` (a kernel's refusal is at the end of its message)."""
     text = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
@@ -25,16 +31,12 @@ def error_line(error: BaseException) -> str:
     """`Type: its first line`: an error as one line (a collective's error runs to a dozen). One raised from a
     collective's failure (torch's pipelining wraps a stage's: "Failed to run stage backward") carries it
     after "from", so that the run is diagnosed as the hang it is, not as the rank's own crash."""
-    line, cause = _first_line(error), error.__cause__ or error.__context__
+    line, cause = first_line(error), error.__cause__ or error.__context__
     for _ in range(8):  # a chain of causes, not a cycle
-        if cause is not None and from_a_collective(inner := _first_line(cause)):
+        if cause is not None and from_a_collective(inner := first_line(cause)):
             return f"{line} (from {inner})" if line != inner else line
         cause = cause and (cause.__cause__ or cause.__context__)
     return line
-
-
-def _first_line(error: BaseException) -> str:
-    return f"{type(error).__name__}: " + next((ln.strip() for ln in str(error).splitlines() if ln.strip()), "")
 
 
 _COLLECTIVE_ERRORS = ("gloo", "NCCL", "Timed out", "timed out", "Connection reset", "Connection closed",
