@@ -52,6 +52,19 @@ def test_the_earliest_disagreement_of_all_groups_is_the_cause():
     assert "#4 all_reduce(8 fp32)" in hangs.diagnose(records, 2)  # group 0's #4 came before group 1's #9
 
 
+def test_a_rank_behind_because_it_waits_in_another_group_is_not_the_cause():
+    # fsdp_pp at cpu:4, rank 1 stopped (seen once in the suite under load): rank 3 waits for it in their FSDP
+    # group, so it is behind its pipeline partner rank 2, which issued its #23 first. The root is rank 1.
+    groups = {"pipe": [2, 3], "fsdp": [1, 3]}
+    records = {1: _record(1, [_entry(5, group="fsdp")], doing="step 1: stopped by --hang-rank", groups=groups),
+               2: _record(2, [_entry(22, group="pipe"), {**_entry(23, group="pipe", state="started"), "time_ns": 50}],
+                          groups=groups),
+               3: _record(3, [_entry(5, group="fsdp"), _entry(22, group="pipe"),
+                              {**_entry(6, group="fsdp", state="started"), "time_ns": 100}], groups=groups)}
+    line = hangs.diagnose(records, 4, last={0: ("step 1: in its train_step", "Thread 0x1\n")})
+    assert line.startswith("rank 1 never issued collective #6 on group [1, 3]"), line
+
+
 def test_gaps_in_the_numbers_are_not_disagreements():
     # A monitored barrier takes a sequence number and leaves no entry: every rank skips it alike.
     records = {r: _record(r, [_entry(1), _entry(4)]) for r in (0, 1)}

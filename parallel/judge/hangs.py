@@ -61,8 +61,7 @@ def _dead(records: dict[int, dict], stacks: dict[int, str], log: str) -> str | N
     if not dead:
         return None
     r = dead[0]
-    waits = [(q, e) for q, rec in sorted(records.items()) for e in rec["entries"]
-             if e["state"] != "finished" and not e["p2p"]]
+    waits = [(q, e) for q, rec in sorted(records.items()) for e in _open(rec)]
     what = _WHAT.search(log)
     said = f" ({what.group(1).split('] ', 1)[-1][:160]})" if what else ""
     line = f"rank {r} died {_died_in(stacks[r])}{said}"
@@ -87,6 +86,12 @@ def _fingerprint(e: dict) -> tuple:
     return e["op"], tuple(map(tuple, e["sizes"])), e["dtype"]
 
 
+def _open(record: dict) -> list[dict]:
+    """The collectives a rank's record holds unfinished (it waits in them, or failed in them), oldest first;
+    point-to-point ones aside (gloo's recorder does not number them)."""
+    return [e for e in record["entries"] if e["state"] != "finished" and not e["p2p"]]
+
+
 def _step_text(step: int) -> str:
     return f"step {step}" if step >= 0 else "setting up"
 
@@ -100,7 +105,10 @@ def _group_text(ranks: list[int]) -> str:
 
 
 def _disagreements(records: dict[int, dict]) -> list[tuple[int, str]]:
-    """(time of the earliest collective involved, the line) for the first disagreement of every group."""
+    """(time of the earliest collective involved, the line) for the first disagreement of every group, the
+    root first: a rank behind in one group because it waits in another's collective (fsdp_pp: rank 3 behind
+    its pipeline partner while it waits for the stopped rank 1 in their FSDP group) follows from that one,
+    whichever was issued first."""
     groups: dict[str, list[int]] = {}
     for r in records.values():
         groups.update(r.get("groups", {}))
@@ -124,9 +132,11 @@ def _disagreements(records: dict[int, dict]) -> list[tuple[int, str]]:
             prints = {_fingerprint(at[m]) for m in issued}
             if not issued or (len(issued) == len(have_n) and len(prints) == 1):
                 continue  # agreed, or a number no record holds (a monitored barrier takes one, unrecorded)
-            found.append((min(at[m]["time_ns"] for m in issued), _line(name, members, n, at, records, seqs)))
+            behind = [m for m in have_n if at[m] is None]
+            waits = bool(behind) and bool(_open(records[behind[0]]))
+            found.append((waits, min(at[m]["time_ns"] for m in issued), _line(name, members, n, at, records, seqs)))
             break
-    return found
+    return [(t, line) for _, t, line in sorted(found)]
 
 
 def _line(name: str, members: list[int], n: int, at: dict, records: dict, seqs: dict) -> str:
@@ -167,7 +177,7 @@ def _failed(records: dict[int, dict]) -> str | None:
     where = f" {_place(stack)}" if stack else ""
     step = _step_text(rec["step"])
     others = "; ".join(f"rank {q} was: {records[q]['doing']}" for q in sorted(records) if q != r)
-    inside = [e for e in rec["entries"] if e["state"] != "finished" and not e["p2p"]]  # the collective it was in
+    inside = _open(rec)  # the collective it was in
     if inside:
         e = inside[-1]
         step = f"#{e['seq']} {describe(e)} on group {_group_text(rec['groups'].get(e['group'], []))}{_where(e)}"
@@ -203,10 +213,9 @@ def _torch_print(op: str, shape: str, dtype: str) -> str:
 def _left_waiting(records: dict[int, dict], missing: list[int]) -> str | None:
     """The first collective a rank was in, unfinished, on a group with a rank that left no record."""
     for q, rec in sorted(records.items()):
-        for e in rec["entries"]:
+        for e in _open(rec):
             members = rec["groups"].get(e["group"], [])
-            gone = [m for m in missing if m in members]
-            if e["state"] != "finished" and not e["p2p"] and gone:
+            if gone := [m for m in missing if m in members]:
                 return (f"rank {q} waited in #{e['seq']} {describe(e)} on group {_group_text(members)}{_where(e)}, "
                         f"which rank {gone[0]} never joined")
     return None
@@ -244,7 +253,7 @@ def diagnose(records: dict[int, dict], world: int, stacks: dict[int, str] | None
     ended = {r: stack for r, (_, stack) in last.items() if stack and r not in records}
     missing = [r for r in range(world) if r not in records and r not in (stacks or {}) and r not in ended]
     if missing:  # killed (a signal faulthandler does not catch): what the others then did follows from it
-        then = failed or _left_waiting(records, missing) or (min(parted)[1] if parted else died)
+        then = failed or _left_waiting(records, missing) or (parted[0][1] if parted else died)
         if not then and ended:  # none wrote a record before its launcher ended it: where the first one was
             q, more = min(ended), len(ended) > 1
             then = (f"ranks {', '.join(map(str, sorted(ended)))} were ended by their launcher (rank {q} "
@@ -252,13 +261,12 @@ def diagnose(records: dict[int, dict], world: int, stacks: dict[int, str] | None
         return _killed(missing, records, last) + (f"; then {then}" if then else
                                                   "; the others agree on every collective")
     if parted:
-        return min(parted)[1]
+        return parted[0][1]
     if died:
         return died
     if failed:
         return failed
-    unfinished = [(r, e) for r, rec in sorted(records.items()) for e in rec["entries"]
-                  if e["state"] != "finished" and not e["p2p"]]
+    unfinished = [(r, e) for r, rec in sorted(records.items()) for e in _open(rec)]
     if unfinished:
         r, e = unfinished[0]
         return (f"every rank issued the same collectives; rank {r} waits in #{e['seq']} {describe(e)}{_where(e)}, "
