@@ -3,43 +3,26 @@ through the same parent (`python -m parallel compare`, in this process): the arg
 strategy's checks on the model, the baseline trained and evaluated on the held-out set (where non-contiguous
 targets once crashed a model's `.view`), the report. The other rows' training is left to the parity tests
 (tests/test_oracle.py, tests/test_hf_corpus.py): here the baseline alone trains, 2 steps, to keep the suite
-in its budget. A command naming a file the repository does not hold (my_model.py) is the reader's own."""
+in its budget; `python -m parallel.tools.docs_commands` runs each whole (docs/measurements.md). A command
+naming a file the repository does not hold (my_model.py) is the reader's own."""
 
 import dataclasses
-import re
 import shlex
 
 import pytest
 
 from parallel import cli
+from parallel.tools.docs_commands import commands
 from tests.conftest import ROOT
-
-DOCS = ("README.md", "docs/your-model.md")
-COMMAND = re.compile(r"(?:\./launch\.sh|python -m parallel) (compare --model (?:(?!\./launch|python -m)[^`#\n])+)")
-
-
-def commands() -> list[str]:
-    found = []
-    for doc in DOCS:
-        text = (ROOT / doc).read_text()
-        fenced = re.findall(r"```\w*\n(.*?)```", text, re.S)  # code blocks: a command a line
-        inline = re.findall(r"`([^`]+)`", re.sub(r"```\w*\n.*?```", "", text, flags=re.S))  # may wrap lines
-        for line in [*(m for block in fenced for m in COMMAND.findall(block)),
-                     *(m for span in inline for m in COMMAND.findall(" ".join(span.split())))]:
-            line = line.strip().rstrip("\\").strip()
-            path = shlex.split(line)[2].split(":")[0]
-            if (ROOT / path).exists() and line not in found:
-                found.append(line)
-    return found
 
 
 def test_the_docs_show_commands_this_test_runs():
-    assert len(commands()) >= 5 and any("hf_gpt2" in c for c in commands()), commands()
+    assert len(commands(ROOT)) >= 5 and any("hf_gpt2" in c for c in commands(ROOT)), commands(ROOT)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("line", commands())
+@pytest.mark.parametrize("line", commands(ROOT))
 def test_every_compare_model_command_the_docs_show_runs_as_written(line, tmp_path, monkeypatch, capsys):
     real = cli.select_runs
 

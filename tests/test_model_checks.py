@@ -91,3 +91,30 @@ def test_anything_else_the_parent_raises_on_a_users_model_is_one_line_and_exit_1
     err = capsys.readouterr().err
     assert code == 1 and err == (f"error: --model {NANOGPT}: ValueError: zip() argument 2 is shorter than "
                                  "argument 1 (PARALLEL_TRACEBACK=1 shows where)\n")
+
+
+def test_a_weight_transformers_marks_for_a_gradient_sum_is_summed_or_refused_with_its_reason():
+    """Qwen3's q_norm and k_norm apply to each rank's heads: transformers 5.24 marks them
+    replicated_with_grad_allreduce, read as TPPlan.summed (manual_tp and tensor_parallel sum them; fsdp_tp
+    refuses); 5.0's plan leaves the mark out, and the weight found beside the split layers is refused."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    from parallel.models.workloads import from_hf_plan, summed_params, unhonoured_hf_plan
+    from parallel.strategies.model import manual_tp
+
+    config = transformers.Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, vocab_size=64,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    marked = {**{f"layers.*.self_attn.{p}_proj": "colwise" for p in "qkv"}, "layers.*.self_attn.o_proj": "rowwise",
+              "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+              "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce"}
+    plan = from_hf_plan(model, {f"model.{k}": v for k, v in marked.items()})
+    assert plan.summed == tuple(f"model.layers.{i}.self_attn.{n}_norm" for i in (0, 1) for n in "qk"), plan
+    unmarked = {f"model.{k}": v for k, v in marked.items() if v != "replicated_with_grad_allreduce"}  # as 5.0's
+    assert from_hf_plan(model, unmarked) is None
+    assert unhonoured_hf_plan(unmarked, model).startswith("leaves model.layers.0.self_attn.q_norm, a weight beside")
+    model._parallel_tp_plan = plan  # the plan as a factory would hand it: fsdp_tp cannot sum, and says so
+    assert [p.shape for p in summed_params(model)] == [(8,)] * 4
+    assert "sums model.layers.0.self_attn.q_norm's gradient" in manual_tp.plan_problems(model, 2, copies=False)
+    assert manual_tp.plan_problems(model, 2) is None

@@ -61,6 +61,20 @@ def sum_gradients(params, divide_by: int, group=None) -> None:
             offset += g.numel()
 
 
+def sum_as_made(params, group=None) -> None:
+    """Each parameter's gradient summed over `group` as backward makes it (a hook on the tensor): a weight
+    every rank holds whole but applies to its own part of the activations (Qwen3's q_norm, to this rank's
+    heads) gets from backward that part's gradient only (TPPlan.summed)."""
+    for p in params:
+        p.register_hook(lambda grad: _summed(grad, group))
+
+
+def _summed(grad: torch.Tensor, group) -> torch.Tensor:
+    grad = grad.clone(memory_format=torch.contiguous_format)  # a hook returns a new gradient, never edits it
+    td.all_reduce(grad, group=group)
+    return grad
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, out_splits, in_splits):

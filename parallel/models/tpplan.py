@@ -13,6 +13,9 @@ class TPPlan:
     rowwise   Linear layers split by their inputs: each rank's partial output, summed over the ranks
     regions   modules whose input enters several colwise layers (attention's q, k, v): it is copied to
               the ranks once, and its gradient summed once; a colwise layer outside a region is its own
+    summed    modules every rank holds whole but applies to its own part (Qwen3's q_norm, on this rank's
+              heads): their parameters' gradients summed over the ranks (transformers'
+              "replicated_with_grad_allreduce"); manual_tp and tensor_parallel do it, fsdp_tp refuses it
 
     Every other module is replicated: each rank holds all of it and computes the same thing. A colwise
     layer feeds a rowwise one with nothing between them but element-wise functions (or attention over
@@ -22,9 +25,11 @@ class TPPlan:
     colwise: tuple[str, ...]
     rowwise: tuple[str, ...]
     regions: tuple[str, ...] = ()
+    summed: tuple[str, ...] = ()
 
     @classmethod
     def joined(cls, plans) -> TPPlan:
         plans = list(plans)
-        return cls(*(tuple(n for p in plans for n in getattr(p, f)) for f in ("colwise", "rowwise", "regions")))
+        return cls(*(tuple(n for p in plans for n in getattr(p, f)) for f in ("colwise", "rowwise", "regions",
+                                                                                 "summed")))
 

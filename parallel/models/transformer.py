@@ -18,6 +18,7 @@ of 4 heads, 0.42M parameters, drawn from the seed in the same order as it always
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -240,6 +241,14 @@ def causal(q, k, v):
 SHAPE = ("arch", "layers", "hidden", "heads", "kv_heads", "ffn", "tied")  # RunConfig's fields beside vocab, seq_len
 
 
+@functools.cache
+def _params(**args) -> int:
+    """The parameters of Transformer(**args), counted on the meta device: once a shape (a GPU run's parent
+    asks for its workload a hundred times, and a real width's meta model takes 0.1 s to build)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in Transformer(**args).parameters())
+
+
 def shaped(workload, vocab: int = 0, seq_len: int = 0, arch: str = "", layers: int = 0, hidden: int = 0,
            heads: int = 0, kv_heads: int = 0, ffn: int = 0, tied: bool = False, preset: str = ""):
     """The built-in transformer workload at the shape the planner's flags give (0 or "": the workload's
@@ -267,8 +276,7 @@ def shaped(workload, vocab: int = 0, seq_len: int = 0, arch: str = "", layers: i
         raise ConfigError(f"--arch llama rotates pairs of features: a head's {a['width'] // a['heads']} must be even")
     if tied and a["arch"] != "gpt":
         raise ConfigError("--tied ties GPT's head to its token embedding; --arch llama's are separate")
-    with torch.device("meta"):
-        params = sum(p.numel() for p in Transformer(**args).parameters())
+    params = _params(**args)
     kv = f" ({kv_heads} kv)" if kv_heads and kv_heads != a["heads"] else ""
     name = f"{'GPT' if a['arch'] == 'gpt' else 'Llama'}-style transformer" + (f" ({preset})" if preset else "")
     description = (f"{name}, {a['depth']} blocks, width {a['width']}, {a['heads']} heads{kv}, {a['vocab']} tokens "

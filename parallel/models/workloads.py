@@ -42,49 +42,56 @@ def tp_plan_of(model) -> TPPlan | None:
     return plan if isinstance(plan, TPPlan) else None
 
 
+def summed_params(model: nn.Module) -> list:
+    """The parameters of the plan's `summed` modules (TPPlan: a whole weight applied to this rank's part)."""
+    plan = tp_plan_of(model)
+    return [p for name in (plan.summed if plan else ()) for p in model.get_submodule(name).parameters()]
+
+
 def from_hf_plan(model: nn.Module, plan) -> TPPlan | None:
     """transformers' own tensor-parallel plan ({"model.layers.*.self_attn.q_proj": "colwise", ...}) read
-    into the project's: its "colwise" and "rowwise" Linear layers, by full name. The embedding's and the
-    head's styles are left replicated, which is correct, and no regions are declared, so each split layer
-    sums its own input's gradient (correct whatever the forward passes where). None where the model has no
-    such plan (GPT-2's is empty), or where it asks for what the split does not do (unhonoured_hf_plan)."""
+    into the project's: its "colwise" and "rowwise" Linear layers, and its "replicated_with_grad_allreduce"
+    modules (summed), by full name. The embedding's and the head's styles are left replicated, which is
+    correct, and no regions are declared, so each split layer sums its own input's gradient (correct
+    whatever the forward passes where). None where the model has no such plan (GPT-2's is empty), or where
+    it leaves out what the split needs (unhonoured_hf_plan)."""
     if not isinstance(plan, dict) or not plan or unhonoured_hf_plan(plan, model):
         return None
     split = {"colwise": [], "rowwise": []}
     for name, (module, style) in _planned(model, plan).items():
         if isinstance(module, nn.Linear):
             split[style].append(name)
-    return TPPlan(tuple(split["colwise"]), tuple(split["rowwise"])) if split["colwise"] else None
+    summed = tuple(_planned(model, plan, SUMMED))
+    return TPPlan(tuple(split["colwise"]), tuple(split["rowwise"]), summed=summed) if split["colwise"] else None
 
 
-def _planned(model: nn.Module, plan: dict) -> dict[str, tuple[nn.Module, str]]:
-    """Every module of `model` a "colwise" or "rowwise" pattern of the plan names ("*": a block's number),
-    with its style, in the model's order."""
-    styles = {re.compile(re.escape(pattern).replace(r"\*", r"\d+") + "$"): style for pattern, style in plan.items()
-              if style in ("colwise", "rowwise")}
+SUMMED = ("replicated_with_grad_allreduce",)  # a replicated weight applied to split heads (Qwen3's q_norm)
+
+
+def _planned(model: nn.Module, plan: dict, styles=("colwise", "rowwise")) -> dict[str, tuple[nn.Module, str]]:
+    """Every module of `model` a pattern of the plan in `styles` names ("*": a block's number), with its
+    style, in the model's order."""
+    found = {re.compile(re.escape(pattern).replace(r"\*", r"\d+") + "$"): style for pattern, style in plan.items()
+             if style in styles}
     return {name: (module, style) for name, module in model.named_modules()
-            for pattern, style in styles.items() if pattern.match(name)}
-
-
-UNHONOURED = ("replicated_with_grad_allreduce",)  # a replicated weight applied to split heads (Qwen3's q_norm)
+            for pattern, style in found.items() if pattern.match(name)}
 
 
 def unhonoured_hf_plan(plan, model: nn.Module | None = None) -> str:
-    """What in transformers' plan the project's split does not do, as "the plan ..." would go on, "" if
-    nothing: left replicated, such a weight would get each rank's part of its gradient only (measured:
-    Qwen3's q_norm off by 5.7e4 x the fp64 rule under tensor_parallel at cpu:2, before it was refused).
-    transformers 5.0's plan for Qwen3 does not say so: a weight beside the split layers of one module (its
-    attention) is found too."""
-    why = "its gradient summed over the tensor-parallel ranks, which the project's column/row split does not do"
-    if not isinstance(plan, dict):
+    """What transformers' plan leaves out that the project's split needs, as "the plan ..." would go on, ""
+    if nothing: a weight beside the split layers of one module (its attention) that the plan neither splits
+    nor marks "replicated_with_grad_allreduce" (transformers 5.0's plan for Qwen3, whose q_norm and k_norm
+    5.24 marks so). Left replicated, such a weight gets each rank's part of its gradient only (measured:
+    Qwen3's q_norm off by 5.7e4 x the fp64 rule under tensor_parallel at cpu:2, before 5.24's mark was read)."""
+    if not isinstance(plan, dict) or model is None:
         return ""
-    if named := [f"{p} ({s})" for p, s in plan.items() if s in UNHONOURED]:
-        return f"asks for {named[0]}: {why}"
-    names = set(_planned(model, plan)) if model is not None else set()
+    names = set(_planned(model, plan))
+    known = names | set(_planned(model, plan, SUMMED))
     beside = [f"{o}.{c}" for o in sorted({n.rpartition(".")[0] for n in names})
               for c, m in model.get_submodule(o).named_children()
-              if f"{o}.{c}" not in names and any(True for _ in m.parameters())]
-    return f"leaves {beside[0]}, a weight beside its split layers, replicated, without {why}" if beside else ""
+              if f"{o}.{c}" not in known and any(True for _ in m.parameters())]
+    return (f"leaves {beside[0]}, a weight beside its split layers, replicated, without its gradient summed over "
+            "the tensor-parallel ranks") if beside else ""
 
 
 @dataclass(frozen=True)

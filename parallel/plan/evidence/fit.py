@@ -15,7 +15,9 @@ constants in the code (tests/test_plan_fit.py runs it).
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -90,7 +92,14 @@ def fit_usable(pairs, stack: dict) -> float:
 
 
 def leave_one_model_out(runs: list[pb.Run]) -> dict:
-    """For each model that ran: the constants fitted without its rows, and the scores on its rows alone."""
+    """For each model that ran: the constants fitted without its rows, and the scores on its rows alone.
+    Seconds of fitting on the same rows give the same answer: once a process (`plan --validate` and its
+    tests ask again), a copy to each caller."""
+    return copy.deepcopy(_leave_one_model_out(tuple(runs)))
+
+
+@functools.cache
+def _leave_one_model_out(runs: tuple[pb.Run, ...]) -> dict:
     out = {}
     for model in dict.fromkeys(r.model for r in runs if r.ran):
         fitted = fit_nanotron([r for r in runs if r.model != model])

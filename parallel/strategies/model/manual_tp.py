@@ -36,12 +36,12 @@ import torch.distributed as td
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.kit import kv_copies
+from parallel.kit import collectives, kv_copies
 from parallel.loop import checkpoint
 from parallel.measure import layers
 from parallel.models.outputs import call
 from parallel.models.transformer import Attention
-from parallel.models.workloads import tp_plan_of
+from parallel.models.workloads import summed_params, tp_plan_of
 from parallel.strategies.base import Hooks, Mutant, Trainable, injected, loaded_in_place, model_state_every_rank
 from parallel.world.dims import ParallelDims
 from parallel.world.errors import ConfigError
@@ -54,8 +54,10 @@ SYNCHRONOUS = True
 def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
     # Every rank built the same model from the seed (workloads.build_model): each keeps its part of it.
     copies = kv_copies.copied(model, dist.world_size, dist.rank)  # fewer kv heads than ranks: each head m times
+    summed = summed_params(model)  # whole weights on this rank's heads (TPPlan), found before the split
     colwise, rowwise = shard(model, dist.rank, dist.world_size, run)
     model = model.to(dist.device)
+    collectives.sum_as_made(summed)
     if injected(run, RANK_BRANCH) and dist.rank == 1:  # the bug: a rank-dependent branch in the model
         model.head[0].register_forward_hook(lambda module, args, out: F.dropout(out, 0.1, training=True))
     split = {f"{n}.weight" for n in colwise + rowwise} | {f"{n}.bias" for n in colwise}  # a row split's bias is whole
@@ -195,8 +197,8 @@ def _copy_first_input(module, args, kwargs):
 
 
 def plan_problems(model: nn.Module, tp: int, copies: bool = True) -> str | None:
-    """Why `model` cannot be split over `tp` ranks (a size that does not divide), or None. `copies`: kv
-    heads fewer than tp are copied to the ranks that read them (kit/kv_copies.py); fsdp_tp does not."""
+    """Why `model` cannot be split over `tp` ranks (a size that does not divide), or None. `copies`: kv heads
+    fewer than tp are copied to their readers (kit/kv_copies.py), summed weights summed; fsdp_tp does neither."""
     for name, m in model.named_modules():
         if isinstance(m, Attention) and (heads := m.q.out_features // m.head_size) % tp:
             return f"tp {tp} does not divide {name}'s {heads} heads"
@@ -206,6 +208,8 @@ def plan_problems(model: nn.Module, tp: int, copies: bool = True) -> str | None:
     if why := kv_copies.problem(model, tp):
         return why
     plan, copied = tp_plan_of(model), {f"{n}.{p}" for n, _, _ in kv_copies.kv_heads_below(model, tp) for p in "kv"}
+    if plan.summed and not copies:
+        return f"its plan sums {plan.summed[0]}'s gradient over the ranks: tensor_parallel and manual_tp do, not this"
     for name in plan.colwise + plan.rowwise:
         if type(layer := model.get_submodule(name)) is not nn.Linear:  # GPT-2's Conv1D holds its weight transposed
             return f"its plan names {name}, a {type(layer).__name__}: the plan splits nn.Linear layers only"

@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from parallel.kit import kv_copies
+from parallel.kit.collectives import sum_as_made
 from parallel.measure import layers
 from parallel.models.outputs import call
-from parallel.models.workloads import tp_plan_of
+from parallel.models.workloads import summed_params, tp_plan_of
 from parallel.strategies.base import (
     Hooks,
     Mutant,
@@ -57,7 +58,10 @@ def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
 
     o = run.options
     copies = kv_copies.copied(model, dist.world_size, dist.rank)  # fewer kv heads than ranks: each head m times
-    model = apply(model.to(dist.device), dims(run, dist).mesh(dist.device.type), o, run)
+    mesh = dims(run, dist).mesh(dist.device.type)
+    model = apply(model.to(dist.device), mesh, o, run)
+    if not injected(run, NORM_UNSUMMED):  # a whole weight on this rank's heads (q_norm): its gradient summed
+        sum_as_made(summed_params(model), mesh.get_group())
     whole = tuple(range(dist.world_size))  # what the plan leaves whole, every tp rank holds alike (--check-replicas)
     return Trainable(model, make_optimizer(by_kind(model.parameters())), loss_fn, dist.device,
                      state=State(bool(o.loss_parallel), copies),
@@ -206,7 +210,11 @@ PADDING_COUNTED = Mutant("tensor_parallel:padding-counted", "uneven tokens under
                          "into the vocabulary's range, so padding's ignore_index becomes token 0 and counts in the "
                          "loss (docs/loss.md)", {"workload": "transformer", "tokens": "padded",
                                                  "options": {"loss_parallel": 1}})
-MUTANTS = (NORM_UNSYNCED, VOCAB_REMAINDER, PADDING_COUNTED)
+NORM_UNSUMMED = Mutant("tensor_parallel:qk-norm-unsummed", "Qwen3's q_norm and k_norm (transformers' plan: "
+                       "replicated_with_grad_allreduce) left replicated with no sum: each applies to its rank's "
+                       "heads, so each rank steps on its heads' part of the gradient (as before issue 60)",
+                       {"model": "examples/hf_families.py:qwen3", "vocab": 256, "seq_len": 32, "batch_size": 16})
+MUTANTS = (NORM_UNSYNCED, VOCAB_REMAINDER, PADDING_COUNTED, NORM_UNSUMMED)
 
 
 def dims(run, dist) -> ParallelDims:
