@@ -25,7 +25,7 @@ from parallel.loop.results import Row
 from parallel.measure.formulas import element_bytes
 from parallel.measure.sharded_cost import ring_allreduce_bytes
 from parallel.models.outputs import call
-from parallel.models.workloads import tp_plan_of
+from parallel.models.workloads import summed_params, tp_plan_of
 from parallel.style.tables import size, table
 
 
@@ -74,7 +74,8 @@ class Megatron(measure.Family):
         if self.dims is not None or tp_plan_of(model) is None:
             return None
         copies = kv_copies.grad_bytes(model, run.world_size, element_bytes(run.precision))  # their gradients
-        return sum(ring_allreduce_bytes(p, run.world_size) for p in payloads(model, run)) + copies
+        summed = [p.numel() * element_bytes(run.precision) for p in summed_params(model)]  # TPPlan.summed's hooks
+        return sum(ring_allreduce_bytes(p, run.world_size) for p in [*payloads(model, run), *summed]) + copies
 
     def predict_step_ms(self, cal, run, row) -> float | None:
         """`single`'s step on a dp share split tp ways (each rank computes 1/tp of every split layer; the

@@ -43,9 +43,11 @@ def tp_plan_of(model) -> TPPlan | None:
 
 
 def summed_params(model: nn.Module) -> list:
-    """The parameters of the plan's `summed` modules (TPPlan: a whole weight applied to this rank's part)."""
+    """The trained parameters of the plan's `summed` modules (TPPlan: a whole weight applied to this rank's
+    part), each once (a module named twice, or within another, or a tied weight, would be summed twice)."""
     plan = tp_plan_of(model)
-    return [p for name in (plan.summed if plan else ()) for p in model.get_submodule(name).parameters()]
+    found = {id(p): p for name in (plan.summed if plan else ()) for p in model.get_submodule(name).parameters()}
+    return [p for p in found.values() if p.requires_grad]
 
 
 def from_hf_plan(model: nn.Module, plan) -> TPPlan | None:

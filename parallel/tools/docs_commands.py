@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -49,8 +51,19 @@ def commands(root: Path) -> list[str]:
 
 def run(line: str, root: Path, out: Path, timeout: float = 1800) -> dict:
     start = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "parallel", *shlex.split(line), "--out", str(out)], cwd=root,
-                       capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.Popen([sys.executable, "-m", "parallel", *shlex.split(line), "--out", str(out)], cwd=root,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:  # SIGTERM: compare ends the children it started, as on Ctrl-C
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            stdout, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+        stderr += f"\ntimed out after {timeout:.0f} s"
+    p = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     seconds = time.monotonic() - start
     results = out / "results.json"
     rows = json.loads(results.read_text())["rows"] if results.exists() else []
@@ -82,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     console.print(table)
     if args.json:
         atomic_write(Path(args.json), json.dumps(outcomes, indent=1))
-    return 0 if outcomes and all(o["exit"] == 0 and not o["traceback"] for o in outcomes) else 1
+    return 0 if outcomes and all(o["exit"] == 0 and not (o["traceback"] or o["mismatched"] or o["failed"])
+                                 for o in outcomes) else 1
 
 
 if __name__ == "__main__":

@@ -109,7 +109,7 @@ def plan(model: nn.Module, o: Options, run) -> dict:
         regions += list(dict.fromkeys(name.rpartition(".")[0] for name in tp.colwise  # GELU's; SwiGLU's
                                       if name.endswith(("mlp.0", "mlp.w1", "mlp.w3"))))
         styles |= {name: SequenceParallel() for name, m in model.named_modules()
-                   if isinstance(m, (nn.LayerNorm, nn.RMSNorm))
+                   if isinstance(m, (nn.LayerNorm, nn.RMSNorm)) and name not in tp.summed  # (those: on heads)
                    and not (injected(run, NORM_UNSYNCED) and name.endswith("norm2"))}
         styles["embed"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
     region = _region_style()
