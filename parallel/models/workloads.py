@@ -57,24 +57,27 @@ def from_hf_plan(model: nn.Module, plan) -> TPPlan | None:
     correct, and no regions are declared, so each split layer sums its own input's gradient (correct
     whatever the forward passes where). None where the model has no such plan (GPT-2's is empty), or where
     it leaves out what the split needs (unhonoured_hf_plan)."""
-    if not isinstance(plan, dict) or not plan or unhonoured_hf_plan(plan, model):
+    if not isinstance(plan, dict) or not plan:
         return None
-    split = {"colwise": [], "rowwise": []}
-    for name, (module, style) in _planned(model, plan).items():
-        if isinstance(module, nn.Linear):
+    planned = _planned(model, plan)
+    if _beside(model, planned):
+        return None
+    split = {"colwise": [], "rowwise": [], SUMMED: []}
+    for name, (module, style) in planned.items():
+        if style == SUMMED or isinstance(module, nn.Linear):
             split[style].append(name)
-    summed = tuple(_planned(model, plan, SUMMED))
-    return TPPlan(tuple(split["colwise"]), tuple(split["rowwise"]), summed=summed) if split["colwise"] else None
+    return TPPlan(tuple(split["colwise"]), tuple(split["rowwise"]), summed=tuple(split[SUMMED])) \
+        if split["colwise"] else None
 
 
-SUMMED = ("replicated_with_grad_allreduce",)  # a replicated weight applied to split heads (Qwen3's q_norm)
+SUMMED = "replicated_with_grad_allreduce"  # a replicated weight applied to split heads (Qwen3's q_norm)
 
 
-def _planned(model: nn.Module, plan: dict, styles=("colwise", "rowwise")) -> dict[str, tuple[nn.Module, str]]:
-    """Every module of `model` a pattern of the plan in `styles` names ("*": a block's number), with its
-    style, in the model's order."""
+def _planned(model: nn.Module, plan: dict) -> dict[str, tuple[nn.Module, str]]:
+    """Every module of `model` a "colwise", "rowwise" or SUMMED pattern of the plan names ("*": a block's
+    number), with its style, in the model's order."""
     found = {re.compile(re.escape(pattern).replace(r"\*", r"\d+") + "$"): style for pattern, style in plan.items()
-             if style in styles}
+             if style in ("colwise", "rowwise", SUMMED)}
     return {name: (module, style) for name, module in model.named_modules()
             for pattern, style in found.items() if pattern.match(name)}
 
@@ -87,13 +90,17 @@ def unhonoured_hf_plan(plan, model: nn.Module | None = None) -> str:
     Qwen3's q_norm off by 5.7e4 x the fp64 rule under tensor_parallel at cpu:2, before 5.24's mark was read)."""
     if not isinstance(plan, dict) or model is None:
         return ""
-    names = set(_planned(model, plan))
-    known = names | set(_planned(model, plan, SUMMED))
-    beside = [f"{o}.{c}" for o in sorted({n.rpartition(".")[0] for n in names})
-              for c, m in model.get_submodule(o).named_children()
-              if f"{o}.{c}" not in known and any(True for _ in m.parameters())]
+    beside = _beside(model, _planned(model, plan))
     return (f"leaves {beside[0]}, a weight beside its split layers, replicated, without its gradient summed over "
             "the tensor-parallel ranks") if beside else ""
+
+
+def _beside(model: nn.Module, planned: dict[str, tuple[nn.Module, str]]) -> list[str]:
+    """The children with weights of a module whose layers the plan splits, that the plan names not at all."""
+    split = {n for n, (_, style) in planned.items() if style != SUMMED}
+    return [f"{o}.{c}" for o in sorted({n.rpartition(".")[0] for n in split})
+            for c, m in model.get_submodule(o).named_children()
+            if f"{o}.{c}" not in planned and any(True for _ in m.parameters())]
 
 
 @dataclass(frozen=True)

@@ -17,14 +17,17 @@ class CheckFailed(ConfigError):
 
 def first_line(error: BaseException) -> str:
     """`Type: its first line`, or `Type` for an error that says nothing."""
-    text = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+    return _line(error, 0)
 
 
 def last_line(error: BaseException) -> str:
     """`Type: its last line` (a kernel's refusal is at the end of its message)."""
+    return _line(error, -1)
+
+
+def _line(error: BaseException, which: int) -> str:
     text = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
-    return f"{type(error).__name__}: {text[-1]}" if text else type(error).__name__
+    return f"{type(error).__name__}: {text[which]}" if text else type(error).__name__
 
 
 def error_line(error: BaseException) -> str:

@@ -58,10 +58,11 @@ def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
 
     o = run.options
     copies = kv_copies.copied(model, dist.world_size, dist.rank)  # fewer kv heads than ranks: each head m times
+    summed = summed_params(model)  # whole weights on this rank's heads (TPPlan, q_norm), found before the split
     mesh = dims(run, dist).mesh(dist.device.type)
     model = apply(model.to(dist.device), mesh, o, run)
-    if not injected(run, NORM_UNSUMMED):  # a whole weight on this rank's heads (q_norm): its gradient summed
-        sum_as_made(summed_params(model), mesh.get_group())
+    if not injected(run, NORM_UNSUMMED):  # their gradients summed over the ranks
+        sum_as_made(summed, mesh.get_group())
     whole = tuple(range(dist.world_size))  # what the plan leaves whole, every tp rank holds alike (--check-replicas)
     return Trainable(model, make_optimizer(by_kind(model.parameters())), loss_fn, dist.device,
                      state=State(bool(o.loss_parallel), copies),
