@@ -19,6 +19,7 @@ import math
 import os
 import signal
 import sys
+import traceback
 from pathlib import Path
 
 from rich.markup import escape
@@ -40,7 +41,7 @@ from parallel.style.terminal import make_console
 from parallel.worker import leave, run_here
 from parallel.world import machine
 from parallel.world.dist import Dist, script_devices
-from parallel.world.errors import CheckFailed, last_line
+from parallel.world.errors import REPORT, CheckFailed, first_line, raised_in
 
 # The commands (this docstring is `--help`'s text); their arguments, and the RunConfig made of them: cliargs.py.
 
@@ -204,14 +205,27 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except Exception as e:  # the parent's work on a user's model raised: one line (PARALLEL_TRACEBACK=1: all of it)
-        if not getattr(args, "model", "") or os.environ.get("PARALLEL_TRACEBACK"):
-            raise
-        print(f"error: --model {args.model}: {last_line(e)} (PARALLEL_TRACEBACK=1 shows where)", file=sys.stderr)
-        return 1
+    except Exception as e:  # noqa: BLE001 - nothing above caught it: whose is it?
+        return unexpected(e, getattr(args, "model", ""))
     except KeyboardInterrupt:  # stopped outside the parts that keep their work (after compare's rows: they are
         print("interrupted", file=sys.stderr)  # saved as each ends): one line, no traceback (seen on an H100)
         return 130
+
+
+def unexpected(error: Exception, model: str) -> int:
+    """An exception no check caught. Raised in the user's code (their model's classes, factory or data code,
+    errors.raised_in): one line naming their file and line, exit 1 (PARALLEL_TRACEBACK=1: all of it). Raised
+    in ours: an internal error, never put on --model: the traceback, a line that says so and where to
+    report it, exit 3."""
+    if where := raised_in(error, usermodel.their_files()):
+        if os.environ.get("PARALLEL_TRACEBACK"):
+            traceback.print_exception(error)
+        whose = f"--model {model}: your code" if model else "your code"
+        print(f"error: {whose} raised {first_line(error)} at {where}", file=sys.stderr)
+        return 1
+    traceback.print_exception(error)
+    print(f"internal error: {first_line(error)}: {REPORT}", file=sys.stderr)
+    return 3
 
 
 def script_main(name: str, argv: list[str] | None = None) -> int:

@@ -187,11 +187,10 @@ def select_runs(config: RunConfig, names: list[str], baseline: bool = True, stri
         runnable = [BASELINE] + [n for n in runnable if n != BASELINE]
     chosen = []
     for s in map(strategies.get, runnable):
-        try:
-            variants = s.variants(config)
-            for _, cfg in variants:
-                s.validate(cfg)
-        except ConfigError as e:  # a check that failed on the user's model (CheckFailed): skipped, even if named
+        try:  # a check the meta device refused, run on a real copy: said in the row (RunConfig.real_copy)
+            variants = [(label, dataclasses.replace(cfg, real_copy=why) if (why := s.validate(cfg)) else cfg)
+                        for label, cfg in s.variants(config)]
+        except ConfigError as e:  # a check that failed in the user's model (CheckFailed): skipped, even if named
             if s.name == BASELINE or not (may_skip(s.name) or isinstance(e, CheckFailed)):
                 raise
             skipped[s.name] = re.sub(rf"^{s.name} cannot (run on \S+|train the .*? workload): ", "", str(e))

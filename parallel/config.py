@@ -93,6 +93,9 @@ class RunConfig:
     # the model itself: what `single` and each strategy's verdict run on when `single` does not fit one
     # device (judge/twin.py); set by the planner, never a flag
     twin_blocks: int = 0
+    # Why the parent's check of this strategy ran on a real copy of the user's model (the meta device refused
+    # it: the error), "" where it did not; set by compare.select_runs, never a flag, said in the row's details
+    real_copy: str = ""
 
     def validate(self) -> RunConfig:
         """Check every field and resolve `devices` and `world_size`; returns the resolved copy, its `spec`
@@ -107,7 +110,7 @@ class RunConfig:
             user = {"model": userload.resolve_factory(self.model),
                     "data": str(Path(self.data).expanduser().resolve()) if self.data else ""}
             if user["data"]:  # before the model is tried on it
-                userdata.check_batch(user["data"], self.batch_size)
+                userdata.check_batch(user["data"], self.batch_size, self.vocab, self.seq_len)
             user["workload"] = usermodel.workload_of(dataclasses.replace(self, **user)).name
         elif self.workload not in WORKLOADS:
             raise ConfigError(f"unknown workload {self.workload!r}; choose from {', '.join(WORKLOADS)}")
@@ -165,7 +168,7 @@ class RunConfig:
             raise ConfigError(f"--world-size {world} is more than the {spec.count} device(s) of {spec}")
         batch = nearest_multiple(self.batch_size, world) if self.batch_auto else self.batch_size
         if user.get("data") and batch != self.batch_size:
-            userdata.check_batch(user["data"], batch)
+            userdata.check_batch(user["data"], batch, self.vocab, self.seq_len)
         resolved = dataclasses.replace(self, devices=str(spec), world_size=world, batch_size=batch, **user)
         resolved.spec = spec  # str(spec) parses back to spec: the copy takes this parse, not a second one
         return resolved

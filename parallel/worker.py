@@ -30,7 +30,7 @@ from parallel.loop import recorder
 from parallel.loop.profiling import make_profiler
 from parallel.loop.results import Measured, Row, atomic_write
 from parallel.loop.timing import LAUNCHED_AT, summarize
-from parallel.loop.tokens import loss_of
+from parallel.loop.tokens import count_bytes, loss_of
 from parallel.loop.train import default_dtype, make_optimizer, precision, step_lines
 from parallel.measure import activations
 from parallel.models.usermodel import workload_of
@@ -83,6 +83,8 @@ def train_once(strategy, config: RunConfig, dist: Dist, data=None, run: str = ""
         model = workload.build_model(config.seed)
         data = data or workload.dataset(config.seed, config.batch_size)
         predicted = strategy.comm_bytes_predicted(model, config)
+        if predicted is not None:  # the count of real targets, where ranks read their rows apart (loop/tokens.py)
+            predicted += count_bytes(data, dist.world_size)
         reset_peak_memory(local)
         trainable = strategy.setup(model, make_optimizer(config), loss_of(workload), dist, config)
         trainable.mutant = config.mutant  # the injected bug, if any, that train_step may carry (--mutant)
@@ -116,6 +118,8 @@ def build_row(strategy, config: RunConfig, dist: Dist, trained: Trained) -> Row:
     if trained.reserved:
         top = max(trained.reserved)
         details |= {"cuda_max_reserved": top, **_peak_per_rank(top, "cuda_max_reserved", dist)}
+    if config.real_copy:  # the parent's check of it ran on a real copy of the user's model (compare.select_runs)
+        details["checked_on_a_real_copy"] = config.real_copy
     if result.checked is not None:  # --check-replicas: the steps it compared, and the first disagreement if any
         details["replicas_checked"] = result.checked
     if result.diverged:

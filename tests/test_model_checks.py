@@ -1,8 +1,12 @@
-"""Issue 60: a user's model never crashes the comparison. Tensors reach its forward as a DataLoader hands
-them (contiguous); a strategy's check that the meta device refuses runs again on a real copy; one that
-fails on both is a one-line skip, even where the user named the strategy; anything else the parent's work
-on the model raises is one line and exit 1, never a traceback."""
+"""Issues 60 and 71: a user's model never crashes the comparison, and our own bugs are never blamed on it.
+Tensors reach its forward as a DataLoader hands them (contiguous); a strategy's check that the meta device
+refuses runs again on a real copy; one that fails on both in the model's code is a one-line skip, even
+where the user named the strategy, and one that fails in ours an error when named (exit 2); an error the
+user's code raises is one line naming their file and line, and one raised in ours an internal error."""
 
+import operator
+
+import pytest
 import torch
 from torch import nn
 
@@ -11,7 +15,7 @@ from parallel.compare import select_runs
 from parallel.config import RunConfig
 from parallel.models import outputs
 from parallel.models.usermodel import shape_model
-from parallel.world.errors import CheckFailed
+from parallel.world.errors import REPORT, CheckBroken, CheckFailed
 from tests.conftest import ROOT
 
 NANOGPT = f"{ROOT / 'examples' / 'nanogpt_as_written.py'}:gpt"
@@ -55,50 +59,82 @@ def test_a_check_the_meta_device_refuses_runs_again_on_a_real_copy(monkeypatch):
     assert seen == [True, False]
 
 
-def test_a_check_that_fails_on_both_is_one_line_and_a_skip_even_when_named(monkeypatch):
-    def fails(cfg):
-        raise RuntimeError("a kernel's long message\nNotImplementedError: aten::equal on Meta")
-
+def failing_with(monkeypatch, fails, names=("ddp",)):
+    """strategies.get, with the check of the strategies `names` replaced by `fails`."""
     made, get = {}, strategies.get
 
-    def failing(name):  # the strategy objects select_runs gets, with their check failing
+    def failing(name):
         if name not in made:
             made[name] = get(name)
             made[name].check = fails
         return made[name]
 
-    monkeypatch.setattr(strategies, "get", lambda name: failing(name) if name == "ddp" else get(name))
+    monkeypatch.setattr(strategies, "get", lambda name: failing(name) if name in names else get(name))
+
+
+def test_a_check_the_model_fails_on_both_is_one_line_and_a_skip_even_when_named(monkeypatch):
+    def fails(cfg):  # stands for the model's own code (a file of the user's: this one), raising in our check
+        raise RuntimeError("a kernel's long message\nNotImplementedError: aten::equal on Meta")
+
+    failing_with(monkeypatch, fails)
     chosen, skipped = select_runs(config(), ["single", "ddp"])
     assert [s.name for s, _, _ in chosen] == ["single"]
+    line = fails.__code__.co_firstlineno + 1
     assert skipped["ddp"] == (f"ddp: its check of --model {NANOGPT} failed on the meta device (RuntimeError: "
                               "NotImplementedError: aten::equal on Meta) and on a real copy (RuntimeError: "
-                              "NotImplementedError: aten::equal on Meta)")
-    monkeypatch.setattr(strategies, "get", failing)  # the baseline cannot run either: raised (exit 1, one line)
-    try:
+                              f"NotImplementedError: aten::equal on Meta, raised by the model at {__file__}:{line})")
+    failing_with(monkeypatch, fails, ("single", "ddp"))  # the baseline cannot run either: raised (exit 1, one line)
+    with pytest.raises(CheckFailed, match="^single: its check of --model"):
         select_runs(config(), ["single", "ddp"])
-    except CheckFailed as e:
-        assert str(e).startswith("single: its check of --model")
-    else:
-        raise AssertionError("the baseline's failed check was not raised")
 
 
-def test_anything_else_the_parent_raises_on_a_users_model_is_one_line_and_exit_1(monkeypatch, capsys, tmp_path):
-    def raises(*args, **kwargs):
+def test_a_check_broken_in_our_own_code_is_an_error_when_named_and_a_said_skip_under_all(monkeypatch, refused):
+    broken = operator.itemgetter("seq_len")  # a bug of ours: raised inside parallel's own frame (_checked)
+    failing_with(monkeypatch, broken)
+    with pytest.raises(CheckBroken, match="raised in parallel's check, not in the model: this is a bug in parallel"):
+        select_runs(config(), ["single", "ddp"])
+    refused(["compare", "--model", NANOGPT, "--vocab", "64", "--seq-len", "16", "--strategies", "single,ddp"],
+            "ddp: its check of --model")  # exit 2, both errors in one line, nothing written
+    chosen, skipped = select_runs(config(), ["all"])
+    assert "ddp" not in {s.name for s, _, _ in chosen} and "not in the model" in skipped["ddp"], skipped
+
+
+def test_an_error_the_users_code_raises_is_theirs_in_one_line_naming_their_file_and_line(monkeypatch, capsys,
+                                                                                        tmp_path):
+    def raises(*args, **kwargs):  # stands for the user's code (a file outside the package): this one
         raise ValueError("first words\nzip() argument 2 is shorter than argument 1")
 
     monkeypatch.setattr(cli, "select_runs", raises)
     code = cli.main(["compare", "--model", NANOGPT, "--vocab", "64", "--seq-len", "16", "--out", str(tmp_path)])
-    err = capsys.readouterr().err
-    assert code == 1 and err == (f"error: --model {NANOGPT}: ValueError: zip() argument 2 is shorter than "
-                                 "argument 1 (PARALLEL_TRACEBACK=1 shows where)\n")
+    line = raises.__code__.co_firstlineno + 1
+    assert code == 1 and capsys.readouterr().err == (f"error: --model {NANOGPT}: your code raised ValueError: first "
+                                                     f"words at {__file__}:{line}\n")
+
+
+def test_a_model_that_raises_in_its_forward_is_named_at_its_file_and_line(tmp_path, refused):
+    (tmp_path / "m.py").write_text("from torch import nn\n\n\nclass M(nn.Linear):\n    def forward(self, x):\n"
+                                   "        raise ValueError('no mask for these')\n\n\ndef m():\n    return M(4, 2)\n")
+    refused(["compare", "--model", f"{tmp_path / 'm.py'}:m", "--input-shape", "4", "--classes", "2"],
+            f"ValueError: no mask for these (at {tmp_path / 'm.py'}:6)")
+
+
+@pytest.mark.slow
+def test_a_fault_in_our_own_reporting_code_is_an_internal_error_with_its_traceback(monkeypatch, capsys, tmp_path):
+    """Not the user's: never put on --model, whose model here is fine. The traceback, then one line."""
+    from parallel.report import notes
+
+    monkeypatch.setattr(notes, "skipped_line", operator.itemgetter("skipped"))  # a KeyError in our notes
+    code = cli.main(["run", "single", "--model", NANOGPT, "--vocab", "64", "--seq-len", "16", "--batch-size", "8",
+                     "--steps", "1", "--warmup", "0", "--devices", "cpu:1", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 3 and err[0] == "Traceback (most recent call last):" and "report/notes.py" in "\n".join(err), err
+    assert err[-1] == f"internal error: KeyError: 'skipped': {REPORT}" and "--model" not in err[-1]
 
 
 def test_a_weight_transformers_marks_for_a_gradient_sum_is_summed_or_refused_with_its_reason():
     """Qwen3's q_norm and k_norm apply to each rank's heads: transformers 5.24 marks them
     replicated_with_grad_allreduce, read as TPPlan.summed (manual_tp and tensor_parallel sum them; fsdp_tp
     refuses); 5.0's plan leaves the mark out, and the weight found beside the split layers is refused."""
-    import pytest
-
     transformers = pytest.importorskip("transformers")
     from parallel.models.workloads import from_hf_plan, summed_params, unhonoured_hf_plan
     from parallel.strategies.model import manual_tp

@@ -12,12 +12,15 @@ size instead:
 and the uniform average over J equal pieces is sum / N, the global token mean, with no strategy written
 for it: ranks, micro-batches, accumulation and shards alike. d is a per-step count reduced once: every
 rank draws the whole global batch (models/data.py), so each computes it from the data and no collective
-is needed (a framework whose ranks load only their own rows all-reduces the count, once a step).
+is needed. A token file (models/tokenfile.py) is read as frameworks read one: each rank its own rows, so
+no rank knows N; the loop all-reduces the count of its rows' real targets once a step (`density`), one
+small collective on the wire, as torchtitan and nanochat do.
 With even batches d = 1 and the loss is cross-entropy's own mean, as it always was."""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as td
 import torch.nn.functional as F
 
 from parallel.models.data import IGNORE
@@ -63,3 +66,25 @@ def weighable(workload) -> bool:
     returned as its sum over the real targets and their count (outputs.sum_in), which TokenMean weighs."""
     own_fn = getattr(workload, "loss_fn", None) is not None
     return getattr(workload, "sums", False) or (not workload.no_logits_loss and not own_fn)
+
+
+COUNT_BYTES = 8  # the count's all-reduce: one float64 a step
+
+
+def count_bytes(data, world_size: int) -> int:
+    """What `density` sends a step: COUNT_BYTES where ranks read their rows apart, else nothing."""
+    return COUNT_BYTES if getattr(data, "per_rank", False) and world_size > 1 else 0
+
+
+def density(data, step: int, target: torch.Tensor, shares: int, dist) -> float | None:
+    """Global batch `step`'s real targets over its targets. Data every rank draws whole says it itself;
+    data read a rank's rows at a time (`per_rank`) is counted here: each rank counts its rows' real targets
+    (`target`, this rank's share of `shares`), and one all-reduce sums them. Every share is held by
+    world / shares ranks alike (tensor, pipeline and context ranks hold their dp coordinate's), so the sum
+    over all ranks is that many times N. Hogwild's workers, which share no group, count the whole step."""
+    if not getattr(data, "per_rank", False) or dist.world_size == 1 or not td.is_initialized():
+        return data.density(step)
+    count = torch.tensor([float((target != IGNORE).sum())], dtype=torch.float64, device=dist.device)
+    td.all_reduce(count)  # (1,) the step's real targets, x world / shares
+    n = float(count.item()) * shares / dist.world_size
+    return n / (target.numel() * shares)

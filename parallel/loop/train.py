@@ -21,7 +21,7 @@ import torch
 import torch.distributed as td
 from torch.autograd.profiler import record_function
 
-from parallel.loop import checkpoint, divergence, faults, recorder, wire
+from parallel.loop import checkpoint, divergence, faults, recorder, tokens, wire
 from parallel.loop.timing import StepTimer
 from parallel.world.devices import memory_history, synchronizer_all
 from parallel.world.dist import watch_group
@@ -93,8 +93,7 @@ def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult
     replicas = divergence.Check(config, dims, dist, trainable)  # --check-replicas, between steps (off the clock)
     for step in range(start, total):
         batch = data.batch(step, *share)
-        if trainable is not None and hasattr(trainable.loss_fn, "weigh"):  # uneven tokens: the step's share
-            trainable.loss_fn.weigh(data.density(step))  # of the global token mean (loop/tokens.py)
+        weighs = trainable is not None and hasattr(trainable.loss_fn, "weigh")  # uneven tokens (loop/tokens.py)
         recorder.mark(step, f"step {step}: in the watchdog's barrier before it")
         faults.check(step, config, dist)
         _watchdog(config, dist)
@@ -102,6 +101,8 @@ def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult
         hang = faults.around_step(step, config, dist)  # --hang-rank's stop, inside the step
         with counter.step(), memory_history(device, snapshot if step == max(0, config.warmup - 1) else None), \
                 timer, record_function(f"step {step}"), precision(config, device), hang:
+            if weighs:  # the step's share of the global token mean: counted, or all-reduced where ranks read apart
+                trainable.loss_fn.weigh(tokens.density(data, step, batch[1], share[1], dist))
             loss = strategy.train_step(trainable, batch, dist)
         losses.append(loss.detach().to(_LOSS[config.precision]).reshape(-1))  # (1,), or (k,) for k losses
         if step >= config.warmup:

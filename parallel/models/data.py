@@ -30,6 +30,7 @@ TRAIN, HELDOUT, LENGTHS = 0, 1, 2  # token data's streams: (seed, TRAIN, step), 
 #   documents' lengths of a padded batch, (seed, LENGTHS, step): even batches draw exactly what they did
 TOKENS = ("even", "padded", "packed")  # --tokens: every position a target, documents padded to the sequence,
 #   or documents packed one after another into it (each starting with BOS)
+FILE = "file"  # a workload's tokens as a user's --data file gives them: IGNORE wherever its targets do not count
 IGNORE = -100  # a target that does not count (padding): cross-entropy's ignore_index, torch's default
 PAD = 0  # the input token at a padded position (its target is IGNORE, so what it is changes no loss)
 BOS = 0  # packed: the token a document starts with (the chain's own 0s become 1s); the next document's

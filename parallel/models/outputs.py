@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.world.errors import ConfigError, first_line
+from parallel.models.data import IGNORE
+from parallel.world.errors import ConfigError, theirs_line
 
 TARGETS = ("targets", "labels")  # the names a forward takes its targets by, the first found wins
 KEYWORD = "_parallel_targets"  # on a model instance (usermodel sets it): the name its forward takes them by
@@ -150,20 +151,28 @@ def _check_logits(spec: str, logits, y: torch.Tensor, source: str) -> None:
                                             "the targets, as 'targets' or 'labels'")
         raise ConfigError(f"--model {spec}: its output {tuple(logits.shape)} does not fit targets {tuple(y.shape)} "
                           f"of {source} (cross-entropy wants (..., classes) against (...)){hint}")
-    if y.numel() and (int(y.min()) < 0 or int(y.max()) >= logits.shape[-1]):
-        raise ConfigError(f"--model {spec}: {source} has targets from {int(y.min())} to {int(y.max())}, out of "
-                          f"range for its {logits.shape[-1]} classes")
+    if not _in_range(y, logits.shape[-1]):
+        real = y[y != IGNORE]
+        raise ConfigError(f"--model {spec}: {source} has targets from {int(real.min())} to {int(real.max())}, out "
+                          f"of range for its {logits.shape[-1]} classes ({IGNORE}, cross-entropy's ignore_index, "
+                          "marks a target that does not count)")
+
+
+def _in_range(y: torch.Tensor, classes: int) -> bool:
+    """Every target a class index, or IGNORE (one that does not count: padding's, Hugging Face's -100)."""
+    real = y[y != IGNORE]
+    return not real.numel() or (int(real.min()) >= 0 and int(real.max()) < classes)
 
 
 def _not_cross_entropy(logits, y: torch.Tensor, own: float) -> str:
     """Why a model's own loss (`own` on the sample) is not cross-entropy over its logits ("" where it is,
     to 1e-5: the same function up to fp32 rounding). Its targets need not be class indices at all."""
     fits = isinstance(logits, torch.Tensor) and logits.dim() >= 2 and logits.shape[:-1] == y.shape
-    if not fits or y.is_floating_point() or y.numel() and not 0 <= int(y.min()) <= int(y.max()) < logits.shape[-1]:
+    if not fits or y.is_floating_point() or not _in_range(y, logits.shape[-1]):
         shape = tuple(getattr(logits, "shape", ()))
         return (f"its own loss is not cross-entropy over its logits: its output {shape} and targets {tuple(y.shape)} "
                 "are not logits and class indices")
-    ce = float(F.cross_entropy(logits.detach().flatten(0, -2).double(), y.flatten()))
+    ce = float(F.cross_entropy(logits.detach().flatten(0, -2).double(), y.flatten(), ignore_index=IGNORE))
     if abs(own - ce) <= 1e-5 * max(1.0, abs(ce)):
         return ""
     return f"its own loss is not cross-entropy over its logits ({own:.4g} against {ce:.4g} on a sample)"
@@ -177,14 +186,25 @@ def _forward(spec: str, model: nn.Module, x: torch.Tensor, targets: dict, source
             return model(contiguous(x), **{k: contiguous(v) for k, v in targets.items()})
     except Exception as e:  # noqa: BLE001
         raise ConfigError(f"--model {spec} cannot take {source} (inputs {tuple(x.shape[1:])} a sample): "
-                          f"{first_line(e)}") from None
+                          f"{theirs_line(e, model_files(model))}") from None
+
+
+def model_files(model: nn.Module) -> set[str]:
+    """The source files of the classes a model is made of: its own code, wherever it lives (transformers')."""
+    files = set()
+    for cls in {type(m) for m in model.modules()}:
+        try:
+            files.add(inspect.getsourcefile(cls) or "")
+        except TypeError:  # a class defined in C
+            pass
+    return files
 
 
 def _check_loss(spec: str, compute, what: str) -> None:
     try:
         value = compute()
     except Exception as e:  # noqa: BLE001
-        raise ConfigError(f"--model {spec}: {what} raised {first_line(e)}") from None
+        raise ConfigError(f"--model {spec}: {what} raised {theirs_line(e)}") from None
     if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
         got = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
         raise ConfigError(f"--model {spec}: {what} must be one number (a tensor: the mean over the batch), got {got}")

@@ -5,8 +5,6 @@ experts, its tied weights, and what makes no strategy able to match one device (
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 
@@ -89,18 +87,70 @@ def moe_layers_of(model: nn.Module) -> list[MoE]:
 
 def experts_of(model: nn.Module) -> tuple[bool, str]:
     """(expert parallelism can split it, why not): its routed layers must be parallel.models.moe.MoE (whose
-    `dispatch` expert_parallel replaces) with one expert count."""
+    `dispatch` expert_parallel replaces) with one expert count; any other experts are named as found."""
     layers = moe_layers_of(model)
     if layers and all(isinstance(m, MoE) for m in layers):
         if len({m.num_experts for m in layers}) > 1:
             return False, "its MoE layers have different expert counts"
         return True, ""
-    other = sorted({type(m).__name__ for m in model.modules() if re.search(r"moe|expert", type(m).__name__, re.I)})
-    if other or hasattr(type(model), "moe_layers"):
-        found = f" ({', '.join(other[:3])})" if other else ""
-        return False, (f"its experts{found} are not parallel.models.moe.MoE layers, whose dispatch expert_parallel "
-                       "replaces (docs/experts.md)")
+    found = routed_experts(model)
+    if not found and hasattr(type(model), "moe_layers"):
+        found = [f"its moe_layers(): {', '.join(sorted({type(m).__name__ for m in layers}))}"]
+    if found:
+        return False, (f"its experts ({'; '.join(found[:3])}) are not parallel.models.moe.MoE layers, whose "
+                       "dispatch expert_parallel replaces (docs/experts.md)")
     return False, "it has no parallel.models.moe.MoE layers (docs/experts.md)"
+
+
+def routed_experts(model: nn.Module) -> list[str]:
+    """The model's blocks of routed experts, found by structure, never by name: a module holding E >= 2 experts
+    (a ModuleList of E alike modules, or weights with a leading dimension E: transformers' fused experts,
+    (E, out, in)) beside a router (a Linear or a weight with E outputs), as "model.layers.0.mlp and 1 more:
+    MixtralSparseMoeBlock, 8 experts with a router", alike blocks together."""
+    groups: dict[tuple[str, int], list[str]] = {}
+    for name, block in model.named_modules():
+        for holder, count in _expert_holders(block):
+            if _routes(block, holder, count):
+                groups.setdefault((type(block).__name__, count), []).append(name or "the model")
+                break
+    return [f"{names[0]}{f' and {len(names) - 1} more' if len(names) > 1 else ''}: {cls}, {count} experts "
+            "with a router" for (cls, count), names in groups.items()]
+
+
+def _expert_holders(block: nn.Module) -> list[tuple[nn.Module, int]]:
+    """(module, expert count) for each of block and its children that holds experts."""
+    found = []
+    for m in (block, *block.children()):
+        if isinstance(m, nn.ModuleList) and len(m) >= 2 and len({_shapes(e) for e in m}) == 1 \
+                and _shapes(m[0])[1]:
+            found.append((m, len(m)))
+        elif not isinstance(m, nn.modules.conv._ConvNd):  # a convolution's weight is (out, in, kernel)
+            leading = {p.shape[0] for p in m.parameters(recurse=False) if p.dim() >= 3}
+            if len(leading) == 1 and (count := leading.pop()) >= 2:
+                found.append((m, count))
+    return found
+
+
+def _shapes(m: nn.Module) -> tuple:
+    return type(m), tuple(tuple(p.shape) for p in m.parameters())
+
+
+def _routes(block: nn.Module, holder: nn.Module, count: int) -> bool:
+    """`block` holds, beside `holder`, a router to `count` experts: a Linear with `count` outputs, or a weight
+    (count, C) (Mixtral's TopKRouter), of its own or within a child that holds no experts (JetMoE's
+    router.layer; not another routed block's)."""
+    others = [c for c in block.children() if c is not holder and not _has_experts(c)]
+    for m in ([] if holder is block else [block]) + [m for c in others for m in c.modules()]:
+        if isinstance(m, nn.Linear):
+            if m.out_features == count:
+                return True
+        elif any(p.dim() == 2 and p.shape[0] == count for p in m.parameters(recurse=False)):
+            return True
+    return False
+
+
+def _has_experts(m: nn.Module) -> bool:
+    return any(p.dim() >= 3 for p in m.parameters()) or any(isinstance(c, nn.ModuleList) for c in m.modules())
 
 
 def tied_names(model: nn.Module) -> str:

@@ -1,7 +1,10 @@
 """A user's data file (`--data FILE`): a .pt (loaded with weights_only=True) or .npz holding `x` and `y`,
-one row per sample. The last eighth (at most 2048 samples) is held out for the eval loss and never trained
-on; every strategy takes the same batches from the rest, by the same rule as the built-in data. Also the
-`--input-shape` text of the synthetic data, read into sizes.
+one row per sample, read whole; or a token file (.bin, .npy), memory-mapped and read a rank's rows at a
+time (tokenfile.py). The last eighth (at most 2048 samples) is held out for the eval loss and never trained
+on; every strategy takes the same batches from the rest, by the same rule as the built-in data. Targets
+equal to IGNORE (-100, cross-entropy's ignore_index and Hugging Face's label for padding) do not count:
+the loss is then the global token mean (loop/tokens.py). Also the `--input-shape` text of the synthetic
+data, read into sizes.
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from parallel.models.data import SyntheticData
+from parallel.models import tokenfile
+from parallel.models.data import IGNORE, SyntheticData
 from parallel.world.errors import ConfigError
 from parallel.world.errors import first_line as _first_line
 
@@ -41,7 +45,7 @@ def _read(path: str) -> tuple[torch.Tensor, torch.Tensor]:
             obj = torch.load(p, weights_only=True, map_location="cpu")
             x, y = (obj["x"], obj["y"]) if isinstance(obj, dict) else obj
         else:
-            raise ConfigError(f"--data {path}: expected a .pt or .npz file")
+            raise ConfigError(f"--data {path}: expected a .pt or .npz file of x and y, or a token file (.bin, .npy)")
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - a corrupt file, missing keys, or something not two tensors
@@ -69,14 +73,35 @@ class FileData(SyntheticData):
     def heldout(self, n: int = 2048):
         return self._held
 
+    def real_targets(self, step: int) -> torch.Tensor | None:
+        """(B,) the targets that count in each row of global batch `step`; None where every target counts."""
+        if not ignores(self.workload.data_file):
+            return None
+        return (self.batch(step)[1] != IGNORE).reshape(self.batch_size, -1).sum(1)
+
+    def density(self, step: int) -> float | None:
+        real = self.real_targets(step)
+        return None if real is None else float(real.sum()) / self.y[:self.batch_size].numel()
+
+
+def ignores(path: str) -> bool:
+    """Its targets hold IGNORE somewhere: the harness weighs each piece's loss (loop/tokens.py). A token
+    file always goes that way: its ranks read only their rows, and the count is all-reduced."""
+    if tokenfile.is_token_file(path):
+        return True
+    y = load(path)[1]
+    return not y.is_floating_point() and bool((y == IGNORE).any())
+
 
 def training_samples(n: int) -> int:
     """Of a file's n samples, those trained on: all but the held-out last eighth (at most 2048)."""
     return n - min(2048, n // HELD_OUT)
 
 
-def check_batch(data: str, batch_size: int) -> None:
+def check_batch(data: str, batch_size: int, vocab: int = 0, seq_len: int = 0) -> None:
     """A global batch must fit in the file's training samples (batches would repeat samples otherwise)."""
+    if tokenfile.is_token_file(data):
+        return tokenfile.check(data, vocab, seq_len, batch_size)
     if batch_size > (n := training_samples(len(load(data)[0]))):
         raise ConfigError(f"--batch-size {batch_size} is more than the {n} samples of --data {data} that are "
                           f"trained on (the last 1/{HELD_OUT} is held out)")

@@ -21,11 +21,11 @@ from torch import nn
 
 from parallel.models import hf, outputs
 from parallel.models.data import IGNORE, SyntheticData
+from parallel.models.tokenfile import TokenFile, is_token_file
 from parallel.models.userchecks import moe_layers_of
 from parallel.models.userdata import FileData
 from parallel.models.workloads import TPPlan, Workload, logits_of
-from parallel.world.errors import ConfigError
-from parallel.world.errors import first_line as _first_line
+from parallel.world.errors import ConfigError, theirs_line
 
 PROTOCOL = ("model", "loss", "layers", "tp_plan")
 
@@ -63,8 +63,8 @@ def load_factory(spec: str):
             loader.loader.exec_module(module)
         else:
             module = importlib.import_module(where)
-    except Exception as e:  # noqa: BLE001 - the user's module: its first line, not our traceback
-        raise ConfigError(f"--model {spec}: importing it raised {_first_line(e)}") from None
+    except Exception as e:  # noqa: BLE001 - the user's module: its first line and where, not our traceback
+        raise ConfigError(f"--model {spec}: importing it raised {theirs_line(e)}") from None
     factory = getattr(module, factory_name, None)
     if not callable(factory):
         raise ConfigError(f"--model {spec}: {where} has no function {factory_name!r}")
@@ -85,7 +85,7 @@ def call_factory(factory, seed: int, spec: str, sizes: tuple[tuple[str, int], ..
         try:
             out = factory(seed, **given) if takes_seed else factory(**given)
         except Exception as e:  # noqa: BLE001
-            raise ConfigError(f"--model {spec}: the factory raised {_first_line(e)}") from None
+            raise ConfigError(f"--model {spec}: the factory raised {theirs_line(e)}") from None
     if isinstance(out, nn.Module):
         out = {"model": out}
     if not isinstance(out, dict) or not isinstance(out.get("model"), nn.Module):
@@ -156,6 +156,15 @@ class UserWorkload(Workload):
     sums: bool = False  # its own loss comes as a sum over the real targets and their count (outputs.sum_in)
     hf_blocks: int = 0  # > 0: the shallow twin of a Hugging Face model, rebuilt with this many blocks (made)
 
+    def _key(self) -> tuple:  # the model as built and the data it trains on: two --data files are two workloads
+        return self.spec, self.sizes, self.hf_blocks, self.data_file, self.tokens
+
+    def __eq__(self, other) -> bool:  # Workload's own would compare its fields alone (caches keyed by it: _heldout)
+        return type(other) is type(self) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
     @property
     def multi_part(self) -> bool:
         return self.parts_model
@@ -201,7 +210,9 @@ class UserWorkload(Workload):
         return F.cross_entropy(output.flatten(0, -2), target.flatten(), ignore_index=IGNORE)
 
     def dataset(self, seed: int, batch_size: int) -> SyntheticData:
-        return FileData(self, seed, batch_size) if self.data_file else SyntheticData(self, seed, batch_size)
+        if not self.data_file:
+            return SyntheticData(self, seed, batch_size)
+        return (TokenFile if is_token_file(self.data_file) else FileData)(self, seed, batch_size)
 
 
 def _submodules(model: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:

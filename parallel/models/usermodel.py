@@ -61,14 +61,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from parallel.models import outputs, userchecks, userdata, userload
-from parallel.models.data import IGNORE, SyntheticData
+from parallel.models import outputs, tokenfile, userchecks, userdata, userload
+from parallel.models.data import FILE, IGNORE
 from parallel.models.moe import MoE
 from parallel.models.transformer import SHAPE, shaped
 from parallel.models.userchecks import cannot_match, experts_of, moe_layers_of, tied_names
 from parallel.models.userload import UserWorkload
 from parallel.models.workloads import WORKLOADS, Workload, tp_plan_of, unhonoured_hf_plan
-from parallel.world.errors import CheckFailed, ConfigError, first_line
+from parallel.world.errors import CheckFailed, ConfigError, theirs_line
 
 
 def workload_of(config) -> Workload:
@@ -86,10 +86,11 @@ def workload_of(config) -> Workload:
         built_in = built_in.shallow_twin(twin) if twin else built_in
         return built_in.with_tokens(tokens) if tokens != "even" else built_in
     user = _user(config.model, config.input_shape, config.classes, config.vocab, config.seq_len, config.data, twin)
-    if tokens == "even":
-        return user
-    user = user.with_tokens(tokens)
-    if user.targets:  # once a process for each model and seed
+    if tokens != "even" and config.data:
+        raise ConfigError(f"--tokens {tokens} makes the synthetic token data uneven; --data {config.data} brings its "
+                          f"own targets ({IGNORE} where one does not count)")
+    user = user.with_tokens(tokens) if tokens != "even" else user
+    if user.tokens != "even" and user.targets:  # once a process for each model and seed
         _takes_padding(user, (config.model, config.vocab, config.seq_len, config.data, twin), config.seed)
     return user
 
@@ -110,8 +111,9 @@ def _takes_padding(workload: UserWorkload, model: tuple, seed: int) -> None:
         with torch.no_grad():
             outputs.call(workload.build_model(seed).eval(), x, y)
     except (IndexError, RuntimeError, ValueError) as e:
-        raise ConfigError(f"--tokens {workload.tokens}: your model's own loss fails on padding's target "
-                          f"{IGNORE} ({first_line(e)}); leave it out with ignore_index={IGNORE} "
+        where = f"--data {workload.data_file}" if workload.tokens == FILE else f"--tokens {workload.tokens}"
+        raise ConfigError(f"{where}: your model's own loss fails on padding's target "
+                          f"{IGNORE} ({theirs_line(e)}); leave it out with ignore_index={IGNORE} "
                           "(cross-entropy's default), or return the logits alone") from None
     _PADDING_CHECKED.add((model, seed))
 
@@ -138,6 +140,12 @@ def shape_model(config) -> nn.Module:
             del _META[k]
         _META[key] = model
     return _META[key]
+
+
+def their_files() -> set[str]:
+    """The source files of the user's models this process built (outputs.model_files): where an exception
+    raised in them is theirs, even inside a library (a transformers model's forward)."""
+    return {f for model in _META.values() for f in outputs.model_files(model)}
 
 
 _META: dict[tuple, nn.Module] = {}
@@ -177,10 +185,13 @@ def _user(spec: str, input_shape: str, classes: int, vocab: int, seq_len: int, d
                               "from torch's generator (seeded by the harness) or from the seed it is given")
     label = spec.rpartition(":")[0]
     label = f"{Path(label).name}:{spec.rpartition(':')[2]}" if label.endswith(".py") else spec
-    if sum(bool(v) for v in (data, input_shape or classes, vocab or seq_len)) != 1:
+    token_file = bool(data) and tokenfile.is_token_file(data)
+    if sum(bool(v) for v in (data, input_shape or classes, (vocab or seq_len) and not data)) != 1:
         raise ConfigError(f"--model {label} needs its data: --input-shape and --classes, --vocab and --seq-len, "
-                          "or --data FILE (one of them)")
-    if data:
+                          "or --data FILE (one of them; a token file with --vocab and --seq-len)")
+    if token_file:  # its sizes were checked with the batch (userdata.check_batch)
+        kind, shape, n_classes, source = "tokens", (seq_len,), vocab, f"--data {data}"
+    elif data:
         x, y = userdata.load(data)
         kind, shape, n_classes, source = "file", tuple(x.shape[1:]), 0, f"--data {data}"
         sample_x, sample_y = x[:4], y[:4]
@@ -195,7 +206,8 @@ def _user(spec: str, input_shape: str, classes: int, vocab: int, seq_len: int, d
         kind, n_classes, source = "teacher", classes, f"inputs {shape}, {classes} classes"
     params = sum(p.numel() for p in model.parameters())
     # Held samples (teacher): at most 64 MB of inputs, batches wrap around them; tokens: drawn per step.
-    size = len(userdata.load(data)[0]) if data else max(1024, min(8192, 2**24 // math.prod(shape)))
+    size = (tokenfile.sequences(data, seq_len) if token_file else len(userdata.load(data)[0])) if data else \
+        max(1024, min(8192, 2**24 // math.prod(shape)))
     if isinstance(getattr(type(model), "tp_plan", None), property):  # transformers': read by tp_plan_of
         what = unhonoured_hf_plan(getattr(model, "tp_plan", None), model) or "splits no nn.Linear layer"
         no_plan = f"transformers' own plan for {type(model).__name__} {what}, and the factory returned no 'tp_plan'"
@@ -208,10 +220,11 @@ def _user(spec: str, input_shape: str, classes: int, vocab: int, seq_len: int, d
     workload = UserWorkload(**base, spec=spec, factory=factory, sizes=sizes, loss_fn=out.get("loss"), data_file=data,
                             has_plan=out.get("tp_plan") is not None or tp_plan_of(model) is not None,
                             parts_model=hasattr(model, "parts"), causes=tuple(cannot_match(model).values()),
-                            tied=tied_names(model), hf_blocks=hf_blocks)
+                            tied=tied_names(model), hf_blocks=hf_blocks,
+                            tokens=FILE if data and userdata.ignores(data) else "even")
     if found is None:  # the checks that run the model on a sample: in the parent only
-        if not data:
-            sample_x, sample_y = SyntheticData(workload, 0, 4).batch(0)
+        if not data or token_file:
+            sample_x, sample_y = workload.dataset(0, 4).batch(0)
         targets, no_logits_loss, sums = outputs.check(label, model, out.get("loss"), sample_x, sample_y, source)
         setattr(model, outputs.KEYWORD, targets)  # so that the layers' check below gets every position's logits
         names, why, from_hf = userchecks.in_order(model, out.get("layers"), sample_x, sample_y)
@@ -269,7 +282,9 @@ def add_arguments(p) -> None:
     g.add_argument("--vocab", type=int, default=0, help="tokens of synthetic sequences (with --seq-len)")
     g.add_argument("--seq-len", "--seq", type=int, default=0, help="length of synthetic token sequences (with "
                    "--vocab); alone, the built-in transformer's (context parallelism); --seq is plan's spelling")
-    g.add_argument("--data", default="", help=".pt or .npz file with x and y, one row per sample")
+    g.add_argument("--data", default="", help=".pt or .npz file with x and y, one row per sample (y -100: no "
+                                              "target); or a token file, .bin (uint16) or .npy, with --vocab and "
+                                              "--seq-len, memory-mapped, each rank reading its own rows")
 
 
 def argv(config) -> list[str]:

@@ -21,7 +21,7 @@ from torch import nn
 from parallel.models.data import BOS, IGNORE, TOKENS, SyntheticData
 from parallel.models.nets import DCGAN, MLP, LeNet
 from parallel.models.outputs import call, logits_of  # noqa: F401 - logits_of: also read from here (manual_dp, tests)
-from parallel.models.tpplan import TPPlan
+from parallel.models.tpplan import TPPlan, head_norm
 from parallel.models.transformer import MoETransformer, Transformer
 from parallel.world.errors import ConfigError
 
@@ -87,12 +87,15 @@ def unhonoured_hf_plan(plan, model: nn.Module | None = None) -> str:
     if nothing: a weight beside the split layers of one module (its attention) that the plan neither splits
     nor marks "replicated_with_grad_allreduce" (transformers 5.0's plan for Qwen3, whose q_norm and k_norm
     5.24 marks so). Left replicated, such a weight gets each rank's part of its gradient only (measured:
-    Qwen3's q_norm off by 5.7e4 x the fp64 rule under tensor_parallel at cpu:2, before 5.24's mark was read)."""
+    Qwen3's q_norm off by 5.7e4 x the fp64 rule under tensor_parallel at cpu:2, before 5.24's mark was read).
+    A norm with a weight per head (Cohere's q_norm) is named so: it needs splitting, not a sum (head_norm)."""
     if not isinstance(plan, dict) or model is None:
         return ""
     beside = _beside(model, _planned(model, plan))
-    return (f"leaves {beside[0]}, a weight beside its split layers, replicated, without its gradient summed over "
-            "the tensor-parallel ranks") if beside else ""
+    colwise = [n for n, (_, style) in _planned(model, plan).items() if style == "colwise"]
+    return "" if not beside else head_norm(model, beside[0], colwise) or (
+        f"leaves {beside[0]}, a weight beside its split layers, replicated, without its gradient summed over the "
+        "tensor-parallel ranks")
 
 
 def _beside(model: nn.Module, planned: dict[str, tuple[nn.Module, str]]) -> list[str]:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import re
 import statistics
+from pathlib import Path
 
 from parallel.judge import twin
 from parallel.loop.results import Row
+from parallel.loop.tokens import COUNT_BYTES
 from parallel.strategies import BASELINE
 
 # Notes: at most about ten lines on a quiet machine; everything else in details.txt ---------------------
@@ -113,10 +115,20 @@ def notes(rows: list[Row], environment: dict, skipped: dict | None = None) -> li
         if r.equivalence.basis and r.equivalence.basis != "fp32 rule" and r.equivalence.verdict != "baseline":
             judged.setdefault(r.equivalence.basis, []).append(r.label)
     out += [f"{', '.join(labels)}: judged by {basis}" for basis, labels in judged.items()]
-    if (run := environment.get("run") or {}).get("real_tokens_per_share"):
+    copies: dict[str, list[str]] = {}  # the checks that ran on a real copy, by the meta device's refusal
+    for r in rows:
+        if why := r.details.get("checked_on_a_real_copy"):
+            copies.setdefault(why, []).append(r.label)
+    out += [f"{', '.join(labels)}: checked on a real copy of the model in the parent, where the meta device "
+            f"refused ({why})" for why, labels in copies.items()]
+    if (run := environment.get("run") or {}).get("read_per_rank"):
+        out.append(f"--data {Path(run['read_per_rank']).name} is memory-mapped, each rank reading only its own "
+                   f"rows: every step all-reduces its count of real targets ({COUNT_BYTES} B, in sent/step)")
+    if run.get("real_tokens_per_share"):
         low, high = run["real_tokens_per_share"]
         mean = run["real_tokens_mean"]
-        out.append(f"uneven tokens (--tokens {run['tokens']}): a 1/{run['shares']} share of a batch held {low:,} to "
+        source = "--data's -100 targets" if run["tokens"] == "file" else f"--tokens {run['tokens']}"
+        out.append(f"uneven tokens ({source}): a 1/{run['shares']} share of a batch held {low:,} to "
                    f"{high:,} real tokens (mean {mean:,.0f}); " + (
                        f"your model returns its own mean loss, which the harness cannot weigh: averaged over "
                        f"such shares a token counts {mean / high:.2f}x to {mean / low:.2f}x its weight in the "

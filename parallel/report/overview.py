@@ -32,19 +32,24 @@ def run_facts(config) -> dict:
 
 
 def _uneven(config) -> dict:
-    """With --tokens padded or packed: the real tokens of one rank's equal share of the batch (1/N of its
-    rows, N the devices), the least and the most of every share of every step the run trains, and their mean."""
-    if getattr(config, "tokens", "even") == "even":
-        return {}
+    """With --tokens padded or packed, or a --data file whose targets do not all count: the real tokens of
+    one rank's equal share of the batch (1/N of its rows, N the devices), the least and the most of every
+    share of every step the run trains, and their mean."""
     from parallel.loop.tokens import weighable
+    from parallel.models.data import FILE
     from parallel.models.usermodel import workload_of
 
     workload = workload_of(config)
+    if workload.tokens == "even":
+        return {}
     n, b = max(1, config.world_size), config.batch_size
     data = workload.dataset(config.seed, b)
+    per_rank = {"read_per_rank": config.data} if getattr(data, "per_rank", False) else {}
     shares = [int(s.sum()) for step in range(config.warmup + config.steps)
               for s in data.real_targets(step).split(b // n)]
-    return {"tokens": config.tokens, "real_tokens_per_share": [min(shares), max(shares)],
+    if workload.tokens == FILE and min(shares) == max(shares):  # a file whose targets all count: even after all
+        return per_rank
+    return per_rank | {"tokens": workload.tokens, "real_tokens_per_share": [min(shares), max(shares)],
             "real_tokens_mean": sum(shares) / len(shares), "shares": n,
             "own_mean_loss": not weighable(workload)}  # a loss the harness cannot weigh (loop/tokens.py)
 

@@ -27,7 +27,7 @@ from parallel.config import RunConfig
 from parallel.loop import train
 from parallel.models.workloads import Workload
 from parallel.strategies import base
-from parallel.world.errors import CheckFailed, ConfigError, last_line
+from parallel.world.errors import REPORT, CheckBroken, CheckFailed, ConfigError, last_line, raised_in
 
 # The report lists strategies in this order; `single` is the baseline and always first.
 BASELINE = "single"  # a role: one device, the reference every other strategy is checked against
@@ -170,9 +170,10 @@ class Strategy:
                                   f"got {config.options[f.name]}")
         return self.run(config).options  # its __post_init__ raises ConfigError for bad values
 
-    def validate(self, config) -> None:
+    def validate(self, config) -> str:
         """Every check of this strategy against a config (one variant's): its options, checkpointing,
-        its own check(). ConfigError names what is wrong."""
+        its own check(). ConfigError names what is wrong. -> why its check ran on a real copy of the model
+        ("" where it did not: _checked)."""
         self.options(config)
         spec = config.spec
         if why := self.available(spec):  # here, not only in `compare`: scripts and `run` come through validate too
@@ -183,14 +184,18 @@ class Strategy:
             raise ConfigError(f"unknown mutant {config.mutant!r}; `python -m parallel mutants --list` lists them")
         if (config.checkpoint_every or config.resume or config.resume_from) and not self.CHECKPOINTS:
             raise ConfigError(f"{self.name} cannot checkpoint or resume (--checkpoint-every, --resume)")
-        self._checked(config)
+        return self._checked(config)
 
-    def _checked(self, config) -> None:
+    def _checked(self, config) -> str:
         """self.check, which may run a user's model on the meta device (its layers, the records a pipeline
         keeps): where the model's kernels refuse that device (grouped_mm in fp32, aten::equal), again on a
-        real copy; where that fails too, CheckFailed, one line naming the model, the check and the error."""
+        real copy, and then the meta device's error is returned, for the report to say that the copy was
+        used and why ("" where it was not). Where the copy fails too: CheckFailed, one line naming the model,
+        the check and both errors, when the model's own code raised the second (errors.raised_in); else
+        CheckBroken, the same line called a bug in the check (the user named it: exit 2)."""
         try:
-            return self.check(config)
+            self.check(config)
+            return ""
         except ConfigError:
             raise
         except Exception as e:  # noqa: BLE001 - the user's model's own code, raised inside our check
@@ -201,12 +206,16 @@ class Strategy:
 
         try:
             with usermodel.built_for_real(config):
-                return self.check(config)
+                self.check(config)
+            return last_line(first)
         except ConfigError:
             raise
         except Exception as e:  # noqa: BLE001
-            raise CheckFailed(f"{self.name}: its check of --model {config.model} failed on the meta device "
-                              f"({last_line(first)}) and on a real copy ({last_line(e)})") from None
+            both = (f"{self.name}: its check of --model {config.model} failed on the meta device ({last_line(first)}) "
+                    f"and on a real copy ({last_line(e)}")
+            if where := raised_in(e, usermodel.their_files()):
+                raise CheckFailed(f"{both}, raised by the model at {where})") from None
+            raise CheckBroken(f"{both}, raised in parallel's check, not in the model: {REPORT})") from None
 
     def variants(self, config) -> list[tuple[str, object]]:
         """(label, config) for every combination of this strategy's list-valued options, e.g.

@@ -4,6 +4,11 @@
 from __future__ import annotations
 
 import re
+import sys
+import sysconfig
+import traceback
+from collections.abc import Iterable
+from pathlib import Path
 
 
 class ConfigError(ValueError):
@@ -11,8 +16,44 @@ class ConfigError(ValueError):
 
 
 class CheckFailed(ConfigError):
-    """A strategy's check raised on the user's model, on the meta device and on a real copy alike: the
-    comparison skips that strategy with this line, even where the user named it (compare.select_runs)."""
+    """A strategy's check raised in the user's model's code, on the meta device and on a real copy alike:
+    the comparison skips that strategy with this line, even where the user named it (compare.select_runs)."""
+
+
+class CheckBroken(ConfigError):
+    """A strategy's check raised in this project's code on a user's model, on the meta device and on a real
+    copy alike: a bug of ours. Under `all` the strategy is skipped with this line; named, it is an error."""
+
+
+PACKAGE = Path(sys.modules[__name__.partition(".")[0]].__file__).resolve().parent  # parallel/
+_LIBRARIES = tuple({Path(p).resolve() for p in (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
+                                                sysconfig.get_paths()["stdlib"], sys.base_prefix, sys.prefix)})
+REPORT = ("this is a bug in parallel, not in your model or data: please report it with the traceback above and "
+          "`python -m parallel devices` (docs/debugging.md#an-internal-error)")
+
+
+def raised_in(error: BaseException, theirs: Iterable[str] = ()) -> str:
+    """Where the user's code raised `error`: "FILE:LINE" of the deepest frame of its traceback that is the
+    user's, when no frame of this project's lies deeper; "" where ours raised it (or nothing of theirs ran).
+    The user's: a file in `theirs` (their model's classes, which may live in a library: transformers'), or
+    any file outside this package and the installed libraries (their factory, their data code). Library
+    frames in between (torch's, numpy's) belong to whoever called them."""
+    named = {str(Path(f).resolve()) for f in theirs if f}
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        path = Path(frame.filename).resolve()
+        if str(path) in named:
+            return f"{frame.filename}:{frame.lineno}"
+        if path.is_relative_to(PACKAGE):
+            return ""
+        if not frame.filename.startswith("<") and not any(path.is_relative_to(lib) for lib in _LIBRARIES):
+            return f"{frame.filename}:{frame.lineno}"
+    return ""
+
+
+def theirs_line(error: BaseException, theirs: Iterable[str] = ()) -> str:
+    """`Type: its first line`, with " (at FILE:LINE)" where the user's code raised it (raised_in)."""
+    where = raised_in(error, theirs)
+    return f"{first_line(error)} (at {where})" if where else first_line(error)
 
 
 def first_line(error: BaseException) -> str:

@@ -63,6 +63,9 @@ def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
     model = apply(model.to(dist.device), mesh, o, run)
     if not injected(run, NORM_UNSUMMED):  # their gradients summed over the ranks
         sum_as_made(summed, mesh.get_group())
+    if injected(run, COUNT_REPLICATED) and hasattr(loss_fn, "weigh"):  # the count summed over every rank
+        weigh, tp = loss_fn.weigh, dist.world_size
+        loss_fn.weigh = lambda density: weigh(density if density is None else density * tp)
     whole = tuple(range(dist.world_size))  # what the plan leaves whole, every tp rank holds alike (--check-replicas)
     return Trainable(model, make_optimizer(by_kind(model.parameters())), loss_fn, dist.device,
                      state=State(bool(o.loss_parallel), copies),
@@ -215,7 +218,12 @@ NORM_UNSUMMED = Mutant("tensor_parallel:qk-norm-unsummed", "Qwen3's q_norm and k
                        "replicated_with_grad_allreduce) left replicated with no sum: each applies to its rank's "
                        "heads, so each rank steps on its heads' part of the gradient (as before issue 60)",
                        {"model": "examples/hf_families.py:qwen3", "vocab": 256, "seq_len": 32, "batch_size": 16})
-MUTANTS = (NORM_UNSYNCED, VOCAB_REMAINDER, PADDING_COUNTED, NORM_UNSUMMED)
+COUNT_REPLICATED = Mutant("tensor_parallel:count-replicated", "a token file read a rank's rows at a time: the step's "
+                          "count of real targets summed over every rank, so the rows each tp rank holds alike are "
+                          "counted tp times (the loss 1/tp of its size; loop/tokens.py)",
+                          {"model": "examples/hf_llama.py:llama", "data": "examples/data/padded_tokens.npy",
+                           "vocab": 256, "seq_len": 32, "batch_size": 16})
+MUTANTS = (NORM_UNSYNCED, VOCAB_REMAINDER, PADDING_COUNTED, NORM_UNSUMMED, COUNT_REPLICATED)
 
 
 def dims(run, dist) -> ParallelDims:
