@@ -3,12 +3,13 @@ labels, or one flat token file as nanoGPT's prepare.py writes `train.bin`.
 
     python examples/make_data.py padded /tmp/padded.pt                  # {"x", "y"}: the first samples padded
     python examples/make_data.py padded /tmp/later.pt --padding later   # ... the first samples full length
-    ./launch.sh compare --model examples/hf_llama.py:llama --data /tmp/padded.pt --strategies all \\
-        --batch-size 32 --check-replicas
     python examples/make_data.py bin /tmp/train.bin                     # uint16 tokens, no header
     python examples/make_data.py npy /tmp/padded.npy                    # int32, each document padded with -100
-    ./launch.sh compare --model examples/hf_llama.py:llama --data /tmp/train.bin --vocab 256 --seq-len 32 \\
-        --batch-size 32
+    ./launch.sh compare --model examples/hf_llama.py:llama --data /tmp/padded.pt --strategies all \\
+        --batch-size 32 --check-replicas
+
+examples/data/ holds one of each, made by this script: padded.pt (`padded --samples 512`), train.bin
+(`bin --tokens 40000`) and padded_tokens.npy (`npy --tokens 4096`).
 
 padded: each sample a document of 2 to T + 1 tokens (x its first tokens, y the next ones) padded to T:
 x holds the pad token 0 and y holds -100 (cross-entropy's ignore_index) where the next token is padding.
@@ -16,7 +17,7 @@ x holds the pad token 0 and y holds -100 (cross-entropy's ignore_index) where th
 way round; `every` pads every sample. bin: documents one after another, each ending in token 0 (nanoGPT's
 <|endoftext|> is its tokenizer's last id; any id works), as np.uint16 written with tofile. npy: documents
 one after another as int32, each padded with -100 to the next multiple of T (no target there; as an input
-the harness reads it as token 0): examples/data/padded_tokens.npy is `npy --tokens 4096`.
+the harness reads it as token 0).
 The tokens follow a fixed random chain of likely successors, so the loss falls as a model learns it.
 """
 
@@ -76,8 +77,9 @@ def main() -> None:
     p.add_argument("--padding", choices=("first", "later", "every"), default="first")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
-    if a.kind == "padded":
-        torch.save(padded(a.samples, a.vocab, a.seq_len, a.padding, a.seed), a.out)
+    if a.kind == "padded":  # int16 where the vocabulary fits: a quarter of the file (the harness reads int64)
+        data = padded(a.samples, a.vocab, a.seq_len, a.padding, a.seed)
+        torch.save({k: v.short() if a.vocab <= 2**15 else v for k, v in data.items()}, a.out)
     elif a.kind == "bin":
         flat(a.tokens, a.vocab, a.seed).tofile(a.out)
     else:

@@ -36,7 +36,7 @@ from parallel.measure import activations
 from parallel.models.usermodel import workload_of
 from parallel.world.devices import activate, cap_memory, exact_fp32, peak_memory, peak_reserved, reset_peak_memory
 from parallel.world.dist import Dist
-from parallel.world.errors import ConfigError, error_line
+from parallel.world.errors import THEIRS, ConfigError, error_line, raised_in
 
 
 @dataclasses.dataclass
@@ -233,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if strategy.launch == "torchrun":
             note_failure(args.result, dist, e)
+        elif raised_in(e):  # the user's model or data code raised it: the row's error says where
+            print(f"{THEIRS}{error_line(e)}", file=sys.stderr, flush=True)
         raise
     if out is not None:
         row, state = out

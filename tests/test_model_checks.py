@@ -154,3 +154,21 @@ def test_a_weight_transformers_marks_for_a_gradient_sum_is_summed_or_refused_wit
     assert [p.shape for p in summed_params(model)] == [(8,)] * 4
     assert "sums model.layers.0.self_attn.q_norm's gradient" in manual_tp.plan_problems(model, 2, copies=False)
     assert manual_tp.plan_problems(model, 2) is None
+
+
+@pytest.mark.slow
+def test_a_model_that_raises_in_a_strategys_step_fails_its_row_naming_its_file_and_line(tmp_path):
+    """Past the parent's checks (its first calls pass), the model raises inside a child: in-process and
+    under torchrun, the row's error names the user's file and line."""
+    from parallel.compare import run_strategies
+
+    (tmp_path / "later.py").write_text("from torch import nn\n\n\nclass M(nn.Linear):\n    calls = 0\n\n"
+                                       "    def forward(self, x):\n        self.calls += 1\n"
+                                       "        if self.calls > 3:\n            raise ValueError('stale cache')\n"
+                                       "        return super().forward(x)\n\n\ndef m():\n    return M(4, 2)\n")
+    c = RunConfig(model=f"{tmp_path / 'later.py'}:m", input_shape="4", classes=2, devices="cpu:2", batch_size=8,
+                  steps=3, warmup=1, out=str(tmp_path / "out")).validate()
+    chosen, _ = select_runs(c, ["single", "ddp"])
+    for row in run_strategies(c, chosen):
+        assert row.status == "failed" and f"ValueError: stale cache (at {tmp_path / 'later.py'}:10)" in row.error, \
+            (row.strategy, row.error)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from parallel.launch import zygote
 from parallel.loop.timing import LAUNCHED_AT
-from parallel.world.errors import ConfigError
+from parallel.world.errors import THEIRS, ConfigError
 
 
 @dataclass
@@ -111,6 +111,8 @@ def last_error_line(log: str) -> str | None:
         name, _, message = exc.partition(":")
         return f"rank {rank}: {name.rsplit('.', 1)[-1]}:{message}"
     lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    if theirs := [ln for ln in lines if ln.startswith(THEIRS.strip())]:  # the user's code raised it (worker.main)
+        return theirs[-1].removeprefix(THEIRS.strip()).strip()
     for ln in lines:
         if m := _RANK_ERROR.match(ln):
             return f"rank {m.group(1)}: {m.group(2)}"
