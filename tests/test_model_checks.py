@@ -4,6 +4,7 @@ refuses runs again on a real copy; one that fails on both in the model's code is
 where the user named the strategy, and one that fails in ours an error when named (exit 2); an error the
 user's code raises is one line naming their file and line, and one raised in ours an internal error."""
 
+import dataclasses
 import operator
 
 import pytest
@@ -15,8 +16,10 @@ from parallel.compare import select_runs
 from parallel.config import RunConfig
 from parallel.models import outputs
 from parallel.models.usermodel import shape_model
+from parallel.report import notes
 from parallel.world.errors import REPORT, CheckBroken, CheckFailed
 from tests.conftest import ROOT
+from tests.test_report import row as report_row
 
 NANOGPT = f"{ROOT / 'examples' / 'nanogpt_as_written.py'}:gpt"
 
@@ -55,8 +58,14 @@ def test_a_check_the_meta_device_refuses_runs_again_on_a_real_copy(monkeypatch):
             raise RuntimeError("Expected inputs of BF16 type but got mat_a.dtype=torch.float32")
 
     monkeypatch.setattr(ddp, "check", grouped_mm_like)
-    ddp.validate(config())
-    assert seen == [True, False]
+    why = "RuntimeError: Expected inputs of BF16 type but got mat_a.dtype=torch.float32"
+    assert ddp.validate(config()) == why and seen == [True, False]  # why the copy was used, for the report
+    monkeypatch.setattr(strategies, "get", lambda name, get=strategies.get: ddp if name == "ddp" else get(name))
+    chosen, _ = select_runs(config(), ["single", "ddp"])
+    assert [cfg.real_copy for _, _, cfg in chosen] == ["", why]  # the row's details, then the notes, say it
+    row = dataclasses.replace(report_row("ddp", 1.0), details={"checked_on_a_real_copy": why})
+    assert f"ddp: checked on a real copy of the model in the parent, where the meta device refused ({why})" in \
+        notes.notes([row], {"device_kind": "real"})
 
 
 def failing_with(monkeypatch, fails, names=("ddp",)):

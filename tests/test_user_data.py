@@ -17,7 +17,7 @@ from parallel.models.data import FILE, IGNORE, PAD
 from parallel.models.usermodel import workload_of
 from parallel.world.dist import Dist
 from tests.conftest import ROOT
-from tests.multirank import judged_on_ranks, run_ranks
+from tests.multirank import _train, judged_on_ranks, run_ranks
 
 MAKE = runpy.run_path(str(ROOT / "examples" / "make_data.py"))
 PADDED_NPY = ROOT / "examples" / "data" / "padded_tokens.npy"  # make_data.py npy --tokens 4096
@@ -37,17 +37,18 @@ class LM(nn.Module):
         return self.head(torch.tanh(self.embed(x)))
 
 
-class Broken(LM):
-    def forward(self, x):
-        raise ValueError("no mask for these")
+class OwnMean(LM):  # its own mean loss, not plain cross-entropy (label smoothing): the harness cannot weigh it
+    def forward(self, x, targets=None):
+        logits = super().forward(x)
+        return logits, nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), label_smoothing=0.1)
 
 
 def lm(vocab: int = 64, seq_len: int = 8):
     return LM(vocab)
 
 
-def broken(vocab: int = 64, seq_len: int = 8):
-    return Broken(vocab)
+def own_mean(vocab: int = 64, seq_len: int = 8):
+    return OwnMean(vocab)
 """
 
 
@@ -72,6 +73,22 @@ def test_minus_100_targets_pass_every_check_and_weigh_the_global_token_mean(tmp_
     for step in range(8):  # the first half of the samples padded, or the second: some steps even
         y = data.batch(step)[1]
         assert data.density(step) == (y != IGNORE).sum().item() / y.numel()
+
+
+def test_the_note_gives_a_shares_least_and_most_real_tokens_and_a_models_own_mean_is_named(tmp_path, lm):
+    from parallel.report import notes, overview
+
+    data = padded_pt(tmp_path / "padded.pt", "every")
+    for factory, own in (("lm", False), ("own_mean", True)):
+        config = RunConfig(model=f"{lm}:{factory}", data=data, batch_size=32, steps=2, warmup=1,
+                           devices="cpu:2").validate()
+        facts = overview.run_facts(config)
+        shares = [int((workload_of(config).dataset(0, 32).batch(step, r, 2)[1] != IGNORE).sum())
+                  for step in range(3) for r in range(2)]
+        assert facts["real_tokens_per_share"] == [min(shares), max(shares)] and facts["own_mean_loss"] is own
+        line = next(n for n in notes.notes([], {"run": facts, "device_kind": "real"}) if n.startswith("uneven"))
+        assert line.startswith(f"uneven tokens (--data's -100 targets): a 1/2 share of a batch held {min(shares)} "
+                               f"to {max(shares)} real tokens") and ("cannot weigh" in line) is own, line
 
 
 def test_a_file_with_no_ignored_target_is_trained_as_it_was(tmp_path, lm):
@@ -182,7 +199,20 @@ def test_every_collective_strategy_matches_one_device_on_a_users_padded_data(tmp
     judged_on_ranks(2, runs, _file_config)
 
 
+@pytest.mark.slow
+def test_a_token_file_read_per_rank_trains_bitwise_as_the_same_tokens_held_whole(tmp_path):
+    """The same sequences two ways: the token file, each rank reading its rows and all-reducing the count,
+    and a .pt of them, every rank holding them all and counting the step itself. ddp's parameters equal."""
+    data = token_workload(PADDED_NPY).dataset(0, 16)
+    x, y = data._rows(np.arange(data.n))
+    torch.save({"x": x, "y": y}, tmp_path / "same.pt")
+    runs = [("ddp", str(PADDED_NPY), {}), ("ddp", str(tmp_path / "same.pt"), {})]
+    (_, file_state), (_, whole_state) = run_ranks(_train, 2, (runs, _file_config), timeout=150)[0]
+    assert file_state.keys() == whole_state.keys() and all(torch.equal(file_state[k], whole_state[k])
+                                                           for k in file_state)
+
+
 def _file_config(data: str, world: int, options: dict) -> RunConfig:  # judged_on_ranks imports it
-    sizes = {"vocab": 256, "seq_len": 32} if data.endswith(".npy") else {}
+    sizes = {"vocab": 256, "seq_len": 32}
     return RunConfig(model=LLAMA, data=data, batch_size=16, steps=2, warmup=1, devices=f"cpu:{world}",
                      options=options, check_replicas=True, **sizes).validate()

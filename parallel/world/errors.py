@@ -77,14 +77,14 @@ THEIRS = "[your code] "  # a child's stderr line naming an error the user's code
 def error_line(error: BaseException) -> str:
     """`Type: its first line`: an error as one line (a collective's error runs to a dozen), with where the
     user's code raised it (theirs_line). One raised from a collective's failure (torch's pipelining wraps a
-    stage's: "Failed to run stage backward") carries it after "from", so that the run is diagnosed as the
-    hang it is, not as the rank's own crash."""
-    line, cause = theirs_line(error), error.__cause__ or error.__context__
+    stage's: "Failed to run stage backward") carries it after "from" instead, so that the run is diagnosed
+    as the hang it is, not as the rank's own crash."""
+    line, cause = first_line(error), error.__cause__ or error.__context__
     for _ in range(8):  # a chain of causes, not a cycle
         if cause is not None and from_a_collective(inner := first_line(cause)):
             return f"{line} (from {inner})" if line != inner else line
         cause = cause and (cause.__cause__ or cause.__context__)
-    return line
+    return theirs_line(error)
 
 
 _COLLECTIVE_ERRORS = ("gloo", "NCCL", "Timed out", "timed out", "Connection reset", "Connection closed",
