@@ -30,10 +30,11 @@ from parallel.loop import recorder
 from parallel.loop.profiling import make_profiler
 from parallel.loop.results import Measured, Row, atomic_write
 from parallel.loop.timing import LAUNCHED_AT, summarize
-from parallel.loop.tokens import count_bytes, loss_of
+from parallel.loop.tokens import COUNT_BYTES, counts_apart, loss_of
 from parallel.loop.train import default_dtype, make_optimizer, precision, step_lines
 from parallel.measure import activations
-from parallel.models.usermodel import workload_of
+from parallel.measure.formulas import wire_bytes
+from parallel.models.usermodel import their_files, workload_of
 from parallel.world.devices import activate, cap_memory, exact_fp32, peak_memory, peak_reserved, reset_peak_memory
 from parallel.world.dist import Dist
 from parallel.world.errors import THEIRS, ConfigError, error_line, raised_in
@@ -54,6 +55,7 @@ class Trained:
     threads_per_device: int
     phases: dict
     loss_names: tuple = ()
+    count_bytes: float = 0.0  # what the step's all-reduced count of real targets sends (loop/tokens.density)
 
 
 def execute(strategy, config: RunConfig, dist: Dist, data=None, run: str = "") -> tuple[Row, dict]:
@@ -83,8 +85,6 @@ def train_once(strategy, config: RunConfig, dist: Dist, data=None, run: str = ""
         model = workload.build_model(config.seed)
         data = data or workload.dataset(config.seed, config.batch_size)
         predicted = strategy.comm_bytes_predicted(model, config)
-        if predicted is not None:  # the count of real targets, where ranks read their rows apart (loop/tokens.py)
-            predicted += count_bytes(data, dist.world_size)
         reset_peak_memory(local)
         trainable = strategy.setup(model, make_optimizer(config), loss_of(workload), dist, config)
         trainable.mutant = config.mutant  # the injected bug, if any, that train_step may carry (--mutant)
@@ -102,8 +102,9 @@ def train_once(strategy, config: RunConfig, dist: Dist, data=None, run: str = ""
             extra = strategy.extra_measurements(trainable, data, config, dist, result) if config.extras else {}
             extra |= layer.details(workload.input_shape[0], config.precision) if layer is not None else {}
     phases["extras"] = round(time.perf_counter() - began, 2)
+    counted = counts_apart(data, trainable.loss_fn, dist.world_size)  # the step's count, all-reduced (loop/tokens.py)
     return Trained(result, trainable, state, peaks, peak_kind, reserved, extra, predicted, threads // len(local),
-                   phases, tuple(workload.loss_names))
+                   phases, tuple(workload.loss_names), wire_bytes("all_reduce", COUNT_BYTES, dist.world_size) * counted)
 
 
 def build_row(strategy, config: RunConfig, dist: Dist, trained: Trained) -> Row:
@@ -129,6 +130,7 @@ def build_row(strategy, config: RunConfig, dist: Dist, trained: Trained) -> Row:
     predicted = trained.predicted
     for found in typed.values():  # a prediction that needs the run (the experts': from its routing)
         predicted = getattr(found, "comm_bytes_predicted", None) or predicted
+    predicted = predicted if predicted is None else predicted + trained.count_bytes  # the count of real targets
     stats = summarize(result.step_s)
     ran = len(result.losses)  # fewer than warmup + steps after a resume
     return Row(
@@ -233,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if strategy.launch == "torchrun":
             note_failure(args.result, dist, e)
-        elif raised_in(e):  # the user's model or data code raised it: the row's error says where
-            print(f"{THEIRS}{error_line(e)}", file=sys.stderr, flush=True)
+        elif raised_in(e, their_files()):  # the user's model or data code raised it: the row's error says where
+            print(f"{THEIRS}{error_line(e, their_files())}", file=sys.stderr, flush=True)
         raise
     if out is not None:
         row, state = out
@@ -252,7 +254,7 @@ def note_failure(result: Path, dist: Dist, e: Exception) -> None:
     """This rank's failure and its moment, beside the result (launch.first_failure reads them): torchrun's
     summary times failures to the second and names the lowest rank on a tie, so a rank that failed
     because a peer died a few ms before could be named in its place (seen with forked workers)."""
-    note = {"rank": dist.rank, "restart": dist.restart, "time": time.time(), "error": error_line(e)}
+    note = {"rank": dist.rank, "restart": dist.restart, "time": time.time(), "error": error_line(e, their_files())}
     atomic_write(result.with_name(f"{result.stem}.failure{dist.rank}.json"), json.dumps(note))
 
 

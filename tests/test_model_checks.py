@@ -181,3 +181,26 @@ def test_a_model_that_raises_in_a_strategys_step_fails_its_row_naming_its_file_a
     for row in run_strategies(c, chosen):
         assert row.status == "failed" and f"ValueError: stale cache (at {tmp_path / 'later.py'}:10)" in row.error, \
             (row.strategy, row.error)
+
+
+def test_torchs_layers_and_installed_libraries_are_never_the_users_code(tmp_path):
+    """A model made of torch's layers is no file of the user's; a frame in any site-packages folder is a
+    library's, whoever called it decides; a frame of this package deeper than the user's makes it ours."""
+    from parallel.world.errors import raised_in
+
+    assert outputs.model_files(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))) == set()
+    assert outputs.model_files(Views()) == {__file__}
+    library = {}
+    exec(compile("def lib(f):\n    f()\n", str(tmp_path / "site-packages" / "lib.py"), "exec"), library)
+
+    def theirs():
+        raise ValueError("theirs")
+
+    try:
+        library["lib"](theirs)
+    except ValueError as e:
+        assert raised_in(e) == f"{__file__}:{theirs.__code__.co_firstlineno + 1}"  # the library frame skipped
+    try:
+        library["lib"](lambda: select_runs(None, []))  # our code raises, called through a library
+    except AttributeError as e:
+        assert raised_in(e) == ""

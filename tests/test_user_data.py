@@ -91,6 +91,14 @@ def test_the_note_gives_a_shares_least_and_most_real_tokens_and_a_models_own_mea
                                f"to {max(shares)} real tokens") and ("cannot weigh" in line) is own, line
 
 
+def test_two_runs_of_one_model_on_other_data_are_two_workloads(tmp_path, lm):
+    """Caches keyed by the workload (the held-out set, the teacher's samples) must not hand one run's data
+    to another in the same process."""
+    a, b = padded_pt(tmp_path / "a.pt", "first"), padded_pt(tmp_path / "b.pt", "later")
+    on = [workload_of(RunConfig(model=f"{lm}:lm", data=d, batch_size=32).validate()) for d in (a, b, a)]
+    assert on[0] != on[1] and on[0] == on[2] and hash(on[0]) == hash(on[2])
+
+
 def test_a_file_with_no_ignored_target_is_trained_as_it_was(tmp_path, lm):
     even = MAKE["padded"](64, 64, 8, "every", 0)
     torch.save({"x": even["x"], "y": even["y"].clamp(min=0)}, tmp_path / "even.pt")
@@ -210,6 +218,13 @@ def test_a_token_file_read_per_rank_trains_bitwise_as_the_same_tokens_held_whole
     (_, file_state), (_, whole_state) = run_ranks(_train, 2, (runs, _file_config), timeout=150)[0]
     assert file_state.keys() == whole_state.keys() and all(torch.equal(file_state[k], whole_state[k])
                                                            for k in file_state)
+
+
+def test_a_models_own_loss_that_cannot_take_minus_100_is_told_what_it_needs(refused):
+    """nanoGPT's loss ignores -1, not -100: one line naming its file and line, and the convention it needs."""
+    refused(["compare", "--model", f"{ROOT / 'examples' / 'nanogpt_as_written.py'}:gpt", "--data",
+             str(ROOT / "examples" / "data" / "padded.pt"), "--batch-size", "32"],
+            "nanogpt_as_written.py:111); its own loss is handed targets of -100")
 
 
 def _file_config(data: str, world: int, options: dict) -> RunConfig:  # judged_on_ranks imports it

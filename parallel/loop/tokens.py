@@ -71,9 +71,9 @@ def weighable(workload) -> bool:
 COUNT_BYTES = 8  # the count's all-reduce: one float64 a step
 
 
-def count_bytes(data, world_size: int) -> int:
-    """What `density` sends a step: COUNT_BYTES where ranks read their rows apart, else nothing."""
-    return COUNT_BYTES if getattr(data, "per_rank", False) and world_size > 1 else 0
+def counts_apart(data, loss_fn, world_size: int) -> bool:
+    """Does `density` all-reduce the count each step: ranks read their rows apart, and the loss is weighed?"""
+    return getattr(data, "per_rank", False) and hasattr(loss_fn, "weigh") and world_size > 1
 
 
 def density(data, step: int, target: torch.Tensor, shares: int, dist) -> float | None:

@@ -117,7 +117,14 @@ def check(spec: str, model: nn.Module, loss, x: torch.Tensor, y: torch.Tensor, s
     not cross-entropy over its logits, "" where it is; whether it returns its loss as a sum and a count).
     Every problem is a ConfigError, one line."""
     keyword = takes_targets(model)
-    out = _forward(spec, model, x, {keyword: y} if keyword else {}, source)
+    try:
+        out = _forward(spec, model, x, {keyword: y} if keyword else {}, source)
+    except ConfigError as e:  # its own loss, handed padding's targets: say which convention it needs
+        if not keyword or y.is_floating_point() or not bool((y == IGNORE).any()):
+            raise
+        raise ConfigError(f"{e}; its own loss is handed targets of {IGNORE} (padding's, cross-entropy's default "
+                          f"ignore_index): leave them out with ignore_index={IGNORE}, or return the logits alone") \
+            from None
     own = loss_in(out) if keyword else None
     if keyword and own is None:  # it takes targets but returns no loss with them: a model like any other
         keyword, out = "", _forward(spec, model, x, {}, source)
@@ -193,6 +200,8 @@ def model_files(model: nn.Module) -> set[str]:
     """The source files of the classes a model is made of: its own code, wherever it lives (transformers')."""
     files = set()
     for cls in {type(m) for m in model.modules()}:
+        if cls.__module__.split(".")[0] in ("torch", "parallel"):  # torch's layers and ours are not the user's
+            continue
         try:
             files.add(inspect.getsourcefile(cls) or "")
         except TypeError:  # a class defined in C

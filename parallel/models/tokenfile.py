@@ -75,7 +75,7 @@ def check(path: str, vocab: int, seq_len: int, batch_size: int) -> None:
         raise ConfigError(f"--data {path} is a token file: give --vocab (at least 2) and --seq-len (at least 1), "
                           "how its tokens are read and cut into sequences")
     n = sequences(path, seq_len)
-    if (train := training_sequences(n)) < batch_size or n < 2:
+    if (train := training_sequences(n)) < batch_size or n < 2 * HELD_OUT:  # 1/8 held out: at least one
         raise ConfigError(f"--data {path}: {len(tokens(path)):,} tokens make {n:,} sequences of {seq_len} "
                           f"({train:,} trained on, 1/{HELD_OUT} held out); --batch-size {batch_size} needs "
                           f"{batch_size:,} to train on")

@@ -28,6 +28,7 @@ from parallel.models.workloads import TPPlan, Workload, logits_of
 from parallel.world.errors import ConfigError, theirs_line
 
 PROTOCOL = ("model", "loss", "layers", "tp_plan")
+BUILT: set[str] = set()  # the source files of the user's models this process built
 
 
 def resolve_factory(spec: str) -> str:
@@ -157,7 +158,8 @@ class UserWorkload(Workload):
     hf_blocks: int = 0  # > 0: the shallow twin of a Hugging Face model, rebuilt with this many blocks (made)
 
     def _key(self) -> tuple:  # the model as built and the data it trains on: two --data files are two workloads
-        return self.spec, self.sizes, self.hf_blocks, self.data_file, self.tokens
+        return self.spec, self.sizes, self.hf_blocks, self.data_file, self.tokens, self.input_shape, self.classes, \
+            self.data
 
     def __eq__(self, other) -> bool:  # Workload's own would compare its fields alone (caches keyed by it: _heldout)
         return type(other) is type(self) and self._key() == other._key()
@@ -188,6 +190,7 @@ class UserWorkload(Workload):
     def build_model(self, seed: int) -> nn.Module:
         out = made(self.factory, seed, self.spec, self.sizes, self.hf_blocks)
         model = out["model"]
+        BUILT.update(outputs.model_files(model))  # where an error it raises is the user's (usermodel.their_files)
         # Attached to the instance as partials of module-level functions: Hogwild pickles the model.
         if out.get("tp_plan") is not None:  # read by workloads.tp_plan_of, a name no library uses
             model._parallel_tp_plan = out["tp_plan"]

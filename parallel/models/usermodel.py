@@ -105,8 +105,8 @@ def _takes_padding(workload: UserWorkload, model: tuple, seed: int) -> None:
     if (model, seed) in _PADDING_CHECKED:
         return
     x, y = workload.dataset(seed, 2).batch(0)
-    y = y.clone()
-    y[:, -1] = IGNORE  # whatever lengths were drawn, the sample holds padding's target
+    y = y.clone(memory_format=torch.contiguous_format)
+    y.view(len(y), -1)[:, -1] = IGNORE  # whatever lengths were drawn, the sample holds padding's target
     try:
         with torch.no_grad():
             outputs.call(workload.build_model(seed).eval(), x, y)
@@ -145,7 +145,7 @@ def shape_model(config) -> nn.Module:
 def their_files() -> set[str]:
     """The source files of the user's models this process built (outputs.model_files): where an exception
     raised in them is theirs, even inside a library (a transformers model's forward)."""
-    return {f for model in _META.values() for f in outputs.model_files(model)}
+    return userload.BUILT | {f for model in _META.values() for f in outputs.model_files(model)}
 
 
 _META: dict[tuple, nn.Module] = {}

@@ -10,7 +10,6 @@ from pathlib import Path
 
 from parallel.judge import twin
 from parallel.loop.results import Row
-from parallel.loop.tokens import COUNT_BYTES
 from parallel.strategies import BASELINE
 
 # Notes: at most about ten lines on a quiet machine; everything else in details.txt ---------------------
@@ -123,7 +122,7 @@ def notes(rows: list[Row], environment: dict, skipped: dict | None = None) -> li
             f"refused ({why})" for why, labels in copies.items()]
     if (run := environment.get("run") or {}).get("read_per_rank"):
         out.append(f"--data {Path(run['read_per_rank']).name} is memory-mapped, each rank reading only its own "
-                   f"rows: every step all-reduces its count of real targets ({COUNT_BYTES} B, in sent/step)")
+                   f"rows: every step all-reduces its count of real targets (one float64, in sent/step)")
     if run.get("real_tokens_per_share"):
         low, high = run["real_tokens_per_share"]
         mean = run["real_tokens_mean"]

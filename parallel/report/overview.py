@@ -44,7 +44,7 @@ def _uneven(config) -> dict:
         return {}
     n, b = max(1, config.world_size), config.batch_size
     data = workload.dataset(config.seed, b)
-    per_rank = {"read_per_rank": config.data} if getattr(data, "per_rank", False) else {}
+    per_rank = {"read_per_rank": config.data} if getattr(data, "per_rank", False) and weighable(workload) else {}
     shares = [int(s.sum()) for step in range(config.warmup + config.steps)
               for s in data.real_targets(step).split(b // n)]
     if workload.tokens == FILE and min(shares) == max(shares):  # a file whose targets all count: even after all

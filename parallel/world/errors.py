@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+import site
 import sys
 import sysconfig
 import traceback
@@ -27,7 +28,9 @@ class CheckBroken(ConfigError):
 
 PACKAGE = Path(sys.modules[__name__.partition(".")[0]].__file__).resolve().parent  # parallel/
 _LIBRARIES = tuple({Path(p).resolve() for p in (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
-                                                sysconfig.get_paths()["stdlib"], sys.base_prefix, sys.prefix)})
+                                                sysconfig.get_paths()["stdlib"], sys.base_prefix, sys.prefix,
+                                                site.getusersitepackages(), *site.getsitepackages())})
+_INSTALLED = {"site-packages", "dist-packages"}  # any such folder holds libraries (pip --user, --target)
 REPORT = ("this is a bug in parallel, not in your model or data: please report it with the traceback above and "
           "`python -m parallel devices` (docs/debugging.md#an-internal-error)")
 
@@ -45,7 +48,8 @@ def raised_in(error: BaseException, theirs: Iterable[str] = ()) -> str:
             return f"{frame.filename}:{frame.lineno}"
         if path.is_relative_to(PACKAGE):
             return ""
-        if not frame.filename.startswith("<") and not any(path.is_relative_to(lib) for lib in _LIBRARIES):
+        library = any(path.is_relative_to(lib) for lib in _LIBRARIES) or bool(_INSTALLED & set(path.parts))
+        if not frame.filename.startswith("<") and not library:
             return f"{frame.filename}:{frame.lineno}"
     return ""
 
@@ -74,7 +78,7 @@ def _line(error: BaseException, which: int) -> str:
 THEIRS = "[your code] "  # a child's stderr line naming an error the user's code raised (launch/child.py reads it)
 
 
-def error_line(error: BaseException) -> str:
+def error_line(error: BaseException, theirs: Iterable[str] = ()) -> str:
     """`Type: its first line`: an error as one line (a collective's error runs to a dozen), with where the
     user's code raised it (theirs_line). One raised from a collective's failure (torch's pipelining wraps a
     stage's: "Failed to run stage backward") carries it after "from" instead, so that the run is diagnosed
@@ -84,7 +88,7 @@ def error_line(error: BaseException) -> str:
         if cause is not None and from_a_collective(inner := first_line(cause)):
             return f"{line} (from {inner})" if line != inner else line
         cause = cause and (cause.__cause__ or cause.__context__)
-    return theirs_line(error)
+    return theirs_line(error, theirs)
 
 
 _COLLECTIVE_ERRORS = ("gloo", "NCCL", "Timed out", "timed out", "Connection reset", "Connection closed",
