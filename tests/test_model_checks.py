@@ -127,42 +127,22 @@ def test_a_model_that_raises_in_its_forward_is_named_at_its_file_and_line(tmp_pa
             f"ValueError: no mask for these (at {tmp_path / 'm.py'}:6)")
 
 
-@pytest.mark.slow
 def test_a_fault_in_our_own_reporting_code_is_an_internal_error_with_its_traceback(monkeypatch, capsys, tmp_path):
-    """Not the user's: never put on --model, whose model here is fine. The traceback, then one line."""
+    """Not the user's, though the run was of a user's model: never put on --model. The traceback, then one
+    line, exit 3. The report of a finished comparison drawn again (`report OUT`: the same code as compare's)."""
+    import shutil
+
     from parallel.report import notes
 
+    shutil.copy(ROOT / "tests" / "data" / "compare_cpu2.json", tmp_path / "results.json")  # a real compare
     monkeypatch.setattr(notes, "skipped_line", operator.itemgetter("skipped"))  # a KeyError in our notes
-    code = cli.main(["run", "single", "--model", NANOGPT, "--vocab", "64", "--seq-len", "16", "--batch-size", "8",
-                     "--steps", "1", "--warmup", "0", "--devices", "cpu:1", "--out", str(tmp_path / "out")])
+    code = cli.main(["report", str(tmp_path)])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 3 and err[0] == "Traceback (most recent call last):" and "report/notes.py" in "\n".join(err), err
-    assert err[-1] == f"internal error: KeyError: 'skipped': {REPORT}" and "--model" not in err[-1]
-
-
-def test_a_weight_transformers_marks_for_a_gradient_sum_is_summed_or_refused_with_its_reason():
-    """Qwen3's q_norm and k_norm apply to each rank's heads: transformers 5.24 marks them
-    replicated_with_grad_allreduce, read as TPPlan.summed (manual_tp and tensor_parallel sum them; fsdp_tp
-    refuses); 5.0's plan leaves the mark out, and the weight found beside the split layers is refused."""
-    transformers = pytest.importorskip("transformers")
-    from parallel.models.workloads import from_hf_plan, summed_params, unhonoured_hf_plan
-    from parallel.strategies.model import manual_tp
-
-    config = transformers.Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, vocab_size=64,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    marked = {**{f"layers.*.self_attn.{p}_proj": "colwise" for p in "qkv"}, "layers.*.self_attn.o_proj": "rowwise",
-              "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
-              "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce"}
-    plan = from_hf_plan(model, {f"model.{k}": v for k, v in marked.items()})
-    assert plan.summed == tuple(f"model.layers.{i}.self_attn.{n}_norm" for i in (0, 1) for n in "qk"), plan
-    unmarked = {f"model.{k}": v for k, v in marked.items() if v != "replicated_with_grad_allreduce"}  # as 5.0's
-    assert from_hf_plan(model, unmarked) is None
-    assert unhonoured_hf_plan(unmarked, model).startswith("leaves model.layers.0.self_attn.q_norm, a weight beside")
-    model._parallel_tp_plan = plan  # the plan as a factory would hand it: fsdp_tp cannot sum, and says so
-    assert [p.shape for p in summed_params(model)] == [(8,)] * 4
-    assert "sums model.layers.0.self_attn.q_norm's gradient" in manual_tp.plan_problems(model, 2, copies=False)
-    assert manual_tp.plan_problems(model, 2) is None
+    assert err[-1] == f"internal error: KeyError: 'skipped': {REPORT}"
+    monkeypatch.setattr(cli, "select_runs", notes.first_steps)  # called wrongly by our compare: with --model too
+    assert cli.main(["compare", "--model", NANOGPT, "--vocab", "64", "--seq-len", "16", "--out", str(tmp_path / "o")]) \
+        == 3 and "--model" not in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 @pytest.mark.slow
