@@ -235,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if strategy.launch == "torchrun":
             note_failure(args.result, dist, e)
-        elif raised_in(e, their_files()):  # the user's model or data code raised it: the row's error says where
-            print(f"{THEIRS}{error_line(e, their_files())}", file=sys.stderr, flush=True)
+        elif raised_in(e, theirs := their_files()):  # the user's model or data code raised it: the row says where
+            print(f"{THEIRS}{error_line(e, theirs)}", file=sys.stderr, flush=True)
         raise
     if out is not None:
         row, state = out

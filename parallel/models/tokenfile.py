@@ -27,7 +27,7 @@ from parallel.world.errors import first_line as _first_line
 
 SUFFIXES = (".bin", ".npy")
 DTYPES = ("uint16", "int32", "int64")  # what a .npy may hold; a .bin is uint16, as nanoGPT writes it
-HELD_OUT = 8
+HELD_OUT = 8  # a data file's last 1/HELD_OUT (at most 2048 samples or sequences) is the held-out set
 
 
 def is_token_file(path: str) -> bool:
@@ -65,6 +65,8 @@ def sequences(path: str, seq_len: int) -> int:
 
 
 def training_sequences(n: int) -> int:
+    """Of a data file's n samples or sequences, those trained on: all but the held-out last eighth (at most
+    2048); a .pt's and a token file's alike (userdata.py)."""
     return n - min(2048, n // HELD_OUT)
 
 

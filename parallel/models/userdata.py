@@ -16,10 +16,9 @@ import torch
 
 from parallel.models import tokenfile
 from parallel.models.data import IGNORE, SyntheticData
+from parallel.models.tokenfile import HELD_OUT, training_sequences
 from parallel.world.errors import ConfigError
 from parallel.world.errors import first_line as _first_line
-
-HELD_OUT = 8  # a data file's last 1/HELD_OUT (at most 2048 samples) is the held-out set
 
 
 def parse_shape(text: str, what: str) -> tuple[int, ...]:
@@ -67,7 +66,7 @@ class FileData(SyntheticData):
     def __init__(self, workload, seed: int, batch_size: int):  # a userload.UserWorkload
         x, y = load(workload.data_file)
         self.workload, self.seed, self.batch_size = workload, seed, batch_size
-        keep = training_samples(len(x))
+        keep = training_sequences(len(x))
         self.x, self.y, self._held = x[:keep], y[:keep], (x[keep:], y[keep:])
 
     def heldout(self, n: int = 2048):
@@ -84,6 +83,7 @@ class FileData(SyntheticData):
         return None if real is None else float(real.sum()) / self.y[:self.batch_size].numel()
 
 
+@functools.lru_cache(maxsize=2)  # asked every step (FileData.real_targets): the whole y scanned once
 def ignores(path: str) -> bool:
     """Its targets hold IGNORE somewhere: the harness weighs each piece's loss (loop/tokens.py). A token
     file always goes that way: its ranks read only their rows, and the count is all-reduced."""
@@ -93,16 +93,11 @@ def ignores(path: str) -> bool:
     return not y.is_floating_point() and bool((y == IGNORE).any())
 
 
-def training_samples(n: int) -> int:
-    """Of a file's n samples, those trained on: all but the held-out last eighth (at most 2048)."""
-    return n - min(2048, n // HELD_OUT)
-
-
 def check_batch(data: str, batch_size: int, vocab: int = 0, seq_len: int = 0) -> None:
     """A global batch must fit in the file's training samples (batches would repeat samples otherwise)."""
     if tokenfile.is_token_file(data):
         return tokenfile.check(data, vocab, seq_len, batch_size)
-    if batch_size > (n := training_samples(len(load(data)[0]))):
+    if batch_size > (n := training_sequences(len(load(data)[0]))):
         raise ConfigError(f"--batch-size {batch_size} is more than the {n} samples of --data {data} that are "
                           f"trained on (the last 1/{HELD_OUT} is held out)")
 
