@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from parallel.config import RunConfig
+from parallel.loop.optim import OPTIMIZERS, SCHEDULES
 from parallel.models import usermodel
 from parallel.models.data import TOKENS
 from parallel.models.transformer import SHAPE
@@ -107,7 +108,18 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=d.steps, help=f"timed optimiser steps ({d.steps})")
     p.add_argument("--warmup", type=int, default=None, help=f"untimed optimiser steps first ({d.warmup}; 0 for a "
                    "shape given on CPUs whose step is seconds of arithmetic: warm from the first)")
-    p.add_argument("--lr", type=float, default=d.lr, help=f"SGD learning rate ({d.lr})")
+    p.add_argument("--optimizer", default=d.optimizer, choices=OPTIMIZERS, help="adamw (the default where a "
+                   "transformer trains) or sgd (with momentum: the default elsewhere); docs/optimizer.md")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW 3e-3, SGD 0.02)")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="on matrices only, never norms, "
+                   "biases or embeddings (AdamW 0.1, decoupled; SGD 0)")
+    p.add_argument("--betas", default=d.betas, help=f"AdamW's B1,B2 ({d.betas})")
+    p.add_argument("--clip-norm", type=float, default=d.clip_norm, help="clip the whole model's gradient norm to "
+                   "this, computed across every rank (AdamW 1.0, SGD 0: off)")
+    p.add_argument("--lr-schedule", default=d.lr_schedule, choices=SCHEDULES, help="the learning rate: constant or "
+                   "cosine (to a tenth of --lr), after --warmup-steps")
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="the learning rate's linear warm-up, "
+                   f"in optimiser steps ({d.warmup_steps}; not --warmup, the untimed steps)")
     p.add_argument("--seed", type=int, default=d.seed, help=f"seed of weights and data ({d.seed})")
     p.add_argument("--precision", default=None, help="fp32 (the GPU default's: bf16); bf16: every strategy's "
                                                      "steps (and `single`'s) under torch.autocast(bfloat16); fp64: "
@@ -152,7 +164,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
 # OPTION_BUCKET_MB). Filled in by readable_metavars() wherever a flag did not name its own.
 METAVARS = {
     "workload": "NAME", "devices": "SPEC", "world_size": "N", "batch_size": "N", "steps": "N", "warmup": "N",
-    "lr": "RATE", "seed": "N", "precision": "DTYPE", "repeat": "N", "out": "DIR", "timeout": "SECONDS",
+    "optimizer": "adamw|sgd", "lr_schedule": "constant|cosine", "lr": "RATE", "weight_decay": "W", "betas": "B1,B2",
+    "clip_norm": "NORM", "warmup_steps": "N",
+    "seed": "N", "precision": "DTYPE", "repeat": "N", "out": "DIR", "timeout": "SECONDS",
     "pg_timeout": "SECONDS", "port": "PORT", "max_restarts": "N", "checkpoint_every": "K", "resume_from": "DIR",
     "fail_at_step": "STEP", "fail_rank": "RANK", "hang_rank": "RANK", "hang_how": "stop|kill", "mutant": "NAME",
     "strategies": "LIST", "project_params": "N", "world_sizes": "LIST", "strategy": "STRATEGY",

@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from parallel.loop.optim import OPTIMIZERS, SCHEDULES, resolve
 from parallel.models import userdata, userload, usermodel
 from parallel.models.transformer import SHAPE
 from parallel.models.workloads import WORKLOADS
@@ -18,6 +19,13 @@ from parallel.world.errors import ConfigError
 __all__ = ["ConfigError", "RunConfig"]
 
 PRECISIONS = ("fp32", "bf16", "fp64")
+
+
+def _number(text: str) -> bool:
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
 
 
 def nearest_multiple(value: int, of: int) -> int:
@@ -55,8 +63,16 @@ class RunConfig:
     #   multiple of the world size (3 devices: 513), so that every rank takes an equal share
     steps: int = 20  # timed optimiser steps
     warmup: int = 3  # optimiser steps before the timed ones (they train too, they are just not timed)
-    lr: float = 0.02
-    momentum: float = 0.9
+    # The optimiser step (loop/optim.py, docs/optimizer.md); None or "": the chosen optimiser's default, filled
+    # in by validate (AdamW where a transformer trains, SGD elsewhere)
+    optimizer: str = ""
+    lr: float | None = None
+    momentum: float = 0.9  # SGD's
+    weight_decay: float | None = None
+    betas: str = "0.9,0.95"  # AdamW's
+    clip_norm: float | None = None  # the global gradient norm clipped to this (0: no clip)
+    lr_schedule: str = "constant"  # or "cosine", after warmup_steps of linear warm-up
+    warmup_steps: int = 0  # the learning rate's warm-up (not --warmup, the untimed steps)
     seed: int = 0
     devices: str = "auto"
     world_size: int = 0  # 0: one per device in `devices`
@@ -129,8 +145,7 @@ class RunConfig:
             raise ConfigError(f"--warmup must be 0 or more, got {self.warmup}")
         if self.seed < 0:
             raise ConfigError(f"--seed must be 0 or more, got {self.seed}")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ConfigError(f"--lr must be a positive finite number, got {self.lr}")
+        recipe = self.check_recipe(user)
         if self.precision not in PRECISIONS:
             raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if not (math.isfinite(self.memory_cap_mb) and self.memory_cap_mb >= 0):
@@ -169,9 +184,30 @@ class RunConfig:
         batch = nearest_multiple(self.batch_size, world) if self.batch_auto else self.batch_size
         if user.get("data") and batch != self.batch_size:
             userdata.check_batch(user["data"], batch, self.vocab, self.seq_len)
-        resolved = dataclasses.replace(self, devices=str(spec), world_size=world, batch_size=batch, **user)
+        resolved = dataclasses.replace(self, devices=str(spec), world_size=world, batch_size=batch, **user, **recipe)
         resolved.spec = spec  # str(spec) parses back to spec: the copy takes this parse, not a second one
         return resolved
+
+    def check_recipe(self, user: dict) -> dict:
+        """The optimiser's flags checked, and those left out filled in (loop/optim.resolve)."""
+        if self.optimizer and self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.lr_schedule not in SCHEDULES:
+            raise ConfigError(f"--lr-schedule must be one of {', '.join(SCHEDULES)}, got {self.lr_schedule!r}")
+        transformer = usermodel.workload_of(dataclasses.replace(self, **user)).data == "tokens"
+        name, lr, wd, clip = resolve(self.optimizer, self.lr, self.weight_decay, self.clip_norm, transformer)
+        if not (math.isfinite(lr) and lr > 0):
+            raise ConfigError(f"--lr must be a positive finite number, got {lr}")
+        if not (math.isfinite(wd) and wd >= 0):
+            raise ConfigError(f"--weight-decay must be 0 or a positive number, got {wd}")
+        if not (math.isfinite(clip) and clip >= 0):
+            raise ConfigError(f"--clip-norm must be 0 (no clip) or a positive number, got {clip}")
+        betas = self.betas.split(",")
+        if len(betas) != 2 or not all(_number(b) and 0 <= float(b) < 1 for b in betas):
+            raise ConfigError(f"--betas must be two numbers in [0, 1) as B1,B2 (0.9,0.95), got {self.betas!r}")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"--warmup-steps must be 0 or more, got {self.warmup_steps}")
+        return {"optimizer": name, "lr": lr, "weight_decay": wd, "clip_norm": clip}
 
     @property
     def shaped(self) -> bool:

@@ -27,17 +27,19 @@ from parallel import strategies
 from parallel.config import RunConfig
 from parallel.kit.collectives import every_rank
 from parallel.loop import recorder
+from parallel.loop.clipping import NORM_BYTES, norm_name
+from parallel.loop.optim import make_optimizer, tag
 from parallel.loop.profiling import make_profiler
 from parallel.loop.results import Measured, Row, atomic_write
 from parallel.loop.timing import LAUNCHED_AT, summarize
 from parallel.loop.tokens import COUNT_BYTES, counts_apart, loss_of
-from parallel.loop.train import default_dtype, make_optimizer, precision, step_lines
+from parallel.loop.train import default_dtype, end_line, precision, start_line, step_lines
 from parallel.measure import activations
 from parallel.measure.formulas import wire_bytes
 from parallel.models.usermodel import their_files, workload_of
 from parallel.world.devices import activate, cap_memory, exact_fp32, peak_memory, peak_reserved, reset_peak_memory
 from parallel.world.dist import Dist
-from parallel.world.errors import THEIRS, ConfigError, error_line, raised_in
+from parallel.world.errors import THEIRS, error_line, raised_in
 
 
 @dataclasses.dataclass
@@ -55,7 +57,8 @@ class Trained:
     threads_per_device: int
     phases: dict
     loss_names: tuple = ()
-    count_bytes: float = 0.0  # what the step's all-reduced count of real targets sends (loop/tokens.density)
+    count_bytes: float = 0.0  # what the step's all-reduced count of real targets sends (loop/tokens.density), and
+    #   its all-reduced gradient norm (loop/clipping.py): one float64 each
 
 
 def execute(strategy, config: RunConfig, dist: Dist, data=None, run: str = "") -> tuple[Row, dict]:
@@ -83,6 +86,7 @@ def train_once(strategy, config: RunConfig, dist: Dist, data=None, run: str = ""
     workload = workload_of(config)
     with default_dtype(config):  # --precision fp64: the model, its data, every buffer
         model = workload.build_model(config.seed)
+        tag(model, workload.classes)  # which parameters decay, decided here, before any wrapper (loop/optim.py)
         data = data or workload.dataset(config.seed, config.batch_size)
         predicted = strategy.comm_bytes_predicted(model, config)
         reset_peak_memory(local)
@@ -103,8 +107,11 @@ def train_once(strategy, config: RunConfig, dist: Dist, data=None, run: str = ""
             extra |= layer.details(workload.input_shape[0], config.precision) if layer is not None else {}
     phases["extras"] = round(time.perf_counter() - began, 2)
     counted = counts_apart(data, trainable.loss_fn, dist.world_size)  # the step's count, all-reduced (loop/tokens.py)
+    normed = getattr(result, "norm_reduced", False)  # the step's global gradient norm, all-reduced (loop/clipping.py)
+    small = wire_bytes("all_reduce", COUNT_BYTES, dist.world_size) * counted + \
+        wire_bytes("all_reduce", NORM_BYTES, dist.world_size) * normed
     return Trained(result, trainable, state, peaks, peak_kind, reserved, extra, predicted, threads // len(local),
-                   phases, tuple(workload.loss_names), wire_bytes("all_reduce", COUNT_BYTES, dist.world_size) * counted)
+                   phases, tuple(workload.loss_names), small)
 
 
 def build_row(strategy, config: RunConfig, dist: Dist, trained: Trained) -> Row:
@@ -154,6 +161,7 @@ def build_row(strategy, config: RunConfig, dist: Dist, trained: Trained) -> Row:
         loss_parts=dict(zip(trained.loss_names, map(list, zip(*result.loss_parts, strict=True)), strict=True))
         if result.loss_parts else {},
         step_ms=[s * 1e3 for s in result.step_s],
+        grad_norms=getattr(result, "grad_norms", {}),
         measured=measured,
         details=details,
     )
@@ -242,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         row, state = out
         torch.save(state, args.state)
         atomic_write(args.result, json.dumps(dataclasses.asdict(row)))
-        for line in [*step_lines(row.losses, row.step_ms, config.warmup, config.steps, row.loss_parts),
+        parts = {**row.loss_parts, **{norm_name(k): v for k, v in row.grad_norms.items()}}
+        for line in [*step_lines(row.losses, row.step_ms, config.warmup, config.steps, parts),
                      end_line(row)]:  # after the run, from what the loop recorded: nothing inside a timed step
             say(line)
     if strategy.launch == "torchrun":
@@ -260,28 +269,6 @@ def note_failure(result: Path, dist: Dist, e: Exception) -> None:
 
 def say(line: str) -> None:
     print(line, flush=True)
-
-
-def start_line(strategy, config: RunConfig, dist: Dist) -> str:
-    """The log's first line: which run this is (a torchrun restart prints it again, with its attempt)."""
-    world = strategy.world_size(config)
-    try:
-        used = config.spec.first(world)  # `single` on cpu:2 uses one of them
-    except ConfigError:
-        used = config.spec
-    launch = f"torchrun, {config.spec.backend}" if strategy.launch == "torchrun" else strategy.launch
-    attempt = f", restart {dist.restart}" if dist.restart else ""
-    return (f"run {strategy.name}: world size {world} ({launch}{attempt}) on {used} ({strategy.kind(config)}), "
-            f"workload {config.workload}, global batch {config.batch_size}, {config.warmup} warm-up + "
-            f"{config.steps} steps, {config.precision}, seed {config.seed}")
-
-
-def end_line(row: Row) -> str:
-    """The log's last line: the final loss and the step time's median (p95), throughput."""
-    ms = f"  p50 ms {row.step_ms_p50:.1f}  p95 ms {row.step_ms_p95:.1f}" if row.step_ms_p50 is not None else ""
-    speed = f"  samples/s {row.samples_per_s:,.0f}" if row.samples_per_s else ""
-    loss = f"{row.final_loss:.4f}" if row.final_loss is not None else "-"
-    return f"done {row.strategy}: final loss {loss}{ms}{speed}"
 
 
 def leave(code: int) -> NoReturn:

@@ -54,7 +54,8 @@ def test_model_state_by_zero_stage_by_hand():
     assert by_stage[1] == {"parameters": 2000, "gradients": 2000, "optimizer": 3000}
     assert by_stage[2] == {"parameters": 2000, "gradients": 500, "optimizer": 3000}
     assert by_stage[3] == {"parameters": 500, "gradients": 500, "optimizer": 3000}
-    assert formulas.sgd_state(psi, 0, n) == 12000 and formulas.sgd_state(psi, 3, n) == 3000  # fp32 SGD momentum
+    assert formulas.run_state(psi, 0, n) == 12000 and formulas.run_state(psi, 3, n) == 3000  # fp32 SGD momentum
+    assert formulas.run_state(psi, 0, n, moments=2) == 16000 and formulas.run_state(psi, 1, n, moments=2) == 10000
 
 
 def test_memory_terms_of_a_layout_by_hand():
@@ -341,8 +342,9 @@ def test_the_command_prints_a_ranking_and_the_validation_in_100_columns(capsys, 
 CAP_MB = 4.0  # between fsdp's need on 2 ranks (2.6 MiB) and what ddp keeps of the model alone (4.8 MiB)
 
 
-def _cap_config(**kw) -> RunConfig:
-    return RunConfig(workload="transformer", devices="cpu:2", batch_size=2, steps=1, warmup=1, **kw).validate()
+def _cap_config(**kw) -> RunConfig:  # under SGD, the figures below; AdamW's two moments are checked beside them
+    return RunConfig(**{"workload": "transformer", "devices": "cpu:2", "batch_size": 2, "steps": 1, "warmup": 1,
+                        "optimizer": "sgd", **kw}).validate()
 
 
 def test_a_strategy_the_planner_puts_over_the_cap_is_refused_or_left_out():
@@ -352,6 +354,8 @@ def test_a_strategy_the_planner_puts_over_the_cap_is_refused_or_left_out():
     with pytest.raises(ConfigError, match=r"^ddp: the planner puts it at 5\.\d MiB a device \(model state 4\.8, "
                                           r"activations 0\.\d\), over --memory-cap 4 MiB$"):
         run_plan(config, ["ddp"], baseline=False)
+    with pytest.raises(ConfigError, match=r"model state 6\.4,"):  # AdamW: 16 bytes a parameter where SGD has 12
+        run_plan(_cap_config(memory_cap_mb=CAP_MB, optimizer="adamw"), ["ddp"], baseline=False)
     chosen, skipped = run_plan(config, ["fsdp"], baseline=False)
     assert [s.name for s, _, _ in chosen] == ["fsdp"] and not skipped
     with pytest.raises(ConfigError, match="^single: the planner puts it at"):  # named: refused, like any other

@@ -34,9 +34,9 @@ def test_dcgan_trains_both_parts_and_reports_both_losses(small):
 
 
 def test_the_transformer_learns(small):
-    # At lr 0.5 the next-token loss fell 4.31 -> 3.50 in 5 steps (measured); 0.3 leaves room for noise.
-    # Token ids through every strategy's split: the registry's parity test (tests/test_oracle.py).
-    row, _ = execute(strategies.get("single"), small(workload="transformer", batch_size=32, lr=0.5), Dist())
+    # Under its default AdamW (lr 3e-3) the next-token loss fell 4.34 -> 3.62 in 5 steps (measured, 2026-12-02);
+    # 0.3 leaves room for noise. Token ids through every strategy's split: the registry's parity test.
+    row, _ = execute(strategies.get("single"), small(workload="transformer", batch_size=32), Dist())
     assert row.losses[-1] < row.losses[0] - 0.3, row.losses
 
 

@@ -25,6 +25,7 @@ import torch.distributed as td
 from torch import nn
 
 from parallel.kit.collectives import sum_gradients
+from parallel.loop import optim
 from parallel.models.transformer import Attention
 
 
@@ -79,7 +80,8 @@ def _repeat_rows(linear: nn.Linear, head_size: int, m: int) -> None:
         for attr in ("weight", "bias"):
             if (p := getattr(linear, attr)) is not None:
                 heads = p.reshape(-1, head_size, *p.shape[1:])
-                setattr(linear, attr, nn.Parameter(heads.repeat_interleave(m, dim=0).reshape(-1, *p.shape[1:])))
+                repeated = nn.Parameter(heads.repeat_interleave(m, dim=0).reshape(-1, *p.shape[1:]))
+                setattr(linear, attr, optim.like(repeated, p))
     linear.out_features *= m
 
 

@@ -15,6 +15,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from parallel.loop import optim
+
 
 def untie(modules: list[nn.Module]) -> list[list[nn.Parameter]]:
     """Megatron's rule for a weight that several stages use (GPT-2's head is its token embedding, in the
@@ -36,10 +38,15 @@ def untie(modules: list[nn.Module]) -> list[list[nn.Parameter]]:
         copies: dict[int, nn.Parameter] = {}
         for i, owner, name in places:
             p = owner._parameters[name]
-            copies.setdefault(i, p if not copies else nn.Parameter(p.detach().clone(), p.requires_grad))
+            copies.setdefault(i, p if not copies else optim.like(nn.Parameter(p.detach().clone(), p.requires_grad), p))
             owner._parameters[name] = copies[i]
         groups.append(list(copies.values()))
     return groups
+
+
+def copies(groups: list[list[nn.Parameter]]) -> dict[int, int]:
+    """By id, every copy of each shared weight (untie's groups, all in one process) and their number."""
+    return {id(p): len(group) for group in groups for p in group}
 
 
 def sum_tied(groups: list[list[nn.Parameter]], reduce: Callable[[int, torch.Tensor], None] | None = None) -> None:
@@ -74,6 +81,7 @@ class TiedAcross:
         local = {id(g[0]): g for g in untie(modules)}  # this rank's own copies, the original first
         here = {id(p) for m in modules for p in m.parameters()}
         self.groups: list[list[nn.Parameter]] = []  # this rank's copies of each shared weight ([]: none here)
+        self.stages: list[int] = []  # how many stages hold a copy of each (one copy a stage)
         self.collectives: list = []  # the group of the ranks holding it (None: one rank)
         for p, js in users.values():
             if len(js) < 2:
@@ -82,6 +90,11 @@ class TiedAcross:
             self.collectives.append(td.new_group(ranks, timeout=datetime.timedelta(seconds=timeout))
                                     if len(ranks) > 1 else None)
             self.groups.append(local.get(id(p)) or ([p] if id(p) in here else []))
+            self.stages.append(len({bisect.bisect_right(bounds, j) - 1 for j in js}))
+
+    def copies(self) -> dict[int, int]:
+        """By id, this rank's copies of a shared weight and how many copies the world holds of it."""
+        return {id(p): self.stages[i] for i in self.held() for p in self.groups[i]}
 
     def held(self) -> list[int]:
         """The shared weights this rank holds a copy of (their indices in `groups`)."""

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as td
 
+from parallel.loop import optim
 from parallel.world.errors import ConfigError
 
 # torch.distributed.checkpoint is imported where it is used: it pulls in DTensor, about 0.5 s of start-up
@@ -73,9 +74,8 @@ def per_rank(trainable, split, world: int) -> dict:
     for name, value in trainable.model.state_dict().items():
         key = f"{name}@tp{rank}of{world}" if split(name) else name
         out[f"model.{key}"] = value
-        if name in params:  # SGD makes its momentum at the first step: made now, as zeros, to load into
-            out[f"momentum.{key}"] = trainable.optimizer.state[params[name]].setdefault(
-                "momentum_buffer", torch.zeros_like(params[name]))
+        if name in params:  # the optimiser makes its state at the first step: made now, as zeros, to load into
+            out |= {f"{k}.{key}": v for k, v in optim.state_now(trainable.optimizer, params[name]).items()}
     return out
 
 

@@ -96,6 +96,8 @@ class Row:
     losses: list[float] = field(default_factory=list)
     loss_parts: dict[str, list[float]] = field(default_factory=dict)  # each loss of a several-loss step (DCGAN)
     step_ms: list[float] = field(default_factory=list)
+    grad_norms: dict[str, list[float]] = field(default_factory=dict)  # --clip-norm: the global gradient norm
+    #   before the clip, every step, by optimiser ("": the one; the DCGAN's by part; loop/clipping.py)
     measured: Measured = field(default_factory=Measured)  # what the advice and the cost model read
     details: dict = field(default_factory=dict)  # strategy-specific measurements (JSON only)
 
@@ -133,7 +135,7 @@ def file_stem(strategy: str, variant: str) -> str:
 
 
 # Lists stay in results.json; the CSV has one scalar per column.
-CSV_SKIP = {"losses", "loss_parts", "step_ms", "equivalence", "measured", "details"}
+CSV_SKIP = {"losses", "loss_parts", "grad_norms", "step_ms", "equivalence", "measured", "details"}
 
 
 def atomic_write(path: Path, text: str) -> None:

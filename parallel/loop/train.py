@@ -3,6 +3,7 @@
     for each of warmup + steps optimiser steps:
         batch  = this rank's share of global batch `step`   (its dp coordinate's share: strategy.dims)
         [sync, clock] strategy.train_step(...) [sync, clock]   <- only steps after the warm-up are timed
+                      (its optimizer.step() clips by the global gradient norm, then schedules: clipping.py)
                       (under --precision: fp32, or bf16 autocast; the warm-up steps' collectives counted)
         profiler.step()
         [--check-replicas] what ranks must hold alike, checksummed and compared   (divergence.py)
@@ -22,9 +23,12 @@ import torch.distributed as td
 from torch.autograd.profiler import record_function
 
 from parallel.loop import checkpoint, divergence, faults, recorder, tokens, wire
+from parallel.loop.clipping import Step
+from parallel.loop.optim import make_optimizer
 from parallel.loop.timing import StepTimer
 from parallel.world.devices import memory_history, synchronizer_all
 from parallel.world.dist import watch_group
+from parallel.world.errors import ConfigError
 
 
 @dataclass
@@ -39,11 +43,9 @@ class TrainResult:
     #                                         devices) of the counted steps; none for a loop of its own (Hogwild)
     diverged: str = ""  # --check-replicas: the first step, tensor and ranks whose copies differed ("": none)
     checked: int | None = None  # ... and the steps in which it compared something (None: not checked)
-
-
-def make_optimizer(config):
-    """The optimiser every strategy uses: SGD with momentum, from the config (a function of parameters)."""
-    return lambda params: torch.optim.SGD(params, lr=config.lr, momentum=config.momentum)
+    grad_norms: dict[str, list[float]] = field(default_factory=dict)  # --clip-norm: each optimiser's global
+    #   gradient norm before the clip, every step (one optimiser: key ""; the DCGAN's: by part)
+    norm_reduced: bool = False  # ... all-reduced over the ranks each step (loop/clipping.py)
 
 
 @contextlib.contextmanager
@@ -82,8 +84,10 @@ def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult
     device = trainable.device if trainable is not None else dist.device
     losses, step_s, first = [], [], None
     total = config.warmup + config.steps
-    start = checkpoint.resume_point(config, strategy, trainable)
     dims = strategy.dims(config, dist)  # which share of each global batch this rank takes, whose loss counts
+    clip = Step(trainable, make_optimizer(config), dims, dist)  # the global norm's clip, the schedule
+    start = checkpoint.resume_point(config, strategy, trainable)
+    clip.resume(start)
     share = dims.batch_share(dist.rank)
     snapshot = snapshot_path(strategy, config, dist)
     # Bytes on the wire, counted in the warm-up steps (off the clock), per block for tensor parallelism; with
@@ -114,6 +118,7 @@ def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult
         if config.checkpoint_every and ((step + 1) % config.checkpoint_every == 0 or step == total - 1):
             checkpoint.save(config, strategy, trainable, step, dist)
     replicas.close()
+    clip.close()
     # One all-reduce for the whole run, off the clock: the mean over the ranks whose loss counts (each the
     # mean over its equal share; one per tensor-parallel group, the last pipeline stage).
     recorder.mark(-1, "after the last step: in the all-reduce of the losses")
@@ -125,7 +130,7 @@ def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult
     several = bool(global_losses) and len(global_losses[0]) > 1
     return TrainResult([v[0] for v in global_losses], step_s, (first or timer.started, timer.started + timer.elapsed),
                        loss_parts=global_losses if several else None, wire=counter, diverged=replicas.found,
-                       checked=replicas.checked)
+                       checked=replicas.checked, grad_norms=clip.norms(), norm_reduced=clip.reduces and clip.clips)
 
 
 def snapshot_path(strategy, config, dist) -> str | None:
@@ -164,6 +169,28 @@ def step_lines(losses: list[float], step_ms: list[float], warmup: int, steps: in
         ms = f"  ms {sum(w[j] for w in per_step) / len(per_step):.1f}" if step >= warmup and per_step else ""
         lines.append(f"{head}  loss {loss:.4f}{parts}{ms}")
     return lines
+
+
+def start_line(strategy, config, dist) -> str:
+    """The log's first line: which run this is (a torchrun restart prints it again, with its attempt)."""
+    world = strategy.world_size(config)
+    try:
+        used = config.spec.first(world)  # `single` on cpu:2 uses one of them
+    except ConfigError:
+        used = config.spec
+    launch = f"torchrun, {config.spec.backend}" if strategy.launch == "torchrun" else strategy.launch
+    attempt = f", restart {dist.restart}" if dist.restart else ""
+    return (f"run {strategy.name}: world size {world} ({launch}{attempt}) on {used} ({strategy.kind(config)}), "
+            f"workload {config.workload}, global batch {config.batch_size}, {config.warmup} warm-up + "
+            f"{config.steps} steps, {config.precision}, seed {config.seed}")
+
+
+def end_line(row) -> str:
+    """The log's last line: the final loss and the step time's median (p95), throughput."""
+    ms = f"  p50 ms {row.step_ms_p50:.1f}  p95 ms {row.step_ms_p95:.1f}" if row.step_ms_p50 is not None else ""
+    speed = f"  samples/s {row.samples_per_s:,.0f}" if row.samples_per_s else ""
+    loss = f"{row.final_loss:.4f}" if row.final_loss is not None else "-"
+    return f"done {row.strategy}: final loss {loss}{ms}{speed}"
 
 
 def _watchdog(config, dist) -> None:

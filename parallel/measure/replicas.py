@@ -86,7 +86,7 @@ class AllReduce(measure.Family):
             return {FAMILY: r}
         params = list(model.parameters())
         _model_state(r, held(params, t.optimizer), 0, sum(p.numel() for p in params), dist.world_size,
-                     params[0].element_size())
+                     params[0].element_size(), run)
         ms = self._timed(t, data, run, dist)
         r.step_ms, r.no_sync_step_ms, exposed = ms["step"], ms["no_sync"], ms["step"] - ms["no_sync"]
         return {FAMILY: r, "measured": Measured(

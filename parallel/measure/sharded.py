@@ -21,7 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from parallel import measure
 from parallel.kit.collectives import every_rank
 from parallel.kit.tensors import optimizer_state_bytes, param_bytes, tensor_bytes
-from parallel.measure.formulas import element_bytes, sgd_state, wire_bytes
+from parallel.loop.optim import moments
+from parallel.measure.formulas import element_bytes, run_state, wire_bytes
 from parallel.measure.sharded_cost import measured_collectives, predict_data_parallel_ms, predict_sharded_ms
 from parallel.models.outputs import call
 
@@ -39,7 +40,7 @@ class Result:
     param_bytes_per_rank: list[int] | None = None
     grad_bytes_per_rank: list[int] | None = None
     optimizer_state_bytes_per_rank: list[int] | None = None
-    zero_formula_bytes: float | None = None  # the paper's model state per rank for fp32 SGD with momentum
+    zero_formula_bytes: float | None = None  # the paper's model state per rank, K from the run's optimiser
     unsharded_peak_bytes_per_rank: list[int] | None = None  # fsdp: the most gathered parameters held at once
     owned_param_bytes_per_rank: list[int] | None = None  # zero_optimizer: whole parameters owned, greedily
     fsdp_groups: list[str] | None = None  # fsdp: the modules that became FSDP groups, the root last
@@ -68,14 +69,16 @@ def held(params, optimizer) -> tuple[int, int, int]:
             optimizer_state_bytes(params, optimizer))
 
 
-def _model_state(r: Result, mine: tuple[int, int, int], stage: int, numel: int, shards: int, element: int) -> None:
+def _model_state(r: Result, mine: tuple[int, int, int], stage: int, numel: int, shards: int, element: int,
+                 run) -> None:
     """Every rank's (parameters, gradients, optimizer state) bytes into `r` (a collective), beside the ZeRO
-    paper's model state per rank for `numel` parameters at `stage` over `shards` ranks (formulas.sgd_state:
-    fp32 SGD with momentum, K = 4: DDP 12 Psi; stage 1 4 + 4 + 4/N; 2: 4 + (4 + 4)/N; 3: 12/N)."""
+    paper's model state per rank for `numel` parameters at `stage` over `shards` ranks (formulas.run_state,
+    K from the run's optimiser: fp32 SGD with momentum K = 4, DDP 12 Psi, stage 1 4 + 4 + 4/N, 2: 4 + (4 +
+    4)/N, 3: 12/N; fp32 AdamW K = 8, DDP 16 Psi, stage 1 4 + 4 + 8/N, 2: 4 + 12/N, 3: 16/N)."""
     params, grads, optimizer = zip(*every_rank(mine), strict=True)
     r.param_bytes_per_rank, r.grad_bytes_per_rank, r.optimizer_state_bytes_per_rank = (
         list(params), list(grads), list(optimizer))
-    r.zero_stage, r.zero_formula_bytes = stage, sgd_state(numel, stage, shards, element)
+    r.zero_stage, r.zero_formula_bytes = stage, run_state(numel, stage, shards, element, moments(run))
 
 
 def _sent(r: Result, result, **measured) -> dict:
@@ -102,7 +105,7 @@ class Zero(measure.Family):
     def extra_measurements(self, t, data, run, dist, result) -> dict:
         r, e = Result(bucket_bytes=self.buckets(t)), element_bytes(run.precision)
         flat = sum(r.bucket_bytes) // e  # the parameters' elements, each bucket padded
-        _model_state(r, self.held(t), run.options.zero_stage, flat, dist.world_size, e)
+        _model_state(r, self.held(t), run.options.zero_stage, flat, dist.world_size, e, run)
         return _sent(r, result, measured=measured_collectives(t.device, flat, rounds=_rounds(run)))
 
     def comm_bytes_predicted(self, model, run) -> float:
@@ -131,7 +134,7 @@ class ZeroRedundancy(measure.Family):
         r = Result(owned_param_bytes_per_rank=[param_bytes(self.owned(t, k)) for k in range(dist.world_size)])
         full, e = param_bytes(params), element_bytes(run.precision)
         mine = (full, full, optimizer_state_bytes(self.owned(t, dist.rank), t.optimizer.optim))
-        _model_state(r, mine, 1, full // e, dist.world_size, e)  # the paper's stage 1: an even share
+        _model_state(r, mine, 1, full // e, dist.world_size, e, run)  # the paper's stage 1: an even share
         return _sent(r, result)
 
     def comm_bytes_predicted(self, model, run) -> float:
@@ -172,7 +175,7 @@ class FullyShard(measure.Family):
                    fsdp_groups=[names.get(id(g)) or "(root)" for g in self.groups(t)])
         n = dist.world_size // run.options.replicate  # the ranks one copy is sharded over
         e, numel = element_bytes(run.precision), sum(math.prod(p.shape) for p in t.model.parameters())  # global
-        _model_state(r, mine, 3, numel, n, e)
+        _model_state(r, mine, 3, numel, n, e, run)
         return _sent(r, result, measured=measured_collectives(t.device, numel * e // 4, rounds=_rounds(run)))
 
     def comm_bytes_predicted(self, model, run) -> float:

@@ -32,7 +32,8 @@ PLANNER_TRAINING = ("Adam in mixed precision (16-bit weights, an fp32 master cop
 COMPARE_PRECISION = {"bf16": "bf16 autocast over fp32 weights and gradients (matrix products in bf16)",
                      "fp32": "fp32"}
 COMPARE_OPTIMIZER = {"sgd-momentum": "SGD with momentum over fp32 weights, 32 bytes a parameter a step",
-                     "sgd": "SGD without momentum over fp32 weights, 12 bytes a parameter a step"}
+                     "sgd": "SGD without momentum over fp32 weights, 12 bytes a parameter a step",
+                     "adamw-fp32": "AdamW over fp32 weights (two fp32 moments), 36 bytes a parameter a step"}
 
 
 def kind_of(name: str) -> str | None:
@@ -69,9 +70,10 @@ def shape_of(config: dict, layers: int = 0) -> ModelShape:
 
 
 def compare_training(config: dict, batch: int) -> Training:
-    """compare's step as the planner's Training: its optimizer (SGD over fp32 weights, with momentum unless
-    --momentum 0), its precision, its batch as one micro-batch, on torch's eager stack."""
-    optimizer = "sgd-momentum" if config.get("momentum", 0.9) else "sgd"
+    """compare's step as the planner's Training: its optimizer (AdamW, or SGD with momentum unless
+    --momentum 0, over fp32 weights), its precision, its batch as one micro-batch, on torch's eager stack."""
+    optimizer = "adamw-fp32" if config.get("optimizer") == "adamw" else \
+        "sgd-momentum" if config.get("momentum", 0.9) else "sgd"
     return Training(batch, config["precision"], optimizer=optimizer, **STACKS["torch"])
 
 

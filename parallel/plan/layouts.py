@@ -95,7 +95,10 @@ class Training:
 # weights, also under bf16 autocast, which casts them in each forward): with momentum, torch runs
 # buf.mul_(momentum), buf.add_(grad), param.add_(buf, alpha=-lr) (foreach on a GPU, a loop on a CPU: the same
 # bytes), 8 + 12 + 12 = 32 and one fp32 buffer; without, param.add_(grad) alone, 12 and nothing kept.
-OPTIMIZERS = {"adam": (30, None), "sgd-momentum": (32, 4), "sgd": (12, 0)}
+# "adamw-fp32" is compare's under --optimizer adamw (torch.optim.AdamW over fp32 weights): at least the gradient,
+# weight and two moments read, the weight and moments written (28), and decoupled decay's pass over the weights
+# (8): 36, the least it moves (torch's foreach AdamW makes temporaries too); two fp32 moments kept.
+OPTIMIZERS = {"adam": (30, None), "sgd-momentum": (32, 4), "sgd": (12, 0), "adamw-fp32": (36, 8)}
 
 
 def weight_bytes(train: Training) -> int:

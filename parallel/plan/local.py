@@ -1,8 +1,9 @@
 """The planner on this machine's own runs: the memory a strategy needs per device for `compare`'s model,
-batch and optimizer (fp32, SGD with momentum), so that `--memory-cap` refuses what the planner says
+batch and optimizer (fp32; SGD with momentum or AdamW), so that `--memory-cap` refuses what the planner says
 does not fit, before anything starts.
 
-Model state is formulas.sgd_state, the figure each sharded run measures per rank (test_sharded.py);
+Model state is formulas.run_state (K from the run's optimiser: SGD's momentum, AdamW's two moments), the
+figure each sharded run measures per rank (test_sharded.py);
 activations are activations.formula per block (what LayerMeter measures, test_plan.py) times the blocks
 and the sequences a device holds, plus the logits; a model without the project's transformer blocks is
 counted by its model state alone. A strategy says how it lays the model out (base.MemoryLayout, its
@@ -17,6 +18,7 @@ import dataclasses
 
 from torch import nn
 
+from parallel.loop.optim import moments
 from parallel.measure.formulas import element_bytes, model_state
 from parallel.models.usermodel import workload_of
 from parallel.plan.layouts import Layout, Training
@@ -75,9 +77,9 @@ def checked(name: str, config) -> bool:
 
 def need(name: str, config, model: nn.Module) -> dict | None:
     """Bytes the busiest device needs for `name` on `config`, by kind: parameters, gradients, optimizer
-    (SGD's momentum), their sum model_state, activations (the blocks' and the logits'), total; None where
-    the planner has no layout for it. A strategy that gathers every replica's output on its first device
-    (data_parallel, manual_dp) holds the whole batch's logits there; one offloaded to the host (fsdp
+    (SGD's momentum or AdamW's moments), their sum model_state, activations (the blocks' and the logits'),
+    total; None where the planner has no layout for it. A strategy that gathers every replica's output on its
+    first device (data_parallel, manual_dp) holds the whole batch's logits there; one offloaded to the host (fsdp
     --offload cpu) keeps no model state on the device. A model that is not the project's transformer is
     counted by its model state alone, and only where that is the parameters divided by the ranks (only data
     parallel)."""
@@ -94,7 +96,7 @@ def need(name: str, config, model: nn.Module) -> dict | None:
         psi = dense + experts
     shards = m.shards or m.dp * m.cp
     state = {k: 0.0 if m.offloaded else v
-             for k, v in model_state(psi, m.zero_stage, shards, element, element, element).items()}
+             for k, v in model_state(psi, m.zero_stage, shards, element, element, moments(config) * element).items()}
     acts = None  # not the project's transformer: its activations are not counted
     if spec is not None:
         lay = dataclasses.replace(lay, mbs=max(1, lay.mbs // m.accum))

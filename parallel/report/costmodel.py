@@ -24,8 +24,8 @@ import functools
 import torch
 
 from parallel import strategies
+from parallel.loop.optim import make_optimizer, tag
 from parallel.loop.timing import median_time
-from parallel.loop.train import make_optimizer
 from parallel.measure.formulas import model_state, ring_seconds
 from parallel.measure.sharded_cost import grad_bytes
 from parallel.models.usermodel import workload_of
@@ -72,6 +72,7 @@ class Calibration:
         single, device = strategies.get(strategies.BASELINE), self.config.spec.device(0)
         with _threads(self.config.spec.threads_per_device()):
             model = self.workload.build_model(self.config.seed)
+            tag(model, self.workload.classes)
             t = single.setup(model, make_optimizer(self.config), self.workload.loss, Dist(device=device), self.config)
             x, y = self.workload.dataset(self.config.seed, batch).batch(0)
             return median_time(lambda: single.train_step(t, (x, y), None), 7, synchronizer(device),

@@ -90,6 +90,22 @@ def first_steps(rows: list[Row]) -> str | None:
             f"a later one's time (median; {_span(ratios)} over {len(ratios)} rows); --warmup 1 leaves it out")
 
 
+def clip_line(rows: list[Row], run: dict) -> str | None:
+    """How often the clip bit in `single`'s run, and whether every row's global gradient norm (judged with
+    its losses) followed single's: the line that says the clip was tested, not only switched on."""
+    base = next((r for r in rows if r.equivalence.verdict == "baseline" and r.grad_norms), None)
+    if base is None or not run.get("clip_norm"):
+        return None
+    norms = [n for curve in base.grad_norms.values() for n in curve]
+    over = sum(n > run["clip_norm"] for n in norms)
+    judged = [r for r in rows if r.grad_norms and r.equivalence.verdict in ("match", "mismatch")]
+    off = [r.label for r in judged if "grad_norm" in r.equivalence.reason]
+    return (f"clip: single's gradient norm exceeded --clip-norm {run['clip_norm']:g} in {over} of {len(norms)} "
+            f"steps (largest {max(norms):.3g}); " + (f"{len(judged)} rows' norms judged with their losses, "
+                                                     + (f"off in {', '.join(off)}" if off else "all within the rule")
+                                                     if judged else "no other row to judge"))
+
+
 def notes(rows: list[Row], environment: dict, skipped: dict | None = None) -> list[str]:
     """What a reader must know to read the table right, in as few lines as it takes."""
     out = [f"{r.label} {r.status}: {r.error.splitlines()[0]}"  # the log: logs/round-k/ with --repeat
@@ -134,6 +150,8 @@ def notes(rows: list[Row], environment: dict, skipped: dict | None = None) -> li
                        "global token mean, so a split batch trains differently from one device (docs/loss.md: "
                        "return the logits, or the sum and the count)" if run.get("own_mean_loss") else
                        "every strategy is given the global token mean's share (docs/loss.md)"))
+    if line := clip_line(rows, environment.get("run") or {}):
+        out.append(line)
     if (environment.get("run") or {}).get("warmup") == 0 and (line := first_steps(rows)):
         out.append(line)
     kind = environment["device_kind"]

@@ -28,7 +28,13 @@ def run_facts(config) -> dict:
     label = config.workload + (f" ({config.preset or config.arch or 'gpt'})" if config.shaped else "")
     return {"workload": label, "params": sum(p.numel() for p in shape_model(config).parameters()),
             "global_batch": config.batch_size, "steps": config.steps, "warmup": config.warmup,
-            "precision": config.precision, "seed": config.seed, "why": config.why} | _uneven(config)
+            "precision": config.precision, "seed": config.seed, "why": config.why, **_step(config)} | _uneven(config)
+
+
+def _step(config) -> dict:
+    """The optimiser step the run trained with (loop/optim.py), as the header and the notes say it."""
+    return {"optimizer": config.optimizer, "lr": config.lr, "weight_decay": config.weight_decay,
+            "clip_norm": config.clip_norm, "lr_schedule": config.lr_schedule, "warmup_steps": config.warmup_steps}
 
 
 def _uneven(config) -> dict:
@@ -62,7 +68,17 @@ def header(environment: dict) -> str:
     return " · ".join(x for x in (
         what, f"batch {run.get('global_batch', '?')}", steps,
         f"{environment['devices']} {kind}" + ("" if kind == "virtual" else f", {environment['backend']}"),
-        run.get("precision", ""), f"seed {run.get('seed', '?')}", f"torch {environment['torch']}") if x)
+        run.get("precision", ""), _recipe(run), f"seed {run.get('seed', '?')}", f"torch {environment['torch']}") if x)
+
+
+def _recipe(run: dict) -> str:
+    """"adamw lr 0.003 clip 1 cosine": the step in a few words ("" for a run recorded before #72)."""
+    if not run.get("optimizer"):
+        return ""
+    clip = f" clip {run['clip_norm']:g}" if run.get("clip_norm") else ""
+    schedule = f" {run['lr_schedule']}" if run.get("lr_schedule", "constant") != "constant" else ""
+    warm = f" warm-up {run['warmup_steps']}" if run.get("warmup_steps") else ""
+    return f"{run['optimizer']} lr {run['lr']:g}{clip}{schedule}{warm}"
 
 
 # The main table -----------------------------------------------------------------------------------------

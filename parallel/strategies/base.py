@@ -63,7 +63,12 @@ class Trainable:
     mutant: str = ""  # the injected bug this run carries (--mutant; see Mutant), "" for none
     not_expected: str = ""  # why this run, as it went, cannot match `single` (tokens dropped), "" if it must
     held_by: dict[str, tuple[int, ...]] = field(default_factory=dict)  # by name, the ranks that hold the same
-    #   copy of a tensor of `model` where its layout alone would say otherwise (--check-replicas; divergence.py)
+    #   copy of a tensor of `model` where its layout alone would say otherwise (--check-replicas; divergence.py;
+    #   the global gradient norm counts each gradient once by it: loop/clipping.py)
+    grad_copies: dict[int, int] = field(default_factory=dict)  # by id, the copies of a tied weight (GPT-2's head on
+    #   the last stage, its embedding on the first) the world holds, each with their summed gradient: the
+    #   global gradient norm counts it once (kit/tied.py, loop/clipping.py)
+    clip_alone: bool = False  # (injected bugs only) the gradient norm from this rank's own gradients, never reduced
 
     def all_devices(self) -> list[torch.device]:
         return self.devices or [self.device]
@@ -109,6 +114,14 @@ class Mutant:
     run: dict = field(default_factory=dict, hash=False)  # the run it shows in: RunConfig fields, "options"
     shows: str = "oracle"  # what must name it: the oracle's verdict; "hang", the diagnosis of a hang
     #   (judge/hangs.py); "replicas", --check-replicas (divergence.py). judge/named.py says what counts.
+
+
+# The run the clipping bugs show in: the transformer under SGD, clipped at a norm it exceeds every step (its
+# norm is about 0.7), so that a wrong clip moves every parameter (AdamW's update is nearly blind to a gradient
+# scaled alike every step: docs/optimizer.md); the norm each rank reports is judged too.
+CLIPPED = {"workload": "transformer", "optimizer": "sgd", "clip_norm": 0.25}
+# The step's other bugs, under what users run: AdamW, warm-up and cosine decay.
+ADAMW = {"workload": "transformer", "optimizer": "adamw", "lr_schedule": "cosine", "warmup_steps": 4}
 
 
 def injected(holder, mutant: Mutant) -> bool:

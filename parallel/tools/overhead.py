@@ -24,7 +24,7 @@ from rich.table import Table
 from parallel import strategies
 from parallel.config import RunConfig
 from parallel.launch.ranks import run_ranks
-from parallel.loop.train import make_optimizer
+from parallel.loop.optim import make_optimizer, tag
 from parallel.models.outputs import call
 from parallel.models.transformer import SHAPE
 from parallel.models.usermodel import workload_of
@@ -41,6 +41,7 @@ def bare_loop_ms(config: RunConfig) -> float:
     torch.set_num_threads(config.spec.threads_per_device())
     workload = workload_of(config)
     model = workload.build_model(config.seed)
+    tag(model, workload.classes)
     opt = make_optimizer(config)(model.parameters())
     data = workload.dataset(config.seed, config.batch_size)
     times = []
@@ -59,7 +60,9 @@ def strategy_loop_ms(strategy, config: RunConfig, dist: Dist) -> float:
     """Median ms per timed step of the strategy's own setup and train_step in a plain loop, this rank."""
     torch.set_num_threads(config.spec.threads_per_device() * len(devices_driven(strategy, config, dist)))
     workload = workload_of(config)
-    t = strategy.setup(workload.build_model(config.seed), make_optimizer(config), workload.loss, dist, config)
+    model = workload.build_model(config.seed)
+    tag(model, workload.classes)
+    t = strategy.setup(model, make_optimizer(config), workload.loss, dist, config)
     data = workload.dataset(config.seed, config.batch_size)
     share = strategy.dims(config, dist).batch_share(dist.rank)
     sync = synchronizer_all(t.all_devices())

@@ -44,7 +44,11 @@ def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
     mesh = mesh_dims(run).mesh(dist.device.type)  # ("dp_shard", "tp"), made once; each dimension its slice
     model = tensor_parallel.apply(model.to(dist.device), mesh["tp"], tensor_parallel.Options(), run)
     fsdp.apply(model, mesh["dp_shard"])  # then every block and the root sharded over dp
-    return Trainable(model, make_optimizer(tensor_parallel.by_kind(model.parameters())), loss_fn, dist.device)
+    # What the plan leaves whole is a DTensor of the dp slice alone, its shard held alike by the tp group's
+    # ranks (its mesh does not say so): --check-replicas compares them, the gradient norm counts them once
+    group = tuple(mesh["tp"].mesh.tolist())
+    return Trainable(model, make_optimizer(tensor_parallel.by_kind(model.parameters())), loss_fn, dist.device,
+                     held_by={k: group for k, p in model.named_parameters() if p.device_mesh.ndim == 1})
 
 
 train_step = fsdp.train_step  # this dp coordinate's share, every tp rank of a group alike (dims)

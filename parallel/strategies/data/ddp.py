@@ -33,11 +33,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from parallel.kit import sync_batchnorm
 from parallel.kit.tensors import state_bytes
+from parallel.loop import optim
+from parallel.loop.clipping import schedule_of
 from parallel.loop.results import Rule
 from parallel.loop.tokens import own_mean
 from parallel.measure import replicas
 from parallel.models.outputs import call
-from parallel.strategies.base import Hooks, Mutant, Trainable, injected, make_optimizers
+from parallel.strategies.base import ADAMW, Hooks, Mutant, Trainable, injected, make_optimizers
 from parallel.world.errors import ConfigError
 
 NAME = "ddp"
@@ -57,8 +59,10 @@ def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
         for part in t.state.parts.values():
             part.register_comm_hook(t, _allreduce)
         return t
+    rule = {f"{n}": optim.kind_of(p) for n, p in model.named_parameters()}  # the bug's: by name, before DDP
     ddp = _wrap(model, dist, opts)
-    optimizer = make_optimizer(ddp.parameters())
+    optimizer = make_optimizer(optim.by_name(ddp.named_parameters(), rule) if injected(run, DECAY_BY_NAME)
+                               else ddp.parameters())
     if injected(run, LR_TIMES_N):
         for group in optimizer.param_groups:
             group["lr"] *= dist.world_size
@@ -122,6 +126,8 @@ def _step(t: Trainable, batch, sync: bool = True):
             loss = loss_fn(call(t.model, xb, yb), yb)  # the micro-batch's share of the global token mean
             (loss / scale).backward()  # mean over the share = mean of the k micro-means
         total += loss.detach() / k
+        if not last and injected(t, SCHEDULE_PER_MICRO):  # the bug: the schedule stepped with each micro-batch
+            schedule_of(t.optimizer).step()
     t.optimizer.step()
     return total
 
@@ -180,8 +186,14 @@ RANK_MEAN = Mutant("ddp:rank-mean", "uneven tokens: each rank's loss the mean ov
 ACCUM_BY_STEPS = Mutant("ddp:accum-by-steps", "uneven tokens: accumulation divides each micro-batch's own token mean "
                         "by the steps, not by the tokens (docs/loss.md)",
                         {"workload": "transformer", "tokens": "padded", "options": {"accum": 2}})
+DECAY_BY_NAME = Mutant("ddp:decay-by-wrapped-name", "weight decay's exemptions (norms, biases, embeddings) looked "
+                       "up by name after DDP renamed every parameter module.*: none is found, all decay",
+                       {**ADAMW, "weight_decay": 0.5})
+SCHEDULE_PER_MICRO = Mutant("ddp:schedule-per-microbatch", "the learning-rate schedule stepped once per "
+                            "micro-batch, not per optimiser step: the warm-up ends accum times too soon",
+                            {**ADAMW, "options": {"accum": 4}, "batch_size": 16})
 MUTANTS = (SUM_NOT_MEAN, LR_TIMES_N, UNSYNCED_BN, ACCUM_SUMMED, NO_SYNC_ALWAYS, PRESCALE_TWICE, COMPRESSED_SUM,
-           RANK_MEAN, ACCUM_BY_STEPS)
+           RANK_MEAN, ACCUM_BY_STEPS, DECAY_BY_NAME, SCHEDULE_PER_MICRO)
 
 
 def model_state_bytes(t: Trainable, run) -> list[int]:

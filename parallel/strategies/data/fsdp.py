@@ -33,10 +33,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from parallel.loop import optim
 from parallel.loop.results import Rule
 from parallel.measure import sharded
 from parallel.models.outputs import call
 from parallel.strategies.base import (
+    CLIPPED,
     Hooks,
     Mutant,
     Trainable,
@@ -75,7 +77,7 @@ def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
             group.set_gradient_divide_factor(1.0)
             group.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM, nccl's way of dividing
     return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device,
-                     state=Sharded(groups))
+                     state=Sharded(groups), clip_alone=injected(run, CLIP_LOCAL))
 
 
 def train_step(t: Trainable, batch, dist):
@@ -114,10 +116,11 @@ def apply(model: nn.Module, mesh, reshard: bool | None = True, **policies) -> li
     # on it would skip the pre-backward all-gather. The loss here never modifies the output in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     groups = blocks(model)
-    for block in groups:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **policies)
-    # the root last: the parameters no block holds, and the hooks that drive the rest (it reshards as well)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **policies)
+    with optim.kept(model):  # FSDP2's parameters are new DTensors: each given the kind its name had
+        for block in groups:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **policies)
+        # the root last: the parameters no block holds, and the hooks that drive the rest (it reshards as well)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **policies)
     return [*groups, model]
 
 
@@ -163,7 +166,9 @@ UNSYNCED_INIT = Mutant("fsdp:unsynced-init", "ranks build the model from differe
 SUM_NOT_MEAN = Mutant("fsdp:sum-not-mean", "gradient divide factor 1 on every group (set_gradient_divide_factor), "
                       "as if the loss were already a mean over the global batch: gradients summed, not averaged",
                       {"options": {"reshard": 0}})
-MUTANTS = (UNSYNCED_INIT, SUM_NOT_MEAN)
+CLIP_LOCAL = Mutant("fsdp:clip-local-norm", "the gradient norm clipped by is this rank's shard's alone "
+                    "(clip_grad_norm_ over local shards, never all-reduced): each rank clips by its own", CLIPPED)
+MUTANTS = (UNSYNCED_INIT, SUM_NOT_MEAN, CLIP_LOCAL)
 
 
 def dims(run, dist) -> ParallelDims:

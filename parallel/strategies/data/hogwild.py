@@ -25,9 +25,10 @@ import numpy as np
 import torch
 
 from parallel.kit.tensors import param_bytes
+from parallel.loop.optim import make_optimizer, moments, tag
 from parallel.loop.profiling import make_profiler
 from parallel.loop.tokens import loss_of
-from parallel.loop.train import TrainResult, default_dtype, make_optimizer
+from parallel.loop.train import TrainResult, default_dtype
 from parallel.loop.train import train as the_loop
 from parallel.measure import replicas
 from parallel.models.outputs import call
@@ -133,6 +134,7 @@ def _worker(rank, model, run, shared, results, start) -> None:
         torch.manual_seed(run.seed + rank)
         torch.set_num_threads(max(1, cpu_cores() // workers))
         workload = run.workload
+        tag(model, workload.classes)  # each worker its own optimiser, its own clip (by its own gradient's norm)
         t = Trainable(model, make_optimizer(run)(model.parameters()), loss_of(workload), torch.device("cpu"),
                       state=State(workers, *shared))
         me = Dist(rank=rank, local_rank=rank, world_size=workers, local_world_size=workers)
@@ -199,9 +201,9 @@ def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
 
 def model_state_bytes(t: Trainable, run) -> list[int]:
     """The parameters once, in shared memory (counted with worker 0); each worker's own gradients and
-    momentum (SGD: one buffer) in that worker."""
+    optimiser state (SGD's momentum: one buffer; AdamW's two moments) in that worker."""
     params = param_bytes(t.model.parameters())
-    per_worker = params * (2 if run.momentum else 1)
+    per_worker = params * (1 + moments(run))
     return [params + per_worker] + [per_worker] * (t.state.workers - 1)
 
 

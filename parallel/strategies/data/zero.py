@@ -4,8 +4,9 @@
 
 The diff from `manual_ddp`: every rank still holds all the parameters and trains on its 1/N share of the
 batch, and backward still hands the gradients over bucket by bucket as they land, but each bucket is cut
-into N equal chunks, and rank r owns chunk r of every bucket: only those chunks' optimizer state (SGD's
-momentum here), and at stage 2 only their gradients.
+into N equal chunks, and rank r owns chunk r of every bucket: only those chunks' optimizer state (AdamW's
+moments, SGD's momentum), and at stage 2 only their gradients. The parameters that decay and those that
+do not are bucketed apart, so that a chunk is of one kind and takes its kind's weight decay.
 
     flat parameters, bucket by bucket, each padded to a multiple of N:
         [ bucket 0: r0 | r1 | ... ][ bucket 1: r0 | r1 | ... ] ...     (buckets in backward order)
@@ -38,6 +39,7 @@ from torch.autograd.profiler import record_function
 
 from parallel.kit.collectives import all_gather, reduce_scatter
 from parallel.kit.tensors import optimizer_state_bytes, param_bytes, tensor_bytes
+from parallel.loop import optim
 from parallel.measure import sharded
 from parallel.models.outputs import call
 from parallel.strategies.base import Hooks, Mutant, Trainable, injected, loaded_in_place
@@ -55,7 +57,9 @@ def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:  # every rank starts from rank 0's weights, sent before they are flattened (as DeepSpeed's
         td.broadcast(p.detach(), src=0)  # engine does before its ZeRO optimizer pads them): the layout is local
-    groups = buckets_in_backward_order(params, (o.bucket_mb or DEFAULT_BUCKET_MB) * 2**20)
+    # What decays and what does not in buckets of their own, so that a chunk holds one kind (loop/optim.py)
+    groups = [g for decay in (True, False) for g in buckets_in_backward_order(
+        [p for p in params if optim.decays(p) == decay], (o.bucket_mb or DEFAULT_BUCKET_MB) * 2**20) if g]
     sizes = [math.ceil(sum(p.numel() for p in g) / n) * n for g in groups]  # each bucket padded to N chunks
     if injected(run, UNEVEN_PADDING) and dist.rank == BUG_RANK:
         sizes = [(sum(p.numel() for p in g) // n + 1) * n for g in groups]
@@ -73,7 +77,8 @@ def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
             offsets[p] = offset
             offset += p.numel()
         chunk = size // n  # a view: stepping it moves the model's weights
-        buckets.append(Bucket(i, start, start + size, group, nn.Parameter(flat[start + owner * chunk:][:chunk])))
+        shard = optim.like(nn.Parameter(flat[start + owner * chunk:][:chunk]), group[0])  # its bucket's kind
+        buckets.append(Bucket(i, start, start + size, group, shard))
         start += size
     z = Shards(n, o.zero_stage, flat, grads, buckets, offsets,
                injected(run, BUCKET_EARLY))
@@ -216,10 +221,9 @@ def checkpoint_state(t: Trainable) -> dict:
     checkpoint resumes on the same number of ranks and buckets (else refused as not fitting)."""
     z, rank = t.state, td.get_rank() if td.is_initialized() else 0
     momenta = {}
-    for b in z.buckets:
-        opt = t.optimizer.state[b.shard]  # SGD creates its momentum at the first step: make it now, as zeros
-        momenta[f"momentum_of_bucket_{b.index}_chunk_{rank}_of_{z.world}"] = opt.setdefault(
-            "momentum_buffer", torch.zeros_like(b.shard))
+    for b in z.buckets:  # the optimiser makes its state at the first step: made now, as zeros
+        for key, value in optim.state_now(t.optimizer, b.shard).items():
+            momenta[f"{key}_of_bucket_{b.index}_chunk_{rank}_of_{z.world}"] = value
     return {"model": t.model.state_dict(), **momenta, "step": torch.zeros((), dtype=torch.int64)}
 
 

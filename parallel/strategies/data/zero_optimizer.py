@@ -26,6 +26,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from parallel.kit.tensors import tensor_bytes
+from parallel.loop import optim
 from parallel.measure import sharded
 from parallel.models.outputs import call
 from parallel.strategies.base import Hooks, Mutant, Trainable, injected, loaded_in_place
@@ -42,8 +43,9 @@ def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
 
     model = model.to(dist.device)
     ddp = DDP(model, device_ids=[dist.device] if dist.device.type == "cuda" else None, gradient_as_bucket_view=True)
-    like = make_optimizer([torch.zeros(1, requires_grad=True)])  # the run's optimizer: its class and settings
-    optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=type(like), **like.defaults)
+    # the run's optimiser (loop/optim.Recipe): its class, settings and weight-decay groups, each rank's share
+    optimizer = ZeroRedundancyOptimizer(make_optimizer.groups(ddp.parameters()), optimizer_class=make_optimizer.cls,
+                                        **make_optimizer.defaults)
     t = Trainable(ddp, optimizer, loss_fn, dist.device)
     ddp.register_comm_hook(t, _labelled_allreduce)
     return t
@@ -85,18 +87,16 @@ def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
 def model_state_bytes(t: Trainable, run) -> list[int]:
     """Every rank: all parameters and gradients; optimizer state for the parameters it owns."""
     full = sum(2 * tensor_bytes(p) for p in t.model.parameters())  # parameter + its gradient
-    return [full + sum(tensor_bytes(p) for p in _owned(t, r)) for r in range(run.world_size)]  # + momentum
+    return [full + optim.moments(run) * sum(tensor_bytes(p) for p in _owned(t, r))  # + momentum or moments
+            for r in range(run.world_size)]
 
 
 def checkpoint_state(t: Trainable) -> dict:
     """The parameters under the model's names (DCP writes them once) and the momentum of each parameter
     under its own name, written by the rank that owns it; a resume needs the same N (the same owners)."""
     names = {p: n for n, p in t.model.module.named_parameters()}
-    own = t.optimizer.optim.state
-    momenta = {}
-    for p in _owned(t, td.get_rank()):
-        own[p].setdefault("momentum_buffer", torch.zeros_like(p))  # SGD makes it at the first step
-        momenta[f"momentum.{names[p]}"] = own[p]["momentum_buffer"]
+    momenta = {f"{key}.{names[p]}": v for p in _owned(t, td.get_rank())
+               for key, v in optim.state_now(t.optimizer.optim, p).items()}  # momentum, or AdamW's moments
     return {"model": t.model.module.state_dict(), **momenta, "step": torch.zeros((), dtype=torch.int64)}
 
 

@@ -36,7 +36,7 @@ from parallel.loop import checkpoint
 from parallel.measure.experts import Experts
 from parallel.models.moe import combine
 from parallel.models.outputs import call
-from parallel.strategies.base import Hooks, Mutant, Trainable, injected, model_state_every_rank
+from parallel.strategies.base import CLIPPED, Hooks, Mutant, Trainable, injected, model_state_every_rank
 from parallel.world.errors import ConfigError
 
 NAME = "expert_parallel"
@@ -70,6 +70,8 @@ def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
     state = State(dispatch, owned, dense, [p for p in model.parameters() if id(p) in expert_params], expert_group,
                   n)
     held = tuple(range(dist.rank % ep, n, ep))  # the ranks holding this rank's experts (its expert-replica group)
+    if injected(run, EXPERTS_NORM):  # the bug: counted in the norm as the dense parameters are, held by every rank
+        held = tuple(range(n))
     return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device, state=state,
                      held_by={k: held for k, p in model.named_parameters() if id(p) in expert_params})
 
@@ -169,7 +171,10 @@ TRANSPOSED = Mutant("expert_parallel:splits-transposed", "the received rows read
 LOCAL_AUX = Mutant("expert_parallel:aux-loss-local-counts", "the load-balancing loss's counts taken over the "
                    "rank's own tokens, not summed over the batch",
                    {**_MOE, "aux_loss": 1.0, "batch_size": 8, "seq_len": 8})  # 32 tokens a rank: counts that differ
-MUTANTS = (UNGATED, ROUTER_UNREDUCED, TRANSPOSED, LOCAL_AUX)
+EXPERTS_NORM = Mutant("expert_parallel:experts-norm-unreduced", "the clip's gradient norm takes the experts as the "
+                      "dense weights, held alike by every rank: their squares divided by the ranks, never summed "
+                      "over the expert groups", {**_MOE, **CLIPPED, "workload": "moe"})
+MUTANTS = (UNGATED, ROUTER_UNREDUCED, TRANSPOSED, LOCAL_AUX, EXPERTS_NORM)
 
 
 # How the injected bugs above are written: setup puts one in the dispatch's place

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.kit import collectives, kv_copies
-from parallel.loop import checkpoint
+from parallel.loop import checkpoint, optim
 from parallel.measure import layers
 from parallel.models.outputs import call
 from parallel.models.transformer import Attention
@@ -52,10 +52,10 @@ SYNCHRONOUS = True
 
 
 def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
-    # Every rank built the same model from the seed (workloads.build_model): each keeps its part of it.
     copies = kv_copies.copied(model, dist.world_size, dist.rank)  # fewer kv heads than ranks: each head m times
     summed = summed_params(model)  # whole weights on this rank's heads (TPPlan), found before the split
-    colwise, rowwise = shard(model, dist.rank, dist.world_size, run)
+    with optim.kept(model):  # every rank built the model from the seed: each keeps its part (kinds by name)
+        colwise, rowwise = shard(model, dist.rank, dist.world_size, run)
     model = model.to(dist.device)
     collectives.sum_as_made(summed)
     if injected(run, RANK_BRANCH) and dist.rank == 1:  # the bug: a rank-dependent branch in the model

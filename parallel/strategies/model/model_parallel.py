@@ -28,6 +28,7 @@ from parallel.kit.stages import (
     stage_forward,
 )
 from parallel.kit.tensors import state_bytes
+from parallel.kit.tied import copies as tie_copies
 from parallel.measure import pipelines
 from parallel.measure.stage_time import Watch
 from parallel.strategies.base import Hooks, Mutant, Trainable, injected
@@ -84,7 +85,7 @@ def setup_stages(model, make_optimizer, loss_fn, run, sample_size: int, balance:
     sp = split(model, devices, balance, sample, given_cut(run, balance, len(devices), layers_of(model)))
     return Trainable(model, make_optimizer(model.parameters()), loss_fn, devices[0],
                      state=Stages(sp, Watch(sp.stages, devices, run.warmup)),
-                     devices=devices)
+                     devices=devices, grad_copies=tie_copies(sp.tied))
 
 
 @dataclass

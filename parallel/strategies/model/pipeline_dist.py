@@ -42,7 +42,7 @@ from parallel.kit.tied import TiedAcross
 from parallel.loop.tokens import own_mean
 from parallel.measure import pipelines
 from parallel.measure.stage_time import Busy, timed_loss, timed_stage
-from parallel.strategies.base import Hooks, Mutant, Trainable, injected, model_state_every_rank
+from parallel.strategies.base import CLIPPED, Hooks, Mutant, Trainable, injected, model_state_every_rank
 from parallel.strategies.model import pipeline
 from parallel.world.devices import SHARED_GLOO_NO_P2P
 from parallel.world.dims import ParallelDims
@@ -126,7 +126,8 @@ def build(model, make_optimizer, loss_fn, dist, run, pp=None, each_stage=None,
         tied.held = lambda held=tied.held: [i for i in held() if tied.collectives[i] is not None]
     local = nn.ModuleList(modules)
     state = State(schedule, p, rank, stages, names, bounds, 0 in ids, p * v - 1 in ids, busy, tied)
-    return Trainable(local, make_optimizer(local.parameters()), loss_fn, dist.device, state=state)
+    return Trainable(local, make_optimizer(local.parameters()), loss_fn, dist.device, state=state,
+                     grad_copies=tied.copies() if tied is not None else {}, clip_alone=injected(run, CLIP_STAGE))
 
 
 TIED_GPT = {"workload": "transformer", "arch": "gpt", "tied": True, "vocab": 64, "seq_len": 16}  # the tied-head bugs
@@ -191,7 +192,9 @@ TIE_IN_RANK = Mutant("pipeline_dist:tie-within-rank", "dualpipev's V puts the to
 MICROBATCH_MEAN = Mutant("pipeline_dist:microbatch-mean", "uneven tokens: each micro-batch's loss the mean over "
                          "its own real tokens, averaged by the schedule (docs/loss.md)",
                          {"workload": "transformer", "tokens": "padded"})
-MUTANTS = (SUMMED, TIE_UNSUMMED, TIE_IN_RANK, MICROBATCH_MEAN)
+CLIP_STAGE = Mutant("pipeline_dist:clip-stage-norm", "each stage clips by its own stage's gradient norm, never "
+                    "reduced over the stages (torchtitan#596)", CLIPPED)
+MUTANTS = (SUMMED, TIE_UNSUMMED, TIE_IN_RANK, MICROBATCH_MEAN, CLIP_STAGE)
 
 
 def dims(run, dist) -> ParallelDims:

@@ -31,10 +31,12 @@ from torch import nn
 
 from parallel.kit import kv_copies
 from parallel.kit.collectives import sum_as_made
+from parallel.loop import optim
 from parallel.measure import layers
 from parallel.models.outputs import call
 from parallel.models.workloads import summed_params, tp_plan_of
 from parallel.strategies.base import (
+    CLIPPED,
     Hooks,
     Mutant,
     Trainable,
@@ -67,6 +69,8 @@ def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
         weigh, tp = loss_fn.weigh, dist.world_size
         loss_fn.weigh = lambda density: weigh(density if density is None else density * tp)
     whole = tuple(range(dist.world_size))  # what the plan leaves whole, every tp rank holds alike (--check-replicas)
+    if injected(run, NORM_TP_TIMES):  # the bug: each rank's norm summed over the group as if all it held were a slice
+        whole = (dist.rank,)
     return Trainable(model, make_optimizer(by_kind(model.parameters())), loss_fn, dist.device,
                      state=State(bool(o.loss_parallel), copies),
                      held_by={k: whole for k, p in model.named_parameters() if not isinstance(p, DTensor)}
@@ -166,16 +170,17 @@ def apply(model: nn.Module, mesh, o: Options, run) -> nn.Module:
 
     if o.loss_parallel and injected(run, VOCAB_REMAINDER):
         _rows_per_rank_floored(model.get_submodule("head.1"), mesh.size())
-    return parallelize_module(model, mesh, plan(model, o, run))
+    with optim.kept(model):  # DTensor's parameters are new: each given the kind its name had (loop/optim.py)
+        return parallelize_module(model, mesh, plan(model, o, run))
 
 
 def _rows_per_rank_floored(head: nn.Linear, tp: int) -> None:
     """The tensor_parallel:vocab-remainder-dropped bug: the vocabulary cut into tp shares of V // tp rows,
     the remainder's rows dropped before the head is split (what ColwiseParallel's uneven shards avoid)."""
     keep = head.out_features // tp * tp
-    head.weight = nn.Parameter(head.weight.detach()[:keep].clone())
+    head.weight = optim.like(nn.Parameter(head.weight.detach()[:keep].clone()), head.weight)
     if head.bias is not None:
-        head.bias = nn.Parameter(head.bias.detach()[:keep].clone())
+        head.bias = optim.like(nn.Parameter(head.bias.detach()[:keep].clone()), head.bias)
     head.out_features = keep
 
 
@@ -223,7 +228,10 @@ COUNT_REPLICATED = Mutant("tensor_parallel:count-replicated", "a token file read
                           "counted tp times (the loss 1/tp of its size; loop/tokens.py)",
                           {"model": "examples/hf_llama.py:llama", "data": "examples/data/padded_tokens.npy",
                            "vocab": 256, "seq_len": 32, "batch_size": 16})
-MUTANTS = (NORM_UNSYNCED, VOCAB_REMAINDER, PADDING_COUNTED, NORM_UNSUMMED, COUNT_REPLICATED)
+NORM_TP_TIMES = Mutant("tensor_parallel:norm-replicated-tp-times", "the clip's gradient norm summed over the tp "
+                       "ranks for every parameter: the norms, biases and embeddings the plan leaves whole counted "
+                       "tp times", CLIPPED)
+MUTANTS = (NORM_UNSYNCED, VOCAB_REMAINDER, PADDING_COUNTED, NORM_UNSUMMED, COUNT_REPLICATED, NORM_TP_TIMES)
 
 
 def dims(run, dist) -> ParallelDims:
