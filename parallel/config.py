@@ -194,7 +194,8 @@ class RunConfig:
             raise ConfigError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.lr_schedule not in SCHEDULES:
             raise ConfigError(f"--lr-schedule must be one of {', '.join(SCHEDULES)}, got {self.lr_schedule!r}")
-        transformer = usermodel.workload_of(dataclasses.replace(self, **user)).data == "tokens"
+        workload = usermodel.workload_of(dataclasses.replace(self, **user))  # token ids in: a transformer's
+        transformer = workload.data == "tokens" or bool(self.vocab)  # a .pt of token ids: --vocab names it
         name, lr, wd, clip = resolve(self.optimizer, self.lr, self.weight_decay, self.clip_norm, transformer)
         if not (math.isfinite(lr) and lr > 0):
             raise ConfigError(f"--lr must be a positive finite number, got {lr}")

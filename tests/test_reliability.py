@@ -21,7 +21,8 @@ from parallel import cli, strategies
 from parallel.config import ConfigError, RunConfig
 from parallel.launch import child as launch
 from parallel.loop import checkpoint
-from parallel.loop.train import NonFiniteLoss, make_optimizer
+from parallel.loop.optim import make_optimizer, tag
+from parallel.loop.train import NonFiniteLoss
 from parallel.models.workloads import WORKLOADS
 from parallel.strategies.base import Trainable
 from parallel.worker import execute
@@ -63,6 +64,7 @@ def test_a_crashed_rank_restarts_resumes_and_ends_like_an_uninterrupted_run(tmp_
 def saved(folder, workload: str = "cnn") -> dict:
     """A DCP checkpoint of this program read back into plain tensors (model, optimiser state, step)."""
     model = WORKLOADS[workload].build_model(0)
+    tag(model, WORKLOADS[workload].classes)
     sd = checkpoint.state(Trainable(model, make_optimizer(RunConfig())(model.parameters()), None, torch.device("cpu")))
     checkpoint.load_into(folder, sd)
     return sd

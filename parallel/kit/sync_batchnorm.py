@@ -23,6 +23,8 @@ import torch.distributed as td
 import torch.distributed.nn.functional as dist_nn
 from torch import nn
 
+from parallel.loop import optim
+
 
 def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """Differentiable all-reduce (sum). torch 2.13 deprecates torch.distributed.nn.functional's in favour
@@ -87,6 +89,8 @@ def convert(module: nn.Module, device: torch.device) -> nn.Module:
             bn = GLOBAL[type(child)](child.num_features, child.eps, child.momentum, child.affine,
                                      child.track_running_stats, device=device)
             bn.load_state_dict(child.state_dict())
+            for leaf, p in bn.named_parameters():  # each of the kind its predecessor had (loop/optim.py)
+                optim.like(p, getattr(child, leaf))
             setattr(module, name, bn)
         else:
             convert(child, device)
