@@ -65,7 +65,8 @@ def saved(folder, workload: str = "cnn") -> dict:
     """A DCP checkpoint of this program read back into plain tensors (model, optimiser state, step)."""
     model = WORKLOADS[workload].build_model(0)
     tag(model, WORKLOADS[workload].classes)
-    sd = checkpoint.state(Trainable(model, make_optimizer(RunConfig())(model.parameters()), None, torch.device("cpu")))
+    optimizer = make_optimizer(RunConfig().validate())(model.parameters())
+    sd = checkpoint.state(Trainable(model, optimizer, None, torch.device("cpu")))
     checkpoint.load_into(folder, sd)
     return sd
 

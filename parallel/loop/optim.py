@@ -109,6 +109,8 @@ class Recipe:
     take (parameters, or groups of them as dicts) for the optimiser; `groups` splits them by decay."""
 
     def __init__(self, config):
+        if config.lr is None or config.weight_decay is None or not config.optimizer:
+            raise RuntimeError("internal: Recipe of a RunConfig not validated (its optimiser, lr or decay unset)")
         self.name, self.lr, self.clip = config.optimizer, config.lr, config.clip_norm
         self.weight_decay, self.momentum = config.weight_decay, config.momentum
         self.betas = tuple(float(b) for b in config.betas.split(","))
