@@ -164,8 +164,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
 # OPTION_BUCKET_MB). Filled in by readable_metavars() wherever a flag did not name its own.
 METAVARS = {
     "workload": "NAME", "devices": "SPEC", "world_size": "N", "batch_size": "N", "steps": "N", "warmup": "N",
-    "optimizer": "adamw|sgd", "lr_schedule": "constant|cosine", "lr": "RATE", "weight_decay": "W", "betas": "B1,B2",
-    "clip_norm": "NORM", "warmup_steps": "N",
+    "optimizer": "adamw|muon|sgd", "lr_schedule": "constant|cosine", "lr": "RATE", "weight_decay": "W",
+    "betas": "B1,B2", "clip_norm": "NORM", "warmup_steps": "N",
     "seed": "N", "precision": "DTYPE", "repeat": "N", "out": "DIR", "timeout": "SECONDS",
     "pg_timeout": "SECONDS", "port": "PORT", "max_restarts": "N", "checkpoint_every": "K", "resume_from": "DIR",
     "fail_at_step": "STEP", "fail_rank": "RANK", "hang_rank": "RANK", "hang_how": "stop|kill", "mutant": "NAME",

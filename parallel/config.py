@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from parallel.loop import muon
 from parallel.loop.optim import OPTIMIZERS, SCHEDULES, resolve
 from parallel.models import userdata, userload, usermodel
 from parallel.models.transformer import SHAPE
@@ -192,6 +193,8 @@ class RunConfig:
         """The optimiser's flags checked, and those left out filled in (loop/optim.resolve)."""
         if self.optimizer and self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.optimizer == "muon" and muon.MISSING:
+            raise ConfigError(muon.MISSING)
         if self.lr_schedule not in SCHEDULES:
             raise ConfigError(f"--lr-schedule must be one of {', '.join(SCHEDULES)}, got {self.lr_schedule!r}")
         workload = usermodel.workload_of(dataclasses.replace(self, **user))  # token ids in: a transformer's

@@ -26,7 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from parallel import strategies
 from parallel.config import RunConfig
 from parallel.kit.collectives import every_rank
-from parallel.loop import recorder
+from parallel.loop import muon, recorder
 from parallel.loop.clipping import NORM_BYTES, norm_name
 from parallel.loop.optim import make_optimizer, tag
 from parallel.loop.profiling import make_profiler
@@ -109,7 +109,7 @@ def train_once(strategy, config: RunConfig, dist: Dist, data=None, run: str = ""
     counted = counts_apart(data, trainable.loss_fn, dist.world_size)  # the step's count, all-reduced (loop/tokens.py)
     normed = getattr(result, "norm_reduced", False)  # the step's global gradient norm, all-reduced (loop/clipping.py)
     small = wire_bytes("all_reduce", COUNT_BYTES, dist.world_size) * counted + \
-        wire_bytes("all_reduce", NORM_BYTES, dist.world_size) * normed
+        wire_bytes("all_reduce", NORM_BYTES, dist.world_size) * normed + muon.predicted_bytes(trainable.optimizer)
     return Trained(result, trainable, state, peaks, peak_kind, reserved, extra, predicted, threads // len(local),
                    phases, tuple(workload.loss_names), small)
 
@@ -149,6 +149,7 @@ def build_row(strategy, config: RunConfig, dist: Dist, trained: Trained) -> Row:
         world_size=strategy.world_size(config),
         global_batch=config.batch_size,
         step_ms_p50=stats["p50_ms"],
+        update_ms_p50=summarize(getattr(result, "update_s", []))["p50_ms"],
         step_ms_p95=stats["p95_ms"],
         samples_per_s=result.samples_per_s or (stats["p50_ms"] and config.batch_size / (stats["p50_ms"] / 1e3)),
         peak_mem_bytes=peak,

@@ -221,6 +221,9 @@ def add_parser(sub) -> None:
     p.add_argument("--precision", default="fp32", metavar="DTYPE",
                    help="fp32; bf16: every run (and `single`) under bf16 autocast, judged by the bf16 rule, "
                         "which is looser; fp64: every run in float64, judged by the fp64 rule, far sharper")
+    p.add_argument("--optimizer", default="", metavar="NAME",
+                   help="the honest runs' optimiser: adamw, muon or sgd (default: each workload's own, AdamW where "
+                        "a transformer trains); each injected bug keeps its own")
     p.add_argument("--out", default="", metavar="DIR", help="also write mutants.json (and honest.json) to this folder")
 
 
@@ -249,8 +252,9 @@ def main(args, console) -> int:
         workloads = tuple(w.strip() for w in args.workloads.split(",") if w.strip()) or None
         for w in workloads or ():
             RunConfig(workload=w).validate()  # an unknown name is one line, before any run
-        honest = run_jobs(honest_jobs(args.honest, devices, {"precision": args.precision}, workloads, args.size),
-                          total=4 * 3600)
+        base = {"precision": args.precision, "optimizer": args.optimizer}
+        RunConfig(**base).validate()  # an unknown optimiser is one line, before any run
+        honest = run_jobs(honest_jobs(args.honest, devices, base, workloads, args.size), total=4 * 3600)
         show_honest(honest, outcomes, console)
         ok = ok and all(o.equivalence.verdict == "match" for o in honest)
         files["honest.json"] = honest

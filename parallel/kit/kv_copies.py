@@ -47,9 +47,13 @@ def kv_heads_below(model: nn.Module, tp: int) -> list[tuple[str, Attention, int]
             if isinstance(m, Attention) and (kv := m.k.out_features // m.head_size) < tp]
 
 
-def problem(model: nn.Module, tp: int) -> str | None:
-    """Why the kv heads cannot be copied to tp ranks (tp not a multiple of them), or None."""
+def problem(model: nn.Module, tp: int, muon: bool = False) -> str | None:
+    """Why the kv heads cannot be copied to tp ranks (tp not a multiple of them; Muon, whose gather of the
+    copies would orthogonalise each head's rows tp / kv times over), or None."""
     for name, _, kv in kv_heads_below(model, tp):
+        if muon:
+            return (f"Muon orthogonalises whole matrices, and {name}'s {kv} kv heads would be copied to tp {tp} "
+                    "ranks: not supported (loop/muon.py); --optimizer adamw, or tp at most the kv heads")
         if tp % kv:
             return f"tp {tp} is not a multiple of {name}'s {kv} kv heads (each rank must read one whole kv head)"
     return None

@@ -2,6 +2,7 @@
 
     before optimizer.step()   the global gradient norm, once; the gradients clipped with it (--clip-norm)
     after                     the learning rate to the next step's (--schedule, torch's LambdaLR)
+    between                   the update's own time (`update_s`), the device synchronized at both ends
 
 both as hooks on the strategy's own optimiser (register_step_pre_hook / post_hook), so that no strategy's
 train_step changes, and so that every optimiser, torch's ZeroRedundancyOptimizer included, gets them.
@@ -25,6 +26,8 @@ coefficient, min(1, max_norm / (norm + 1e-6)), on each gradient this rank holds.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as td
 from torch.optim.lr_scheduler import LambdaLR
@@ -38,8 +41,10 @@ NORM_BYTES = 8  # the norm's all-reduce: one float64 a step
 class Step:
     """The hooks on every optimiser of a Trainable; `norms()` the pre-clip global norm of every step."""
 
-    def __init__(self, trainable, recipe, dims, dist):
-        self.recipe, self.trainable = recipe, trainable
+    def __init__(self, trainable, recipe, dims, dist, synchronize=lambda: None):
+        self.recipe, self.trainable, self.synchronize = recipe, trainable, synchronize
+        self.began: dict[str, float] = {}
+        self.update_s: dict[str, list[float]] = {}  # each optimiser's update, each step: torch's step alone
         self.together = dist.world_size == dims.world > 1 and td.is_initialized()  # ranks to reduce over
         live = trainable is not None and trainable.optimizer is not None  # none: a test's loop without a model
         names = {id(p): n for n, p in trainable.model.named_parameters()} if live else {}
@@ -62,7 +67,7 @@ class Step:
             setattr(o, SCHEDULE, self.schedules[k])
         self.handles = [h for k, o in each.items() for h in (
             o.register_step_pre_hook(lambda opt, args, kwargs, k=k: self._before(k, opt)),
-            o.register_step_post_hook(lambda opt, args, kwargs, k=k: self.schedules[k].step()))]
+            o.register_step_post_hook(lambda opt, args, kwargs, k=k: self._after(k)))]
 
     def resume(self, start: int) -> None:
         """After a checkpoint's load: the learning rate of step `start`, from each group's base (LambdaLR's
@@ -76,7 +81,17 @@ class Step:
     def clips(self) -> bool:
         return self.recipe.clip > 0
 
+    def _after(self, key: str) -> None:
+        self.synchronize()  # the update's kernels done: its time is the optimiser's own
+        self.update_s.setdefault(key, []).append(time.perf_counter() - self.began[key])
+        self.schedules[key].step()
+
     def _before(self, key: str, optimizer) -> None:
+        self._clip(key, optimizer)
+        self.synchronize()  # backward's and the clip's kernels are not the update's
+        self.began[key] = time.perf_counter()
+
+    def _clip(self, key: str, optimizer) -> None:
         if not self.clips:
             return
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
@@ -104,6 +119,11 @@ class Step:
             square = square.reshape(1)
             td.all_reduce(square)  # (1,) float64: every rank's share of the whole
         return square.reshape(()).sqrt()
+
+    def timed(self, steps: int) -> list[float]:
+        """The update's seconds in each of the run's last `steps` steps (the timed ones), optimisers summed."""
+        curves = [v[-steps:] for v in self.update_s.values()] if steps else []
+        return [sum(c) for c in zip(*curves, strict=True)] if curves else []
 
     def norms(self) -> dict[str, list[float]]:
         """Each optimiser's pre-clip norm of every step, read after the loop (one wait for the device)."""

@@ -2,6 +2,7 @@
 
     --optimizer sgd    torch.optim.SGD with momentum (--momentum), L2 --weight-decay if given
     --optimizer adamw  torch.optim.AdamW (--betas, decoupled --weight-decay): what transformers train with
+    --optimizer muon   torch.optim.Muon on the hidden matrices, AdamW on the rest (loop/muon.py)
 
 Which parameters decay is decided once, on the model as the workload built it, before any strategy
 wraps it, by one stated rule, by what a parameter IS, never by its name:
@@ -36,11 +37,12 @@ KIND = "_parallel_kind"  # the attribute a parameter carries its kind in
 DECAYS = ("matrix", "head", "tensor")
 KINDS = ("matrix", "head", "tensor", "embedding", "vector")
 MIN_LR_FACTOR = 0.1  # cosine ends at a tenth of --lr, as nanoGPT's and Llama's schedules do
-OPTIMIZERS = ("sgd", "adamw")
+OPTIMIZERS = ("sgd", "adamw", "muon")
 SCHEDULES = ("constant", "cosine")
 DEFAULTS = {  # what a flag left out means, by optimizer: (lr, weight decay, clip norm)
     "sgd": (0.02, 0.0, 0.0),
     "adamw": (3e-3, 0.1, 1.0),
+    "muon": (3e-3, 0.1, 1.0),  # AdamW's: Muon's step is scaled to AdamW's size (loop/muon.py)
 }
 
 
@@ -119,27 +121,35 @@ class Recipe:
 
     @property
     def cls(self) -> type[torch.optim.Optimizer]:
-        return torch.optim.AdamW if self.name == "adamw" else torch.optim.SGD
+        from parallel.loop.muon import MuonAdamW
+
+        return {"adamw": torch.optim.AdamW, "muon": MuonAdamW}.get(self.name, torch.optim.SGD)
 
     @property
     def defaults(self) -> dict:
-        if self.name == "adamw":
+        if self.name in ("adamw", "muon"):
             return {"lr": self.lr, "betas": self.betas, "weight_decay": self.weight_decay}
         return {"lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay}
 
+    def part(self, p: torch.Tensor) -> str:
+        """Which of the optimiser's groups p falls in: "muon" (Muon's matrices), "decay" or "no-decay"."""
+        return "muon" if self.name == "muon" and kind_of(p) == "matrix" else "decay" if decays(p) else "no-decay"
+
     def groups(self, params) -> list[dict]:
-        """Each group given (a bare list is one) cut in two: what decays, at --weight-decay, and what does
-        not, at 0; each keeps the keys it came with (tensor_parallel.by_kind's mesh groups)."""
+        """Each group given (a bare list is one) cut by `part`: Muon's matrices (under muon), what decays, at
+        --weight-decay, and what does not, at 0; each keeps the keys it came with (tensor_parallel.by_kind's
+        mesh groups)."""
         given = list(params)
         given = given if given and isinstance(given[0], dict) else [{"params": given}]
         out = []
         for group in given:
             tensors = [p[1] if isinstance(p, tuple) else p for p in group["params"]]
             rest = {k: v for k, v in group.items() if k != "params"}
-            for decay in (True, False):
-                chosen = [p for p in tensors if decays(p) == decay]
+            for part in ("muon", "decay", "no-decay"):
+                chosen = [p for p in tensors if self.part(p) == part]
                 if chosen:
-                    out.append({**rest, "params": chosen, "weight_decay": self.weight_decay if decay else 0.0})
+                    out.append({**rest, "params": chosen, "weight_decay": 0.0 if part == "no-decay" else
+                                self.weight_decay} | ({"muon": True} if part == "muon" else {}))
         return out
 
     def __call__(self, params) -> torch.optim.Optimizer:
@@ -156,8 +166,13 @@ class Recipe:
         return MIN_LR_FACTOR + (1 - MIN_LR_FACTOR) * 0.5 * (1 + math.cos(math.pi * t))
 
 
-def moments(config) -> int:
-    """Buffers of a parameter's size the optimiser keeps per parameter: SGD's momentum, AdamW's two."""
+def moments(config, params=()) -> float:
+    """Buffers of a parameter's size the optimiser keeps per parameter: SGD's momentum, AdamW's two; Muon's
+    one on the matrices and AdamW's two on the rest, averaged over `params` (tagged; none given: 2)."""
+    if config.optimizer == "muon":
+        sizes = [(p.numel(), kind_of(p) == "matrix") for p in params]
+        total = sum(n for n, _ in sizes)
+        return (2 * total - sum(n for n, matrix in sizes if matrix)) / total if total else 2
     return 2 if config.optimizer == "adamw" else int(config.momentum > 0)
 
 
@@ -167,11 +182,14 @@ def state_now(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, to
     a float64 default). What a checkpoint of the live tensors writes before the first step, and what DCP
     loads into on a resume. The first step from these zeros is the step torch takes from none."""
     state = optimizer.state[p]
-    if not state and isinstance(optimizer, torch.optim.AdamW):
+    group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
+    if not state and group.get("muon"):
+        state["momentum_buffer"] = torch.zeros_like(p)
+    elif not state and "betas" in group:  # AdamW, on its own or for Muon's rest
         scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
         state.update(step=torch.tensor(0.0, dtype=scalar), exp_avg=torch.zeros_like(p),
                      exp_avg_sq=torch.zeros_like(p))
-    elif not state and optimizer.defaults.get("momentum"):  # SGD's buffer: the first step makes it the gradient
+    elif not state and group.get("momentum"):  # SGD's buffer: the first step makes it the gradient
         state["momentum_buffer"] = torch.zeros_like(p)
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 

@@ -73,6 +73,7 @@ class Row:
     step_ms_p50: float | None = None
     step_ms_p95: float | None = None
     step_ms_predicted: float | None = None  # the cost model's (report/costmodel.py)
+    update_ms_p50: float | None = None  # the optimiser's update alone, rank 0's median (loop/clipping.py)
     samples_per_s: float | None = None
     speedup: float | None = None  # samples/s over `single` on ONE device of the same list, same run ...
     speedup_over: str = ""  # ... or over this row's, where single does not fit one device (judge/twin.py)

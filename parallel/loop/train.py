@@ -46,6 +46,7 @@ class TrainResult:
     grad_norms: dict[str, list[float]] = field(default_factory=dict)  # --clip-norm: each optimiser's global
     #   gradient norm before the clip, every step (one optimiser: key ""; the DCGAN's: by part)
     norm_reduced: bool = False  # ... all-reduced over the ranks each step (loop/clipping.py)
+    update_s: list[float] = field(default_factory=list)  # the optimiser's update alone, each timed step
 
 
 @contextlib.contextmanager
@@ -85,7 +86,7 @@ def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult
     losses, step_s, first = [], [], None
     total = config.warmup + config.steps
     dims = strategy.dims(config, dist)  # which share of each global batch this rank takes, whose loss counts
-    clip = Step(trainable, make_optimizer(config), dims, dist)  # the global norm's clip, the schedule
+    clip = Step(trainable, make_optimizer(config), dims, dist, timer.synchronize)  # the clip, the schedule
     start = checkpoint.resume_point(config, strategy, trainable)
     clip.resume(start)
     share = dims.batch_share(dist.rank)
@@ -130,7 +131,8 @@ def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult
     several = bool(global_losses) and len(global_losses[0]) > 1
     return TrainResult([v[0] for v in global_losses], step_s, (first or timer.started, timer.started + timer.elapsed),
                        loss_parts=global_losses if several else None, wire=counter, diverged=replicas.found,
-                       checked=replicas.checked, grad_norms=clip.norms(), norm_reduced=clip.reduces and clip.clips)
+                       checked=replicas.checked, grad_norms=clip.norms(), norm_reduced=clip.reduces and clip.clips,
+                       update_s=clip.timed(len(step_s)))
 
 
 def snapshot_path(strategy, config, dist) -> str | None:

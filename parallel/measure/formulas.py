@@ -41,9 +41,10 @@ def model_state(psi: float, zero_stage: int, shards: int, param_bytes: int = 2, 
             "optimizer": part(optimizer_bytes, 1)}
 
 
-def run_state(params: int, zero_stage: int, shards: int, element: int = 4, moments: int = 1) -> float:
+def run_state(params: int, zero_stage: int, shards: int, element: int = 4, moments: float = 1) -> float:
     """Model state bytes per rank of an fp32 model (`element` 8: fp64) whose optimiser keeps `moments`
-    buffers a parameter (K = moments elements: SGD's momentum 1, AdamW's two moments 2; loop/optim.moments),
-    as this project's sharded strategies train it: what their runs measure per rank against
+    buffers a parameter (K = moments elements: SGD's momentum 1, AdamW's two moments 2, Muon's 1 on the
+    matrices and 2 on the rest, averaged; loop/optim.moments), as this project's sharded strategies train
+    it: what their runs measure per rank against
     (tests/test_sharded.py). Under AdamW in fp32: (4 + 4 + 8) Psi, the paper's K = 8 without a master copy."""
     return sum(model_state(params, zero_stage, shards, element, element, moments * element).values())

@@ -70,7 +70,7 @@ def held(params, optimizer) -> tuple[int, int, int]:
 
 
 def _model_state(r: Result, mine: tuple[int, int, int], stage: int, numel: int, shards: int, element: int,
-                 run) -> None:
+                 k: float) -> None:
     """Every rank's (parameters, gradients, optimizer state) bytes into `r` (a collective), beside the ZeRO
     paper's model state per rank for `numel` parameters at `stage` over `shards` ranks (formulas.run_state,
     K from the run's optimiser: fp32 SGD with momentum K = 4, DDP 12 Psi, stage 1 4 + 4 + 4/N, 2: 4 + (4 +
@@ -78,7 +78,7 @@ def _model_state(r: Result, mine: tuple[int, int, int], stage: int, numel: int, 
     params, grads, optimizer = zip(*every_rank(mine), strict=True)
     r.param_bytes_per_rank, r.grad_bytes_per_rank, r.optimizer_state_bytes_per_rank = (
         list(params), list(grads), list(optimizer))
-    r.zero_stage, r.zero_formula_bytes = stage, run_state(numel, stage, shards, element, moments(run))
+    r.zero_stage, r.zero_formula_bytes = stage, run_state(numel, stage, shards, element, k)
 
 
 def _sent(r: Result, result, **measured) -> dict:
@@ -105,7 +105,8 @@ class Zero(measure.Family):
     def extra_measurements(self, t, data, run, dist, result) -> dict:
         r, e = Result(bucket_bytes=self.buckets(t)), element_bytes(run.precision)
         flat = sum(r.bucket_bytes) // e  # the parameters' elements, each bucket padded
-        _model_state(r, self.held(t), run.options.zero_stage, flat, dist.world_size, e, run)
+        k = moments(run, t.model.parameters())  # buffers a parameter: the optimiser's
+        _model_state(r, self.held(t), run.options.zero_stage, flat, dist.world_size, e, k)
         return _sent(r, result, measured=measured_collectives(t.device, flat, rounds=_rounds(run)))
 
     def comm_bytes_predicted(self, model, run) -> float:
@@ -134,7 +135,8 @@ class ZeroRedundancy(measure.Family):
         r = Result(owned_param_bytes_per_rank=[param_bytes(self.owned(t, k)) for k in range(dist.world_size)])
         full, e = param_bytes(params), element_bytes(run.precision)
         mine = (full, full, optimizer_state_bytes(self.owned(t, dist.rank), t.optimizer.optim))
-        _model_state(r, mine, 1, full // e, dist.world_size, e, run)  # the paper's stage 1: an even share
+        # the paper's stage 1: an even share
+        _model_state(r, mine, 1, full // e, dist.world_size, e, moments(run, params))
         return _sent(r, result)
 
     def comm_bytes_predicted(self, model, run) -> float:
@@ -175,7 +177,7 @@ class FullyShard(measure.Family):
                    fsdp_groups=[names.get(id(g)) or "(root)" for g in self.groups(t)])
         n = dist.world_size // run.options.replicate  # the ranks one copy is sharded over
         e, numel = element_bytes(run.precision), sum(math.prod(p.shape) for p in t.model.parameters())  # global
-        _model_state(r, mine, 3, numel, n, e, run)
+        _model_state(r, mine, 3, numel, n, e, moments(run, t.model.parameters()))
         return _sent(r, result, measured=measured_collectives(t.device, numel * e // 4, rounds=_rounds(run)))
 
     def comm_bytes_predicted(self, model, run) -> float:

@@ -106,6 +106,15 @@ def clip_line(rows: list[Row], run: dict) -> str | None:
                                                      if judged else "no other row to judge"))
 
 
+def update_line(rows: list[Row]) -> str | None:
+    """The optimiser's update alone (loop/clipping.py's hooks), median ms a step by row: what sharding the
+    optimiser state (ZeRO, FSDP) spreads over the ranks, each stepping its 1/N."""
+    timed = [(r.label, r.update_ms_p50) for r in rows if r.update_ms_p50 is not None and not r.error]
+    if len(timed) < 2:
+        return None
+    return "update: the optimiser's step alone, median ms: " + ", ".join(f"{k} {v:.3g}" for k, v in timed)
+
+
 def notes(rows: list[Row], environment: dict, skipped: dict | None = None) -> list[str]:
     """What a reader must know to read the table right, in as few lines as it takes."""
     out = [f"{r.label} {r.status}: {r.error.splitlines()[0]}"  # the log: logs/round-k/ with --repeat
@@ -151,6 +160,8 @@ def notes(rows: list[Row], environment: dict, skipped: dict | None = None) -> li
                        "return the logits, or the sum and the count)" if run.get("own_mean_loss") else
                        "every strategy is given the global token mean's share (docs/loss.md)"))
     if line := clip_line(rows, environment.get("run") or {}):
+        out.append(line)
+    if line := update_line(rows):
         out.append(line)
     if (environment.get("run") or {}).get("warmup") == 0 and (line := first_steps(rows)):
         out.append(line)

@@ -122,6 +122,7 @@ class Mutant:
 CLIPPED = {"workload": "transformer", "optimizer": "sgd", "clip_norm": 0.25}
 # The step's other bugs, under what users run: AdamW, warm-up and cosine decay.
 ADAMW = {"workload": "transformer", "optimizer": "adamw", "lr_schedule": "cosine", "warmup_steps": 4}
+MUON = {"workload": "transformer", "optimizer": "muon"}  # Muon on the matrices (loop/muon.py)
 
 
 def injected(holder, mutant: Mutant) -> bool:

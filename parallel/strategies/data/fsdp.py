@@ -12,7 +12,8 @@ each, of each gradient and of the optimizer state, and torch's own optimizer ste
 
     forward    each group in turn: all-gather its parameters, compute, free them again ("reshard")
     backward   each group, last first: all-gather again, compute, reduce-scatter its gradients (mean)
-    step       the optimizer on the local shards: nothing to send
+    step       the optimizer on the local shards: nothing to send (under Muon, each matrix's update
+               all-gathered in bf16 and orthogonalised whole: 2 (N-1)/N bytes an element; loop/muon.py)
 
 Bytes a rank sends per step, P the parameters' bytes: all-gather (N-1)/N x P in forward and again in
 backward, reduce-scatter (N-1)/N x P: 3 Psi (the ZeRO paper's stage 3). --reshard 0
@@ -39,6 +40,7 @@ from parallel.measure import sharded
 from parallel.models.outputs import call
 from parallel.strategies.base import (
     CLIPPED,
+    MUON,
     Hooks,
     Mutant,
     Trainable,
@@ -76,8 +78,10 @@ def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
         for group in groups:
             group.set_gradient_divide_factor(1.0)
             group.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM, nccl's way of dividing
-    return Trainable(model, make_optimizer(model.parameters()), loss_fn, dist.device,
-                     state=Sharded(groups), clip_alone=injected(run, CLIP_LOCAL))
+    optimizer = make_optimizer(model.parameters())  # Muon gathers each matrix's shards (loop/muon.py)
+    optimizer.alone = injected(run, MUON_ALONE)  # the bug: Newton-Schulz of this rank's shard alone
+    return Trainable(model, optimizer, loss_fn, dist.device, state=Sharded(groups),
+                     clip_alone=injected(run, CLIP_LOCAL))
 
 
 def train_step(t: Trainable, batch, dist):
@@ -168,7 +172,10 @@ SUM_NOT_MEAN = Mutant("fsdp:sum-not-mean", "gradient divide factor 1 on every gr
                       {"options": {"reshard": 0}})
 CLIP_LOCAL = Mutant("fsdp:clip-local-norm", "the gradient norm clipped by is this rank's shard's alone "
                     "(clip_grad_norm_ over local shards, never all-reduced): each rank clips by its own", CLIPPED)
-MUTANTS = (UNSYNCED_INIT, SUM_NOT_MEAN, CLIP_LOCAL)
+MUON_ALONE = Mutant("fsdp:muon-shard-alone", "under Muon each rank orthogonalises its own dim-0 shard of a matrix "
+                    "(Newton-Schulz of the local tensor, as torch.optim.Muon on to_local() shards would), never "
+                    "the whole matrix", {**MUON, "devices": "cpu:4"})
+MUTANTS = (UNSYNCED_INIT, SUM_NOT_MEAN, CLIP_LOCAL, MUON_ALONE)
 
 
 def dims(run, dist) -> ParallelDims:

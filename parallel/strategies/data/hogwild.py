@@ -203,7 +203,7 @@ def model_state_bytes(t: Trainable, run) -> list[int]:
     """The parameters once, in shared memory (counted with worker 0); each worker's own gradients and
     optimiser state (SGD's momentum: one buffer; AdamW's two moments) in that worker."""
     params = param_bytes(t.model.parameters())
-    per_worker = params * (1 + moments(run))
+    per_worker = params * (1 + moments(run, t.model.parameters()))
     return [params + per_worker] + [per_worker] * (t.state.workers - 1)
 
 

@@ -5,8 +5,10 @@
 The diff from `manual_ddp`: every rank still holds all the parameters and trains on its 1/N share of the
 batch, and backward still hands the gradients over bucket by bucket as they land, but each bucket is cut
 into N equal chunks, and rank r owns chunk r of every bucket: only those chunks' optimizer state (AdamW's
-moments, SGD's momentum), and at stage 2 only their gradients. The parameters that decay and those that
-do not are bucketed apart, so that a chunk is of one kind and takes its kind's weight decay.
+moments, SGD's momentum), and at stage 2 only their gradients. Each of the optimiser's groups (what
+decays, what does not, and under Muon its matrices) is bucketed apart, so that a chunk is of one kind.
+Muon needs whole matrices: a matrix bucket's bf16 updates are all-gathered (2 (N-1)/N bytes an element),
+and each rank orthogonalises the matrices its chunk touches (loop/muon.Chunk).
 
     flat parameters, bucket by bucket, each padded to a multiple of N:
         [ bucket 0: r0 | r1 | ... ][ bucket 1: r0 | r1 | ... ] ...     (buckets in backward order)
@@ -39,7 +41,7 @@ from torch.autograd.profiler import record_function
 
 from parallel.kit.collectives import all_gather, reduce_scatter
 from parallel.kit.tensors import optimizer_state_bytes, param_bytes, tensor_bytes
-from parallel.loop import optim
+from parallel.loop import muon, optim
 from parallel.measure import sharded
 from parallel.models.outputs import call
 from parallel.strategies.base import Hooks, Mutant, Trainable, injected, loaded_in_place
@@ -57,9 +59,10 @@ def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:  # every rank starts from rank 0's weights, sent before they are flattened (as DeepSpeed's
         td.broadcast(p.detach(), src=0)  # engine does before its ZeRO optimizer pads them): the layout is local
-    # What decays and what does not in buckets of their own, so that a chunk holds one kind (loop/optim.py)
-    groups = [g for decay in (True, False) for g in buckets_in_backward_order(
-        [p for p in params if optim.decays(p) == decay], (o.bucket_mb or DEFAULT_BUCKET_MB) * 2**20) if g]
+    # Each of the optimiser's groups (Muon's matrices, what decays, what does not) in buckets of its own, so
+    # that a chunk holds one kind (loop/optim.py)
+    groups = [g for part in ("muon", "decay", "no-decay") for g in buckets_in_backward_order(
+        [p for p in params if make_optimizer.part(p) == part], (o.bucket_mb or DEFAULT_BUCKET_MB) * 2**20) if g]
     sizes = [math.ceil(sum(p.numel() for p in g) / n) * n for g in groups]  # each bucket padded to N chunks
     if injected(run, UNEVEN_PADDING) and dist.rank == BUG_RANK:
         sizes = [(sum(p.numel() for p in g) // n + 1) * n for g in groups]
@@ -78,6 +81,9 @@ def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
             offset += p.numel()
         chunk = size // n  # a view: stepping it moves the model's weights
         shard = optim.like(nn.Parameter(flat[start + owner * chunk:][:chunk]), group[0])  # its bucket's kind
+        if make_optimizer.part(shard) == "muon":  # Muon orthogonalises whole matrices: the bucket's, gathered
+            setattr(shard, muon.WHOLE, muon.Chunk([(offsets[p] - start, p.shape) for p in group], owner * chunk,
+                                                  chunk, n))
         buckets.append(Bucket(i, start, start + size, group, shard))
         start += size
     z = Shards(n, o.zero_stage, flat, grads, buckets, offsets,

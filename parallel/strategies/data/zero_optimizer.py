@@ -87,7 +87,7 @@ def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
 def model_state_bytes(t: Trainable, run) -> list[int]:
     """Every rank: all parameters and gradients; optimizer state for the parameters it owns."""
     full = sum(2 * tensor_bytes(p) for p in t.model.parameters())  # parameter + its gradient
-    return [full + optim.moments(run) * sum(tensor_bytes(p) for p in _owned(t, r))  # + momentum or moments
+    return [full + sum(optim.moments(run, [p]) * tensor_bytes(p) for p in _owned(t, r))  # + its state
             for r in range(run.world_size)]
 
 

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.kit import collectives, kv_copies
-from parallel.loop import checkpoint, optim
+from parallel.loop import checkpoint, muon, optim
 from parallel.measure import layers
 from parallel.models.outputs import call
 from parallel.models.transformer import Attention
@@ -112,7 +112,7 @@ class ColumnLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, copy_input: bool):
         super().__init__()
-        self.weight = nn.Parameter(weight.clone())
+        self.weight = muon.split(nn.Parameter(weight.clone()), 0)  # Muon gathers its rows (loop/muon.py)
         self.bias = None if bias is None else nn.Parameter(bias.clone())
         self.copy_input = copy_input  # outside a region: its own f
 
@@ -125,7 +125,7 @@ class RowLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bias_every_rank: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(weight.clone())
+        self.weight = muon.split(nn.Parameter(weight.clone()), 1)  # and its columns
         self.bias = None if bias is None else nn.Parameter(bias.clone())
         self.bias_every_rank = bias_every_rank  # the manual_tp:bias-every-rank bug
 
@@ -196,7 +196,7 @@ def _copy_first_input(module, args, kwargs):
     return with_first_input(args, kwargs, _Copy.apply)
 
 
-def plan_problems(model: nn.Module, tp: int, copies: bool = True) -> str | None:
+def plan_problems(model: nn.Module, tp: int, copies: bool = True, muon: bool = False) -> str | None:
     """Why `model` cannot be split over `tp` ranks (a size that does not divide), or None. `copies`: kv heads
     fewer than tp are copied to their readers (kit/kv_copies.py), summed weights summed; fsdp_tp does neither."""
     for name, m in model.named_modules():
@@ -205,7 +205,7 @@ def plan_problems(model: nn.Module, tp: int, copies: bool = True) -> str | None:
         if isinstance(m, Attention) and (kv := m.k.out_features // m.head_size) % tp and (kv > tp or not copies):
             return (f"tp {tp} does not divide {name}'s {kv} kv heads (grouped-query attention; fewer kv heads "
                     "than ranks are copied to the ranks that read them, by manual_tp and tensor_parallel)")
-    if why := kv_copies.problem(model, tp):
+    if why := kv_copies.problem(model, tp, muon):
         return why
     plan, copied = tp_plan_of(model), {f"{n}.{p}" for n, _, _ in kv_copies.kv_heads_below(model, tp) for p in "kv"}
     if plan.summed and not copies:
@@ -227,7 +227,7 @@ def plan_problems(model: nn.Module, tp: int, copies: bool = True) -> str | None:
 
 def check(run) -> None:
     model = run.meta_model
-    if why := plan_problems(model, run.world_size):
+    if why := plan_problems(model, run.world_size, muon=run.config.optimizer == "muon"):
         raise ConfigError(f"cannot split the {run.config.workload} over {run.world_size} ranks: {why}")
 
 
