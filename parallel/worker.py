@@ -109,7 +109,8 @@ def train_once(strategy, config: RunConfig, dist: Dist, data=None, run: str = ""
     counted = counts_apart(data, trainable.loss_fn, dist.world_size)  # the step's count, all-reduced (loop/tokens.py)
     normed = getattr(result, "norm_reduced", False)  # the step's global gradient norm, all-reduced (loop/clipping.py)
     small = wire_bytes("all_reduce", COUNT_BYTES, dist.world_size) * counted + \
-        wire_bytes("all_reduce", NORM_BYTES, dist.world_size) * normed + muon.predicted_bytes(trainable.optimizer)
+        wire_bytes("all_reduce", NORM_BYTES, dist.world_size) * normed + \
+        sum(wire_bytes("all_gather", size, n) for size, n in muon.gathers(trainable.optimizer))
     return Trained(result, trainable, state, peaks, peak_kind, reserved, extra, predicted, threads // len(local),
                    phases, tuple(workload.loss_names), small)
 

@@ -15,7 +15,7 @@ from parallel.config import RunConfig
 from parallel.judge import mutants, named
 from tests.test_oracle import PARITY_RUN, _cheapest
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(480)  # the catalogue's fixture runs ~190 runs in one set of ranks
 REFUSED: dict[str, str] = {}  # injected bugs whose runs this torch refuses (mutants.mutant_jobs): name -> why
 # What an injected bug the oracle catches must come to, as err/tol: the smallest is 5.7x its fp32 rule
 # (docs/oracle.md; expert_parallel:aux-loss-local-counts, manual_ddp:share-off-by-one, pipeline:equal-weights),

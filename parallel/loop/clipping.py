@@ -2,7 +2,8 @@
 
     before optimizer.step()   the global gradient norm, once; the gradients clipped with it (--clip-norm)
     after                     the learning rate to the next step's (--schedule, torch's LambdaLR)
-    between                   the update's own time (`update_s`), the device synchronized at both ends
+    between                   the update's own time (`update_s`): host clock reads on CPU, CUDA events on
+                              GPUs resolved after the step (world/devices.IntervalClock), no synchronize
 
 both as hooks on the strategy's own optimiser (register_step_pre_hook / post_hook), so that no strategy's
 train_step changes, and so that every optimiser, torch's ZeroRedundancyOptimizer included, gets them.
@@ -26,13 +27,12 @@ coefficient, min(1, max_norm / (norm + 1e-6)), on each gradient this rank holds.
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as td
 from torch.optim.lr_scheduler import LambdaLR
 
 from parallel.loop.divergence import peers
+from parallel.world.devices import IntervalClock
 from parallel.world.dist import local
 
 NORM_BYTES = 8  # the norm's all-reduce: one float64 a step
@@ -41,9 +41,11 @@ NORM_BYTES = 8  # the norm's all-reduce: one float64 a step
 class Step:
     """The hooks on every optimiser of a Trainable; `norms()` the pre-clip global norm of every step."""
 
-    def __init__(self, trainable, recipe, dims, dist, synchronize=lambda: None):
-        self.recipe, self.trainable, self.synchronize = recipe, trainable, synchronize
-        self.began: dict[str, float] = {}
+    def __init__(self, trainable, recipe, dims, dist, clock=None):
+        self.recipe, self.trainable = recipe, trainable
+        self.clock = clock or IntervalClock([])  # host reads on CPU; CUDA events, resolved after the step
+        self.began: dict[str, object] = {}
+        self._spans: list[tuple] = []
         self.update_s: dict[str, list[float]] = {}  # each optimiser's update, each step: torch's step alone
         self.together = dist.world_size == dims.world > 1 and td.is_initialized()  # ranks to reduce over
         live = trainable is not None and trainable.optimizer is not None  # none: a test's loop without a model
@@ -81,15 +83,23 @@ class Step:
     def clips(self) -> bool:
         return self.recipe.clip > 0
 
+    def start_step(self) -> None:
+        self.clock.start_step()
+
+    def end_step(self) -> None:
+        """After the loop's synchronize at the step's end: each update's span, from its stamps."""
+        for key, began, ended in self._spans:
+            seconds = self.clock.seconds(ended) - self.clock.seconds(began, first=True)
+            self.update_s.setdefault(key, []).append(seconds)
+        self._spans = []
+
     def _after(self, key: str) -> None:
-        self.synchronize()  # the update's kernels done: its time is the optimiser's own
-        self.update_s.setdefault(key, []).append(time.perf_counter() - self.began[key])
+        self._spans.append((key, self.began[key], self.clock.stamp()))  # the update's kernels queued: its end
         self.schedules[key].step()
 
     def _before(self, key: str, optimizer) -> None:
         self._clip(key, optimizer)
-        self.synchronize()  # backward's and the clip's kernels are not the update's
-        self.began[key] = time.perf_counter()
+        self.began[key] = self.clock.stamp()  # after the clip's kernels: the update's own start
 
     def _clip(self, key: str, optimizer) -> None:
         if not self.clips:

@@ -50,8 +50,6 @@ except ImportError as missing:  # --optimizer muon is refused in one line (confi
 else:
     MISSING = ""
 
-from parallel.kit.collectives import all_gather
-from parallel.measure.formulas import wire_bytes
 
 WHOLE = "_parallel_whole"  # the attribute a hand-cut shard carries its gather in
 ADJUST = "match_rms_adamw"
@@ -167,8 +165,9 @@ class Chunk:
         self.matrices, self.start, self.length, self.world = matrices, start, length, world
 
     def __call__(self, p, update, orthogonalise):
-        bucket = update.new_empty(self.length * self.world)
-        all_gather(bucket, update.contiguous())
+        parts = [torch.empty_like(update) for _ in range(self.world)]
+        td.all_gather(parts, update.contiguous())
+        bucket = torch.cat(parts)
         pieces, lo, hi = [], self.start, self.start + self.length
         for offset, shape in self.matrices:
             end = offset + math.prod(shape)
@@ -180,17 +179,18 @@ class Chunk:
         return pieces
 
 
-def predicted_bytes(optimizer) -> float:
-    """The gathers' bytes a rank sends a step, by the formula: one all-gather of each sharded matrix's bf16
-    update, (N - 1)/N of it (formulas.wire_bytes); 0 for an optimiser that is not this one."""
-    total = 0.0
+def gathers(optimizer) -> list[tuple[int, int]]:
+    """The all-gathers Muon adds to a step: (bytes of the gathered bf16 tensor, ranks) for each sharded
+    matrix (a chunk's: its bucket); none for an optimiser that is not this one. The worker prices them
+    (formulas.wire_bytes: each rank sends (N - 1)/N of it)."""
+    out = []
     for p in (p for g in getattr(optimizer, "param_groups", ()) if g.get("muon") for p in g["params"]):
         gather = gather_of(p)
         if gather is _dtensor:
-            n = math.prod(p.device_mesh.size(i) for i, pl in enumerate(p.placements) if pl.is_shard())
-            total += wire_bytes("all_gather", 2 * p.numel(), n)
+            out.append((2 * p.numel(), math.prod(p.device_mesh.size(i) for i, pl in enumerate(p.placements)
+                                                 if pl.is_shard())))
         elif isinstance(gather, _Split):
-            total += wire_bytes("all_gather", 2 * p.numel() * td.get_world_size(), td.get_world_size())
+            out.append((2 * p.numel() * td.get_world_size(), td.get_world_size()))
         elif isinstance(gather, Chunk):
-            total += wire_bytes("all_gather", 2 * gather.length * gather.world, gather.world)
-    return total
+            out.append((2 * gather.length * gather.world, gather.world))
+    return out

@@ -26,7 +26,7 @@ from parallel.loop import checkpoint, divergence, faults, recorder, tokens, wire
 from parallel.loop.clipping import Step
 from parallel.loop.optim import make_optimizer
 from parallel.loop.timing import StepTimer
-from parallel.world.devices import memory_history, synchronizer_all
+from parallel.world.devices import IntervalClock, memory_history, synchronizer_all
 from parallel.world.dist import watch_group
 from parallel.world.errors import ConfigError
 
@@ -86,7 +86,8 @@ def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult
     losses, step_s, first = [], [], None
     total = config.warmup + config.steps
     dims = strategy.dims(config, dist)  # which share of each global batch this rank takes, whose loss counts
-    clip = Step(trainable, make_optimizer(config), dims, dist, timer.synchronize)  # the clip, the schedule
+    clock = IntervalClock(trainable.all_devices() if trainable is not None else [dist.device])
+    clip = Step(trainable, make_optimizer(config), dims, dist, clock)  # the clip, the schedule, the update's time
     start = checkpoint.resume_point(config, strategy, trainable)
     clip.resume(start)
     share = dims.batch_share(dist.rank)
@@ -108,7 +109,9 @@ def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult
                 timer, record_function(f"step {step}"), precision(config, device), hang:
             if weighs:  # the step's share of the global token mean: counted, or all-reduced where ranks read apart
                 trainable.loss_fn.weigh(tokens.density(data, step, batch[1], share[1], dist))
+            clip.start_step()
             loss = strategy.train_step(trainable, batch, dist)
+        clip.end_step()  # the timer synchronized at the step's end: the update's events are done
         losses.append(loss.detach().to(_LOSS[config.precision]).reshape(-1))  # (1,), or (k,) for k losses
         if step >= config.warmup:
             step_s.append(timer.elapsed)
