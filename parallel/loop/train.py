@@ -86,7 +86,8 @@ def train(strategy, trainable, data, config, dist, profiler=None) -> TrainResult
     losses, step_s, first = [], [], None
     total = config.warmup + config.steps
     dims = strategy.dims(config, dist)  # which share of each global batch this rank takes, whose loss counts
-    clock = IntervalClock(trainable.all_devices() if trainable is not None else [dist.device])
+    stepped = trainable is not None and trainable.optimizer is not None  # an optimiser whose update is timed
+    clock = IntervalClock(trainable.all_devices() if stepped else [])
     clip = Step(trainable, make_optimizer(config), dims, dist, clock)  # the clip, the schedule, the update's time
     start = checkpoint.resume_point(config, strategy, trainable)
     clip.resume(start)
