@@ -70,6 +70,9 @@ class MuonAdamW(torch.optim.Optimizer):
         self._adamw = torch.optim.AdamW(rest, lr=lr, betas=betas) if rest else None  # fills its groups' keys
         self._muon: torch.optim.Muon | None = None
         self.alone = False
+        # fsdp_tp's (_StridedShard, Shard) to Replicate is two all-gathers, which torch logs as a warning every
+        # step, on every rank; nothing is reduced, so no order can differ: the gather is quieted, once
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -89,10 +92,6 @@ class MuonAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is not None and (gather := gather_of(p)) is not None:
                     _sharded_step(p, self.state[p], group, _alone if self.alone else gather)
-
-    def buffers_of(self, p: torch.Tensor) -> int:
-        """Buffers of p's size the optimiser keeps for p: Muon's momentum, AdamW's two moments."""
-        return 1 if any(g.get("muon") and any(q is p for q in g["params"]) for g in self.param_groups) else 2
 
 
 def _sharded_step(p, state: dict, group: dict, gather) -> None:
@@ -125,9 +124,6 @@ def gather_of(p: torch.Tensor):
 
 
 def _dtensor(p, update, orthogonalise):
-    # fsdp_tp's (_StridedShard, Shard) to Replicate is two all-gathers, which torch logs as a warning every
-    # step, on every rank; nothing is reduced, so no order can differ: the gather is quieted
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     mesh, every = update.device_mesh, [Replicate()] * update.device_mesh.ndim
     whole = orthogonalise(update.redistribute(mesh, every).to_local())  # the all-gather
     return [(None, DTensor.from_local(whole, mesh, every, run_check=False).redistribute(mesh, update.placements),
