@@ -122,7 +122,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                    f"in optimiser steps ({d.warmup_steps}; not --warmup, the untimed steps)")
     p.add_argument("--seed", type=int, default=d.seed, help=f"seed of weights and data ({d.seed})")
     p.add_argument("--precision", default=None, help="fp32 (the GPU default's: bf16); bf16: every strategy's "
-                                                     "steps (and `single`'s) under torch.autocast(bfloat16); fp64: "
+                                                     "steps (and `single`'s) under torch.autocast(bfloat16); "
+                                                     "bf16-master: bf16 weights and gradients, fp32 master weights "
+                                                     "and moments (docs/optimizer.md); fp64: "
                                                      "everything in float64, where rounding cannot flip a ReLU or a "
                                                      "max-pool (tells a bug from rounding: docs/oracle.md)")
     p.add_argument("--profile", action="store_true", help="write torch.profiler traces to OUT/tb/")

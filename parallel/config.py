@@ -19,7 +19,7 @@ from parallel.world.errors import ConfigError
 
 __all__ = ["ConfigError", "RunConfig"]
 
-PRECISIONS = ("fp32", "bf16", "fp64")
+PRECISIONS = ("fp32", "bf16", "bf16-master", "fp64")
 
 
 def _number(text: str) -> bool:
@@ -78,6 +78,7 @@ class RunConfig:
     devices: str = "auto"
     world_size: int = 0  # 0: one per device in `devices`
     precision: str = "fp32"  # "bf16": every strategy's steps under torch.autocast(bfloat16), `single`'s too;
+    #                          "bf16-master": bf16 parameters and gradients, fp32 master weights (loop/master.py);
     #                          "fp64": the model, its data and every buffer in float64 (the oracle's sharp check)
     profile: bool = False
     repeat: int = 1  # rounds of the whole list, interleaved (single, a, b, ..., then again); speedups paired

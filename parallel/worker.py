@@ -26,7 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from parallel import strategies
 from parallel.config import RunConfig
 from parallel.kit.collectives import every_rank
-from parallel.loop import muon, recorder
+from parallel.loop import master, muon, recorder
 from parallel.loop.clipping import NORM_BYTES, norm_name
 from parallel.loop.optim import make_optimizer, tag
 from parallel.loop.profiling import make_profiler
@@ -87,6 +87,8 @@ def train_once(strategy, config: RunConfig, dist: Dist, data=None, run: str = ""
     with default_dtype(config):  # --precision fp64: the model, its data, every buffer
         model = workload.build_model(config.seed)
         tag(model, workload.classes)  # which parameters decay, decided here, before any wrapper (loop/optim.py)
+        if config.precision == "bf16-master":
+            master.cast(model)  # bf16 weights from the seed's fp32 ones; fp32 masters in the optimiser
         data = data or workload.dataset(config.seed, config.batch_size)
         predicted = strategy.comm_bytes_predicted(model, config)
         reset_peak_memory(local)
@@ -99,7 +101,8 @@ def train_once(strategy, config: RunConfig, dist: Dist, data=None, run: str = ""
         with make_profiler(config.profile, config.out, run or strategy.name, dist.rank, dist.device) as prof:
             result = strategy.train(strategy, trainable, data, config, dist, prof)
         phases["train"], began = round(time.perf_counter() - began, 2), time.perf_counter()
-        state = strategy.state_dict(trainable)
+        with master.published(trainable):  # bf16-master: the fp32 masters are the run's weights
+            state = master.whole(trainable, strategy.state_dict(trainable))
         peaks, peak_kind = peak_memory(local)
         reserved = peak_reserved(local)  # CUDA only (the allocator's cache too)
         with precision(config, trainable.device):  # what it times is the run's own step

@@ -42,7 +42,7 @@ def test_unknown_strategy_is_one_line_exit_2_and_writes_nothing(tmp_path):
         (["run", "nosuch"], "unknown strategy 'nosuch'"),
         (["compare", "--steps", "many"], "argument --steps: invalid int value: 'many'"),
         (["launch"], "invalid choice: 'launch'"),
-        (["compare", "--precision", "fp8"], "--precision must be one of fp32, bf16, fp64, got 'fp8'"),
+        (["compare", "--precision", "fp8"], "--precision must be one of fp32, bf16, bf16-master, fp64, got 'fp8'"),
         (["compare", "--mutant", "ddp:typo"], "unknown mutant 'ddp:typo'"),
         (["compare", "--strategies", "ddp", "--compress", "fp16"], "--compress must be bf16 or empty"),
         (["mutants", "--honest", "-1"], "--honest must be 0 or more, got -1"),

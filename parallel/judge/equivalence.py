@@ -23,7 +23,7 @@ tensor's difference over its movement after the default 23 steps:
     every honest strategy, 24 runs (seeds 0-2, every workload, cpu:2 and cpu:3): up to 9.2e-3, DDP on
     the DCGAN, generator.0.weight; every other workload at most 2.7e-3
 
-(`python -m parallel.judge.equivalence` re-measures the first line, `mutants --honest 3` the last). Bugs
+(`python -m parallel.judge.noise` re-measures the first line, `mutants --honest 3` the last). Bugs
 sit above: a 5% learning-rate error is about 5e-2 of every tensor's movement, the subtlest injected bugs
 0.12 (micro-batches weighted 1/m) and 0.13 (unsynchronised BatchNorm), the rest of the order of the
 movement. 2% leaves a factor of 2 on the noise side and of at least 2.5 on the bugs' (1% had left DDP on
@@ -78,7 +78,6 @@ from parallel.loop.results import Equivalence, Rule
 from parallel.loop.train import default_dtype
 from parallel.models.userchecks import cannot_match
 from parallel.models.usermodel import workload_of
-from parallel.models.workloads import WORKLOADS
 
 RTOL = 2e-2
 FLOOR = 1e-3  # of the tensor's magnitude: a tensor that barely moves is judged against its rounding noise
@@ -96,6 +95,16 @@ FP32 = Rule(RTOL, FLOOR, LOSS_FLOOR, "fp32 rule")
 # So under bf16 only bugs of more than 20% of the movement are caught: `python -m parallel mutants` lists
 # which; the fp32 run is the one to check a strategy with.
 BF16 = Rule(0.2, 1e-2, 1e-3, "bf16 autocast in both, bf16 rule (20% of each tensor's movement)")
+# Under AdamW or Muon in bf16 (either --precision) the split batch's rounding is normalised into whole steps:
+# an element whose gradient is small against bf16's rounding steps by about lr in a direction rounding picks,
+# and a tensor whose exact gradient is zero (an attention key's bias: softmax ignores a shift of every key)
+# moves by rounding alone. Honest runs (2 seeds, cpu:2, the transformer at the suite's size; docs/optimizer.md):
+# matrices up to 79% of their movement off one device's (manual_tp under bf16-master), the key biases 170%.
+# No tensor rule can tell a bug from that: tensors are judged at 3x their movement (gross errors, a wrong
+# dtype or shape), the curves at the bf16 rule's 20%, plus 2^-8 of the value from step 0 (bf16-master's
+# gradients are bf16, summed in bf16: its norm 0.14% off at step 0); check a strategy in fp32 or fp64.
+BF16_NORMALISED = Rule(3.0, 1e-2, 2**-8, "bf16 under a normalised optimiser: the loss within 20% of its "
+                       "movement, each tensor within 3x its own (rounding moves AdamW's steps whole)", loss_rtol=0.2)
 # Under --precision fp64 (model, data and buffers in float64) rounding is 2^29 times finer than fp32's and no
 # ReLU or max-pool decision flips: over 1,110 honest runs (docs/oracle.md, 10 seeds x cpu:2, cpu:4) every
 # strategy came to at most 4.1e-4 of this rule, 4e-10 of a tensor's movement, and every injected bug stays
@@ -117,7 +126,8 @@ def rule_for(strategy, config) -> Rule:
     """The rule `strategy` under `config` is judged by: its own where it casts (its `tolerance` hook), else
     bf16's under bf16 autocast (`single` too), fp64's in float64, else fp32's (Muon's own under Muon)."""
     fp32 = MUON if getattr(config, "optimizer", "") == "muon" else FP32
-    return strategy.tolerance(config) or {"bf16": BF16, "fp64": FP64}.get(config.precision, fp32)
+    bf16 = BF16_NORMALISED if getattr(config, "optimizer", "") in ("adamw", "muon") else BF16
+    return strategy.tolerance(config) or {"bf16": bf16, "bf16-master": bf16, "fp64": FP64}.get(config.precision, fp32)
 
 
 @dataclass
@@ -173,6 +183,9 @@ def _tensor_ratios(ref: Reference, state: dict[str, torch.Tensor], rule: Rule, r
         b = state[k]
         if a.shape != b.shape:
             raise ValueError(f"{k}: shape {tuple(b.shape)} != baseline {tuple(a.shape)}")
+        if a.dtype != b.dtype:  # bf16 weights where `single`'s are fp32 masters (loop/master.py): none kept
+            raise ValueError(f"{k}: {str(b.dtype).removeprefix('torch.')} where the baseline's is "
+                             f"{str(a.dtype).removeprefix('torch.')}")
         if not a.is_floating_point():  # a counter: equal, or infinitely off
             equal = torch.equal(a, b)
             out.append((0.0 if equal else float("inf"), k, 0.0 if equal else float("inf"), 0.0))
@@ -195,7 +208,7 @@ def _loss_ratios(ref: Reference, losses: dict[str, list[float]], rule: Rule) -> 
             moved = max(moved, abs(w - want[0]))
             if 0 <= j + shift < len(got):
                 g = got[j + shift]
-                tol = rule.rtol * moved + rule.loss_floor * abs(w)
+                tol = (rule.loss_rtol or rule.rtol) * moved + rule.loss_floor * abs(w)
                 out.append((_over(abs(g - w), tol), j, name, f"{g:.6g} vs {w:.6g}"))
     return out
 
@@ -274,26 +287,3 @@ def global_rule(ref: Reference, state: dict[str, torch.Tensor]) -> bool:
     move = max((ref.state[k].double() - ref.initial[k].double()).abs().max().item()
                for k in ref.state if ref.state[k].is_floating_point())
     return diff <= max(1e-7, 1e-2 * move)
-
-
-def _measure() -> None:
-    """Re-measure the docstring's noise: `single` on 1 vs 2 threads, worst tensor's error over its movement."""
-    from parallel import strategies
-    from parallel.config import RunConfig
-    from parallel.worker import execute
-    from parallel.world.dist import Dist
-
-    single = strategies.get(strategies.BASELINE)
-    for workload in WORKLOADS:
-        initial = WORKLOADS[workload].build_model(0).state_dict()
-        (row, ref), (_, other) = [execute(single, RunConfig(workload=workload, devices=d).validate(), Dist())
-                                  for d in ("cpu:1", "cpu:2")]
-        ratios = _tensor_ratios(Reference(initial, ref, curves(row)), other, Rule(1.0, FLOOR, LOSS_FLOOR, ""))
-        worst = max((err / max((ref[k].double() - initial[k].double()).abs().max().item(), TINY), k)
-                    for _, k, err, _ in ratios)
-        print(f"{workload}: worst noise / movement {worst[0]:.1e} ({worst[1]}); "
-              f"worst against the rule {max(ratios)[0] / RTOL:.2f} of its tolerance")
-
-
-if __name__ == "__main__":
-    _measure()

@@ -10,6 +10,7 @@ from parallel.judge.equivalence import (
     LOSS_FLOOR,
     NOISE_MARGIN,
     RTOL,
+    TINY,
     Reference,
     Rule,
     _loss_ratios,
@@ -70,3 +71,27 @@ def _noise_rule(config, ref: Reference, row, state, how: str) -> Rule | None:
                 f"{where} after {config.warmup + config.steps} steps (the fp32 rule allows {RTOL:.0%}), so it is "
                 f"judged at {NOISE_MARGIN}x that, {NOISE_MARGIN * noise:.0%}; bugs smaller than that cannot be told "
                 "from its noise here: fewer --steps judge it more sharply")
+
+
+def _measure() -> None:
+    """Re-measure equivalence's docstring's noise: `single` on 1 vs 2 threads, the worst tensor's error."""
+    from parallel import strategies
+    from parallel.config import RunConfig
+    from parallel.models.workloads import WORKLOADS
+    from parallel.worker import execute
+    from parallel.world.dist import Dist
+
+    single = strategies.get(strategies.BASELINE)
+    for workload in WORKLOADS:
+        initial = WORKLOADS[workload].build_model(0).state_dict()
+        (row, ref), (_, other) = [execute(single, RunConfig(workload=workload, devices=d).validate(), Dist())
+                                  for d in ("cpu:1", "cpu:2")]
+        ratios = _tensor_ratios(Reference(initial, ref, curves(row)), other, Rule(1.0, FLOOR, LOSS_FLOOR, ""))
+        worst = max((err / max((ref[k].double() - initial[k].double()).abs().max().item(), TINY), k)
+                    for _, k, err, _ in ratios)
+        print(f"{workload}: worst noise / movement {worst[0]:.1e} ({worst[1]}); "
+              f"worst against the rule {max(ratios)[0] / RTOL:.2f} of its tolerance")
+
+
+if __name__ == "__main__":
+    _measure()

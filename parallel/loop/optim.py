@@ -118,12 +118,15 @@ class Recipe:
         self.betas = tuple(float(b) for b in config.betas.split(","))
         self.lr_schedule, self.warmup_steps = config.lr_schedule, config.warmup_steps
         self.total = config.warmup + config.steps  # every optimiser step of the run, the untimed ones too
+        self.master = config.precision == "bf16-master"  # bf16 weights stepped through fp32 masters
 
     @property
     def cls(self) -> type[torch.optim.Optimizer]:
+        from parallel.loop import master
         from parallel.loop.muon import MuonAdamW
 
-        return {"adamw": torch.optim.AdamW, "muon": MuonAdamW}.get(self.name, torch.optim.SGD)
+        cls = {"adamw": torch.optim.AdamW, "muon": MuonAdamW}.get(self.name, torch.optim.SGD)
+        return master.of(cls) if self.master else cls
 
     @property
     def defaults(self) -> dict:
@@ -183,14 +186,16 @@ def state_now(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, to
     loads into on a resume. The first step from these zeros is the step torch takes from none."""
     state = optimizer.state[p]
     group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
-    if not state and group.get("muon"):
-        state["momentum_buffer"] = torch.zeros_like(p)
-    elif not state and "betas" in group:  # AdamW, on its own or for Muon's rest
+    fresh = not set(state) - {"master"}  # under bf16-master the master is made with the optimiser (loop/master.py)
+    like = state.get("master", p)  # the moments are the master's dtype: fp32 under bf16 weights
+    if fresh and group.get("muon"):
+        state["momentum_buffer"] = torch.zeros_like(like)
+    elif fresh and "betas" in group:  # AdamW, on its own or for Muon's rest
         scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-        state.update(step=torch.tensor(0.0, dtype=scalar), exp_avg=torch.zeros_like(p),
-                     exp_avg_sq=torch.zeros_like(p))
-    elif not state and group.get("momentum"):  # SGD's buffer: the first step makes it the gradient
-        state["momentum_buffer"] = torch.zeros_like(p)
+        state.update(step=torch.tensor(0.0, dtype=scalar), exp_avg=torch.zeros_like(like),
+                     exp_avg_sq=torch.zeros_like(like))
+    elif fresh and group.get("momentum"):  # SGD's buffer: the first step makes it the gradient
+        state["momentum_buffer"] = torch.zeros_like(like)
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 

@@ -40,6 +40,7 @@ class Rule:
     floor: float
     loss_floor: float
     basis: str
+    loss_rtol: float | None = None  # the losses' own, where it is not rtol (bf16 under AdamW: equivalence.py)
 
 
 @dataclass

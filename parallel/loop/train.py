@@ -68,12 +68,13 @@ def precision(config, device: torch.device):
     bfloat16 on the device's type (matrix products and convolutions in bf16, losses and reductions in fp32;
     parameters, gradients and the optimiser's update stay fp32, as they are no autocast ops); under "fp32",
     nothing. Threads a strategy starts carry it along (primitives.DeviceThreads)."""
-    if config.precision == "bf16":
+    if config.precision in ("bf16", "bf16-master"):  # bf16-master: bf16 weights too (loop/master.py)
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
-_LOSS = {"fp32": torch.float32, "bf16": torch.float32, "fp64": torch.float64}  # a step's loss as recorded
+_LOSS = {"fp32": torch.float32, "bf16": torch.float32, "bf16-master": torch.float32,  # a step's loss as recorded
+         "fp64": torch.float64}
 
 
 class NonFiniteLoss(RuntimeError):

@@ -10,9 +10,9 @@ STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1, "re
 
 
 def element_bytes(precision: str) -> int:
-    """Bytes of a parameter, a gradient or an activation element of a run: fp32's 4, or 8 under --precision
-    fp64 (bf16 autocast keeps parameters and gradients in fp32; what it casts, its callers say)."""
-    return 8 if precision == "fp64" else 4
+    """Bytes of a parameter or a gradient element of a run: fp32's 4, 8 under --precision fp64, 2 under
+    bf16-master (bf16 autocast keeps parameters and gradients in fp32; what it casts, its callers say)."""
+    return {"fp64": 8, "bf16-master": 2}.get(precision, 4)
 
 
 def ring_seconds(kind: str, nbytes: float, n: int, alpha: float, beta: float) -> float:
@@ -41,10 +41,22 @@ def model_state(psi: float, zero_stage: int, shards: int, param_bytes: int = 2, 
             "optimizer": part(optimizer_bytes, 1)}
 
 
-def run_state(params: int, zero_stage: int, shards: int, element: int = 4, moments: float = 1) -> float:
+def run_state(params: int, zero_stage: int, shards: int, element: int = 4, moments: float = 1,
+              master: int = 0) -> float:
     """Model state bytes per rank of an fp32 model (`element` 8: fp64) whose optimiser keeps `moments`
     buffers a parameter (K = moments elements: SGD's momentum 1, AdamW's two moments 2, Muon's 1 on the
     matrices and 2 on the rest, averaged; loop/optim.moments), as this project's sharded strategies train
     it: what their runs measure per rank against
-    (tests/test_sharded.py). Under AdamW in fp32: (4 + 4 + 8) Psi, the paper's K = 8 without a master copy."""
-    return sum(model_state(params, zero_stage, shards, element, element, moments * element).values())
+    (tests/test_sharded.py). Under AdamW in fp32: (4 + 4 + 8) Psi, the paper's K = 8 without a master copy.
+    `master` bytes a parameter of fp32 master weights (bf16-master: element 2, master 4, the moments fp32):
+    under AdamW the paper's own (2 + 2 + 12) Psi."""
+    optimizer = master + moments * (4 if master else element)
+    return sum(model_state(params, zero_stage, shards, element, element, optimizer).values())
+
+
+def optimizer_bytes(precision: str, moments: float) -> float:
+    """The optimiser's state a parameter, in bytes: `moments` buffers in the weights' dtype, and under
+    bf16-master 4 bytes of fp32 master beside fp32 moments (the ZeRO paper's K = 12 under AdamW)."""
+    if precision == "bf16-master":
+        return 4 + 4 * moments
+    return moments * element_bytes(precision)

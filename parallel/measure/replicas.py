@@ -15,7 +15,7 @@ from parallel import measure
 from parallel.loop.optim import moments
 from parallel.loop.results import Measured
 from parallel.measure.formulas import element_bytes
-from parallel.measure.sharded import FAMILY, Result, _model_state, held
+from parallel.measure.sharded import FAMILY, Result, _model_state, held, master_of
 from parallel.measure.sharded_cost import (
     allreduce_every_gradient,
     grad_bytes,
@@ -87,7 +87,7 @@ class AllReduce(measure.Family):
             return {FAMILY: r}
         params = list(model.parameters())
         _model_state(r, held(params, t.optimizer), 0, sum(p.numel() for p in params), dist.world_size,
-                     params[0].element_size(), moments(run, params))
+                     params[0].element_size(), moments(run, params), master_of(run))
         ms = self._timed(t, data, run, dist)
         r.step_ms, r.no_sync_step_ms, exposed = ms["step"], ms["no_sync"], ms["step"] - ms["no_sync"]
         return {FAMILY: r, "measured": Measured(

@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from parallel import measure
 from parallel.kit.collectives import every_rank
 from parallel.kit.tensors import optimizer_state_bytes, param_bytes, tensor_bytes
+from parallel.loop.master import MASTER
 from parallel.loop.optim import moments
 from parallel.measure.formulas import element_bytes, run_state, wire_bytes
 from parallel.measure.sharded_cost import measured_collectives, predict_data_parallel_ms, predict_sharded_ms
@@ -39,7 +40,8 @@ class Result:
     #   the sharded table); None: not in that table
     param_bytes_per_rank: list[int] | None = None
     grad_bytes_per_rank: list[int] | None = None
-    optimizer_state_bytes_per_rank: list[int] | None = None
+    optimizer_state_bytes_per_rank: list[int] | None = None  # its moments (the masters apart)
+    master_bytes_per_rank: list[int] | None = None  # bf16-master: the fp32 master weights (loop/master.py)
     zero_formula_bytes: float | None = None  # the paper's model state per rank, K from the run's optimiser
     unsharded_peak_bytes_per_rank: list[int] | None = None  # fsdp: the most gathered parameters held at once
     owned_param_bytes_per_rank: list[int] | None = None  # zero_optimizer: whole parameters owned, greedily
@@ -61,24 +63,37 @@ def result(row) -> Result | None:
 # The families --------------------------------------------------------------------------------------------
 
 
-def held(params, optimizer) -> tuple[int, int, int]:
-    """Bytes of the parameters, their gradients and the optimizer's state for them that this rank holds
-    (a DTensor's local shard)."""
+def held(params, optimizer) -> tuple[int, int, int, int]:
+    """Bytes of the parameters, their gradients, their fp32 masters (bf16-master) and the optimizer's other
+    state (its moments) that this rank holds (a DTensor's local shard)."""
     params = list(params)
-    return (param_bytes(params), sum(tensor_bytes(p.grad) for p in params if p.grad is not None),
-            optimizer_state_bytes(params, optimizer))
+    masters = master_bytes(params, optimizer)
+    return (param_bytes(params), sum(tensor_bytes(p.grad) for p in params if p.grad is not None), masters,
+            optimizer_state_bytes(params, optimizer) - masters)
 
 
-def _model_state(r: Result, mine: tuple[int, int, int], stage: int, numel: int, shards: int, element: int,
-                 k: float) -> None:
-    """Every rank's (parameters, gradients, optimizer state) bytes into `r` (a collective), beside the ZeRO
+def master_bytes(params, optimizer) -> int:
+    """The fp32 master weights the optimiser keeps for `params` (loop/master.py; none outside bf16-master)."""
+    return sum(tensor_bytes(m) for p in params if (m := optimizer.state.get(p, {}).get(MASTER)) is not None)
+
+
+def _model_state(r: Result, mine: tuple[int, int, int, int], stage: int, numel: int, shards: int, element: int,
+                 k: float, master: int = 0) -> None:
+    """Every rank's (parameters, gradients, masters, moments) bytes into `r` (a collective), beside the ZeRO
     paper's model state per rank for `numel` parameters at `stage` over `shards` ranks (formulas.run_state,
     K from the run's optimiser: fp32 SGD with momentum K = 4, DDP 12 Psi, stage 1 4 + 4 + 4/N, 2: 4 + (4 +
-    4)/N, 3: 12/N; fp32 AdamW K = 8, DDP 16 Psi, stage 1 4 + 4 + 8/N, 2: 4 + 12/N, 3: 16/N)."""
-    params, grads, optimizer = zip(*every_rank(mine), strict=True)
+    4)/N, 3: 12/N; fp32 AdamW K = 8, DDP 16 Psi, stage 1 4 + 4 + 8/N, 2: 4 + 12/N, 3: 16/N; bf16-master
+    AdamW: the paper's 2 + 2 + 12, K = 4 + 8, `master` 4 bytes a parameter)."""
+    params, grads, masters, optimizer = zip(*every_rank(mine), strict=True)
     r.param_bytes_per_rank, r.grad_bytes_per_rank, r.optimizer_state_bytes_per_rank = (
         list(params), list(grads), list(optimizer))
-    r.zero_stage, r.zero_formula_bytes = stage, run_state(numel, stage, shards, element, k)
+    r.master_bytes_per_rank = list(masters) if any(masters) else None
+    r.zero_stage, r.zero_formula_bytes = stage, run_state(numel, stage, shards, element, k, master)
+
+
+def master_of(run) -> int:
+    """Bytes of a parameter's master weight: fp32's 4 under bf16-master, else none."""
+    return 4 if run.precision == "bf16-master" else 0
 
 
 def _sent(r: Result, result, **measured) -> dict:
@@ -106,7 +121,7 @@ class Zero(measure.Family):
         r, e = Result(bucket_bytes=self.buckets(t)), element_bytes(run.precision)
         flat = sum(r.bucket_bytes) // e  # the parameters' elements, each bucket padded
         k = moments(run, t.model.parameters())  # buffers a parameter: the optimiser's
-        _model_state(r, self.held(t), run.options.zero_stage, flat, dist.world_size, e, k)
+        _model_state(r, self.held(t), run.options.zero_stage, flat, dist.world_size, e, k, master_of(run))
         return _sent(r, result, measured=measured_collectives(t.device, flat, rounds=_rounds(run)))
 
     def comm_bytes_predicted(self, model, run) -> float:
@@ -134,9 +149,11 @@ class ZeroRedundancy(measure.Family):
         params = list(t.model.parameters())
         r = Result(owned_param_bytes_per_rank=[param_bytes(self.owned(t, k)) for k in range(dist.world_size)])
         full, e = param_bytes(params), element_bytes(run.precision)
-        mine = (full, full, optimizer_state_bytes(self.owned(t, dist.rank), t.optimizer.optim))
+        owned = self.owned(t, dist.rank)
+        masters = master_bytes(owned, t.optimizer.optim)
+        mine = (full, full, masters, optimizer_state_bytes(owned, t.optimizer.optim) - masters)
         # the paper's stage 1: an even share
-        _model_state(r, mine, 1, full // e, dist.world_size, e, moments(run, params))
+        _model_state(r, mine, 1, full // e, dist.world_size, e, moments(run, params), master_of(run))
         return _sent(r, result)
 
     def comm_bytes_predicted(self, model, run) -> float:
@@ -177,7 +194,7 @@ class FullyShard(measure.Family):
                    fsdp_groups=[names.get(id(g)) or "(root)" for g in self.groups(t)])
         n = dist.world_size // run.options.replicate  # the ranks one copy is sharded over
         e, numel = element_bytes(run.precision), sum(math.prod(p.shape) for p in t.model.parameters())  # global
-        _model_state(r, mine, 3, numel, n, e, moments(run, t.model.parameters()))
+        _model_state(r, mine, 3, numel, n, e, moments(run, t.model.parameters()), master_of(run))
         return _sent(r, result, measured=measured_collectives(t.device, numel * e // 4, rounds=_rounds(run)))
 
     def comm_bytes_predicted(self, model, run) -> float:

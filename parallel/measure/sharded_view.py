@@ -29,8 +29,10 @@ def tables(all_rows: list) -> list:
     chosen = rows(all_rows)
     if not chosen:
         return []
+    masters = any(result(r).master_bytes_per_rank for r in chosen)  # bf16-master: fp32 copies apart
     state = table("Sharded data parallel: model state per rank (the largest rank)",
-                  [("strategy", "left"), ("params", "right"), ("grads", "right"), ("optimizer", "right"),
+                  [("strategy", "left"), ("params", "right"), ("grads", "right"),
+                   *([("master", "right")] if masters else []), ("moments" if masters else "optimizer", "right"),
                    ("model state", "right"), ("ZeRO formula", "right"), ("gathered peak", "right")])
     kinds = [k for k in COLLECTIVES if any(sent_by_collective(r).get(k) for r in chosen)]
     sent = table("... and bytes each rank sends per step, by collective",
@@ -38,8 +40,9 @@ def tables(all_rows: list) -> list:
                   ("textbook", "right")])
     for r in chosen:
         s = result(r)
-        state.add_row(r.label, *(size(largest(v)) for v in (s.param_bytes_per_rank, s.grad_bytes_per_rank,
-                                                              s.optimizer_state_bytes_per_rank)),
+        held = (s.param_bytes_per_rank, s.grad_bytes_per_rank, *([s.master_bytes_per_rank] if masters else []),
+                s.optimizer_state_bytes_per_rank)
+        state.add_row(r.label, *(size(largest(v)) for v in held),
                       size(largest(r.details.get("model_state_bytes_per_device"))), size(s.zero_formula_bytes),
                       size(largest(s.unsharded_peak_bytes_per_rank)))
         by = sent_by_collective(r)
@@ -80,6 +83,7 @@ def memory(all_rows: list) -> str | None:
         for k in range(r.world_size):
             parts = {kind: _per_rank(v, r.world_size)[k] for kind, v in (
                 ("params", s.param_bytes_per_rank), ("grads", s.grad_bytes_per_rank),
+                *((("master", s.master_bytes_per_rank),) if s.master_bytes_per_rank else ()),
                 ("optimizer", s.optimizer_state_bytes_per_rank))}
             if any(v is not None for v in parts.values()):
                 bars.append((f"{r.label} rank {k}", parts, s.zero_formula_bytes))

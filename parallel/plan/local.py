@@ -19,7 +19,7 @@ import dataclasses
 from torch import nn
 
 from parallel.loop.optim import moments
-from parallel.measure.formulas import element_bytes, model_state
+from parallel.measure.formulas import element_bytes, model_state, optimizer_bytes
 from parallel.models.usermodel import workload_of
 from parallel.plan.layouts import Layout, Training
 from parallel.plan.memory import layer_activations, params_per_gpu
@@ -95,12 +95,13 @@ def need(name: str, config, model: nn.Module) -> dict | None:
         dense, experts = params_per_gpu(spec, lay, "first")
         psi = dense + experts
     shards = m.shards or m.dp * m.cp
+    kept = optimizer_bytes(config.precision, moments(config))  # a parameter's optimiser state, in bytes
     state = {k: 0.0 if m.offloaded else v
-             for k, v in model_state(psi, m.zero_stage, shards, element, element, moments(config) * element).items()}
+             for k, v in model_state(psi, m.zero_stage, shards, element, element, kept).items()}
     acts = None  # not the project's transformer: its activations are not counted
     if spec is not None:
         lay = dataclasses.replace(lay, mbs=max(1, lay.mbs // m.accum))
-        precision = "bf16" if config.precision == "bf16" else "fp32"  # autocast's activations are bf16
+        precision = "bf16" if config.precision in ("bf16", "bf16-master") else "fp32"  # autocast's are bf16
         layer = layer_activations(spec, lay, Training(1, precision, "flash")) * (1 + (config.precision == "fp64"))
         held = in_flight(lay, m.microbatches) if lay.pp > 1 else 1
         gathered = config.batch_size if m.gathers_whole_batch else lay.mbs

@@ -82,6 +82,9 @@ class Options:
 
 
 def check(run) -> None:
+    if run.precision == "bf16-master":
+        raise ConfigError("hogwild's workers update one shared copy of the weights in place, without locks; under "
+                          "--precision bf16-master each worker's fp32 master would overwrite the others' updates")
     n = world_size(run)
     run.check_divisible(n, "--workers")
 

@@ -41,10 +41,10 @@ from torch.autograd.profiler import record_function
 
 from parallel.kit.collectives import all_gather, reduce_scatter
 from parallel.kit.tensors import optimizer_state_bytes, param_bytes, tensor_bytes
-from parallel.loop import muon, optim
+from parallel.loop import master, muon, optim
 from parallel.measure import sharded
 from parallel.models.outputs import call
-from parallel.strategies.base import Hooks, Mutant, Trainable, injected, loaded_in_place
+from parallel.strategies.base import ADAMW, Hooks, Mutant, Trainable, injected, loaded_in_place
 from parallel.strategies.data.manual_ddp import DEFAULT_BUCKET_MB, buckets_in_backward_order
 from parallel.world.errors import ConfigError
 
@@ -91,7 +91,10 @@ def setup(model, make_optimizer, loss_fn, dist, run) -> Trainable:
     for b in buckets:
         for p in b.params:
             p.register_post_accumulate_grad_hook(functools.partial(_landed, z, b))
-    return Trainable(model, make_optimizer(z.shards), loss_fn, dist.device, state=z)
+    optimizer = make_optimizer(z.shards)
+    if injected(run, BF16_MASTER):
+        optimizer.keep_in_bf16()
+    return Trainable(model, optimizer, loss_fn, dist.device, state=z)
 
 
 def train_step(t: Trainable, batch, dist):
@@ -201,15 +204,19 @@ UNEVEN_PADDING = Mutant("zero:uneven-padding", f"rank {BUG_RANK} cuts each bucke
                         "elements, not ceil(numel / N) (an off-by-one in its own copy of the padding): where N "
                         "divides a bucket, its reduce-scatter and all-gather carry N elements more than the others'",
                         {"options": {"bucket_mb": 1}, "pg_timeout": 3}, shows="hang")
-MUTANTS = (WRONG_SLICE, NO_ALL_GATHER, BUCKET_EARLY, UNEVEN_PADDING)
+BF16_MASTER = Mutant("zero:bf16-master", "under bf16 weights, each chunk's master copy made in the chunk's own dtype "
+                     "(a clone of it, not an fp32 copy): master weights kept in bf16",
+                     {**ADAMW, "precision": "bf16-master"})
+MUTANTS = (WRONG_SLICE, NO_ALL_GATHER, BUCKET_EARLY, UNEVEN_PADDING, BF16_MASTER)
 
 
-def _held(t: Trainable) -> tuple[int, int, int]:
+def _held(t: Trainable) -> tuple[int, int, int, int]:
     """This rank's bytes of parameters (all), gradients (stage 1: all; stage 2: its chunks, as the
-    optimizer's input) and optimizer state (its chunks')."""
+    optimizer's input), masters (bf16-master) and optimizer state (its chunks')."""
     z = t.state
     grads = tensor_bytes(z.grads) if z.grads is not None else param_bytes(z.shards)
-    return tensor_bytes(z.flat), grads, optimizer_state_bytes(z.shards, t.optimizer)
+    masters = sharded.master_bytes(z.shards, t.optimizer)
+    return tensor_bytes(z.flat), grads, masters, optimizer_state_bytes(z.shards, t.optimizer) - masters
 
 
 def model_state_bytes(t: Trainable, run) -> list[int]:
@@ -217,8 +224,18 @@ def model_state_bytes(t: Trainable, run) -> list[int]:
 
 
 def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
-    """The parameters are whole on every rank after the all-gather: the model's own state."""
-    return {k: v.detach().cpu().clone() for k, v in t.model.state_dict().items()}
+    """The parameters are whole on every rank after the all-gather: the model's own state. Under bf16-master
+    the run's weights are the chunks' fp32 masters (loop/master.py), all-gathered here the way the chunks are."""
+    state = {k: v.detach().cpu().clone() for k, v in t.model.state_dict().items()}
+    if not (found := master.masters(t.optimizer)):
+        return state
+    z = t.state
+    kept = found[id(z.buckets[0].shard)].dtype  # fp32 (bf16 under the injected bug zero:bf16-master)
+    whole = torch.zeros(z.flat.numel(), dtype=kept, device=z.flat.device)
+    for b in z.buckets:
+        all_gather(whole[b.start:b.end], found[id(b.shard)])
+    return state | {name: whole[z.offsets[p]:][:p.numel()].view(p.shape).cpu().clone()
+                    for name, p in t.model.named_parameters() if p in z.offsets}
 
 
 def checkpoint_state(t: Trainable) -> dict:

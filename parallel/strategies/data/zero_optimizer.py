@@ -26,8 +26,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from parallel.kit.tensors import tensor_bytes
-from parallel.loop import optim
+from parallel.loop import master, optim
 from parallel.measure import sharded
+from parallel.measure.formulas import optimizer_bytes
 from parallel.models.outputs import call
 from parallel.strategies.base import Hooks, Mutant, Trainable, injected, loaded_in_place
 
@@ -81,14 +82,25 @@ def _owned(t: Trainable, rank: int) -> list[torch.nn.Parameter]:
 
 
 def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
-    return {k: v.detach().cpu().clone() for k, v in t.model.module.state_dict().items()}
+    """The model's state; under bf16-master each parameter's fp32 master (loop/master.py), which only its
+    owner keeps, broadcast from it."""
+    state = {k: v.detach().cpu().clone() for k, v in t.model.module.state_dict().items()}
+    if not master.masters(t.optimizer):
+        return state
+    names = {p: n for n, p in t.model.module.named_parameters()}
+    for rank in range(td.get_world_size()):
+        for p in _owned(t, rank):  # the owner's p holds its master while the state is read (master.published)
+            held = p.detach() if rank == td.get_rank() else torch.empty(p.shape, dtype=torch.float32, device=p.device)
+            td.broadcast(held, src=rank)
+            state[names[p]] = held.cpu().clone()
+    return state
 
 
 def model_state_bytes(t: Trainable, run) -> list[int]:
     """Every rank: all parameters and gradients; optimizer state for the parameters it owns."""
     full = sum(2 * tensor_bytes(p) for p in t.model.parameters())  # parameter + its gradient
-    return [full + sum(optim.moments(run, [p]) * tensor_bytes(p) for p in _owned(t, r))  # + its state
-            for r in range(run.world_size)]
+    return [full + sum(optimizer_bytes(run.precision, optim.moments(run, [p])) * p.numel() for p in _owned(t, r))
+            for r in range(run.world_size)]  # + its state (bf16-master: its fp32 master too)
 
 
 def checkpoint_state(t: Trainable) -> dict:

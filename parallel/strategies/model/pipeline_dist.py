@@ -39,6 +39,7 @@ from parallel.kit.schedules import TORCH as SCHEDULES  # name -> its row: torch'
 from parallel.kit.schedules import broken_rule, least_microbatches, stage_ids, torch_lacks
 from parallel.kit.stages import agreed_cut, layers_of
 from parallel.kit.tied import TiedAcross
+from parallel.loop import master
 from parallel.loop.tokens import own_mean
 from parallel.measure import pipelines
 from parallel.measure.stage_time import Busy, timed_loss, timed_stage
@@ -228,9 +229,11 @@ def defaults(run) -> dict:
 
 def state_dict(t: Trainable) -> dict[str, torch.Tensor]:
     """Every rank's stages, under the model's own names, merged (a collective; rank 0 uses it)."""
-    mine = {}
+    mine, masters = {}, master.masters(t.optimizer)  # bf16-master: a DTensor's fp32 master in its place
     for stage in t.state.stages:
+        params = dict(stage.submod.named_parameters())
         for key, value in stage.submod.state_dict().items():
+            value = masters.get(id(params.get(key)), value)
             index, _, rest = key.removeprefix("module.").partition(".")
             owner = t.state.names[stage.stage_index][int(index)]
             if isinstance(owner, dict):  # parallel.models.hf's layer: "block.<rest>" is <the block's name>.<rest>
