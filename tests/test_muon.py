@@ -163,16 +163,20 @@ def test_every_layout_under_muon_matches_single_with_the_gathers_bytes_counted_a
             assert row.comm_bytes_per_step == pytest.approx(row.comm_bytes_predicted, rel=1e-9), name
 
 
-RESUMED = ("zero",)  # a chunk's momentum beside AdamW's moments; the other layouts' resumes: test_optimizer.py
+# Muon's state beside AdamW's moments, with bf16-master's fp32 masters beside both: zero's own chunks, and a
+# load by DCP (a state of masters alone, not fresh to DCP, once left the moments unloaded in ddp, fsdp and
+# tensor_parallel; all six that checkpoint were measured bitwise, docs/measurements.md)
+RESUMED = ("zero", "fsdp")
 
 
 def _resumed(rank, world, folder):
     return {(name, run): v for name in RESUMED for run, v in faulted_and_resumed(
-        rank, world, name, f"{folder}/{name}", workload="transformer", batch_size=8, optimizer="muon").items()}
+        rank, world, name, f"{folder}/{name}", workload="transformer", batch_size=8, optimizer="muon",
+        precision="bf16-master").items()}
 
 
 @pytest.mark.slow
-def test_a_resume_under_muon_ends_bitwise_like_an_uninterrupted_run(tmp_path):
+def test_a_resume_under_muon_and_masters_ends_bitwise_like_an_uninterrupted_run(tmp_path):
     got = run_ranks(_resumed, 2, (str(tmp_path),), timeout=200)[0]
     for name in RESUMED:
         whole, resumed = got[(name, "whole")], got[(name, "resumed")]

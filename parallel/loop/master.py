@@ -57,28 +57,35 @@ class Master(torch.optim.Optimizer):
     def __init__(self, params, **defaults):
         super().__init__(params, defaults)
         self.low = False
-        for p in self._params():
-            self.state[p][MASTER] = self._made(p)
-        self._inner = self.INNER(self._inner_groups(), **defaults)
-        for group, filled in zip(self.param_groups, self._inner.param_groups, strict=True):
+        # the masters are made when first wanted (`master_of`): a state that holds masters alone is not fresh
+        # to torch's DCP, which makes the moments by a step only where the state is empty. The inner
+        # optimiser is built over stand-ins of the same shapes, on no device, to fill its settings
+        stand_ins = [{**g, "params": [torch.empty(p.shape, device="meta") for p in g["params"]]}
+                     for g in self.param_groups]
+        inner = self.INNER(stand_ins, **defaults)
+        for group, filled in zip(self.param_groups, inner.param_groups, strict=True):
             for k, v in filled.items():  # the inner optimiser's own settings (AdamW's foreach, ...), kept here
-                group.setdefault(k, v)
+                if k != "params":
+                    group.setdefault(k, v)
+        self._inner = inner
 
     def _params(self):
         return [p for g in self.param_groups for p in g["params"]]
 
-    def _made(self, p: torch.Tensor) -> torch.Tensor:
-        master = p.detach().clone() if self.low else p.detach().float()
-        for k, v in vars(p).items():  # its kind, and how Muon gathers its matrix (loop/optim.py, loop/muon.py)
-            if k.startswith("_parallel"):
-                setattr(master, k, v)
-        return master
+    def master_of(self, p: torch.Tensor) -> torch.Tensor:
+        """p's fp32 master, made from p the first time it is wanted (the first step, or a checkpoint's state
+        before it); in bf16 under the injected bug."""
+        if MASTER not in self.state[p]:
+            master = p.detach().clone() if self.low else p.detach().float()
+            for k, v in vars(p).items():  # its kind, and how Muon gathers its matrix (optim.py, muon.py)
+                if k.startswith("_parallel"):
+                    setattr(master, k, v)
+            self.state[p][MASTER] = master
+        return self.state[p][MASTER]
 
     def keep_in_bf16(self) -> None:
-        """The injected bug: every master remade in bf16, before the first step."""
+        """The injected bug: every master made in bf16 (set before the first step)."""
         self.low = True
-        for p in self._params():
-            self.state[p][MASTER] = self._made(p)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's load, which casts every floating state to its parameter's dtype (bf16 here), then the
@@ -91,14 +98,14 @@ class Master(torch.optim.Optimizer):
                     self.state[p][k] = v.detach().to(device=p.device).clone()
 
     def _inner_groups(self) -> list[dict]:
-        return [{**g, "params": [self.state[p][MASTER] for p in g["params"]]} for g in self.param_groups]
+        return [{**g, "params": [self.master_of(p) for p in g["params"]]} for g in self.param_groups]
 
     @torch.no_grad()
     def step(self, closure=None):
         # the groups and state are this optimiser's (the schedule sets their lr; a load replaces the state)
         self._inner.param_groups = self._inner_groups()
         self._inner.state = type(self._inner.state)(dict)
-        pairs = [(p, self.state[p][MASTER]) for p in self._params()]
+        pairs = [(p, self.master_of(p)) for p in self._params()]
         for p, master in pairs:
             self._inner.state[master] = {k: v for k, v in self.state[p].items() if k != MASTER}
             master.grad = None if p.grad is None else p.grad.to(master.dtype)
@@ -114,7 +121,7 @@ def masters(optimizer) -> dict[int, torch.Tensor]:
     """Each parameter's master, by the parameter's id, of every Master among a Trainable's optimisers."""
     each = getattr(optimizer, "optimizers", {"": optimizer})
     each = {k: getattr(o, "optim", o) for k, o in each.items()}  # ZeroRedundancyOptimizer's own, for its rank
-    return {id(p): o.state[p][MASTER] for o in each.values() if isinstance(o, Master)
+    return {id(p): o.master_of(p) for o in each.values() if isinstance(o, Master)
             for g in o.param_groups for p in g["params"]}
 
 

@@ -184,9 +184,11 @@ def state_now(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, to
     step), as it would: zeros, and AdamW's step count 0 (a scalar of torch's _get_scalar_dtype: float64 under
     a float64 default). What a checkpoint of the live tensors writes before the first step, and what DCP
     loads into on a resume. The first step from these zeros is the step torch takes from none."""
+    if (master_of := getattr(optimizer, "master_of", None)) is not None:
+        master_of(p)  # bf16-master: the fp32 master, made now as its first step would (loop/master.py)
     state = optimizer.state[p]
     group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
-    fresh = not set(state) - {"master"}  # under bf16-master the master is made with the optimiser (loop/master.py)
+    fresh = not set(state) - {"master"}
     like = state.get("master", p)  # the moments are the master's dtype: fp32 under bf16 weights
     if fresh and group.get("muon"):
         state["momentum_buffer"] = torch.zeros_like(like)
