@@ -25,11 +25,24 @@ def test_mutants_list_prints_descriptions_with_their_brackets(capsys):
     assert '{"options": {"bucket_mb": 1}}' in out
 
 
-def test_the_mutants_table_prints_the_bug_as_written():
-    outcome = mutants.Outcome("manual_tp:fused-qkv-split", "manual_tp", "transformer", "cpu:2", 0,
-                              Equivalence("mismatch", 1.0, 0.1, worst_tensor="blocks.0.[q]"), False, 1.0)
-    text = rendered(lambda console: mutants.show_mutants([outcome], console))
-    assert "one fused [q | k | v] matrix" in text and "mismatch" in text
+def test_the_mutants_table_prints_in_100_columns_with_names_as_written():
+    # the catalogue's longest name and a tensor name with brackets, at the width of a pipe or CI's log: every
+    # column still shows its whole value (the bug's description and run once squeezed the ratio to nothing)
+    longest = max(strategies.mutants(), key=len)
+    outcomes = [mutants.Outcome(longest, longest.split(":")[0], "transformer", "cpu:2", 0,
+                                Equivalence("mismatch", 1.0, 0.1, worst_tensor="blocks.0.[q]", ratio=250000.0,
+                                            first_step=3), True, 1.0),
+                mutants.Outcome("ddp:sum-not-mean", "ddp", "mlp", "cpu:2", 0,
+                                Equivalence("mismatch", 1.0, 0.1, worst_tensor="model.layers.0.self_attn.k_norm."
+                                            "weight", ratio=6.5, first_step=0), False, 1.0)]
+    console = Console(width=100, record=True, color_system=None)
+    mutants.show_mutants(outcomes, console)
+    text = console.export_text()
+    assert max(map(len, text.splitlines())) <= 100
+    row = next(line for line in text.splitlines() if line.strip().startswith(longest))
+    assert "mismatch" in row and "2.5e+05" in row and " 3 " in row, row
+    assert "blocks.0.[q]" in text and "6.5" in next(x for x in text.splitlines() if "ddp:sum-not-mean" in x)
+    assert " ".join(text.split()).endswith(f"missed 1 of the 2 the oracle judges: {longest}.")
 
 
 def test_preflight_table_prints_details_as_written():

@@ -5,37 +5,37 @@ from __future__ import annotations
 import itertools
 import math
 
+from rich import box
 from rich.markup import escape
 from rich.table import Table
 
-from parallel import strategies
 from parallel.judge.named import caught
 from parallel.loop.results import Equivalence
 
 
 def show_mutants(outcomes: list, console) -> None:
-    described = {name: m.bug for name, (_, m) in strategies.mutants().items()}
+    """A row a bug, in 100 columns: what caught it, by how much, from which step, on which tensor (each
+    bug's description and run: `mutants --list`); then the diagnoses' lines, and what the old rule missed."""
     t = Table(title="injected bugs: what caught each (the oracle's mismatch, or a diagnosis naming it)",
-              title_justify="left")
-    for col in ("mutant", "bug", "workload", "verdict", "worst tensor", "err / tol", "first step off", "old rule"):
-        t.add_column(col, justify="right" if col in ("err / tol", "first step off") else "left",
-                     no_wrap=col in ("mutant", "verdict", "worst tensor"))
+              title_justify="left", box=box.SIMPLE_HEAD)
+    for col in ("mutant", "verdict", "err / tol", "off at", "worst tensor"):
+        t.add_column(col, justify="right" if col in ("err / tol", "off at") else "left",
+                     no_wrap=col != "worst tensor", overflow="fold")
     for o in outcomes:
         eq = o.equivalence
         style = "green" if caught(o) else "bold red"
-        t.add_row(escape(o.label), escape(described.get(o.label, "")), escape(f"{o.workload} {o.devices}"),
-                  f"[{style}]{escape(eq.verdict)}[/]", escape(_off_tensor(eq)), _ratio(eq.ratio),
-                  "-" if eq.first_step is None else str(eq.first_step),
-                  "-" if o.old_rule_match is None else "missed" if o.old_rule_match else "caught")  # -: a hang
+        t.add_row(escape(o.label), f"[{style}]{escape(eq.verdict)}[/]", _ratio(eq.ratio),
+                  "-" if eq.first_step is None else str(eq.first_step), escape(_off_tensor(eq)))
     console.print(t)
     for o in outcomes:
         if o.named or o.equivalence.verdict in ("named", "unnamed"):  # the diagnosis's line, as the user sees it
             console.print(f"{o.label}: {o.named or o.equivalence.reason}", markup=False, highlight=False)
-    judged = [o for o in outcomes if o.old_rule_match is not None]
-    missed_before = sum(bool(o.old_rule_match) for o in judged)
+    judged = [o for o in outcomes if o.old_rule_match is not None]  # None: a hang, which no rule judges
+    missed = [o.label for o in judged if o.old_rule_match]
     console.print(f"{sum(map(caught, outcomes))} of {len(outcomes)} injected bugs caught; the rule before "
                   f"per-tensor tolerances and per-step losses (one tolerance from the largest movement) missed "
-                  f"{missed_before} of the {len(judged)} the oracle judges.")
+                  f"{len(missed)} of the {len(judged)} the oracle judges{': ' if missed else ''}"
+                  f"{', '.join(missed)}.", markup=False, highlight=False)
 
 
 def show_honest(outcomes: list, bugs: list, console) -> None:
