@@ -151,6 +151,22 @@ def test_a_nanogpt_style_model_matches_single_through_the_strategies(models):
     assert verdict.verdict == "match" and verdict.ratio < FP64_MARGIN, verdict
 
 
+def _cut_before_the_head(model: str, world: int, options: dict) -> RunConfig:  # judged_on_ranks imports it
+    return dataclasses.replace(_config(model, world, options), cuts={"params:2": [0, 4, 5]},
+                               options={"balance": "params"}).validate()
+
+
+def test_a_stage_holding_only_the_tied_head_still_joins_the_clips_norm(models):
+    """nanoGPT's head has no bias and is its token embedding: cut before it, the last stage holds nothing
+    but a copy of a weight every stage holds, so its own share of the norm needs no reduce. The other stage's
+    does, and the reduce is one collective: the stages must agree to make it (a time cut put the head alone
+    under load, and rank 0 waited in the norm's all-reduce while rank 1 had gone on)."""
+    rows = judged_on_ranks(2, [("pipeline_dist", f"{models}:tiny", {})], _cut_before_the_head, timeout=40)
+    row = rows[0]
+    # rank 1 holds the head alone: its weight, gradient and AdamW's two moments in float64, and its step
+    assert row.details["model_state_bytes_per_device"][1] == 4 * 64 * 32 * 8 + 8 and row.grad_norms[""]
+
+
 def test_a_loss_that_is_not_cross_entropy_is_trained_and_strategies_holding_logits_say_why_not(models):
     c = _config(f"{models}:smoothed", 2, {})
     w = usermodel.workload_of(c)

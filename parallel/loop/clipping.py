@@ -18,7 +18,9 @@ norm's scale that tensor parallelism leaves whole, the expert group's replicas f
 gradient is then counted exactly once. Copies come from the layout's own word: a DTensor's placements,
 the rank's coordinates (ParallelDims), or the strategy's `held_by` (divergence.peers, the same rule
 --check-replicas compares by). One float64 all-reduce a step, in the counted step; none where every rank
-holds the whole gradient (DDP), the norm being its own already. A Partial gradient (a DTensor whose sum
+holds the whole gradient (DDP), the norm being its own already. Whether to reduce is agreed by all ranks
+once, before the first step: a rank holding only whole copies (a pipeline stage holding only a tied head)
+has no share to add, yet the others' all-reduce waits for it. A Partial gradient (a DTensor whose sum
 is still spread over ranks) is reduced first: its pieces' norms do not add.
 
 Each gradient's square is summed in float64 (torch.linalg.vector_norm(dtype=float64)), so that the norm
@@ -31,6 +33,7 @@ import torch
 import torch.distributed as td
 from torch.optim.lr_scheduler import LambdaLR
 
+from parallel.kit.collectives import any_rank
 from parallel.loop.divergence import peers
 from parallel.world.devices import IntervalClock
 from parallel.world.dist import local
@@ -60,8 +63,10 @@ class Step:
                 held = trainable.held_by.get(name) if name is not None else (dist.rank,)
                 copies = trainable.grad_copies.get(id(p)) or len(held or peers(p, dims, dist.rank))
                 self.copies[id(p)] = 1 if trainable.clip_alone else copies
-        self.reduces = self.together and not trainable.clip_alone and \
-            any(c < dims.world for c in self.copies.values()) if live else False
+        shared = live and not trainable.clip_alone and any(c < dims.world for c in self.copies.values())
+        # agreed, once, before the first step: a rank whose gradients are all whole copies (a stage holding
+        # only a tied head) has nothing to add, but the others' all-reduce waits for it all the same
+        self.reduces = any_rank(shared, dist.device) if self.together and self.clips else False
         if not self.reduces:  # every rank holds the whole gradient (or the bug says so): its norm is the norm
             self.copies = {i: trainable.grad_copies.get(i, 1) for i in self.copies}  # a tie's copies once
         self.schedules = {k: LambdaLR(o, recipe.factor) for k, o in each.items()}  # each group's lr its base
