@@ -36,17 +36,6 @@ def rank0_says(flag: bool, device: torch.device) -> bool:
     return bool(said.item())
 
 
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """Whether any rank's `flag` is set, on every rank (a collective): for a decision each rank takes from
-    what it alone holds, which must be the same on every rank or the one that goes on waits in a collective
-    the others never issue (the clip's norm: a stage holding only a tied copy has no share to reduce)."""
-    if not td.is_initialized() or td.get_world_size() == 1:
-        return flag
-    said = torch.tensor([float(flag)], device=device)
-    td.all_reduce(said, op=td.ReduceOp.MAX)
-    return bool(said.item())
-
-
 def sum_gradients(params, divide_by: int, group=None) -> None:
     """The gradients of `params` summed over `group` (None: every rank) in one flat all-reduce, then divided
     by `divide_by` (the ranks whose mean losses make the step's: context and expert parallelism). A

@@ -33,7 +33,6 @@ import torch
 import torch.distributed as td
 from torch.optim.lr_scheduler import LambdaLR
 
-from parallel.kit.collectives import any_rank
 from parallel.loop.divergence import peers
 from parallel.world.devices import IntervalClock
 from parallel.world.dist import local
@@ -66,7 +65,7 @@ class Step:
         shared = live and not trainable.clip_alone and any(c < dims.world for c in self.copies.values())
         # agreed, once, before the first step: a rank whose gradients are all whole copies (a stage holding
         # only a tied head) has nothing to add, but the others' all-reduce waits for it all the same
-        self.reduces = any_rank(shared, dist.device) if self.together and self.clips else False
+        self.reduces = dist.any_rank(shared) if self.together and self.clips else False
         if not self.reduces:  # every rank holds the whole gradient (or the bug says so): its norm is the norm
             self.copies = {i: trainable.grad_copies.get(i, 1) for i in self.copies}  # a tie's copies once
         self.schedules = {k: LambdaLR(o, recipe.factor) for k, o in each.items()}  # each group's lr its base

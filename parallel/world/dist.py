@@ -196,3 +196,14 @@ class Dist:
         both = torch.cat([t.reshape(-1) * weight, torch.tensor([weight])]).to(self.device)
         td.all_reduce(both)
         return (both[:-1] / both[-1]).reshape(t.shape).cpu()
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether any rank's `flag` is set, on every rank (a collective; itself in a world of one): for a
+        decision each rank takes from what it alone holds, which must be the same on every rank, or the one
+        that goes on leaves the others waiting in a collective it never issues (the clip's norm: a stage
+        holding only a tied copy has no share of its own to reduce)."""
+        if self.world_size == 1 or not td.is_initialized():
+            return flag
+        said = torch.tensor([float(flag)], device=self.device)
+        td.all_reduce(said, op=td.ReduceOp.MAX)
+        return bool(said.item())
