@@ -83,11 +83,13 @@ def test_every_multi_process_strategy_names_the_hung_rank_and_its_step_within_th
     stops, and rank 0, which holds what the others meet at, killed by SIGKILL), in one comparison on the
     workload they all train: each row ends at its 2 s timeout, not at --timeout's 60 s, with one line that
     names the rank and step 1, and "different collectives" nowhere, since the ranks issued the same calls.
-    A cover of the matrix: cpu:4 runs every strategy cpu:2 runs, and two more (fsdp_pp, fsdp_tp);
-    `python -m parallel.tools.hang_matrix` runs each alone, as `run`, at both, with both ranks and faults."""
+    A cover of the matrix (hang_matrix.COVER): one strategy for each kind of wait the fault leaves the
+    others in; `python -m parallel.tools.hang_matrix` runs every strategy alone, as `run`, at cpu:2 and
+    cpu:4, with both ranks and faults."""
     from parallel.tools import hang_matrix
 
-    names = sorted({name for name, _, _ in hang_matrix.cases([devices])})
+    names = sorted(hang_matrix.COVER[how])
+    assert set(names) <= {name for name, _, _ in hang_matrix.cases([devices])}  # each runs there
     start = time.monotonic()
     p = parallel("compare", "--strategies", ",".join(names), "--devices", devices, "--hang-rank", str(rank),
                  "--hang-how", how, *MATRIX, "--out", str(tmp_path))

@@ -9,8 +9,8 @@ cheapest workload (the CNN, else the MLP, the transformer, the MoE), `python -m 
 --hang-rank R --pg-timeout 5 --steps 3` in a fresh process: its wall time, exit status, the row's error
 line, whether that line names rank R (worker R) and step 1, whether a traceback reached the terminal, and
 whether it says "different collectives" (which it should only where the ranks really issued different
-calls). docs/debugging.md's table is this tool's output; the suite runs the same cases in three
-comparisons (tests/test_reliability.py).
+calls). docs/debugging.md's table is this tool's output; the suite runs a cover of it (COVER) in two
+comparisons at cpu:4 (tests/test_reliability.py).
 """
 
 from __future__ import annotations
@@ -32,6 +32,18 @@ from parallel.loop.results import atomic_write
 from parallel.models.workloads import WORKLOADS
 from parallel.style.terminal import make_console
 from parallel.world.errors import ConfigError
+
+# The suite's cover of the matrix (tests/test_reliability.py): one strategy for each kind of wait a stopped
+# rank leaves its peers in, the rest alike to those (each run alone: this tool, docs/measurements.md).
+COVER = {
+    "stop": {"ddp": "DDP's reducer (its bucket's all-reduce)", "zero_optimizer": "torch's ZeroRedundancyOptimizer",
+             "fsdp": "FSDP2's all-gather and reduce-scatter", "tensor_parallel": "DTensor's collectives",
+             "hogwild": "workers, no collective", "pipeline_dist": "torch's pipelining, point to point",
+             "fsdp_tp": "a 2-D DeviceMesh's groups", "context_parallel": "the ring's point-to-point sends",
+             "expert_parallel": "all-to-all"},
+    "kill": {"ddp": "the default group", "fsdp_tp": "a 2-D DeviceMesh's groups",
+             "pipeline_dist": "point to point", "hogwild": "workers", "ulysses": "all-to-all"},
+}
 
 
 def cases(devices: list[str]) -> list[tuple[str, str, str]]:
