@@ -120,8 +120,9 @@ case "$cmd" in
         # PYTHONDONTWRITEBYTECODE is set each would compile the package again (~0.07 s apiece).
         "$VENV/bin/python" -m compileall -q parallel scripts tests examples >/dev/null
         # Two test processes, each test file whole in one of them (its module fixtures run once): most
-        # tests wait on spawned ranks and child processes, so two overlap well on two cores.
-        exec "$VENV/bin/python" -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadfile "$@" ;;
+        # tests wait on spawned ranks and child processes, so two overlap well on two cores. The files in
+        # the order conftest gives (the longest first), not xdist's own (the most tests first).
+        exec "$VENV/bin/python" -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@" ;;
     tensorboard)
         setup
         out=${1:?usage: ./launch.sh tensorboard RESULTS_DIR [tensorboard options]}

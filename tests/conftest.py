@@ -16,11 +16,14 @@ from parallel.world.dist import Dist
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The suite's longest modules first (measured with --durations; docs/measurements.md): `--dist loadfile`
-# hands a worker the next module when it finishes one, so the long ones start at once and the short ones
-# fill in at the end, instead of one worker running a long module alone while the other waits.
-LONGEST_FIRST = ["test_mutants", "test_oracle", "test_sharded", "test_named_bugs", "test_reliability", "test_compare",
-                 "test_pipeline_dist", "test_cli", "test_tensor_parallel", "test_multinode", "test_preflight"]
+# The suite's longest modules first (their seconds summed from `--durations=0` on a fresh clone, 2026-12-03:
+# 142, 117, 76, 71, 55, 51, 44, 37, 30 and 29 s). `--dist loadfile --no-loadscope-reorder` (launch.sh) hands
+# a worker the next module in this order when it finishes one, so the long ones start at once and the short
+# ones fill in at the end, instead of one worker running a long module alone while the other waits. (xdist's
+# own order, the most tests first, had left one worker alone for the last minute.)
+LONGEST_FIRST = ["test_mutants", "test_reliability", "test_docs_commands", "test_sharded", "test_compare",
+                 "test_oracle", "test_tensor_parallel", "test_pipeline_dist", "test_hf_corpus", "test_own_loss",
+                 "test_experts", "test_multinode", "test_cli", "test_preflight", "test_muon", "test_master"]
 
 
 def pytest_collection_modifyitems(items):

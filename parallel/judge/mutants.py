@@ -206,6 +206,8 @@ def _run(job: Job, dist: Dist, refs: References) -> Outcome | None:
 def add_parser(sub) -> None:
     p = sub.add_parser("mutants", help="the oracle's evidence: every injected bug must be caught")
     p.add_argument("--list", action="store_true", help="list the injected bugs and exit")
+    p.add_argument("--only", default="", metavar="NAMES",
+                   help="run only these injected bugs, comma-separated (default: the whole catalogue)")
     p.add_argument("--honest", type=int, default=0, metavar="SEEDS",
                    help="also honest runs of every synchronous strategy on every workload it trains, seeds "
                         "0..SEEDS-1 on each of --devices: none may mismatch; the largest err/tol per strategy and "
@@ -234,15 +236,19 @@ def main(args, console) -> int:
         for name, (_, m) in strategies.mutants().items():
             console.print(f"{escape(name)}: {escape(m.bug)}  [dim]{escape(json.dumps(m.run))}[/]", highlight=False)
         return 0
+    only = {n.strip() for n in args.only.split(",") if n.strip()}
+    if unknown := sorted(only - strategies.mutants().keys()):
+        raise ConfigError(f"--only: no injected bug named {', '.join(unknown)} (`mutants --list` lists them)")
     if args.out:
         from parallel.loop.results import prepare_out
 
         prepare_out(Path(args.out))
     refused: dict[str, str] = {}
-    outcomes = run_jobs(mutant_jobs(args.precision, refused))
+    outcomes = run_jobs([j for j in mutant_jobs(args.precision, refused) if not only or j.label in only])
     show_mutants(outcomes, console)
     for name, why in refused.items():
-        console.print(f"not run on torch {torch.__version__}: {name} ({why})", markup=False)
+        if not only or name in only:
+            console.print(f"not run on torch {torch.__version__}: {name} ({why})", markup=False)
     ok = all(map(caught, outcomes))
     files = {"mutants.json": outcomes}
     if args.honest:
