@@ -96,6 +96,10 @@ def test_the_cover_holds_a_bug_of_every_strategy_and_the_docs_show_every_injecte
     assert not missing, missing
 
 
+def test_only_a_bug_the_catalogue_holds_can_be_asked_for(refused):
+    refused(["mutants", "--only", "ddp:sum-not-mean,ddp:nosuch"], "--only: no injected bug named ddp:nosuch")
+
+
 def _runs_here(name: str) -> None:
     """Skip, with torch's reason, a bug whose run this torch refuses (a V schedule over gloo before 2.13)."""
     if name in REFUSED:
