@@ -113,7 +113,7 @@ def test_the_held_out_set_stays_a_few_hundred_million_logits_at_a_real_vocabular
     # tokens, 5 sequences (2^26 logits), no fewer than 4 at any vocabulary.
     gpt2 = dataclasses.replace(WORKLOADS["transformer"], classes=50_304).with_seq_len(256)
     llama = dataclasses.replace(WORKLOADS["transformer"], classes=128_256).with_seq_len(8192)
-    assert SyntheticData(WORKLOADS["transformer"], 0, 8).heldout()[0].shape == (2048, 32)
+    assert SyntheticData(WORKLOADS["transformer"], 0, 8).heldout()[0].shape == (512, 32)
     assert SyntheticData(gpt2, 0, 8).heldout()[0].shape == (5, 256)
     assert SyntheticData(llama, 0, 8).heldout()[1].shape == (4, 8192)
 
