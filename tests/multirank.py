@@ -82,22 +82,25 @@ def uninterrupted(name: str, config) -> tuple[float, dict]:
 
 
 def faulted_and_resumed(rank: int, world: int, name: str, folder: str, **fields) -> dict:
-    """In a spawned rank: `name` trained three times, with checkpoints every 2 steps: uninterrupted (in
-    FOLDER/whole); failing on every rank before step 3, the job killed, nothing left waiting in a collective
-    (FOLDER/faulted); re-run from that checkpoint. {run: rank 0's final state (None on the others), or the
+    """In a spawned rank: `name` trained three times, 4 steps (1 warm-up) with checkpoints every 2:
+    uninterrupted (in FOLDER/whole); failing on every rank before step 3, the job killed, nothing left
+    waiting in a collective (FOLDER/faulted); re-run from the checkpoint after step 1, so steps 2 and 3 run
+    from the saved state. {run: rank 0's final state (None on the others), or the
     fault's message}; `fields`: the run's own RunConfig fields (workload, options, ...)."""
     from parallel.config import RunConfig
     from parallel.loop.faults import InjectedFault
 
     out = {}
     for run, fail, resume in (("whole", False, False), ("interrupted", True, False), ("resumed", False, True)):
-        config = RunConfig(**{"devices": f"cpu:{world}", "steps": 5, "warmup": 1, **fields},
+        config = RunConfig(**{"devices": f"cpu:{world}", "steps": 3, "warmup": 1, **fields},
                            out=f"{folder}/{'whole' if run == 'whole' else 'faulted'}", checkpoint_every=2,
                            fail_at_step=3 if fail else -1, fail_rank=rank, resume=resume).validate()
         try:
-            _, state = _execute(strategies.get(name), config, Dist(rank, rank, world, world))
+            row, state = _execute(strategies.get(name), config, Dist(rank, rank, world, world))
         except InjectedFault as e:
             out[run] = str(e)
             continue
+        # a resume that started again from step 0 would end bitwise equal too: it trains steps 2 and 3 alone
+        assert not resume or len(row.losses) == 2, f"{name} resumed with {len(row.losses)} steps, not 2"
         out[run] = state if rank == 0 else None
     return out

@@ -144,7 +144,7 @@ NAMES = ["zero", "zero_optimizer", "fsdp"]
 
 @pytest.mark.slow
 def test_a_resume_after_a_fault_ends_bitwise_like_an_uninterrupted_run(tmp_path):
-    # Checkpoints after steps 1, 3, 5 (every 2, torch.distributed.checkpoint, one file per rank: zero's
+    # Checkpoints after steps 1 and 3 (every 2, torch.distributed.checkpoint, one file per rank: zero's
     # parameters once and each rank's momentum chunks under keys of its own; ZeroRedundancyOptimizer's
     # momentum by owner; FSDP2's DTensor shards); the ranks fail before step 3; the re-run resumes at
     # step 2. zero at stage 2 in 1 MiB buckets, whose gradients live only in the chunks.
