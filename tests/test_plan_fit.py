@@ -4,6 +4,7 @@ it names (python -m parallel.plan.evidence.fit), leave one model out, the roles 
 In-process: nothing trains here."""
 
 import json
+import shutil
 
 import pytest
 
@@ -13,6 +14,7 @@ from parallel.plan.evidence import fit, validate
 from parallel.plan.evidence import playbook as pb
 from parallel.plan.layouts import Layout, Training
 from parallel.plan.stacks import STACKS
+from tests.conftest import ROOT
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -125,6 +127,20 @@ def test_validate_says_every_sets_role_in_json(capsys):
                      "korthikanti_figure1": "identity"}
     assert set(doc["playbook_1node"]["leave_one_model_out"]) == {"1B", "3B", "8B"}
     assert all(abs(r["error"]) < 0.15 for r in doc["h100_compare_single"]["rows"])  # held out, bounded
+
+
+@pytest.mark.slow  # fits the constants again, once a process (`plan --validate` refits leaving each model out)
+def test_the_validation_prints_in_100_columns_and_a_bad_comparison_is_one_line(capsys, tmp_path):
+    shutil.copy(ROOT / "tests" / "data" / "compare_cpu2.json", tmp_path / "results.json")  # a real compare, cpu:2
+    assert cli.main(["plan", "--validate", "--results", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "crossover reproduced" in out and "This machine's comparison" in out and "pipeline_dist" in out
+    assert max(len(line) for line in out.splitlines()) <= 100
+    assert cli.main(["plan", "--validate", "--results", str(tmp_path / "none")]) == 2  # one line, exit 2
+    for bad in ('{"rows": [{"status": "ok", "strategy": "ddp"}]}', '{"rows": [1]}', "{}"):  # no variant, not rows
+        (tmp_path / "results.json").write_text(bad)
+        code = cli.main(["plan", "--validate", "--results", str(tmp_path)])
+        assert code == (0 if "ddp" in bad else 2), bad
 
 
 def test_a_sweep_file_is_scored_as_held_out_and_bad_ones_are_one_line(tmp_path, capsys):
