@@ -25,9 +25,8 @@ import contextlib
 import functools
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from parallel.world.dist import local
+from parallel.world.dist import is_dtensor, local
 
 MASTER = "master"  # the optimiser state the fp32 master weight is kept under
 DTYPE = torch.bfloat16
@@ -137,7 +136,7 @@ def published(trainable):
     DTensor's (whose dtype a swap of its data does not change, and which FSDP2 puts back before a state_dict)
     is gathered after, by `whole`."""
     found = _found(trainable)
-    swapped = [(p, p.data) for p in trainable.model.parameters() if id(p) in found and not isinstance(p, DTensor)]
+    swapped = [(p, p.data) for p in trainable.model.parameters() if id(p) in found and not is_dtensor(p)]
     for p, _ in swapped:
         p.data = found[id(p)]
     try:
@@ -152,6 +151,6 @@ def whole(trainable, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     the model's order on every rank), under the parameter's name; a name the state does not have (a
     pipeline stage's own) is the strategy's to map (pipeline_dist.state_dict)."""
     found = _found(trainable)
-    named = [(n, p) for n, p in trainable.model.named_parameters() if id(p) in found and isinstance(p, DTensor)]
+    named = [(n, p) for n, p in trainable.model.named_parameters() if id(p) in found and is_dtensor(p)]
     gathered = {n: found[id(p)].full_tensor().detach().cpu() for n, p in named}  # on every rank: the same calls
     return state | {n: v for n, v in gathered.items() if n in state}

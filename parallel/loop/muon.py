@@ -38,7 +38,10 @@ import math
 
 import torch
 import torch.distributed as td
-from torch.distributed.tensor import DTensor, Replicate
+
+from parallel.world.dist import is_dtensor
+
+# torch.distributed.tensor is imported where a DTensor is met: config.py imports this module (dist.is_dtensor).
 
 try:  # torch's own Newton-Schulz and lr scaling: private, so an older torch may not have them
     from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, _adjust_lr
@@ -116,7 +119,7 @@ def gather_of(p: torch.Tensor):
     """How p's whole matrix is gathered: None where p is whole (torch's Muon steps it)."""
     if (gather := getattr(p, WHOLE, None)) is not None:
         return gather
-    if isinstance(p, DTensor):
+    if is_dtensor(p):
         return _dtensor
     if p.ndim != 2:
         raise RuntimeError(f"internal: a parameter of shape {tuple(p.shape)} reached Muon without its matrix")
@@ -124,6 +127,8 @@ def gather_of(p: torch.Tensor):
 
 
 def _dtensor(p, update, orthogonalise):
+    from torch.distributed.tensor import DTensor, Replicate
+
     mesh, every = update.device_mesh, [Replicate()] * update.device_mesh.ndim
     whole = orthogonalise(update.redistribute(mesh, every).to_local())  # the all-gather
     return [(None, DTensor.from_local(whole, mesh, every, run_check=False).redistribute(mesh, update.placements),
@@ -132,6 +137,8 @@ def _dtensor(p, update, orthogonalise):
 
 def _alone(p, update, orthogonalise):
     """The injected bug (fsdp:muon-shard-alone): the DTensor's own shard orthogonalised, as if it were the matrix."""
+    from torch.distributed.tensor import DTensor
+
     piece = orthogonalise(update.to_local())
     return [(None, DTensor.from_local(piece, update.device_mesh, update.placements, run_check=False), p.shape)]
 

@@ -67,12 +67,18 @@ def script_devices(text: str, launch: str, env: Mapping[str, str] | None = None)
     return "cuda:" + ",".join(map(str, range(local_world)))
 
 
+def is_dtensor(t) -> bool:
+    """Whether `t` is a DTensor, without importing torch.distributed.tensor: a tensor can be one only once
+    it is imported, and importing it costs a process 0.7-0.8 s of start-up (python -X importtime), which
+    most processes, never meeting a DTensor, need not pay."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """What this rank really holds of `t`: a DTensor's local shard (a DTensor's numel() is the global
-    size), else the tensor itself. (A tensor can be a DTensor only once torch.distributed.tensor is
-    imported; not importing it here saves every process about 0.5 s of start-up.)"""
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    return t.to_local() if dtensor is not None and isinstance(t, dtensor.DTensor) else t
+    size), else the tensor itself."""
+    return t.to_local() if is_dtensor(t) else t
 
 
 _WATCH: dict[str, object] = {}  # the gloo group the watchdog's monitored barrier runs on, once made
