@@ -7,7 +7,11 @@ others either: the module graph of the whole package has no circle."""
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import ROOT
 
@@ -227,3 +231,14 @@ def test_no_package_module_reaches_outside_the_package():
     found = [f"{f.relative_to(ROOT)}:{i}" for f in PACKAGE.rglob("*.py")
              for i, line in enumerate(f.read_text().splitlines(), 1) if climbs.search(line.split("#")[0])]
     assert found == []
+
+
+@pytest.mark.slow
+def test_the_entry_points_import_no_dtensor_and_no_checkpointing():
+    """DTensor and DCP cost a process 0.7-0.8 s and 0.5 s of start-up (python -X importtime): imported where
+    they are met (world/dist.is_dtensor), never by the commands' imports; #72's Muon and masters once put
+    DTensor back into every process."""
+    code = ("import sys, parallel.cli, parallel.worker, parallel.compare; print(sorted(m for m in "
+            "('torch.distributed.tensor', 'torch.distributed.checkpoint') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]
