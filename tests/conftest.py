@@ -121,11 +121,14 @@ def refused(tmp_path, capsys):
 def strict_cuda(monkeypatch):
     """A machine with two GPUs, as far as the package can tell: parallel.world.devices.CUDA replaced by a strict
     stand-in that enforces CUDA's rules and logs every call (tests/strict_cuda.py)."""
-    from parallel.world import devices
+    from parallel.world import devices, machine
     from tests.strict_cuda import StrictCuda
 
     fake = StrictCuda(count=2)
     monkeypatch.setattr(devices, "CUDA", fake)
+    # Its GPUs exist in this process only: the child process that asks CUDA for their names (where NVML does
+    # not load) would find none, after 2 s of starting an interpreter and torch here.
+    monkeypatch.setattr(machine, "_child_cuda_info", lambda: [])
     return fake
 
 
