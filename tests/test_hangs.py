@@ -110,6 +110,20 @@ def test_a_ranks_own_error_is_the_cause_not_the_others_timeouts():
                                           "waited for it)")
 
 
+def test_a_pair_gloo_closed_on_its_timeout_is_the_collectives_failure_not_the_ranks_own():
+    # Seen in the suite (zero_optimizer at cpu:4, rank 1 stopped): a rank whose pair gloo closed on its timeout,
+    # through DDP's comm hook, had been named as the cause, and the stopped rank not at all.
+    closed = "RuntimeError: Got the following error when running the callback: RuntimeError: Application " \
+             "timeout caused pair closure"
+    assert errors.from_a_collective(closed) and errors.from_a_collective(f"rank 2: {closed}")
+    three, timed_out = {"0": [0, 1, 2]}, closed.replace("Application timeout caused pair closure",
+                                                       "Timed out waiting 2000ms for recv operation")
+    records = {0: {**_record(0, [_entry(1), _entry(2, state="started")], groups=three), "step": 1, "error": timed_out},
+               1: _record(1, [_entry(1)], doing="step 1: stopped by --hang-rank", groups=three),
+               2: {**_record(2, [_entry(1), _entry(2, state="started")], groups=three), "step": 1, "error": closed}}
+    assert hangs.diagnose(records, 3).startswith("rank 1 never issued collective #2")
+
+
 def test_an_all_to_alls_sizes_differ_by_rank_and_are_not_a_disagreement():
     # Expert dispatch sends uneven splits: the shapes of an all-to-all differ between ranks by design.
     records = {0: _record(0, [_entry(1, "all_to_all", 96), _entry(2, state="started")]),

@@ -91,8 +91,10 @@ def error_line(error: BaseException, theirs: Iterable[str] = ()) -> str:
     return theirs_line(error, theirs)
 
 
+# "pair closure": gloo's own words when a pair's timeout closes it ("Application timeout caused pair
+# closure"), which DDP's comm hook passes on as "Got the following error when running the callback: ...".
 _COLLECTIVE_ERRORS = ("gloo", "NCCL", "Timed out", "timed out", "Connection reset", "Connection closed",
-                      "monitoredBarrier", "Detected mismatch between collectives")
+                      "pair closure", "monitoredBarrier", "Detected mismatch between collectives")
 _DIST_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError")
 WATCH_ENDED = "ended by its watch thread"  # a wait torch did not bound, ended by recorder.py's thread
 
