@@ -31,11 +31,11 @@ FP64_COVER = ("ddp:compressed-sum", "manual_tp:rank-branch", "expert_parallel:au
               "manual_ddp:share-off-by-one", "pipeline:equal-weights")
 
 
-# The catalogue's cover the suite runs (the whole catalogue is `python -m parallel mutants`, whose table
-# docs/oracle.md shows, every bug in it: test_the_docs_show_every_injected_bug): each strategy's bug nearest
-# its fp32 rule, every bug under 20x its rule (where a loss of sensitivity would show first), every bug that a
-# diagnosis must name (a hang's line, --check-replicas'), and the two bugs this module's own tests read. From
-# the whole fp32 sweep of 2026-12-03 (63 of 63 caught): 26 bugs.
+# The catalogue's cover the suite runs: each strategy's bug nearest its fp32 rule, every bug under 20x its rule
+# (where a loss of sensitivity would show first), every bug a diagnosis must name (a hang's line,
+# --check-replicas'), and the two bugs this module's own tests read; 26 bugs, from the whole fp32 sweep of
+# 2026-12-03 (63 of 63 caught). The whole catalogue is `python -m parallel mutants`, whose table docs/oracle.md
+# shows with every bug in it (test_the_cover_holds_a_bug_of_every_strategy_and_the_docs_show_every_injected_bug).
 COVER = ("context_parallel:rotation-not-differentiable", "ddp:compressed-sum", "ddp:unsynced-batchnorm",
          "expert_parallel:aux-loss-local-counts", "fsdp:muon-shard-alone", "fsdp_cp:shard-over-dp-only",
          "fsdp_pp:ddp-static-graph", "fsdp_tp:tp-ranks-split-batch", "fsdp_ulysses:shard-over-a2a-only",
@@ -43,16 +43,16 @@ COVER = ("context_parallel:rotation-not-differentiable", "ddp:compressed-sum", "
          "manual_dp:stale-replica", "manual_tp:kv-copies-unsummed", "manual_tp:rank-branch",
          "model_parallel:no-grad-back", "pipeline:equal-weights", "pipeline:microbatch-dropped",
          "pipeline_dist:tie-unsummed", "tensor_parallel:qk-norm-unsummed", "tensor_parallel:sp-norm-unsynced",
-         "tensor_parallel:vocab-remainder-dropped",
-         "ulysses:heads-rank-minor", "zero:bucket-early", "zero:uneven-padding", "zero_optimizer:local-step-only")
+         "tensor_parallel:vocab-remainder-dropped", "ulysses:heads-rank-minor", "zero:bucket-early",
+         "zero:uneven-padding", "zero_optimizer:local-step-only")
 
 
 @pytest.fixture(scope="module")
 def bug_runs():
     """Every run this module judges, in one call (one set of spawned ranks per world size; a hang bug on
     ranks of its own): the injected bugs, the bf16 runs. -> ({group: jobs}, {group: outcomes})"""
-    jobs = {"mutants": [j for j in mutants.mutant_jobs(refused=REFUSED) if j.label in COVER], "bf16": _bf16_jobs(),
-            "fp64": [j for j in mutants.mutant_jobs("fp64", refused={}) if j.label in FP64_COVER]}
+    jobs = {"mutants": mutants.mutant_jobs(refused=REFUSED, only=COVER), "bf16": _bf16_jobs(),
+            "fp64": mutants.mutant_jobs("fp64", refused={}, only=FP64_COVER)}
     outcomes, at = mutants.run_jobs([j for group in jobs.values() for j in group]), 0
     split = {}
     for group, its in jobs.items():

@@ -21,6 +21,7 @@ import itertools
 import json
 import tempfile
 import time
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,11 +77,14 @@ def mutant_config(mutant, precision: str = "fp32") -> RunConfig:
                      mutant=mutant.name).validate()
 
 
-def mutant_jobs(precision: str = "fp32", refused: dict[str, str] | None = None) -> list[Job]:
-    """A job per injected bug; one whose run this torch refuses (a schedule it cannot run over gloo) is left
-    out, its reason put in `refused` (name -> reason) where given."""
+def mutant_jobs(precision: str = "fp32", refused: dict[str, str] | None = None,
+                only: Collection[str] = ()) -> list[Job]:
+    """A job per injected bug (of `only`, where given); one whose run this torch refuses (a schedule it cannot
+    run over gloo) is left out, its reason put in `refused` (name -> reason) where given."""
     jobs = []
     for name, (strategy, mutant) in strategies.mutants().items():
+        if only and name not in only:
+            continue
         try:  # a bug on a model the repository's examples hold (and transformers) is refused where they are not
             config = mutant_config(mutant, precision)
             strategy.validate(config)
@@ -244,11 +248,10 @@ def main(args, console) -> int:
 
         prepare_out(Path(args.out))
     refused: dict[str, str] = {}
-    outcomes = run_jobs([j for j in mutant_jobs(args.precision, refused) if not only or j.label in only])
+    outcomes = run_jobs(mutant_jobs(args.precision, refused, only))
     show_mutants(outcomes, console)
     for name, why in refused.items():
-        if not only or name in only:
-            console.print(f"not run on torch {torch.__version__}: {name} ({why})", markup=False)
+        console.print(f"not run on torch {torch.__version__}: {name} ({why})", markup=False)
     ok = all(map(caught, outcomes))
     files = {"mutants.json": outcomes}
     if args.honest:
