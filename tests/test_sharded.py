@@ -1,11 +1,10 @@
 """Sharded data parallel on 2 and 4 gloo ranks spawned inside pytest: zero (ZeRO-1/2 by hand),
 zero_optimizer (torch's ZeroRedundancyOptimizer) and fsdp (FSDP2, ZeRO-3). Parity with `single`, the
 model state each rank holds against the ZeRO paper's shares, the bytes counted at the collectives against
-its 2 Psi / 3 Psi (and the library's 3 Psi), and resume after a fault. (cpu:2 parity on every workload is
-the registry's test in test_oracle.py; their bugs are in the mutants.)"""
+its 2 Psi / 3 Psi (and the library's 3 Psi). (cpu:2 parity on every workload is the registry's test in
+test_oracle.py; their bugs are in the mutants; their resume after a fault, under AdamW, in test_optimizer.py.)"""
 
 import pytest
-import torch
 
 from parallel import strategies
 from parallel.config import RunConfig
@@ -14,7 +13,7 @@ from parallel.measure import sharded
 from parallel.models.workloads import WORKLOADS
 from parallel.worker import execute
 from parallel.world.dist import Dist
-from tests.multirank import FP64_MARGIN, faulted_and_resumed, run_ranks
+from tests.multirank import FP64_MARGIN, run_ranks
 
 pytestmark = pytest.mark.timeout(240)
 MLP = WORKLOADS["mlp"].build_model(0)
@@ -130,28 +129,3 @@ def test_fsdp_refuses_to_offload_to_the_host_without_gpus(refused):
 @pytest.mark.parametrize("name", ["zero", "zero_optimizer", "fsdp"])
 def test_the_two_part_dcgan_is_refused_with_its_reason(refused, name):
     refused(["run", name, "--workload", "dcgan", "--devices", "cpu:2"], "two models and two optimisers")
-
-
-def _checkpointed(rank, world, folder):
-    """Each strategy three times in one spawn of the ranks (multirank.faulted_and_resumed), in FOLDER/NAME."""
-    return {(name, run): v for name in NAMES for run, v in faulted_and_resumed(
-        rank, world, name, f"{folder}/{name}", workload="mlp", batch_size=48,
-        options={"zero_stage": 2, "bucket_mb": 1} if name == "zero" else {}).items()}
-
-
-NAMES = ["zero", "zero_optimizer", "fsdp"]
-
-
-@pytest.mark.slow
-def test_a_resume_after_a_fault_ends_bitwise_like_an_uninterrupted_run(tmp_path):
-    # Checkpoints after steps 1 and 3 (every 2, torch.distributed.checkpoint, one file per rank: zero's
-    # parameters once and each rank's momentum chunks under keys of its own; ZeroRedundancyOptimizer's
-    # momentum by owner; FSDP2's DTensor shards); the ranks fail before step 3; the re-run resumes at
-    # step 2. zero at stage 2 in 1 MiB buckets, whose gradients live only in the chunks.
-    out = run_ranks(_checkpointed, 2, (str(tmp_path),), timeout=90)[0]
-    for name in NAMES:
-        assert out[(name, "interrupted")] == "injected fault at step 3 on rank 0 (--fail-at-step)"
-        assert sorted(p.name for p in (tmp_path / name / "faulted" / "checkpoints" / name).iterdir()) == [
-            ".metadata", "__0_0.distcp", "__1_0.distcp"]
-        a, b = out[(name, "whole")], out[(name, "resumed")]
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
