@@ -31,12 +31,12 @@ NAMES = ["single", "ddp accum=1", "ddp accum=2", "pipeline", "hogwild"]
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """6 optimiser steps (1 warm-up) on a global batch of 64 of the MLP, 2 virtual CPU devices: each DDP rank
+    """4 optimiser steps (1 warm-up) on a global batch of 64 of the MLP, 2 virtual CPU devices: each DDP rank
     takes 32, with --accum 2 as 2 micro-batches of 16 (all-reduce on the second only); the pipeline's 2
     stages; Hogwild's 2 workers. Every strategy profiled."""
     out = tmp_path_factory.mktemp("compare") / "run"
     p = in_process("compare", "--strategies", "ddp,pipeline,hogwild", "--accum", "1,2", "--profile", "--workload",
-                   "mlp", "--devices", "cpu:2", "--steps", "5", "--warmup", "1", "--batch-size", "64", "--precision",
+                   "mlp", "--devices", "cpu:2", "--steps", "3", "--warmup", "1", "--batch-size", "64", "--precision",
                    "fp64", "--timeout", "150", "--out", out)
     assert p.returncode == 0, p.stdout + p.stderr
     doc = json.loads((out / "results.json").read_text())
@@ -54,7 +54,7 @@ def test_every_row_is_written_judged_predicted_and_profiled(run):
     single = rows["single"]
     assert single["device_kind"] == "virtual" and single["speedup"] == 1.0
     assert single["equivalence"]["verdict"] == "baseline"
-    assert single["step_ms_p50"] > 0 and len(single["step_ms"]) == 5 and len(single["losses"]) == 6
+    assert single["step_ms_p50"] > 0 and len(single["step_ms"]) == 3 and len(single["losses"]) == 4
     with open(out / "results.csv") as f:
         assert [r["strategy"] for r in csv.DictReader(f)] == [n.split()[0] for n in NAMES]
     assert "<svg" in (out / "report.html").read_text() and "ddp accum=2 (torchrun" in (out / "details.txt").read_text()
